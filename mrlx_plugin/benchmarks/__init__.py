@@ -1,0 +1,26 @@
+"""`mrlx bench NAME`: benchmarks that print a table and write JSON.
+
+    mrlx bench rollout       plugin overhead per model call, pipeline wall time vs its critical
+                             path, memory of many concurrent episodes (against stub engines)
+    mrlx bench coordinator   durable commit-then-lease throughput and barrier wake-up latency,
+                             against a plain in-memory JSON queue
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name == "rollout":
+        from .rollout import main as run
+    elif name == "coordinator":
+        from ..coordinator.bench import main as run
+    else:
+        print(f"mrlx bench: unknown benchmark {name!r} (rollout, coordinator)", file=sys.stderr)
+        return 2
+    return run(rest)

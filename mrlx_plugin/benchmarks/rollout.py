@@ -1,0 +1,274 @@
+"""`mrlx bench rollout`: what the plugin costs per model call, and how close a pipeline gets to
+its critical path.
+
+Three measurements, each in a fresh rollout process driving `mrlx_plugin.rollout.generate` the
+way slime's rollout does (host-shaped args, n samples per prompt, a concurrency semaphore),
+against the model-free stub engine in its own process:
+
+1. throughput: the rollout process pinned to one core, the stub (answering at once) on the
+   other; pipeline episodes with ~2k-token problems. Reports model calls per second and the
+   rollout process's CPU milliseconds per call (user + system, every thread).
+2. critical path: 64 concurrent pipeline episodes (num_parallel 5: 11 calls each) against a stub
+   that answers every call after 1 s. The critical path is 3 calls (solve, rewrite, select) =
+   3 s; reports wall time / 3 s.
+3. memory: 1,024 concurrent episodes against the 1 s stub; peak RSS of the rollout process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+WORDS = (
+    "let the number of integers between positive real triangle sum product prime divisor coefficient "
+    "sequence function polynomial probability circle radius angle area perimeter digit remainder modulo "
+    "consider find compute show that such where each every value maximum minimum expected ordered pair"
+).split()
+MATH = ["x^2+y^2=25", "\\frac{a}{b}", "n!", "2^{10}", "\\sqrt{3}", "a_{n+1}=2a_n+1", "f(x)=x^3-3x", "\\binom{12}{4}"]
+
+
+def make_problem(rng: random.Random, approx_words: int) -> str:
+    paragraphs, words = [], 0
+    while words < approx_words:
+        sentence_count = rng.randint(3, 6)
+        sentences = []
+        for _ in range(sentence_count):
+            n = rng.randint(8, 20)
+            parts = [rng.choice(MATH) if rng.random() < 0.12 else rng.choice(WORDS) for _ in range(n)]
+            sentences.append(" ".join(parts).capitalize() + ".")
+            words += n
+        paragraphs.append(" ".join(sentences))
+    return "\n\n".join(paragraphs) + "\n\nWhat is the value? Put the answer in \\boxed{}."
+
+
+def stub_text(response_words: int) -> str:
+    """A ~response_words reasoning text; `{i}` makes every answer distinct (the stub fills it in)."""
+    rng = random.Random(1)
+    body = " ".join(rng.choice(WORDS) for _ in range(response_words))
+    return f"Attempt {{i}}. {body}\n\nSo the result is \\boxed{{42}}.\n\nJudgment: 1"
+
+
+# ---------------------------------------------------------------------------------------------
+# The rollout worker (runs in its own process)
+# ---------------------------------------------------------------------------------------------
+
+
+def _host_args(url: str, tokenizer_dir: str, response_tokens: int, num_parallel: int) -> argparse.Namespace:
+    from ..hostargs import set_router
+
+    args = argparse.Namespace(
+        hf_checkpoint=tokenizer_dir,
+        rollout_max_response_len=response_tokens,
+        rollout_max_context_len=None,
+        eval_max_context_len=None,
+        rollout_temperature=1.0,
+        rollout_top_p=1.0,
+        rollout_top_k=-1,
+        rollout_stop=None,
+        rollout_stop_token_ids=None,
+        rollout_skip_special_tokens=False,
+        n_samples_per_prompt=8,
+        apply_chat_template=False,
+        partial_rollout=False,
+        custom_config_path=None,
+        mrlx={"run_id": "bench", "system": "pipeline", "pipeline": {"num_parallel": num_parallel},
+              "engine": {"max_connections": 1024, "request_timeout_s": 120}},
+    )
+    set_router(args, url)
+    return args
+
+
+async def _drive(args: argparse.Namespace, problems: list[str], episodes: int, concurrency: int, start: int) -> int:
+    from ..host import Sample
+    from ..hostargs import sampling_params
+    from ..rollout import generate
+
+    semaphore = asyncio.Semaphore(concurrency)
+    params = sampling_params(args)
+
+    async def one(i: int) -> int:
+        group = (start + i) // 8
+        s = Sample(group_index=group, index=start + i, prompt=[{"role": "user", "content": problems[group % len(problems)]}],
+                   label="42")
+        async with semaphore:
+            out = await generate(args, s, dict(params))
+        return out[0].metadata["mrlx"]["turns"]
+
+    return sum(await asyncio.gather(*(one(i) for i in range(episodes))))
+
+
+def _cpu_seconds() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def worker(ns: argparse.Namespace) -> dict[str, Any]:
+    if ns.cpu is not None:
+        os.sched_setaffinity(0, {ns.cpu})
+    problems = json.loads(Path(ns.problems).read_text())
+    args = _host_args(ns.url, ns.tokenizer, ns.response_tokens, ns.num_parallel)
+
+    async def run() -> dict[str, Any]:
+        from ..runtime import get_runtime
+
+        await get_runtime(args)  # load plugins and the tokenizer before the clock starts
+        await _drive(args, problems, ns.warmup, min(ns.concurrency, max(ns.warmup, 1)), start=10**6)
+        rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        cpu0, t0 = _cpu_seconds(), time.perf_counter()
+        calls = await _drive(args, problems, ns.episodes, ns.concurrency, start=0)
+        wall, cpu = time.perf_counter() - t0, _cpu_seconds() - cpu0
+        await (await get_runtime(args)).aclose()
+        return {
+            "episodes": ns.episodes,
+            "calls": calls,
+            "wall_s": wall,
+            "cpu_s": cpu,
+            "calls_per_s": calls / wall,
+            "cpu_ms_per_call": 1000 * cpu / calls,
+            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "rss_after_warmup_mib": rss_before / 1024,
+        }
+
+    return asyncio.run(run())
+
+
+# ---------------------------------------------------------------------------------------------
+# The driver
+# ---------------------------------------------------------------------------------------------
+
+
+def _run_worker(mode: str, url: str, tokenizer: str, problems: str, *, episodes: int, concurrency: int,
+                num_parallel: int, response_tokens: int, cpu: int | None, warmup: int) -> dict[str, Any]:
+    with tempfile.NamedTemporaryFile("r", suffix=".json", delete=False) as f:
+        out = f.name
+    argv = [sys.executable, "-m", "mrlx_plugin.benchmarks.rollout", "--worker", "--url", url, "--tokenizer", tokenizer,
+            "--problems", problems, "--episodes", str(episodes), "--concurrency", str(concurrency),
+            "--num-parallel", str(num_parallel), "--response-tokens", str(response_tokens), "--warmup", str(warmup),
+            "--result", out] + (["--cpu", str(cpu)] if cpu is not None else [])
+    subprocess.run(argv, check=True)
+    result = json.loads(Path(out).read_text())
+    os.unlink(out)
+    result["mode"] = mode
+    return result
+
+
+def prepare(workdir: Path, prompt_tokens: int, seed: int) -> tuple[str, str, float]:
+    """A realistic byte-level BPE tokenizer (8k vocab) and ~prompt_tokens-token problems."""
+    from ..local.model import build_tokenizer
+    from ..tokenizer import load_tokenizer
+
+    tok_dir = workdir / "tokenizer-8k"
+    if not (tok_dir / "tokenizer.json").exists():
+        build_tokenizer(tok_dir, vocab_size=8192)
+    tok = load_tokenizer(str(tok_dir))
+    rng = random.Random(seed)
+    words = prompt_tokens // 2
+    problems = [make_problem(rng, words) for _ in range(64)]
+    sizes = [len(tok.encode(p)) for p in problems]
+    scale = prompt_tokens / (sum(sizes) / len(sizes))
+    if abs(scale - 1) > 0.1:
+        rng = random.Random(seed)
+        problems = [make_problem(rng, int(words * scale)) for _ in range(64)]
+        sizes = [len(tok.encode(p)) for p in problems]
+    path = workdir / "problems.json"
+    path.write_text(json.dumps(problems))
+    return str(tok_dir), str(path), sum(sizes) / len(sizes)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="mrlx bench rollout", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="runs/bench/rollout.json")
+    p.add_argument("--workdir", default="runs/bench")
+    p.add_argument("--episodes", type=int, default=600, help="throughput run: pipeline episodes")
+    p.add_argument("--concurrency", type=int, default=64, help="throughput run: episodes in flight")
+    p.add_argument("--prompt-tokens", type=int, default=2000)
+    p.add_argument("--response-tokens", type=int, default=256)
+    p.add_argument("--num-parallel", type=int, default=5)
+    p.add_argument("--path-episodes", type=int, default=64, help="critical-path run: concurrent episodes")
+    p.add_argument("--memory-episodes", type=int, default=1024, help="memory run: concurrent episodes")
+    p.add_argument("--latency", type=float, default=1.0, help="seconds per call of the slow stub")
+    p.add_argument("--seed", type=int, default=0)
+    # worker mode (internal)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--url", help=argparse.SUPPRESS)
+    p.add_argument("--tokenizer", help=argparse.SUPPRESS)
+    p.add_argument("--problems", help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    p.add_argument("--cpu", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--warmup", type=int, default=16, help=argparse.SUPPRESS)
+    ns = p.parse_args(argv)
+    if ns.worker:
+        Path(ns.result).write_text(json.dumps(worker(ns)))
+        return 0
+
+    from ..local.processes import start_stub_engine
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    workdir = Path(ns.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    tokenizer, problems, mean_prompt = prepare(workdir, ns.prompt_tokens, ns.seed)
+    response_words = max(8, ns.response_tokens // 2)
+    text = stub_text(response_words)
+    common = ["--response-tokens", str(ns.response_tokens), "--vocab-size", "8192", "--text", text]
+    cpus = sorted(os.sched_getaffinity(0))
+    pin = len(cpus) >= 2
+    instant = start_stub_engine(log_dir=workdir / "logs", name="stub-instant", extra=common)
+    slow = start_stub_engine(log_dir=workdir / "logs", name="stub-slow", extra=common + ["--latency", str(ns.latency)])
+    try:
+        if pin:
+            os.sched_setaffinity(instant.proc.pid, {cpus[1]})
+        kw = dict(num_parallel=ns.num_parallel, response_tokens=ns.response_tokens)
+        throughput = _run_worker("throughput", instant.url, tokenizer, problems, episodes=ns.episodes,
+                                 concurrency=ns.concurrency, cpu=cpus[0] if pin else None, warmup=32, **kw)
+        if pin:
+            os.sched_setaffinity(slow.proc.pid, {cpus[1]})
+        path = _run_worker("critical_path", slow.url, tokenizer, problems, episodes=ns.path_episodes,
+                           concurrency=ns.path_episodes, cpu=cpus[0] if pin else None, warmup=ns.path_episodes, **kw)
+        memory = _run_worker("memory", slow.url, tokenizer, problems, episodes=ns.memory_episodes,
+                             concurrency=ns.memory_episodes, cpu=None, warmup=0, **kw)
+    finally:
+        instant.stop()
+        slow.stop()
+
+    critical = 3 * ns.latency
+    result = {
+        "machine": {"cpus": len(cpus), "python": sys.version.split()[0]},
+        "workload": {"mean_prompt_tokens": round(mean_prompt), "response_tokens": ns.response_tokens,
+                     "num_parallel": ns.num_parallel, "calls_per_episode": 2 * ns.num_parallel + 1},
+        "throughput": throughput,
+        "critical_path": {**path, "critical_path_s": critical, "ratio": path["wall_s"] / critical},
+        "memory": memory,
+    }
+    rows = [
+        ("model calls/s on one core (instant engine)", f"{throughput['calls_per_s']:.0f}", ">= 1000"),
+        ("plugin CPU ms per call", f"{throughput['cpu_ms_per_call']:.3f}", "<= 1"),
+        (f"{ns.path_episodes} episodes vs {ns.latency:g} s engine: wall / critical path",
+         f"{path['wall_s']:.2f} s / {critical:.0f} s = {path['wall_s'] / critical:.3f}", "<= 1.10"),
+        (f"peak RSS, {ns.memory_episodes} concurrent episodes", f"{memory['peak_rss_mib']:.0f} MiB", "report"),
+    ]
+    print(f"mrlx bench rollout  (prompts ~{round(mean_prompt)} tokens, {ns.response_tokens}-token answers, "
+          f"num_parallel {ns.num_parallel}, {len(cpus)} CPUs{', rollout pinned to one core' if pin else ''})")
+    width = max(len(r[0]) for r in rows)
+    print(f"  {'measure':<{width}}  {'result':<28} goal")
+    for name, value, goal in rows:
+        print(f"  {name:<{width}}  {value:<28} {goal}")
+    out = Path(ns.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"  -> {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,96 @@
+"""The `mrlx` command.
+
+    mrlx engine ...        an embedded SGLang-protocol engine on the CPU
+    mrlx stub-engine ...   a model-free SGLang-protocol responder (benchmarks, fault tests)
+    mrlx rollout ...       run episodes of the configured system against engines; write JSONL
+    mrlx check ...         validate configs and reach every URL before any GPU is used
+    mrlx coordinator ...   the coordinator service of a multi-model run
+    mrlx bench ...         benchmarks (print a table, write JSON)
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Callable
+
+from .config import ConfigError
+
+
+def _engine(argv: list[str]) -> int:
+    from .local.engine import main
+
+    return main(argv)
+
+
+def _stub_engine(argv: list[str]) -> int:
+    from .local.stub_engine import main
+
+    return main(argv)
+
+
+def _coordinator(argv: list[str]) -> int:
+    from .coordinator.server import main
+
+    return main(argv)
+
+
+def _rollout(argv: list[str]) -> int:
+    from .run_rollout import main
+
+    return main(argv)
+
+
+def _check(argv: list[str]) -> int:
+    from .check import main
+
+    return main(argv)
+
+
+def _bench(argv: list[str]) -> int:
+    from .benchmarks import main
+
+    return main(argv)
+
+
+COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
+    "engine": (_engine, "serve a small transformers model over the SGLang HTTP protocol (CPU)"),
+    "stub-engine": (_stub_engine, "a model-free SGLang-protocol responder for benchmarks and fault tests"),
+    "rollout": (_rollout, "run N episodes of a system against engines; print a summary; write samples as JSONL"),
+    "check": (_check, "validate configs (and two jobs' configs against each other); reach every URL"),
+    "coordinator": (_coordinator, "the durable coordinator of a multi-model run"),
+    "bench": (_bench, "benchmarks: rollout, coordinator"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: mrlx COMMAND [options]   (mrlx COMMAND --help for each)\n")
+        for name, (_, help_text) in COMMANDS.items():
+            print(f"  {name:<13} {help_text}")
+        return 0 if argv else 2
+    if argv[0] in ("-V", "--version"):
+        from . import __version__
+
+        print(__version__)
+        return 0
+    name, rest = argv[0], argv[1:]
+    # Hook modules named in a config are imported like `python -m` would: from the current
+    # directory first, then PYTHONPATH.
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    if name not in COMMANDS:
+        print(f"mrlx: unknown command {name!r}; commands: {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
+    try:
+        return COMMANDS[name][0](rest)
+    except ConfigError as exc:
+        print(f"mrlx {name}: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,406 @@
+"""The plugin's settings: one typed object built from the `mrlx:` key of the YAML.
+
+slime sets every top-level key of the `--custom-config-path` YAML on `args`, so the plugin reads
+`args.mrlx` (a dict). Miles does the same and also accepts `--mrlx-config PATH` (see
+`rollout.add_arguments`). Every error names the key it is about and says what is expected; all
+errors of one file are reported together in one `ConfigError`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+
+TOP_KEY = "mrlx"
+
+
+class ConfigError(ValueError):
+    """A bad setting. The message names each offending key and what to do about it."""
+
+
+# ---------------------------------------------------------------------------------------------
+# The schema. Field comments are the reference documentation of each key (README links here).
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SamplingSettings:
+    """Per-agent overrides of the host's sampling parameters (None keeps the host's value)."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    max_new_tokens: int | None = None  # per-turn cap on generated tokens
+    stop: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+
+
+@dataclass
+class AgentSettings:
+    url: str = "self"  # "self" = this job's router (args.sglang_router_ip/port), else http://host:port
+    tokenizer: str | None = None  # path of the agent's tokenizer; None = the job's --hf-checkpoint
+    chat_template: str | None = None  # Jinja text or a file path; None = the tokenizer's own template
+    system_prompt: str | None = None  # text, or a path to a .txt/.md file
+    trainable: bool | None = None  # None = trainable when url is "self"
+    sampling: SamplingSettings = field(default_factory=SamplingSettings)
+    retry_on_abort: bool | None = None  # retry a turn the engine aborted; None = yes for peers, no for self
+
+
+@dataclass
+class EngineSettings:
+    """How the engine client talks to `/generate` (applies to every agent)."""
+
+    request_timeout_s: float = 900.0  # one /generate call, connect to last byte
+    connect_timeout_s: float = 10.0
+    max_retries: int = 3  # retries after the first try, for 5xx, broken JSON, resets, timeouts
+    backoff_s: float = 0.5  # first wait between tries; doubles each time, with jitter
+    max_backoff_s: float = 8.0
+    abort_retry_wait_s: float = 2.0  # wait before retrying a turn a peer engine aborted
+    peer_deadline_s: float = 600.0  # give up on an aborting/unreachable peer after this long
+    max_connections: int = 1024  # connection pool size per engine URL
+
+
+@dataclass
+class PipelineSettings:
+    """The solver -> rewriter -> selector system (agents `solver`, `rewriter`, `selector`)."""
+
+    num_parallel: int = 5  # solvers, and rewriters, per episode
+    correct_weight: float = 1.2  # team weight when the selected answer is right
+    incorrect_weight: float = 0.8  # team weight when it is wrong or none was selected
+    # How the team weight meets each sample's own reward (see rewards.team_weighting):
+    # offset: reward + (weight - 1), so wrong answers also feel the team outcome (default);
+    # multiplicative: reward * weight, the host example's rule; none: leave rewards unweighted.
+    weighting: Literal["offset", "multiplicative", "none"] = "offset"
+    max_solution_tokens: int | None = None  # cap on each solution quoted to rewriters/selector
+
+
+@dataclass
+class RewardSettings:
+    grader: Literal["math", "host"] = "math"  # default grader hook: math-verify, or the host's --rm-type
+    # Episode shaping for systems other than the pipeline (multi-model dialogue).
+    shaping: Literal["independent", "cooperative", "zero_sum", "bilateral", "asymmetric"] = "independent"
+    coupling: dict[str, dict[str, float]] = field(default_factory=dict)  # asymmetric: agent -> {agent: weight}
+    grade_timeout_s: float = 10.0
+
+
+@dataclass
+class DialogueSettings:
+    first: str | None = None  # who speaks first; None = the first agent listed
+    order: list[str] | None = None  # turn order; None = the agents in the order listed
+    max_turns: int = 8
+    stop_patterns: dict[str, str] = field(default_factory=dict)  # agent -> regex that ends the episode
+    final_answer_agent: str | None = None  # whose last message is the episode's final answer
+
+
+@dataclass
+class CoordinatorSettings:
+    url: str | None = None
+    token_env: str = "MRLX_TOKEN"
+    token_file: str | None = None
+    max_staleness: int = 1
+    wait_deadline_s: float = 1800.0
+    lease_s: float = 600.0
+    request_timeout_s: float = 60.0
+
+
+@dataclass
+class Settings:
+    run_id: str = "mrlx"
+    plugins: list[str] = field(default_factory=list)  # modules holding hook implementations
+    system: str = "pipeline"  # pipeline | dialogue | a name a plugin registers
+    self_agent: str | None = None  # YAML key `self`: the agent this job trains (multi-model)
+    agents: dict[str, AgentSettings] = field(default_factory=dict)
+    engine: EngineSettings = field(default_factory=EngineSettings)
+    rewards: RewardSettings = field(default_factory=RewardSettings)
+    pipeline: PipelineSettings = field(default_factory=PipelineSettings)
+    dialogue: DialogueSettings = field(default_factory=DialogueSettings)
+    coordinator: CoordinatorSettings = field(default_factory=CoordinatorSettings)
+    # Sections for systems registered by plugins: mrlx.<system name>: {...}, validated by the plugin.
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def agent(self, name: str) -> AgentSettings:
+        return self.agents[name]
+
+
+_YAML_NAMES = {"self_agent": "self"}
+_PY_NAMES = {v: k for k, v in _YAML_NAMES.items()}
+PIPELINE_AGENTS = ("solver", "rewriter", "selector")
+
+
+# ---------------------------------------------------------------------------------------------
+# Building and validating
+# ---------------------------------------------------------------------------------------------
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp) if a is not type(None))
+    if origin is list:
+        return f"a list of {_type_name(typing.get_args(tp)[0])}"
+    if origin is dict:
+        return f"a mapping of names to {_type_name(typing.get_args(tp)[1])}"
+    if dataclasses.is_dataclass(tp):
+        return "a mapping"
+    return {str: "a string", int: "an integer", float: "a number", bool: "true or false"}.get(tp, str(tp))
+
+
+def _convert(tp: Any, value: Any, path: str, errors: list[str]) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        if len(inner) == 1:
+            return _convert(inner[0], value, path, errors)
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            errors.append(f"{path}: got {value!r}; expected {_type_name(tp)}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            errors.append(f"{path}: got {type(value).__name__} {value!r}; expected {_type_name(tp)}")
+            return []
+        (item_tp,) = typing.get_args(tp)
+        return [_convert(item_tp, v, f"{path}[{i}]", errors) for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            errors.append(f"{path}: got {type(value).__name__} {value!r}; expected {_type_name(tp)}")
+            return {}
+        key_tp, val_tp = typing.get_args(tp)
+        out = {}
+        for k, v in value.items():
+            if not isinstance(k, str):
+                errors.append(f"{path}: key {k!r} must be a string")
+                continue
+            out[k] = _convert(val_tp, v, f"{path}.{k}", errors)
+        return out
+    if dataclasses.is_dataclass(tp):
+        if value is None:
+            value = {}
+        if not isinstance(value, dict):
+            errors.append(f"{path}: got {type(value).__name__} {value!r}; expected a mapping of settings")
+            return tp()
+        return _build_dataclass(tp, value, path, errors)
+    if tp is Any:
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            errors.append(f"{path}: got {value!r}; expected true or false")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            errors.append(f"{path}: got {type(value).__name__} {value!r}; expected a number")
+            return 0.0
+        return float(value)
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            errors.append(f"{path}: got {type(value).__name__} {value!r}; expected an integer")
+            return 0
+        return value
+    if tp is str:
+        if not isinstance(value, str):
+            errors.append(f"{path}: got {type(value).__name__} {value!r}; expected a string")
+            return str(value)
+        return value
+    return value
+
+
+def _build_dataclass(cls: type, data: dict, path: str, errors: list[str]) -> Any:
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    yaml_to_py = {_YAML_NAMES.get(n, n): n for n in fields}
+    kwargs = {}
+    for key, value in data.items():
+        py_name = yaml_to_py.get(key)
+        if py_name is None or py_name == "extra":
+            if "extra" in fields:  # top level: sections for plugin systems, checked later
+                kwargs.setdefault("extra", {})[key] = value
+                continue
+            known = sorted(k for k in yaml_to_py if k != "extra")
+            hint = difflib.get_close_matches(str(key), known, n=1)
+            did_you_mean = f"; did you mean '{hint[0]}'?" if hint else ""
+            errors.append(f"{path}.{key}: unknown key{did_you_mean} (known keys: {', '.join(known)})")
+            continue
+        before = len(errors)
+        converted = _convert(hints[py_name], value, f"{path}.{key}", errors)
+        if len(errors) == before:  # a bad value keeps the default, so it is reported once
+            kwargs[py_name] = converted
+    return cls(**kwargs)
+
+
+def _check(settings: Settings, path: str, errors: list[str], known_systems: set[str] | None) -> None:
+    if not settings.run_id or not all(c.isalnum() or c in "-_." for c in settings.run_id):
+        errors.append(f"{path}.run_id: got {settings.run_id!r}; use letters, digits, '-', '_' and '.'")
+    if settings.system == "pipeline" and not settings.agents:
+        settings.agents = {name: AgentSettings() for name in PIPELINE_AGENTS}
+    if not settings.agents:
+        errors.append(f"{path}.agents: no agents are configured; list each agent with its url")
+    for name, agent in settings.agents.items():
+        apath = f"{path}.agents.{name}"
+        if agent.url != "self" and not (agent.url.startswith("http://") or agent.url.startswith("https://")):
+            errors.append(f"{apath}.url: got {agent.url!r}; expected 'self' or an http://host:port URL")
+        s = agent.sampling
+        if s.max_new_tokens is not None and s.max_new_tokens < 1:
+            errors.append(f"{apath}.sampling.max_new_tokens: got {s.max_new_tokens}; expected at least 1")
+        if s.temperature is not None and s.temperature < 0:
+            errors.append(f"{apath}.sampling.temperature: got {s.temperature}; expected 0 or more")
+        if s.top_p is not None and not 0 < s.top_p <= 1:
+            errors.append(f"{apath}.sampling.top_p: got {s.top_p}; expected a number in (0, 1]")
+        if agent.trainable is None:
+            agent.trainable = agent.url == "self"
+        if agent.retry_on_abort is None:
+            agent.retry_on_abort = agent.url != "self"
+    if settings.self_agent is not None and settings.self_agent not in settings.agents:
+        errors.append(
+            f"{path}.self: agent {settings.self_agent!r} is not under {path}.agents "
+            f"(agents: {', '.join(settings.agents) or 'none'})"
+        )
+    if settings.system == "pipeline":
+        missing = [n for n in PIPELINE_AGENTS if n not in settings.agents]
+        if missing:
+            errors.append(
+                f"{path}.agents: the pipeline system needs agents {', '.join(PIPELINE_AGENTS)}; "
+                f"missing {', '.join(missing)} (add e.g. `{missing[0]}: {{url: self}}`)"
+            )
+        p = settings.pipeline
+        if p.num_parallel < 1:
+            errors.append(f"{path}.pipeline.num_parallel: got {p.num_parallel}; expected at least 1")
+        for key in ("correct_weight", "incorrect_weight"):
+            if getattr(p, key) < 0:
+                errors.append(f"{path}.pipeline.{key}: got {getattr(p, key)}; expected 0 or more")
+    if settings.system == "dialogue":
+        d = settings.dialogue
+        names = list(settings.agents)
+        if len(names) < 2:
+            errors.append(f"{path}.agents: the dialogue system needs at least two agents; got {len(names)}")
+        for key, who in (("first", d.first), ("final_answer_agent", d.final_answer_agent)):
+            if who is not None and who not in settings.agents:
+                errors.append(f"{path}.dialogue.{key}: {who!r} is not an agent (agents: {', '.join(names)})")
+        for i, who in enumerate(d.order or []):
+            if who not in settings.agents:
+                errors.append(f"{path}.dialogue.order[{i}]: {who!r} is not an agent (agents: {', '.join(names)})")
+        for who in d.stop_patterns:
+            if who not in settings.agents:
+                errors.append(f"{path}.dialogue.stop_patterns.{who}: not an agent (agents: {', '.join(names)})")
+        if d.max_turns < 1:
+            errors.append(f"{path}.dialogue.max_turns: got {d.max_turns}; expected at least 1")
+    for who, row in settings.rewards.coupling.items():
+        if who not in settings.agents:
+            errors.append(f"{path}.rewards.coupling.{who}: not an agent")
+        for other in row:
+            if other not in settings.agents:
+                errors.append(f"{path}.rewards.coupling.{who}.{other}: not an agent")
+    if settings.coordinator.max_staleness < 0:
+        errors.append(
+            f"{path}.coordinator.max_staleness: got {settings.coordinator.max_staleness}; expected 0 or more"
+        )
+    e = settings.engine
+    for key in ("request_timeout_s", "connect_timeout_s", "peer_deadline_s"):
+        if getattr(e, key) <= 0:
+            errors.append(f"{path}.engine.{key}: got {getattr(e, key)}; expected a positive number of seconds")
+    if e.max_retries < 0:
+        errors.append(f"{path}.engine.max_retries: got {e.max_retries}; expected 0 or more")
+    builtin = {"pipeline", "dialogue"}
+    if known_systems is not None and settings.system not in known_systems:
+        errors.append(
+            f"{path}.system: no agent system named {settings.system!r} is registered "
+            f"(known: {', '.join(sorted(known_systems))}); list the module that registers it under {path}.plugins"
+        )
+    for key in settings.extra:
+        if key != settings.system or settings.system in builtin:
+            known = sorted({_YAML_NAMES.get(f.name, f.name) for f in dataclasses.fields(Settings)} - {"extra"})
+            hint = difflib.get_close_matches(key, known, n=1)
+            did_you_mean = f"; did you mean '{hint[0]}'?" if hint else ""
+            errors.append(f"{path}.{key}: unknown key{did_you_mean} (known keys: {', '.join(known)})")
+
+
+def parse_settings(data: Any, source: str = "config", known_systems: set[str] | None = None) -> Settings:
+    """Build Settings from the YAML's `mrlx` mapping. Raises ConfigError naming every bad key."""
+    path = TOP_KEY
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: {path}: got {type(data).__name__}; expected a mapping of settings")
+    errors: list[str] = []
+    settings = _build_dataclass(Settings, data, path, errors)
+    _check(settings, path, errors, known_systems)
+    if errors:
+        raise ConfigError(f"{source}: " + ("\n  ".join([f"{len(errors)} problem(s):"] + errors)))
+    return settings
+
+
+def load_yaml(path: str | os.PathLike) -> dict:
+    """Read a `--custom-config-path` YAML (or Miles' inline `base64:...`) and return its mapping."""
+    text = _read_file_arg(str(path))
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping with the key '{TOP_KEY}'")
+    return data
+
+
+def _read_file_arg(value: str) -> str:
+    if value.startswith("base64:"):
+        import base64
+
+        return base64.b64decode(value[len("base64:") :]).decode()
+    try:
+        return Path(value).read_text()
+    except OSError as exc:
+        raise ConfigError(f"{value}: cannot read the config file ({exc.strerror})") from None
+
+
+def settings_from_yaml(path: str | os.PathLike, known_systems: set[str] | None = None) -> Settings:
+    data = load_yaml(path)
+    if TOP_KEY not in data:
+        raise ConfigError(f"{path}: no top-level '{TOP_KEY}' key; put every plugin setting under '{TOP_KEY}:'")
+    return parse_settings(data[TOP_KEY], source=str(path), known_systems=known_systems)
+
+
+def raw_settings_from_args(args: Any) -> tuple[Any, str]:
+    """The `mrlx` mapping as the host left it on `args`, and where it came from (for messages)."""
+    value = getattr(args, TOP_KEY, None)
+    if isinstance(value, dict):
+        return value, getattr(args, "custom_config_path", None) or "args.mrlx"
+    file_arg = getattr(args, "mrlx_config", None) or getattr(args, "custom_config_path", None)
+    if file_arg:
+        data = load_yaml(file_arg)
+        if TOP_KEY not in data:
+            raise ConfigError(
+                f"{file_arg}: no top-level '{TOP_KEY}' key; put every plugin setting under '{TOP_KEY}:'"
+            )
+        return data[TOP_KEY], str(file_arg)
+    raise ConfigError(
+        "no mrlx settings found: pass --custom-config-path FILE.yaml with a top-level 'mrlx:' key "
+        "(or --mrlx-config FILE.yaml on Miles)"
+    )
+
+
+def read_text_setting(value: str | None, base: Path | None = None) -> str | None:
+    """A setting that holds either text or a path to a text file (system prompts, chat templates)."""
+    if value is None:
+        return None
+    if "\n" not in value and len(value) < 4096:
+        candidate = Path(value)
+        if base is not None and not candidate.is_absolute():
+            candidate = base / candidate
+        if candidate.suffix in (".txt", ".md", ".jinja", ".j2") or candidate.is_file():
+            try:
+                return candidate.read_text()
+            except OSError as exc:
+                raise ConfigError(f"{value}: cannot read ({exc.strerror})") from None
+    return value

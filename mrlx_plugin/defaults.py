@@ -1,0 +1,72 @@
+"""The package's own hook implementations, registered `trylast` so that users' hooks win."""
+
+from __future__ import annotations
+
+import re
+from functools import lru_cache
+from typing import Any
+
+from .hookspecs import hookimpl
+from .rewards import coupling_matrix, shared_verifier, team_weighting
+from .grading import grade_math, quick_grade
+
+
+@hookimpl(trylast=True)
+def mrlx_register_systems() -> dict[str, Any]:
+    from .dialogue import run_dialogue
+    from .pipeline import run_pipeline
+
+    return {"pipeline": run_pipeline, "dialogue": run_dialogue}
+
+
+@hookimpl(trylast=True)
+def mrlx_grade(agent: str, transcript: Any, episode: Any) -> Any:
+    if episode.settings.rewards.grader == "host":
+        from .host import host_reward
+        from .rewards import _WithoutCustomRm
+
+        sample = transcript.to_sample(episode.sample, episode.rollout_id, aborted=False, meta={})
+        sample.response = transcript.answer_text
+        return _as_float(host_reward(_WithoutCustomRm(episode.runtime.args), sample), episode.runtime.args)
+    quick = quick_grade(transcript.answer_text, episode.label)
+    if quick is not None:  # settled without algebra: no coroutine, no worker round trip
+        return quick
+    return grade_math(transcript.answer_text, episode.label, shared_verifier())
+
+
+async def _as_float(awaitable: Any, args: Any) -> float:
+    value = await awaitable
+    if isinstance(value, dict):
+        key = getattr(args, "reward_key", None)
+        if not key:
+            raise ValueError(f"the host's grader returned a dict {sorted(value)}; set --reward-key to pick one")
+        value = value[key]
+    return float(value)
+
+
+@hookimpl(trylast=True)
+def mrlx_shape_rewards(episode: Any, settings: Any) -> bool:
+    graded = [t for t in episode.transcripts if t.raw_reward is not None]
+    if episode.shaping == "team":
+        for t in graded:
+            t.reward = team_weighting(t.raw_reward, episode.team_reward, settings.pipeline)
+        return True
+    agents = list(dict.fromkeys(t.agent for t in graded))
+    matrix = coupling_matrix(settings.rewards.shaping, agents, settings.rewards.coupling)
+    own = {a: sum(t.raw_reward for t in graded if t.agent == a) / sum(1 for t in graded if t.agent == a) for a in agents}
+    for t in graded:
+        row = matrix[t.agent]
+        t.reward = sum(w * (t.raw_reward if other == t.agent else own[other]) for other, w in row.items())
+    episode.metadata["coupling"] = matrix
+    return True
+
+
+@lru_cache(maxsize=64)
+def _pattern(text: str) -> re.Pattern:
+    return re.compile(text)
+
+
+@hookimpl(trylast=True)
+def mrlx_should_stop(episode: Any, agent: str, transcript: Any) -> bool:
+    pattern = episode.settings.dialogue.stop_patterns.get(agent)
+    return bool(pattern and _pattern(pattern).search(transcript.last_text))

@@ -1,0 +1,64 @@
+"""The turn-taking dialogue system: N >= 2 named agents speak in turn about one task.
+
+Each agent keeps its own transcript: its system prompt, the task, and the conversation in its
+own chat template and token space. Its own turns are the ids its engine sampled (loss mask 1,
+with log-probs and weight versions); the other agents' messages are context (loss mask 0). An
+agent's transcript opens at its first turn, so it starts from everything said before it.
+
+Settings (`mrlx.dialogue`): `first`, `order`, `max_turns`, `stop_patterns` per agent, and
+`final_answer_agent` (default: whoever spoke last). The `mrlx_should_stop` hook may end the
+episode after any turn; a stop before `max_turns` counts as an early termination.
+"""
+
+from __future__ import annotations
+
+from .episode import Episode
+from .transcript import Transcript
+
+
+def speaking_order(episode: Episode) -> list[str]:
+    d = episode.settings.dialogue
+    order = list(d.order or episode.settings.agents)
+    first = d.first or order[0]
+    if first in order:
+        i = order.index(first)
+        order = order[i:] + order[:i]
+    else:
+        order = [first] + order
+    return order
+
+
+async def run_dialogue(episode: Episode) -> None:
+    d = episode.settings.dialogue
+    order = speaking_order(episode)
+    opening = {"role": "user", "content": episode.problem}
+    views: dict[str, Transcript] = {}
+    unread: dict[str, list[dict[str, str]]] = {a: [] for a in order}
+    last_speaker = None
+    for turn in range(d.max_turns):
+        agent = order[turn % len(order)]
+        t = views.get(agent)
+        if t is None:
+            t = views[agent] = episode.new_transcript(agent, [opening] + unread[agent])
+        elif not t.append_messages(unread[agent]):
+            episode.metadata["stopped_by"] = f"context full ({agent})"
+            break
+        unread[agent] = []
+        await episode.generate(t)
+        last_speaker = agent
+        message = {"role": "user", "content": t.answer_text}
+        for other in order:
+            if other != agent:
+                unread[other].append(message)
+        if t.truncated:
+            episode.metadata["stopped_by"] = f"length ({agent})"
+            break
+        stop = episode.runtime.hooks.mrlx_should_stop(episode=episode, agent=agent, transcript=t)
+        if stop:
+            episode.stopped_early = turn + 1 < d.max_turns
+            episode.metadata["stopped_by"] = f"stop rule ({agent})"
+            break
+    final = d.final_answer_agent or last_speaker
+    if final in views:
+        episode.final_transcript = views[final]
+        episode.final_answer = views[final].answer_text

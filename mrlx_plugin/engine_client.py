@@ -1,0 +1,213 @@
+"""Token-in/token-out calls to an SGLang engine (or router) over HTTP.
+
+One `EngineClient` per URL per process, holding a pool of keep-alive connections per event loop
+(see `mrlx_plugin.http`), so a rollout reuses its connections across thousands of calls. Every call has a deadline; faults that
+may pass (connection resets, timeouts, HTTP 5xx/429, a body that is not the protocol's JSON) are
+retried a bounded number of times with exponential backoff and jitter; the rest raise
+`EngineError` at once. The generated token ids and their log-probs are read from
+`meta_info.output_token_logprobs`, never re-tokenised from text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from .config import EngineSettings
+from .http import HTTPError, HTTPPool
+
+RETRYABLE_STATUS = {429, 500, 502, 503, 504}
+
+
+class EngineError(RuntimeError):
+    """An engine call that failed for good (after retries, or with a non-retryable answer)."""
+
+    def __init__(self, url: str, reason: str, attempts: int = 1):
+        super().__init__(f"{url}: {reason} (after {attempts} attempt{'s' if attempts != 1 else ''})")
+        self.url = url
+        self.reason = reason
+        self.attempts = attempts
+
+
+class _BadResponse(Exception):
+    """A response that does not follow the SGLang protocol (retryable)."""
+
+
+@dataclass
+class GenerateResult:
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str
+    finish_reason: str  # "stop" | "length" | "abort"
+    weight_version: str | None
+    prompt_tokens: int
+    cached_tokens: int
+    retries: int  # retried attempts behind this result
+
+
+def parse_generate_response(body: bytes) -> tuple[list[int], list[float], str, str, str | None, dict]:
+    """Read ids, log-probs, text, finish reason and weight version from a `/generate` body."""
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise _BadResponse(f"response is not JSON ({exc}); starts {body[:80]!r}") from None
+    if isinstance(data, list) and len(data) == 1:  # batched form with one request
+        data = data[0]
+    if not isinstance(data, dict) or not isinstance(data.get("meta_info"), dict):
+        raise _BadResponse(f"response has no meta_info; starts {body[:80]!r}")
+    meta = data["meta_info"]
+    finish = meta.get("finish_reason")
+    if isinstance(finish, dict):
+        finish_type = finish.get("type")
+    else:
+        finish_type = finish
+    if finish_type not in ("stop", "length", "abort"):
+        raise _BadResponse(f"unknown finish_reason {finish!r}")
+    entries = meta.get("output_token_logprobs")
+    if entries is None:
+        if finish_type != "abort":
+            raise _BadResponse("meta_info.output_token_logprobs is missing; was return_logprob sent?")
+        entries = []
+    try:
+        columns = list(zip(*entries))  # [(logprob, ...), (token_id, ...), ...] in one C-level pass
+        if entries and (len(columns) < 2 or len(columns[0]) != len(entries)):
+            raise ValueError
+        ids = list(columns[1]) if entries else []
+        logprobs = list(columns[0]) if entries else []
+        if not all(type(i) is int for i in ids):
+            ids = [int(i) for i in ids]
+        if not all(type(x) is float for x in logprobs):
+            logprobs = [float(x) if x is not None else 0.0 for x in logprobs]
+    except (TypeError, IndexError, ValueError):
+        raise _BadResponse("meta_info.output_token_logprobs entries are not [logprob, token_id, ...]") from None
+    text = data.get("text", "")
+    if not isinstance(text, str):
+        raise _BadResponse("text is not a string")
+    version = meta.get("weight_version")
+    return ids, logprobs, text, finish_type, (None if version is None else str(version)), meta
+
+
+class EngineClient:
+    """Calls one engine URL. Safe to share between tasks and event loops of one process."""
+
+    def __init__(self, url: str, settings: EngineSettings | None = None):
+        self.url = url.rstrip("/")
+        self.settings = settings or EngineSettings()
+        self._pools: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, HTTPPool]" = weakref.WeakKeyDictionary()
+        self._last: tuple[asyncio.AbstractEventLoop, HTTPPool] | None = None
+
+    def _pool(self) -> HTTPPool:
+        loop = asyncio.get_running_loop()
+        last = self._last
+        if last is not None and last[0] is loop:
+            return last[1]  # the common case: one loop for the whole process
+        pool = self._pools.get(loop)
+        if pool is None:
+            pool = self._pools[loop] = HTTPPool(self.url, self.settings.max_connections, self.settings.connect_timeout_s)
+        self._last = (loop, pool)
+        return pool
+
+    async def close(self) -> None:
+        """Close this event loop's idle connections."""
+        loop = asyncio.get_running_loop()
+        pool = self._pools.pop(loop, None)
+        if self._last is not None and self._last[0] is loop:
+            self._last = None
+        if pool is not None:
+            pool.close()
+
+    def _backoff(self, attempt: int) -> float:
+        s = self.settings
+        base = min(s.max_backoff_s, s.backoff_s * (2**attempt))
+        return base * (0.5 + random.random() / 2)
+
+    async def generate(
+        self,
+        input_ids: list[int],
+        sampling_params: dict[str, Any],
+        *,
+        deadline: float | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> GenerateResult:
+        """POST `/generate` with `input_ids` and return what the engine sampled.
+
+        `deadline` is a `time.monotonic()` instant after which no new attempt starts.
+        Raises EngineError when the call cannot succeed.
+        """
+        body: dict[str, Any] = {"input_ids": input_ids, "sampling_params": sampling_params, "return_logprob": True}
+        if extra:
+            body.update(extra)
+        # orjson's result keeps the capacity of its growing buffer (~512 KiB for a 2k-token prompt)
+        # until freed; a right-sized copy keeps thousands of requests in flight affordable.
+        payload = bytes(memoryview(orjson.dumps(body)))
+        n_input = len(input_ids)
+        del body, input_ids  # the caller's list need not live while the engine works
+        s = self.settings
+        attempt = 0
+        last = "no attempt made"
+        while True:
+            now = time.monotonic()
+            timeout = s.request_timeout_s if deadline is None else min(s.request_timeout_s, deadline - now)
+            if timeout <= 0:
+                raise EngineError(self.url + "/generate", f"deadline passed; last error: {last}", attempt)
+            try:
+                status, raw = await self._pool().request("POST", "/generate", payload, timeout)
+                if status == 200:
+                    ids, logprobs, text, finish, version, meta = parse_generate_response(raw)
+                    return GenerateResult(
+                        token_ids=ids,
+                        logprobs=logprobs,
+                        text=text,
+                        finish_reason=finish,
+                        weight_version=version,
+                        prompt_tokens=int(meta.get("prompt_tokens") or n_input),
+                        cached_tokens=int(meta.get("cached_tokens") or 0),
+                        retries=attempt,
+                    )
+                snippet = raw[:200].decode(errors="replace")
+                last = f"HTTP {status}: {snippet}"
+                if status not in RETRYABLE_STATUS:
+                    raise EngineError(self.url + "/generate", last, attempt + 1)
+            except _BadResponse as exc:
+                last = f"bad response: {exc}"
+            except asyncio.TimeoutError:
+                last = f"no answer within {timeout:.1f}s"
+            except HTTPError as exc:
+                last = str(exc)
+            attempt += 1
+            if attempt > s.max_retries:
+                raise EngineError(self.url + "/generate", last, attempt)
+            wait = self._backoff(attempt - 1)
+            if deadline is not None and time.monotonic() + wait >= deadline:
+                raise EngineError(self.url + "/generate", f"deadline passed; last error: {last}", attempt)
+            await asyncio.sleep(wait)
+
+    async def _call(self, method: str, path: str, body: bytes | None, timeout: float | None) -> Any:
+        try:
+            status, raw = await self._pool().request(method, path, body, timeout or self.settings.connect_timeout_s * 3)
+        except asyncio.TimeoutError:
+            raise EngineError(self.url + path, "no answer in time") from None
+        except HTTPError as exc:
+            raise EngineError(self.url + path, str(exc)) from None
+        if status != 200:
+            raise EngineError(self.url + path, f"HTTP {status}: {raw[:200].decode(errors='replace')}")
+        if not raw.strip():
+            return None
+        try:
+            return orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            return raw.decode(errors="replace")
+
+    async def get_json(self, path: str, timeout: float | None = None) -> Any:
+        """GET an endpoint and decode its JSON (health checks, model info, weight version)."""
+        return await self._call("GET", path, None, timeout)
+
+    async def post_json(self, path: str, body: Any, timeout: float | None = None) -> Any:
+        """POST a JSON body to an endpoint (weight updates, aborts) and decode the answer."""
+        return await self._call("POST", path, orjson.dumps(body), timeout or self.settings.request_timeout_s)

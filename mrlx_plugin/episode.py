@@ -1,0 +1,284 @@
+"""One episode: a team of agents working on one input sample, and the samples it returns.
+
+A system's run function (see hookspecs.mrlx_register_systems) drives an `Episode`:
+
+    t = episode.new_transcript("solver", [{"role": "user", "content": episode.problem}])
+    await episode.generate(t)          # one engine call on the solver's URL
+    await episode.grade(t)             # the mrlx_grade hook
+    episode.final_answer = t.answer_text
+
+`run_episode` wraps the run function: it turns engine faults and host aborts into ABORTED
+samples, grades and shapes rewards through the hooks, and builds the host's samples, all with
+the input's `rollout_id`, every one with a reward.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import math
+import time
+import uuid
+from typing import Any, Awaitable
+
+from .config import AgentSettings
+from .engine_client import EngineError
+from .host import host_rollout_aborted
+from .transcript import Transcript, Turn
+
+logger = logging.getLogger(__name__)
+
+
+class EpisodeAborted(Exception):
+    """Raised inside a system when its episode cannot go on; run_episode turns it into samples."""
+
+
+def problem_text(prompt: Any) -> str:
+    """The task text of a host sample: the prompt string, or the last user message of a chat."""
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list):
+        for message in reversed(prompt):
+            if isinstance(message, dict) and message.get("role") == "user":
+                content = message.get("content", "")
+                return content if isinstance(content, str) else str(content)
+    raise ValueError(f"cannot read a task from a prompt of type {type(prompt).__name__}")
+
+
+class Episode:
+    def __init__(self, runtime: Any, sample: Any, sampling_params: dict[str, Any] | None, evaluation: bool):
+        self.runtime = runtime
+        self.settings = runtime.settings
+        self.sample = sample
+        self.evaluation = evaluation
+        self.problem = problem_text(sample.prompt)
+        self.label = sample.label
+        self.key = str(sample.index) if sample.index is not None else uuid.uuid4().hex
+        self.id = f"{self.settings.run_id}:{self.key}"
+        self.rollout_id = sample.rollout_id if getattr(sample, "rollout_id", None) is not None else sample.index
+        self.system_settings = self.settings.extra.get(self.settings.system, {})
+        self.base_sampling = dict(sampling_params) if sampling_params else dict(runtime.limits.default_sampling)
+        self.transcripts: list[Transcript] = []
+        self.final_answer: str | None = None
+        self.final_transcript: Transcript | None = None
+        self.team_reward: float | None = None
+        self.metadata: dict[str, Any] = {}
+        # "team": weight every sample by the team outcome (the pipeline); None: mrlx.rewards.shaping
+        self.shaping: str | None = None
+        self.aborted = False
+        self.abort_reason: str | None = None
+        self.stopped_early = False
+        self.turns = 0
+        self.retried_turns = 0
+        self.aborted_turns = 0
+        self.started = time.monotonic()
+
+    # --- for systems ---------------------------------------------------------------------
+
+    def new_transcript(self, agent: str, messages: list[dict[str, str]], label: str = "") -> Transcript:
+        """Open `agent`'s view starting from `messages` (its system prompt is put first)."""
+        t = Transcript.start(
+            agent,
+            self.runtime.tokenizers[agent],
+            self.with_system_prompt(agent, messages),
+            trainable=bool(self.settings.agents[agent].trainable),
+            max_context=self.max_context,
+            max_response=self.runtime.limits.max_response,
+            label=label or agent,
+        )
+        self.transcripts.append(t)
+        return t
+
+    @property
+    def max_context(self) -> int | None:
+        limits = self.runtime.limits
+        return limits.max_context_eval if self.evaluation else limits.max_context
+
+    def with_system_prompt(self, agent: str, messages: list[dict[str, str]]) -> list[dict[str, str]]:
+        if agent not in self.settings.agents:
+            raise KeyError(f"agent {agent!r} is not configured under mrlx.agents")
+        system_prompt = self.runtime.system_prompts[agent]
+        if system_prompt and not (messages and messages[0].get("role") == "system"):
+            return [{"role": "system", "content": system_prompt}] + list(messages)
+        return list(messages)
+
+    def prompt_tokens(self, agent: str, messages: list[dict[str, str]]) -> int:
+        """How many tokens `agent`'s transcript would start with (cached: opening it is then free)."""
+        return len(self.runtime.tokenizers[agent].prompt_ids(self.with_system_prompt(agent, messages))[1])
+
+    def abort(self, reason: str) -> None:
+        if not self.aborted:
+            self.aborted = True
+            self.abort_reason = reason
+
+    def _check_alive(self) -> None:
+        if not self.aborted and host_rollout_aborted():
+            self.abort("the host ended the rollout")
+        if self.aborted:
+            raise EpisodeAborted(self.abort_reason)
+
+    def sampling_for(self, agent: AgentSettings, overrides: dict[str, Any]) -> dict[str, Any]:
+        params = dict(self.base_sampling)
+        s = agent.sampling
+        for key in ("temperature", "top_p", "top_k", "max_new_tokens", "stop", "stop_token_ids"):
+            value = getattr(s, key)
+            if value is not None:
+                params[key] = value
+        params.update(overrides)
+        return params
+
+    async def generate(self, transcript: Transcript, **sampling_overrides: Any) -> Turn:
+        """One model turn for the transcript's agent, appended to the transcript.
+
+        Returns the turn. A transcript with no room left is marked truncated and gets no call
+        (the returned turn is empty, finish reason "length"). Engine faults that outlast the
+        retries, and `abort` answers from an engine this job owns, end the episode
+        (EpisodeAborted). A peer engine's `abort` (it is updating its weights) is retried after
+        `engine.abort_retry_wait_s`, until `engine.peer_deadline_s`; its partial text is dropped.
+        """
+        self._check_alive()
+        agent = self.settings.agents[transcript.agent]
+        params = self.sampling_for(agent, sampling_overrides)
+        room = transcript.room()
+        if room is not None:
+            params["max_new_tokens"] = min(int(params.get("max_new_tokens", room)), room)
+        if transcript.truncated or params.get("max_new_tokens", 1) <= 0:
+            transcript.truncated = True
+            return Turn(transcript.agent, [], [], "", "length", None)
+        client = self.runtime.clients[transcript.agent]
+        e = self.settings.engine
+        deadline = time.monotonic() + (e.peer_deadline_s if agent.retry_on_abort else e.request_timeout_s * (e.max_retries + 1))
+        retried = False
+        while True:
+            try:
+                result = await client.generate(transcript.tokens, params, deadline=deadline)
+            except EngineError as exc:
+                self.aborted_turns += 1
+                self.abort(f"engine fault: {exc}")
+                raise EpisodeAborted(self.abort_reason) from None
+            retried = retried or result.retries > 0
+            if result.finish_reason != "abort":
+                break
+            self.aborted_turns += 1
+            wait = e.abort_retry_wait_s
+            if not agent.retry_on_abort or time.monotonic() + wait >= deadline:
+                self.abort(f"{client.url} aborted the turn" + ("" if not agent.retry_on_abort else " until the deadline"))
+                raise EpisodeAborted(self.abort_reason)
+            retried = True
+            await asyncio.sleep(wait)
+            self._check_alive()
+        if retried:
+            self.retried_turns += 1
+        turn = Turn(
+            agent=transcript.agent,
+            token_ids=result.token_ids,
+            logprobs=result.logprobs,
+            text=result.text,
+            finish_reason=result.finish_reason,
+            weight_version=result.weight_version,
+            retries=result.retries,
+        )
+        transcript.append_generated(turn)
+        self.turns += 1
+        return turn
+
+    async def grade(self, transcript: Transcript) -> float:
+        """The transcript's raw reward from the mrlx_grade hook (also stored on the transcript)."""
+        result = self.runtime.hooks.mrlx_grade(agent=transcript.agent, transcript=transcript, episode=self)
+        if inspect.isawaitable(result):
+            result = await asyncio.wait_for(result, self.settings.rewards.grade_timeout_s)
+        value = 0.0 if result is None else float(result)
+        if not math.isfinite(value):
+            raise ValueError(f"mrlx_grade returned {result!r} for agent {transcript.agent!r}; expected a finite number")
+        transcript.raw_reward = transcript.reward = value
+        return value
+
+    async def gather(self, *aws: Awaitable[Any]) -> list[Any]:
+        """asyncio.gather that cancels the other calls as soon as one ends the episode."""
+        tasks = [asyncio.ensure_future(a) for a in aws]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+
+    # --- results -------------------------------------------------------------------------
+
+    def conversation_tokens(self) -> int:
+        return sum(len(t.prompt_ids) + len(t.response_ids) for t in self.transcripts)
+
+    def sample_meta(self, t: Transcript | None) -> dict[str, Any]:
+        return {
+            "agent": t.agent if t is not None else None,
+            "label": t.label if t is not None else None,
+            "episode_id": self.id,
+            "system": self.settings.system,
+            "turns": self.turns,
+            "conversation_tokens": self.conversation_tokens(),
+            "aborted": self.aborted,
+            "abort_reason": self.abort_reason,
+            "retried_turns": self.retried_turns,
+            "aborted_turns": self.aborted_turns,
+            "stopped_early": self.stopped_early,
+            "raw_reward": t.raw_reward if t is not None else None,
+            "team_reward": self.team_reward,
+            "evaluation": self.evaluation,
+            "episode": dict(self.metadata),
+        }
+
+    def fallback_sample(self) -> Any:
+        """The input sample as a failed sample, for an episode that produced no transcript."""
+        first = next(iter(self.settings.agents))
+        tok = self.runtime.tokenizers[first]
+        t = Transcript.start(first, tok, [{"role": "user", "content": self.problem}], trainable=False)
+        return t.to_sample(self.sample, self.rollout_id, aborted=True, meta=self.sample_meta(None))
+
+
+async def run_episode(runtime: Any, sample: Any, sampling_params: dict[str, Any] | None, evaluation: bool) -> Any:
+    """Run the configured system on one input sample; return the host's sample(s).
+
+    Training: a list of samples for the agents this job trains, sharing the input's rollout id.
+    Evaluation: one sample holding the team's final answer, its reward the final answer's grade.
+    """
+    episode = Episode(runtime, sample, sampling_params, evaluation)
+    try:
+        await runtime.system(episode)
+    except EpisodeAborted:
+        pass
+    except asyncio.CancelledError:
+        raise
+    hooks = runtime.hooks
+    if not episode.aborted:
+        for t in episode.transcripts:
+            if t.raw_reward is None and t.turns and runtime.settings.agents[t.agent].trainable:
+                await episode.grade(t)
+        if episode.final_transcript is not None and episode.team_reward is None:
+            ft = episode.final_transcript
+            episode.team_reward = ft.raw_reward if ft.raw_reward is not None else await episode.grade(ft)
+        hooks.mrlx_shape_rewards(episode=episode, settings=runtime.settings)
+    if evaluation:
+        samples = [_evaluation_sample(episode)]
+    else:
+        samples = [
+            t.to_sample(sample, episode.rollout_id, aborted=episode.aborted, meta=episode.sample_meta(t))
+            for t in episode.transcripts
+            if runtime.trains_here(t.agent)
+        ] or [episode.fallback_sample()]
+    hooks.mrlx_episode_end(episode=episode, samples=samples)
+    if episode.aborted:
+        logger.debug("episode %s aborted: %s", episode.id, episode.abort_reason)
+    return samples[0] if evaluation else samples
+
+
+def _evaluation_sample(episode: Episode) -> Any:
+    """The team's final answer as one sample; its reward is the final answer's grade (0.0 if none)."""
+    if episode.aborted or not episode.transcripts:
+        return episode.fallback_sample()
+    t = episode.final_transcript or episode.transcripts[-1]
+    s = t.to_sample(episode.sample, episode.rollout_id, aborted=False, meta=episode.sample_meta(t))
+    s.response = episode.final_answer or ""
+    s.reward = float(episode.team_reward or 0.0) if episode.final_transcript is not None else 0.0
+    return s

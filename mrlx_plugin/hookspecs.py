@@ -1,0 +1,107 @@
+"""The hooks of mrlx_plugin: the whole public extension surface, one function per hook.
+
+Read this file first. Write a module in your own repository with functions of these names,
+decorate them with `mrlx_plugin.hookimpl`, and either list the module under `mrlx.plugins` in
+your YAML or publish it through the `mrlx_plugin` entry-point group:
+
+    # my_repo/mrlx_hooks.py
+    from mrlx_plugin import hookimpl
+
+    @hookimpl
+    def mrlx_grade(agent, transcript, episode):
+        return 1.0 if "QED" in transcript.answer_text else 0.0
+
+    # my_mrlx.yaml
+    mrlx:
+      plugins: [my_repo.mrlx_hooks]
+
+Hooks marked *first result wins* stop at the first implementation that returns something other
+than None; yours run before the package's defaults (which are registered `trylast`), so returning
+None from yours falls through to the default. Hooks are called with keyword arguments; an
+implementation may accept any subset of the arguments listed.
+
+Every hook runs in the rollout process (slime's rollout manager), inside its asyncio event loop:
+keep implementations quick, and return an awaitable where you must wait on something (the
+`mrlx_grade` hook accepts one).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
+
+import pluggy
+
+PROJECT = "mrlx_plugin"
+
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+if TYPE_CHECKING:
+    from .config import Settings
+    from .episode import Episode
+    from .transcript import Transcript
+
+
+@hookspec
+def mrlx_register_systems() -> dict[str, Callable[["Episode"], Awaitable[None]]]:
+    """Register agent systems by name.
+
+    Return a mapping of system names to async functions `run(episode) -> None`. A run function
+    drives one episode: it opens transcripts with `episode.new_transcript(agent, messages)`,
+    calls `await episode.generate(transcript)` for each model turn, may grade with
+    `await episode.grade(transcript)`, and sets `episode.final_answer`. It raises nothing for
+    engine faults: the episode turns them into ABORTED samples.
+
+    Called once per process when the plugins load. Select a system with `mrlx.system: NAME`;
+    its settings live under `mrlx.NAME` (a mapping, given to you as `episode.system_settings`).
+    The package registers `pipeline` and `dialogue` itself.
+    """
+
+
+@hookspec(firstresult=True)
+def mrlx_grade(agent: str, transcript: "Transcript", episode: "Episode") -> float | Awaitable[float] | None:
+    """Grade one agent's output in an episode: the sample's raw reward. *First result wins.*
+
+    `transcript.answer_text` is the agent's last message with any reasoning (`...</think>`)
+    removed; `episode.label` is the ground truth the host loaded. Return a float, an awaitable
+    of a float (for a remote reward model), or None to defer to the next implementation.
+
+    Called by systems through `episode.grade(...)`, and at the end of every episode for each
+    trainable transcript that has no reward yet. The default grades math answers with
+    math-verify (`mrlx.rewards.grader: math`) or calls the host's `--rm-type` grader (`host`).
+    """
+
+
+@hookspec(firstresult=True)
+def mrlx_shape_rewards(episode: "Episode", settings: "Settings") -> bool | None:
+    """Turn the graded rewards of one episode into the rewards each agent trains on.
+
+    Read and rewrite `transcript.reward` for the transcripts in `episode.transcripts`, using
+    `episode.final_answer`, `episode.team_reward` and anything your system stored in
+    `episode.metadata`. Return True when you have shaped the rewards. *First result wins.*
+
+    Called once per finished (not aborted) episode, after grading and before the samples are
+    built. The default applies the pipeline's team weighting (`mrlx.pipeline.weighting`) or,
+    for other systems, `mrlx.rewards.shaping` (independent, cooperative, zero_sum, bilateral,
+    asymmetric); see `mrlx_plugin.rewards`.
+    """
+
+
+@hookspec(firstresult=True)
+def mrlx_should_stop(episode: "Episode", agent: str, transcript: "Transcript") -> bool | None:
+    """Decide whether a turn-taking episode ends after `agent`'s latest turn. *First result wins.*
+
+    Return True to stop now, False to continue, None to defer. Called by the dialogue system
+    after every model turn; the default stops on `mrlx.dialogue.stop_patterns` and at
+    `mrlx.dialogue.max_turns`. A stop before `max_turns` counts as an early termination.
+    """
+
+
+@hookspec
+def mrlx_episode_end(episode: "Episode", samples: list[Any]) -> None:
+    """Observe a finished episode and the samples it returns to the host.
+
+    Called once per episode (aborted ones included, with `episode.aborted` set) after rewards
+    are final. For logging, dataset building or bookkeeping; changing the samples here is not
+    supported. Return values are ignored.
+    """

@@ -1,0 +1,195 @@
+"""What the host (slime or Miles) provides, and our stand-ins when neither is importable.
+
+The plugin always uses the host's own types when it can import them, so a sample it returns is
+exactly what the host's trainer expects. Without a host (CI, a laptop, the embedded default) it
+uses the dataclasses below, which have the same field names and status values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import inspect
+from dataclasses import dataclass, field
+from typing import Any
+
+HOST: str | None = None
+
+try:  # slime
+    from slime.utils.types import Sample  # type: ignore[no-redef]
+    from slime.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput  # type: ignore[no-redef]
+
+    HOST = "slime"
+except ImportError:
+    try:  # Miles
+        from miles.utils.types import Sample  # type: ignore[no-redef]
+        from miles.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput  # type: ignore[no-redef]
+
+        HOST = "miles"
+    except ImportError:
+        HOST = None
+
+if HOST is None:
+
+    @dataclass
+    class Sample:  # type: ignore[no-redef]
+        """The host's Sample, field for field where a plugin touches it (SLIME_CONTRACT.md section 3)."""
+
+        group_index: int | None = None
+        index: int | None = None
+        rollout_id: int | None = None
+        prompt: str | list[dict[str, str]] = ""
+        tokens: list[int] = field(default_factory=list)
+        multimodal_inputs: dict[str, Any] | None = None
+        response: str = ""
+        response_length: int = 0
+        label: str | None = None
+        reward: float | dict[str, Any] | None = None
+        loss_mask: list[int] | None = None
+        weight_versions: list[str] = field(default_factory=list)
+        rollout_log_probs: list[float] | None = None
+        remove_sample: bool = False
+
+        class Status(enum.Enum):
+            PENDING = "pending"
+            COMPLETED = "completed"
+            TRUNCATED = "truncated"
+            ABORTED = "aborted"
+            FAILED = "failed"
+
+        status: Status = Status.PENDING
+        metadata: dict = field(default_factory=dict)
+        generate_function_path: str | None = None
+        custom_rm_path: str | None = None
+        train_metadata: dict | None = None
+        session_id: str | None = None
+
+        def to_dict(self) -> dict[str, Any]:
+            value = self.__dict__.copy()
+            value["status"] = self.status.value
+            return value
+
+        @staticmethod
+        def from_dict(data: dict[str, Any]) -> "Sample":
+            data = dict(data)
+            data["status"] = Sample.Status(data.get("status", "pending"))
+            names = set(Sample.__dataclass_fields__)
+            sample = Sample(**{k: v for k, v in data.items() if k in names})
+            for key, value in data.items():
+                if key not in names:
+                    setattr(sample, key, value)
+            return sample
+
+    @dataclass
+    class RolloutFnTrainOutput:  # type: ignore[no-redef]
+        samples: list[list[Any]]
+        metrics: dict[str, Any] | None = None
+
+    @dataclass
+    class RolloutFnEvalOutput:  # type: ignore[no-redef]
+        data: dict[str, dict[str, Any]]
+        metrics: dict[str, Any] | None = None
+
+
+Status = Sample.Status
+
+
+def copy_sample(sample: Any, **changes: Any) -> Any:
+    """A new Sample of the host's class with the identity fields of `sample` and `changes` applied.
+
+    Only the fields a plugin owns are carried over; tokens, masks and log-probs start empty so that
+    no list is shared between siblings.
+    """
+    new = Sample(
+        group_index=sample.group_index,
+        index=sample.index,
+        rollout_id=getattr(sample, "rollout_id", None),
+        prompt=sample.prompt,
+        label=sample.label,
+        metadata=dict(sample.metadata or {}),
+    )
+    if getattr(sample, "session_id", None) is not None and hasattr(new, "session_id"):
+        new.session_id = sample.session_id
+    for key, value in changes.items():
+        setattr(new, key, value)
+    return new
+
+
+def router_url(args: argparse.Namespace) -> str | None:
+    """The job's own router (`url: self` in the config), or None when the host set none."""
+    ip = getattr(args, "sglang_router_ip", None)
+    port = getattr(args, "sglang_router_port", None)
+    if not ip or not port:
+        return None
+    host = f"[{ip}]" if ":" in str(ip) and not str(ip).startswith("[") else ip
+    return f"http://{host}:{port}"
+
+
+def host_rollout_aborted() -> bool:
+    """True once slime's default rollout has started aborting its requests (end of a rollout).
+
+    Reads slime's GenerateState singleton without creating it. Miles and no host: always False;
+    there the engine's `abort` finish reason is the signal.
+    """
+    if HOST != "slime":
+        return False
+    try:
+        from slime.rollout.sglang_rollout import GenerateState
+        from slime.utils.misc import SingletonMeta
+    except ImportError:
+        return False
+    state = SingletonMeta._instances.get(GenerateState)
+    return bool(state is not None and getattr(state, "aborted", False))
+
+
+async def host_reward(args: argparse.Namespace, sample: Any) -> Any:
+    """The host's own grader for one sample (`--rm-type`, `--custom-rm-path`), when a host is installed."""
+    if HOST == "slime":
+        from slime.rollout.rm_hub import async_rm
+    elif HOST == "miles":
+        from miles.rollout.rm_hub import async_rm  # type: ignore[no-redef]
+    else:
+        raise RuntimeError(
+            "grader 'host' needs slime or Miles installed in this environment; "
+            "set mrlx.rewards.grader to 'math' or name your own grader hook"
+        )
+    return await async_rm(args, sample)
+
+
+def wrap_generate_output(samples: Any, miles_input: Any) -> Any:
+    """Return `samples` in the form the caller used: Miles' GenerateFnOutput for an `input` call."""
+    if miles_input is None:
+        return samples
+    try:
+        from miles.rollout.base_types import GenerateFnOutput
+    except ImportError:
+        return samples
+    return GenerateFnOutput(samples=samples)
+
+
+def unpack_generate_call(
+    args: Any, sample: Any, sampling_params: Any, evaluation: bool
+) -> tuple[Any, Any, dict[str, Any], bool, Any]:
+    """Accept slime's `(args, sample, sampling_params, evaluation)` and Miles' `(input)` forms.
+
+    Returns (args, sample, sampling_params, evaluation, miles_input_or_None).
+    """
+    if sample is None and hasattr(args, "sample") and hasattr(args, "sampling_params"):
+        miles_input = args
+        return (
+            miles_input.args,
+            miles_input.sample,
+            dict(miles_input.sampling_params or {}),
+            bool(getattr(miles_input, "evaluation", False)),
+            miles_input,
+        )
+    if sample is None:
+        raise TypeError(
+            "generate() takes (args, sample, sampling_params, evaluation=False) as slime calls it, "
+            "or one Miles GenerateFnInput"
+        )
+    return args, sample, dict(sampling_params or {}), bool(evaluation), None
+
+
+def takes_evaluation(fn: Any) -> bool:
+    return "evaluation" in inspect.signature(fn).parameters

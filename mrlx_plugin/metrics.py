@@ -1,0 +1,121 @@
+"""Rollout metrics for multi-agent episodes, through `--custom-rollout-log-function-path`.
+
+Every sample the generate function returns carries `metadata["mrlx"]` (agent, episode id, turns,
+token counts, aborted/retried turns, ...), so the metrics are computed from the samples alone:
+
+| key | meaning |
+|---|---|
+| `reward/<agent>/mean` | mean raw (graded, unshaped) reward of the agent's samples |
+| `reward/<agent>/shaped_mean` | mean reward the agent trains on (after team weighting/shaping) |
+| `multi_agent/episodes` | episodes in the rollout |
+| `multi_agent/avg_turns` | engine calls per episode |
+| `multi_agent/early_termination_rate` | episodes a stop rule ended before `max_turns` |
+| `multi_agent/conversation_token_count` | tokens per episode, summed over every agent's view |
+| `multi_agent/team_reward` | mean grade of the team's final answer |
+| `multi_agent/invalid_selection_rate` | pipeline episodes whose selector named no valid rewrite |
+| `multi_agent/aborted_episodes`, `multi_agent/aborted_turns` | engine faults and aborts |
+| `multi_agent/retried_turns` | turns that needed a retry (engine fault or peer abort) |
+| `loss_mask/role_split/<agent>` | share of all trainable tokens that belong to the agent |
+| `samples/<agent>` | samples of the agent in the rollout |
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+def _meta(sample: Any) -> dict[str, Any]:
+    return (getattr(sample, "metadata", None) or {}).get("mrlx") or {}
+
+
+def compute_metrics(samples: list[Any]) -> dict[str, float]:
+    """The table above, for a flat list of samples (samples without mrlx metadata are ignored)."""
+    out: dict[str, float] = {}
+    rewards: dict[str, list[float]] = defaultdict(list)
+    shaped: dict[str, list[float]] = defaultdict(list)
+    trained_tokens: dict[str, int] = defaultdict(int)
+    episodes: dict[str, dict[str, Any]] = {}
+    for s in samples:
+        m = _meta(s)
+        if not m:
+            continue
+        agent = m.get("agent") or "unknown"
+        episodes.setdefault(m["episode_id"], m)
+        if m.get("aborted"):
+            continue
+        if m.get("raw_reward") is not None:
+            rewards[agent].append(float(m["raw_reward"]))
+        if isinstance(s.reward, (int, float)):
+            shaped[agent].append(float(s.reward))
+        trained_tokens[agent] += sum(s.loss_mask or [])
+    for agent in sorted(set(rewards) | set(shaped)):
+        if rewards[agent]:
+            out[f"reward/{agent}/mean"] = sum(rewards[agent]) / len(rewards[agent])
+        if shaped[agent]:
+            out[f"reward/{agent}/shaped_mean"] = sum(shaped[agent]) / len(shaped[agent])
+            out[f"samples/{agent}"] = float(len(shaped[agent]))
+    total = sum(trained_tokens.values())
+    for agent, n in sorted(trained_tokens.items()):
+        out[f"loss_mask/role_split/{agent}"] = n / total if total else 0.0
+    if episodes:
+        eps = list(episodes.values())
+        n = len(eps)
+        out["multi_agent/episodes"] = float(n)
+        out["multi_agent/avg_turns"] = sum(e.get("turns", 0) for e in eps) / n
+        out["multi_agent/early_termination_rate"] = sum(bool(e.get("stopped_early")) for e in eps) / n
+        out["multi_agent/conversation_token_count"] = sum(e.get("conversation_tokens", 0) for e in eps) / n
+        out["multi_agent/aborted_episodes"] = float(sum(bool(e.get("aborted")) for e in eps))
+        out["multi_agent/aborted_turns"] = float(sum(e.get("aborted_turns", 0) for e in eps))
+        out["multi_agent/retried_turns"] = float(sum(e.get("retried_turns", 0) for e in eps))
+        finished = [e for e in eps if not e.get("aborted")]
+        if finished:
+            out["multi_agent/team_reward"] = sum(float(e.get("team_reward") or 0.0) for e in finished) / len(finished)
+        selecting = [e for e in finished if "selected" in e["episode"] or "invalid_selection" in e["episode"]]
+        if selecting:
+            invalid = sum(bool(e["episode"].get("invalid_selection")) for e in selecting)
+            out["multi_agent/invalid_selection_rate"] = invalid / len(selecting)
+    return out
+
+
+def log_rollout(rollout_id: int, args: Any, samples: list[Any], rollout_extra_metrics: dict | None, rollout_time: float) -> bool:
+    """`--custom-rollout-log-function-path`: add the multi-agent metrics to the host's log.
+
+    The host logs `rollout_extra_metrics` with its own metrics right after this returns False,
+    so the metrics are merged into that dict (same step, same backend: wandb, tensorboard).
+    When the host passed no dict, they are logged here. Returns False: the host's own rollout
+    metrics are still logged.
+    """
+    metrics = compute_metrics(samples)
+    if isinstance(rollout_extra_metrics, dict):
+        rollout_extra_metrics.update(metrics)
+    else:
+        _log_through_host(rollout_id, args, metrics)
+    return False
+
+
+def log_eval_rollout(rollout_id: int, args: Any, data: dict, extra_metrics: dict | None) -> bool:
+    """`--custom-eval-rollout-log-function-path`: per-dataset multi-agent metrics under `eval/<name>/`."""
+    metrics: dict[str, float] = {}
+    for name, entry in (data or {}).items():
+        for key, value in compute_metrics(entry.get("samples") or []).items():
+            metrics[f"eval/{name}/{key}"] = value
+    if isinstance(extra_metrics, dict):
+        extra_metrics.update(metrics)
+    else:
+        _log_through_host(rollout_id, args, metrics)
+    return False
+
+
+def _log_through_host(rollout_id: int, args: Any, metrics: dict[str, float]) -> None:
+    for module in ("slime.observability.logging_utils", "slime.utils.logging_utils", "miles.utils.logging_utils"):
+        try:
+            logging_utils = __import__(module, fromlist=["log"])
+        except ImportError:
+            continue
+        logging_utils.log(args, {**metrics, "multi_agent/step": rollout_id}, step_key="multi_agent/step")
+        return
+    logger.info("rollout %s multi-agent metrics: %s", rollout_id, metrics)

@@ -1,0 +1,158 @@
+"""The solver -> rewriter -> selector system, on one shared model or on one model per role.
+
+One episode per input sample:
+1. `num_parallel` solvers answer the problem independently; each is graded against the label.
+2. `num_parallel` rewriters each read every solver's answer and write an improved solution;
+   each is graded.
+3. One selector reads the rewrites and picks one ("Judgment: IDX", 1-based). It earns the
+   grade of the rewrite it picked. A missing or out-of-range index earns 0.0 and leaves the
+   team without a final answer (counted as `multi_agent/invalid_selection_rate`).
+4. The team is right when its final answer earns a full mark; the `mrlx_shape_rewards` hook
+   then weights every sample by the team outcome (`mrlx.pipeline.weighting`).
+
+The agents are named `solver`, `rewriter` and `selector` in the config; by default all three
+are `url: self`, so one model plays every role and trains on all of them.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+from .episode import Episode
+from .transcript import Transcript
+
+_JUDGMENT = re.compile(r"Judgment\s*:\s*\**\s*\[?(\d+)")
+
+
+def solver_prompt(problem: str) -> str:
+    return f"{problem}\n\nSolve the problem step by step and put the final answer in \\boxed{{}}."
+
+
+def _numbered(solutions: list[str]) -> str:
+    return "\n\n".join(f"### Solution {i}\n{s}" for i, s in enumerate(solutions, 1))
+
+
+def rewriter_prompt(problem: str, solutions: list[str]) -> str:
+    return (
+        f"Problem:\n{problem}\n\n"
+        f"Below are {len(solutions)} attempted solutions to this problem. Some may be wrong. "
+        "Compare them, find the correct reasoning, and write one complete, correct solution "
+        "of your own. Put the final answer in \\boxed{}.\n\n"
+        f"{_numbered(solutions)}"
+    )
+
+
+def selector_prompt(problem: str, solutions: list[str]) -> str:
+    return (
+        f"Problem:\n{problem}\n\n"
+        f"Below are {len(solutions)} candidate solutions. Check each one's reasoning and final "
+        "answer, decide which solution is correct, and finish your reply with a line of the form\n"
+        f"Judgment: IDX\nwhere IDX is the number (1 to {len(solutions)}) of the solution you choose.\n\n"
+        f"{_numbered(solutions)}"
+    )
+
+
+@dataclass(frozen=True)
+class PipelinePrompts:
+    """The user message each role receives. Replace any of them with `make_pipeline(...)`."""
+
+    solver: Callable[[str], str] = solver_prompt
+    rewriter: Callable[[str, list[str]], str] = rewriter_prompt
+    selector: Callable[[str, list[str]], str] = selector_prompt
+
+
+def parse_judgment(text: str, n: int) -> int | None:
+    """The 0-based index a selector chose, from its last "Judgment: IDX" line; None if invalid."""
+    matches = _JUDGMENT.findall(text)
+    if not matches:
+        return None
+    idx = int(matches[-1]) - 1
+    return idx if 0 <= idx < n else None
+
+
+def fit_solutions(episode: Episode, agent: str, build: Callable[[list[str]], str], solutions: list[str], cap: int | None) -> str:
+    """The prompt built from `solutions`, with each solution cut (keeping its end, where the answer
+    is) so that the prompt leaves room to answer within the host's context limit."""
+    tok = episode.runtime.tokenizers[agent]
+    if cap is not None:
+        solutions = [_tail(tok, s, cap) for s in solutions]
+    prompt = build(solutions)
+    limit = episode.max_context
+    if limit is None:
+        return prompt
+    reserve = min(int(episode.base_sampling.get("max_new_tokens") or 1024), limit // 2)
+    budget = limit - reserve
+    if episode.prompt_tokens(agent, [{"role": "user", "content": prompt}]) <= budget:
+        return prompt
+    overhead = episode.prompt_tokens(agent, [{"role": "user", "content": build([""] * len(solutions))}])
+    per_solution = max(16, (budget - overhead) // max(1, len(solutions)))
+    return build([_tail(tok, s, per_solution) for s in solutions])
+
+
+def _tail(tok, text: str, max_tokens: int) -> str:
+    ids = tok.encode(text)
+    if len(ids) <= max_tokens:
+        return text
+    return "..." + tok.decode(ids[-max_tokens:])
+
+
+def make_pipeline(prompts: PipelinePrompts = PipelinePrompts()):
+    """A pipeline run function with these prompts (register it under your own system name)."""
+
+    async def run(episode: Episode) -> None:
+        p = episode.settings.pipeline
+        problem = episode.problem
+        episode.shaping = "team"
+
+        async def answer(t: Transcript) -> None:
+            await episode.generate(t)
+            await episode.grade(t)
+
+        solvers = [
+            episode.new_transcript("solver", [{"role": "user", "content": prompts.solver(problem)}], f"solver-{i}")
+            for i in range(p.num_parallel)
+        ]
+        await episode.gather(*(answer(t) for t in solvers))
+        solutions = [t.answer_text for t in solvers if t.answer_text]
+        episode.team_reward = 0.0
+        if not solutions:
+            episode.metadata["stopped_at"] = "solver"
+            return
+
+        rewrite_prompt = fit_solutions(
+            episode, "rewriter", lambda s: prompts.rewriter(problem, s), solutions, p.max_solution_tokens
+        )
+        rewriters = [
+            episode.new_transcript("rewriter", [{"role": "user", "content": rewrite_prompt}], f"rewriter-{i}")
+            for i in range(p.num_parallel)
+        ]
+        await episode.gather(*(answer(t) for t in rewriters))
+        rewrites = [t for t in rewriters if t.answer_text]
+        if not rewrites:
+            episode.metadata["stopped_at"] = "rewriter"
+            return
+
+        select_prompt = fit_solutions(
+            episode, "selector", lambda s: prompts.selector(problem, s), [t.answer_text for t in rewrites],
+            p.max_solution_tokens,
+        )
+        selector = episode.new_transcript("selector", [{"role": "user", "content": select_prompt}], "selector")
+        await episode.generate(selector)
+        choice = parse_judgment(selector.answer_text, len(rewrites))
+        if choice is None:
+            episode.metadata["invalid_selection"] = True
+            selector.raw_reward = selector.reward = 0.0
+            return
+        chosen = rewrites[choice]
+        selector.raw_reward = selector.reward = float(chosen.raw_reward or 0.0)
+        episode.final_transcript = chosen
+        episode.final_answer = chosen.answer_text
+        episode.team_reward = float(chosen.raw_reward or 0.0)
+        episode.metadata["selected"] = choice
+
+    return run
+
+
+run_pipeline = make_pipeline()

@@ -1,0 +1,194 @@
+"""Rewards: the host-facing reward and normalisation functions, and episode-level shaping.
+
+- `reward(args, sample_or_samples)`: a `--custom-rm-path` function. slime calls it with one
+  Sample, or once with the whole list when a generate function returned several.
+- `normalize(args, samples)`: a `--custom-reward-post-process-path` function. It replaces the
+  host's GRPO normalisation, which mixes prompts and roles whenever a generate function returns a
+  variable number of samples (SLIME_CONTRACT.md section 4), by normalising within each
+  (prompt group, agent) pair.
+- `team_weighting(...)` and `coupling_matrix(...)`: the built-in shapings behind the
+  `mrlx_shape_rewards` hook's default.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections import defaultdict
+from typing import Any
+
+import numpy as np
+
+from .config import PipelineSettings
+from .grading import MathVerifier, grade_math
+from .host import HOST, Status, host_reward
+from .transcript import strip_reasoning
+
+GRPO_FAMILY = ("grpo", "gspo", "cispo", "reinforce_plus_plus_baseline")
+STD_NORMALIZED = ("grpo", "gspo", "cispo")
+
+_VERIFIER: MathVerifier | None = None
+
+
+def shared_verifier() -> MathVerifier:
+    global _VERIFIER
+    if _VERIFIER is None:
+        _VERIFIER = MathVerifier()
+    return _VERIFIER
+
+
+# --------------------------------------------------------------------------------------------
+# --custom-rm-path
+# --------------------------------------------------------------------------------------------
+
+
+async def reward(args: Any, samples: Any, **_: Any) -> Any:
+    """Grade one Sample (returns a float) or a list of them (returns a list of floats).
+
+    With a host installed and `--rm-type` set (or a sample's `metadata["rm_type"]`), the host's
+    grader decides; otherwise the math grader compares the response's boxed or final answer to
+    the sample's label.
+    """
+    if isinstance(samples, list):
+        return list(await asyncio.gather(*(_reward_one(args, s) for s in samples)))
+    return await _reward_one(args, samples)
+
+
+async def _reward_one(args: Any, sample: Any) -> Any:
+    rm_type = (sample.metadata or {}).get("rm_type") or getattr(args, "rm_type", None)
+    if HOST is not None and rm_type:
+        return await host_reward(_WithoutCustomRm(args), sample)
+    return await grade_math(strip_reasoning(sample.response or ""), sample.label, shared_verifier())
+
+
+class _WithoutCustomRm:
+    """A read-only view of `args` whose custom_rm_path is None, so the host's grader does not call
+    back into this function. The host's `args` itself is never written to."""
+
+    def __init__(self, args: Any):
+        self._args = args
+
+    @property
+    def custom_rm_path(self) -> None:
+        return None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._args, name)
+
+
+# --------------------------------------------------------------------------------------------
+# --custom-reward-post-process-path
+# --------------------------------------------------------------------------------------------
+
+
+def _reward_value(sample: Any, reward_key: str | None) -> float:
+    value = sample.reward
+    if isinstance(value, dict):
+        if not reward_key:
+            raise ValueError(
+                f"sample {sample.index} has a dict reward {sorted(value)}; set --reward-key to pick one"
+            )
+        value = value[reward_key]
+    if value is None:
+        return 0.0
+    value = float(value)
+    return value if math.isfinite(value) else 0.0
+
+
+def group_key(sample: Any) -> tuple[Any, Any]:
+    """(prompt group, agent): the set of samples a sample's advantage is relative to."""
+    meta = (sample.metadata or {}).get("mrlx") or {}
+    return (sample.group_index, meta.get("agent"))
+
+
+def normalize(args: Any, samples: list[Any]) -> tuple[list[float], list[float]]:
+    """Return (raw_rewards, normalised_rewards), one per sample, in the order given.
+
+    Within each (prompt group, agent): subtract the mean and, for GRPO-style estimators with
+    std normalisation on, divide by the standard deviation (+1e-6). Groups of one sample and
+    groups with no spread get 0.0, never NaN. ABORTED and removed samples take no part in the
+    statistics and get 0.0. With `--disable-rewards-normalization`, or an estimator outside the
+    GRPO family, the raw rewards are returned unchanged.
+    """
+    flat = list(samples)
+    reward_key = getattr(args, "reward_key", None)
+    raw = [_reward_value(s, reward_key) for s in flat]
+    estimator = getattr(args, "advantage_estimator", "grpo")
+    if estimator not in GRPO_FAMILY or not getattr(args, "rewards_normalization", True):
+        return raw, list(raw)
+    use_std = estimator in STD_NORMALIZED and getattr(args, "grpo_std_normalization", True)
+
+    groups: dict[tuple[Any, Any], list[int]] = defaultdict(list)
+    for i, s in enumerate(flat):
+        if s.status == Status.ABORTED or getattr(s, "remove_sample", False):
+            continue
+        groups[group_key(s)].append(i)
+    out = [0.0] * len(flat)
+    values = np.asarray(raw, dtype=np.float64)
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        v = values[members]
+        centred = v - v.mean()
+        if use_std:
+            std = v.std(ddof=1)
+            centred = centred / (std + 1e-6) if std > 0 else np.zeros_like(centred)
+        for i, x in zip(members, centred.tolist()):
+            out[i] = x
+    return raw, out
+
+
+# --------------------------------------------------------------------------------------------
+# Episode shaping (default of the mrlx_shape_rewards hook)
+# --------------------------------------------------------------------------------------------
+
+
+def team_is_right(team_reward: float | None) -> bool:
+    """The team's final answer earned a full mark (the host example's `reward == 1` test)."""
+    return team_reward is not None and team_reward >= 1.0
+
+
+def team_weighting(raw: float, team_reward: float | None, p: PipelineSettings) -> float:
+    """A pipeline sample's reward given its own grade and the team's outcome.
+
+    `multiplicative` is the host example's rule, raw * weight: a wrong answer scores 0 whatever
+    the team did, so the team outcome only ever scales right answers. `offset` (the default)
+    adds weight - 1 instead: right answers get exactly the host's 1.2 / 0.8, and wrong answers
+    get +0.2 / -0.2, so every sample feels the team's outcome.
+    """
+    w = p.correct_weight if team_is_right(team_reward) else p.incorrect_weight
+    if p.weighting == "multiplicative":
+        return raw * w
+    if p.weighting == "offset":
+        return raw + (w - 1.0)
+    return raw
+
+
+def coupling_matrix(kind: str, agents: list[str], custom: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    """How each agent's trained reward mixes every agent's own reward: r'_i = sum_j C[i][j] r_j.
+
+    independent: C = I. cooperative: everyone gets the team mean. zero_sum: r_i minus the mean
+    of the others (two agents: r_a - r_b). bilateral: half one's own, half the others' mean.
+    asymmetric: the `mrlx.rewards.coupling` rows as given (agents without a row keep their own).
+    """
+    n = len(agents)
+    others = 1.0 / (n - 1) if n > 1 else 0.0
+    matrix: dict[str, dict[str, float]] = {}
+    for i in agents:
+        row = {}
+        for j in agents:
+            same = i == j
+            if kind == "independent":
+                row[j] = 1.0 if same else 0.0
+            elif kind == "cooperative":
+                row[j] = 1.0 / n
+            elif kind == "zero_sum":
+                row[j] = 1.0 if same else -others
+            elif kind == "bilateral":
+                row[j] = 0.5 if same else 0.5 * others
+            elif kind == "asymmetric":
+                row[j] = custom[i].get(j, 0.0) if i in custom else (1.0 if same else 0.0)
+            else:
+                raise ValueError(f"unknown shaping {kind!r}")
+        matrix[i] = row
+    return matrix

@@ -1,0 +1,175 @@
+"""Everything the rollout functions need, built once per process from the host's `args`.
+
+The host calls the generate function thousands of times per step with the same `args`. The
+`Runtime` for those args is built on the first call (off the event loop: loading tokenizers and
+plugins blocks) and reused: settings, hooks, each agent's tokenizer and engine client, and the
+host's limits. The host's `args` is only ever read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pluggy
+
+from .config import AgentSettings, ConfigError, Settings, parse_settings, raw_settings_from_args, read_text_setting
+from .engine_client import EngineClient
+from .host import router_url
+from .plugins import SystemFn, collect_systems, make_plugin_manager
+from .tokenizer import AgentTokenizer, load_tokenizer
+
+
+@dataclass
+class HostLimits:
+    """The host's generation limits, as read from `args` (slime's flag names)."""
+
+    max_context: int | None  # rollout_max_context_len (eval_max_context_len in evaluation)
+    max_context_eval: int | None
+    max_response: int | None  # rollout_max_response_len
+    default_sampling: dict[str, Any]  # used when the host passes no sampling_params (CLI)
+
+    @classmethod
+    def from_args(cls, args: Any) -> "HostLimits":
+        ctx = getattr(args, "rollout_max_context_len", None)
+        sampling = {
+            "temperature": getattr(args, "rollout_temperature", 1.0),
+            "top_p": getattr(args, "rollout_top_p", 1.0),
+            "top_k": getattr(args, "rollout_top_k", -1),
+            "max_new_tokens": getattr(args, "rollout_max_response_len", None) or 1024,
+            "stop": getattr(args, "rollout_stop", None),
+            "stop_token_ids": getattr(args, "rollout_stop_token_ids", None),
+            "skip_special_tokens": getattr(args, "rollout_skip_special_tokens", False),
+            "no_stop_trim": True,
+            "spaces_between_special_tokens": False,
+        }
+        return cls(
+            max_context=ctx,
+            max_context_eval=getattr(args, "eval_max_context_len", None) or ctx,
+            max_response=getattr(args, "rollout_max_response_len", None),
+            default_sampling={k: v for k, v in sampling.items() if v is not None},
+        )
+
+
+class Runtime:
+    """Settings, hooks, tokenizers and engine clients of one rollout process."""
+
+    def __init__(self, args: Any, settings: Settings, pm: pluggy.PluginManager, source: str):
+        self.args = args
+        self.settings = settings
+        self.pm = pm
+        self.hooks = pm.hook
+        self.source = source
+        self.limits = HostLimits.from_args(args)
+        self.systems: dict[str, SystemFn] = collect_systems(pm)
+        self.system: SystemFn = self.systems[settings.system]
+        self.system_prompts: dict[str, str | None] = {}
+        self.tokenizers: dict[str, AgentTokenizer] = {}
+        self.clients: dict[str, EngineClient] = {}
+        self.urls: dict[str, str] = {}
+        base = Path(source).parent if Path(source).is_file() else None
+        by_url: dict[str, EngineClient] = {}
+        for name, agent in settings.agents.items():
+            self.urls[name] = self._resolve_url(name, agent)
+            self.clients[name] = by_url.setdefault(self.urls[name], EngineClient(self.urls[name], settings.engine))
+            self.system_prompts[name] = read_text_setting(agent.system_prompt, base)
+            self.tokenizers[name] = self._load_tokenizer(name, agent, base)
+
+    def _resolve_url(self, name: str, agent: AgentSettings) -> str:
+        if agent.url != "self":
+            return agent.url
+        url = router_url(self.args)
+        if url is None:
+            raise ConfigError(
+                f"{self.source}: mrlx.agents.{name}.url: 'self' means this job's router, but the host set no "
+                "--sglang-router-ip/--sglang-router-port; set them, or give this agent an http:// URL"
+            )
+        return url
+
+    def _load_tokenizer(self, name: str, agent: AgentSettings, base: Path | None) -> AgentTokenizer:
+        path = agent.tokenizer or getattr(self.args, "hf_checkpoint", None)
+        if not path:
+            raise ConfigError(
+                f"{self.source}: mrlx.agents.{name}.tokenizer: not set and the host gave no --hf-checkpoint; "
+                "give the path of this agent's tokenizer"
+            )
+        template = read_text_setting(agent.chat_template, base)
+        return load_tokenizer(str(path), template, key_hint=f"{self.source}: mrlx.agents.{name}.tokenizer")
+
+    async def aclose(self) -> None:
+        """Close this event loop's connections and the grading worker (CLI and tests; slime's
+        rollout loop lives as long as the process)."""
+        from .rewards import shared_verifier
+
+        for client in set(self.clients.values()):
+            await client.close()
+        await shared_verifier().aclose()
+
+    def trains_here(self, agent: str) -> bool:
+        """Whether this job's trainer trains `agent` (its samples go back to the host)."""
+        a = self.settings.agents[agent]
+        if self.settings.self_agent is not None:
+            return agent == self.settings.self_agent
+        return bool(a.trainable) and a.url == "self"
+
+
+def build_runtime(args: Any) -> Runtime:
+    raw, source = raw_settings_from_args(args)
+    plugins = raw.get("plugins", []) if isinstance(raw, dict) else []
+    if not isinstance(plugins, list):
+        raise ConfigError(f"{source}: mrlx.plugins: expected a list of module names, got {plugins!r}")
+    pm = make_plugin_manager(plugins, source=f"{source}: mrlx.plugins")
+    settings = parse_settings(raw, source=source, known_systems=set(collect_systems(pm)))
+    if getattr(args, "apply_chat_template", False):
+        raise ConfigError(
+            f"{source}: the host was started with --apply-chat-template, so prompts arrive already templated; "
+            "remove that flag: mrlx renders each agent's prompt with that agent's own chat template"
+        )
+    if getattr(args, "partial_rollout", False):
+        raise ConfigError(
+            f"{source}: --partial-rollout resumes one half-generated sample, but a multi-agent episode is many "
+            "samples; remove --partial-rollout (aborted episodes are returned as ABORTED samples instead)"
+        )
+    return Runtime(args, settings, pm, source)
+
+
+# One Runtime per host args object. `argparse.Namespace` is unhashable, so the cache is keyed by
+# id() and guarded by a weak reference against id reuse.
+_RUNTIMES: dict[int, tuple[weakref.ref, Runtime]] = {}
+_BUILD_LOCK = threading.Lock()
+
+
+def cached_runtime(args: Any) -> Runtime | None:
+    entry = _RUNTIMES.get(id(args))
+    if entry is not None and entry[0]() is args:
+        return entry[1]
+    return None
+
+
+def runtime_for(args: Any) -> Runtime:
+    """The Runtime of `args`, built on first use (blocking: call from a thread or at start-up)."""
+    rt = cached_runtime(args)
+    if rt is not None:
+        return rt
+    with _BUILD_LOCK:
+        rt = cached_runtime(args)
+        if rt is None:
+            rt = build_runtime(args)
+            try:
+                ref = weakref.ref(args)
+            except TypeError:  # an args object without weakref support: keep it alive instead
+                ref = (lambda a: (lambda: a))(args)  # type: ignore[assignment]
+            _RUNTIMES[id(args)] = (ref, rt)  # type: ignore[assignment]
+        return rt
+
+
+async def get_runtime(args: Any) -> Runtime:
+    """`runtime_for` from async code: the first build runs in a thread so the loop keeps going."""
+    rt = cached_runtime(args)
+    if rt is not None:
+        return rt
+    return await asyncio.to_thread(runtime_for, args)

@@ -1,0 +1,199 @@
+"""One agent's own view of an episode, in that agent's token space.
+
+A `Transcript` starts from the agent's prompt (its system prompt and the conversation so far,
+rendered with its own chat template and tokenizer) and grows by two kinds of appends:
+- `append_generated(...)`: ids the agent's engine sampled, kept exactly as returned, with their
+  log-probs and the engine's weight version; loss mask 1 (when the agent trains);
+- `append_messages(...)`: messages the agent only reads (another agent's turn, feedback),
+  rendered through the template; loss mask 0, log-prob 0.0.
+
+`to_sample()` turns it into the host's Sample: `tokens` = prompt ids + every later id,
+`response_length` = len(later ids), `loss_mask` and `rollout_log_probs` with one entry per
+response token, `weight_versions` with one entry per engine call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .host import Status, copy_sample
+from .tokenizer import AgentTokenizer
+
+THINK_END = "</think>"
+
+
+@dataclass
+class Turn:
+    """One engine call's result as recorded in a transcript."""
+
+    agent: str
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str
+    finish_reason: str  # stop | length | abort
+    weight_version: str | None
+    retries: int = 0
+
+
+def strip_reasoning(text: str) -> str:
+    """The answer part of a message: what follows the last `</think>`, if there is one."""
+    if THINK_END in text:
+        return text.rsplit(THINK_END, 1)[1].strip()
+    return text.strip()
+
+
+@dataclass
+class Transcript:
+    agent: str
+    tokenizer: AgentTokenizer
+    messages: list[dict[str, str]]  # the conversation as this agent sees it
+    trainable: bool = True
+    max_context: int | None = None  # prompt + response tokens (host's rollout_max_context_len)
+    max_response: int | None = None  # response tokens (host's rollout_max_response_len)
+    prompt_ids: tuple[int, ...] = ()  # shared with the tokenizer's cache and sibling transcripts
+    response_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    weight_versions: list[str] = field(default_factory=list)
+    turns: list[Turn] = field(default_factory=list)
+    truncated: bool = False
+    reward: float | None = None  # shaped reward the agent trains on
+    raw_reward: float | None = None  # the grader's reward before shaping
+    label: str = ""  # free-form name for logs ("solver-3")
+    prompt_messages: list[dict[str, str]] = field(default_factory=list)
+    # The text the tokens spell, for rendering continuations. Generated ids are decoded only
+    # when a continuation needs them (single-turn agents never pay for it).
+    _held: list[str | list[int]] = field(default_factory=list)
+
+    @classmethod
+    def start(cls, agent: str, tokenizer: AgentTokenizer, messages: list[dict[str, str]], **kw: Any) -> "Transcript":
+        text, ids = tokenizer.prompt_ids(messages)
+        t = cls(agent=agent, tokenizer=tokenizer, messages=list(messages), **kw)
+        t.prompt_messages = list(messages)
+        t.prompt_ids = ids
+        t._held = [text]
+        if t.max_context is not None and len(t.prompt_ids) >= t.max_context:
+            t.truncated = True
+        return t
+
+    # --- sizes ---------------------------------------------------------------------------
+
+    @property
+    def tokens(self) -> list[int]:
+        return [*self.prompt_ids, *self.response_ids]
+
+    def room(self) -> int | None:
+        """How many more tokens fit, or None when unbounded."""
+        limits = []
+        if self.max_context is not None:
+            limits.append(self.max_context - len(self.prompt_ids) - len(self.response_ids))
+        if self.max_response is not None:
+            limits.append(self.max_response - len(self.response_ids))
+        return max(0, min(limits)) if limits else None
+
+    # --- appends -------------------------------------------------------------------------
+
+    def append_generated(self, turn: Turn) -> None:
+        """Record what the engine sampled: the ids exactly as returned, with their log-probs."""
+        if len(turn.token_ids) != len(turn.logprobs):
+            raise ValueError(f"{len(turn.token_ids)} token ids but {len(turn.logprobs)} log-probs from the engine")
+        self.turns.append(turn)
+        self.response_ids.extend(turn.token_ids)
+        self.loss_mask.extend([1 if self.trainable else 0] * len(turn.token_ids))
+        self.logprobs.extend(turn.logprobs if self.trainable else [0.0] * len(turn.token_ids))
+        if turn.weight_version is not None:
+            self.weight_versions.append(turn.weight_version)
+        self.messages.append({"role": "assistant", "content": turn.text})
+        self._held.append(turn.token_ids)
+        if turn.finish_reason == "length":
+            self.truncated = True
+
+    def append_messages(self, new: list[dict[str, str]], add_generation_prompt: bool = True) -> bool:
+        """Show the agent messages it did not write (loss mask 0). False when they did not fit.
+
+        Messages that would overflow the context are cut to what fits and the transcript is
+        marked truncated; the caller should then end this agent's part of the episode.
+        """
+        history = self.messages
+        text = self.tokenizer.continuation(self.held_text(), history, new, add_generation_prompt)
+        ids = self.tokenizer.encode(text)
+        room = self.room()
+        fits = room is None or len(ids) <= room
+        if not fits:
+            ids = ids[:room]
+            text = self.tokenizer.decode(ids, skip_special_tokens=False)
+            self.truncated = True
+        self.messages = history + list(new)
+        self.response_ids.extend(ids)
+        self.loss_mask.extend([0] * len(ids))
+        self.logprobs.extend([0.0] * len(ids))
+        self._held.append(text)
+        return fits
+
+    def held_text(self) -> str:
+        """What the transcript's tokens spell (special tokens included)."""
+        if len(self._held) != 1 or not isinstance(self._held[0], str):
+            text = "".join(
+                p if isinstance(p, str) else self.tokenizer.decode(p, skip_special_tokens=False) for p in self._held
+            )
+            self._held = [text]
+        return self._held[0]  # type: ignore[return-value]
+
+    # --- reading -------------------------------------------------------------------------
+
+    @property
+    def last_text(self) -> str:
+        return self.turns[-1].text if self.turns else ""
+
+    @property
+    def answer_text(self) -> str:
+        """The agent's last message without its reasoning: what graders and other agents read."""
+        return strip_reasoning(self.last_text)
+
+    @property
+    def generated_tokens(self) -> int:
+        return sum(len(t.token_ids) for t in self.turns)
+
+    @property
+    def aborted_turn(self) -> bool:
+        return bool(self.turns) and self.turns[-1].finish_reason == "abort"
+
+    # --- to the host ---------------------------------------------------------------------
+
+    def to_sample(self, template: Any, rollout_id: int | None, *, aborted: bool, meta: dict[str, Any]) -> Any:
+        """The host Sample for this transcript.
+
+        Aborted (and untrainable) samples follow the host's failed-sample pattern: reward 0.0,
+        loss mask all zero, `remove_sample`. A response must have at least one token (a
+        zero-length response makes the host's `[-response_length:]` slices cover the whole
+        sequence), so an empty one gets the end-of-sequence id with loss mask 0.
+        """
+        response = list(self.response_ids)
+        mask = list(self.loss_mask)
+        logprobs = list(self.logprobs)
+        if not response:
+            pad = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else 0
+            response, mask, logprobs = [pad], [0], [0.0]
+        if aborted:
+            status = Status.ABORTED
+        elif self.truncated:
+            status = Status.TRUNCATED
+        else:
+            status = Status.COMPLETED
+        sample = copy_sample(
+            template,
+            rollout_id=rollout_id,
+            prompt=self.prompt_messages,
+            tokens=[*self.prompt_ids, *response],
+            response_length=len(response),
+            response="".join(t.text for t in self.turns),
+            loss_mask=[0] * len(mask) if aborted else mask,
+            rollout_log_probs=[0.0] * len(logprobs) if aborted else logprobs,
+            weight_versions=list(self.weight_versions),
+            reward=0.0 if aborted else float(self.reward if self.reward is not None else 0.0),
+            status=status,
+            remove_sample=aborted,
+        )
+        sample.metadata["mrlx"] = meta
+        return sample

@@ -1,0 +1,57 @@
+"""Shared fixtures: a small model built on this machine, and the processes that serve it.
+
+Everything runs as real processes on 127.0.0.1 (engine, stub engine, router, coordinator); the
+fixtures stop them at the end of the session.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # the examples package and user-style hook modules
+    sys.path.insert(0, str(REPO))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A tiny causal LM and its tokenizer, built from a config and saved (never downloaded)."""
+    from mrlx_plugin.local.model import ensure_model
+
+    return Path(ensure_model(tmp_path_factory.mktemp("models") / "tiny", preset="tiny", seed=0))
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer_dir(tiny_model_dir) -> Path:
+    return tiny_model_dir
+
+
+@pytest.fixture(scope="session")
+def logs_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("logs")
+
+
+@pytest.fixture(scope="session")
+def engine(tiny_model_dir, logs_dir):
+    """The embedded engine serving the tiny model (one per test session)."""
+    from mrlx_plugin.local.processes import start_engine
+
+    proc = start_engine(tiny_model_dir, log_dir=logs_dir, extra=["--seed", "0"], threads=1)
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture
+def stub_engine(logs_dir, request):
+    """A fresh model-free responder per test (fault injection state is per process)."""
+    from mrlx_plugin.local.processes import start_stub_engine
+
+    proc = start_stub_engine(log_dir=logs_dir, name=f"stub-{request.node.name[:40]}")
+    yield proc
+    proc.stop()

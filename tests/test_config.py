@@ -1,0 +1,149 @@
+"""Settings: every bad input gets one message naming the key and what is expected."""
+
+from __future__ import annotations
+
+import argparse
+import textwrap
+
+import pytest
+
+from mrlx_plugin.config import ConfigError, parse_settings, settings_from_yaml
+from mrlx_plugin.runtime import build_runtime
+
+
+def errors_of(data, **kw) -> str:
+    with pytest.raises(ConfigError) as info:
+        parse_settings(data, source="job.yaml", **kw)
+    return str(info.value)
+
+
+def test_defaults_give_the_pipeline_with_three_roles_on_self():
+    s = parse_settings({})
+    assert s.system == "pipeline"
+    assert list(s.agents) == ["solver", "rewriter", "selector"]
+    assert all(a.url == "self" and a.trainable for a in s.agents.values())
+    assert s.pipeline.num_parallel == 5 and s.pipeline.correct_weight == 1.2 and s.pipeline.incorrect_weight == 0.8
+
+
+def test_unknown_key_is_named_with_a_suggestion():
+    msg = errors_of({"pipeline": {"num_paralel": 3}})
+    assert "job.yaml" in msg
+    assert "mrlx.pipeline.num_paralel: unknown key; did you mean 'num_parallel'?" in msg
+
+
+def test_unknown_top_level_key_is_named():
+    msg = errors_of({"agnets": {}})
+    assert "mrlx.agnets: unknown key; did you mean 'agents'?" in msg
+
+
+def test_wrong_types_name_the_key_and_the_expected_type():
+    msg = errors_of({"pipeline": {"num_parallel": "five", "correct_weight": True},
+                     "agents": {"solver": {"url": "self", "sampling": {"temperature": "hot"}}}})
+    assert "mrlx.pipeline.num_parallel: got str 'five'; expected an integer" in msg
+    assert "mrlx.pipeline.correct_weight: got bool True; expected a number" in msg
+    assert "expected at least 1" not in msg  # a bad value is reported once, not again as its fallback
+    assert "mrlx.agents.solver.sampling.temperature: got str 'hot'; expected a number" in msg
+
+
+def test_every_problem_is_reported_at_once():
+    msg = errors_of({"run_id": "bad id!", "engine": {"max_retries": -1}, "pipeline": {"num_parallel": 0}})
+    assert "3 problem(s)" in msg
+    assert "mrlx.run_id" in msg and "mrlx.engine.max_retries" in msg and "mrlx.pipeline.num_parallel" in msg
+
+
+def test_missing_pipeline_agent_is_named():
+    msg = errors_of({"agents": {"solver": {"url": "self"}, "rewriter": {"url": "self"}}})
+    assert "mrlx.agents: the pipeline system needs agents solver, rewriter, selector; missing selector" in msg
+
+
+def test_bad_url_and_unknown_self_agent():
+    msg = errors_of({"system": "dialogue", "self": "nurse",
+                     "agents": {"doctor": {"url": "self"}, "patient": {"url": "10.0.0.2:3333"}}})
+    assert "mrlx.agents.patient.url: got '10.0.0.2:3333'; expected 'self' or an http://host:port URL" in msg
+    assert "mrlx.self: agent 'nurse' is not under mrlx.agents" in msg
+
+
+def test_negative_staleness_is_rejected():
+    msg = errors_of({"coordinator": {"max_staleness": -1}})
+    assert "mrlx.coordinator.max_staleness: got -1; expected 0 or more" in msg
+
+
+def test_dialogue_references_must_be_agents():
+    msg = errors_of({"system": "dialogue", "agents": {"a": {}, "b": {}},
+                     "dialogue": {"first": "c", "order": ["a", "z"], "stop_patterns": {"q": "DONE"}}})
+    assert "mrlx.dialogue.first: 'c' is not an agent" in msg
+    assert "mrlx.dialogue.order[1]: 'z' is not an agent" in msg
+    assert "mrlx.dialogue.stop_patterns.q: not an agent" in msg
+
+
+def test_unregistered_system_is_named():
+    msg = errors_of({"system": "debate"}, known_systems={"pipeline", "dialogue"})
+    assert "mrlx.system: no agent system named 'debate' is registered" in msg
+
+
+def test_yaml_without_top_key(tmp_path):
+    path = tmp_path / "x.yaml"
+    path.write_text("pipeline: {num_parallel: 2}\n")
+    with pytest.raises(ConfigError, match="no top-level 'mrlx' key"):
+        settings_from_yaml(path)
+
+
+def test_broken_yaml_names_the_file(tmp_path):
+    path = tmp_path / "x.yaml"
+    path.write_text("mrlx: {pipeline: [\n")
+    with pytest.raises(ConfigError, match=str(path)):
+        settings_from_yaml(path)
+
+
+def _args(tmp_path, body: str, **extra) -> argparse.Namespace:
+    path = tmp_path / "job.yaml"
+    path.write_text(textwrap.dedent(body))
+    ns = argparse.Namespace(custom_config_path=str(path), hf_checkpoint=None, **extra)
+    return ns
+
+
+def test_self_url_without_a_router_is_named(tmp_path, tiny_tokenizer_dir):
+    args = _args(tmp_path, "mrlx: {system: pipeline}\n", sglang_router_ip=None, sglang_router_port=None)
+    args.hf_checkpoint = str(tiny_tokenizer_dir)
+    with pytest.raises(ConfigError, match=r"mrlx.agents.solver.url: 'self' means this job's router"):
+        build_runtime(args)
+
+
+def test_missing_tokenizer_is_named(tmp_path):
+    args = _args(tmp_path, "mrlx: {agents: {solver: {url: 'http://127.0.0.1:1'}, rewriter: {url: 'http://127.0.0.1:1'}, "
+                 "selector: {url: 'http://127.0.0.1:1'}}}\n")
+    with pytest.raises(ConfigError, match=r"mrlx.agents.solver.tokenizer: not set and the host gave no --hf-checkpoint"):
+        build_runtime(args)
+
+
+def test_plugin_that_cannot_import_is_named(tmp_path):
+    args = _args(tmp_path, "mrlx: {plugins: [no_such_module_xyz]}\n")
+    with pytest.raises(ConfigError, match=r"mrlx.plugins\[0\]: cannot import 'no_such_module_xyz'"):
+        build_runtime(args)
+
+
+def test_misspelled_hook_in_a_user_module_is_named(tmp_path, monkeypatch):
+    (tmp_path / "typo_hooks.py").write_text(
+        "from mrlx_plugin import hookimpl\n\n@hookimpl\ndef mrlx_grades(agent, transcript, episode):\n    return 1.0\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    args = _args(tmp_path, "mrlx: {plugins: [typo_hooks]}\n")
+    with pytest.raises(ConfigError, match="mrlx_grades"):
+        build_runtime(args)
+
+
+def test_apply_chat_template_is_refused_with_the_fix(tmp_path, tiny_tokenizer_dir):
+    args = _args(tmp_path, "mrlx: {}\n", sglang_router_ip="127.0.0.1", sglang_router_port=1, apply_chat_template=True)
+    args.hf_checkpoint = str(tiny_tokenizer_dir)
+    with pytest.raises(ConfigError, match="remove that flag"):
+        build_runtime(args)
+
+
+def test_base64_config_as_miles_passes_it(tmp_path):
+    import base64
+
+    from mrlx_plugin.config import raw_settings_from_args
+
+    payload = base64.b64encode(b"mrlx: {run_id: inline-run}\n").decode()
+    raw, source = raw_settings_from_args(argparse.Namespace(custom_config_path="base64:" + payload))
+    assert raw == {"run_id": "inline-run"}
