@@ -2,6 +2,7 @@
 
     mrlx check --config job_a.yaml [--router-url http://a-router:30000]
     mrlx check --config job_a.yaml --config job_b.yaml --router-url URL_A --router-url URL_B
+    mrlx check --config job_b.yaml --router-url URL_B --responder --wait 1800   (gate a launch)
 
 Each config is loaded exactly as the rollout process would load it (plugins imported, every key
 validated). Then every agent URL gets a `/health` and `/get_model_info` call, tokenizers are
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -130,7 +132,8 @@ def cross_check(configs: list[tuple[str, Settings]], report: Report) -> None:
         report.ok(f"{len(configs)} configs agree: run {s0.run_id!r}, agents {sorted(s0.agents)}")
 
 
-async def run_checks(paths: list[str], router_urls: list[str], timeout: float, tokenizers: bool) -> Report:
+async def run_checks(paths: list[str], router_urls: list[str], timeout: float, tokenizers: bool,
+                     offline: bool = False, responder: bool = False) -> Report:
     report = Report()
     configs = []
     for path in paths:
@@ -138,10 +141,15 @@ async def run_checks(paths: list[str], router_urls: list[str], timeout: float, t
         report.ok(f"{path}: settings valid (system {settings.system!r}, agents {', '.join(settings.agents)})")
         configs.append((path, settings))
     cross_check(configs, report)
+    if offline:
+        return report
     for i, (path, settings) in enumerate(configs):
         router = router_urls[i] if i < len(router_urls) else None
         jobs = []
         for name, agent in settings.agents.items():
+            if responder and agent.url != "self":
+                report.lines.append(f"skip  {path}: agent {name!r} (a responder job calls no other agent)")
+                continue
             url = router if agent.url == "self" else agent.url
             if url is None:
                 report.lines.append(f"skip  {path}: agent {name!r} is url: self (pass --router-url to check this job's router)")
@@ -168,8 +176,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--router-url", action="append", default=[], help="the router of the job, in --config order")
     p.add_argument("--timeout", type=float, default=5.0, help="seconds per URL")
     p.add_argument("--skip-tokenizers", action="store_true", help="do not load tokenizers")
+    p.add_argument("--offline", action="store_true", help="validate and cross-check the configs only; reach nothing")
+    p.add_argument("--responder", action="store_true",
+                   help="the job runs mrlx_plugin.rollout.responder_rollout: reach only its router and the coordinator")
+    p.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
+                   help="repeat the checks until they pass or SECONDS have gone by (to gate a launch)")
     ns = p.parse_args(argv)
-    report = asyncio.run(run_checks(ns.config, ns.router_url, ns.timeout, not ns.skip_tokenizers))
+    deadline = time.monotonic() + ns.wait
+    while True:
+        report = asyncio.run(run_checks(ns.config, ns.router_url, ns.timeout, not ns.skip_tokenizers,
+                                        offline=ns.offline, responder=ns.responder))
+        if not report.problems or time.monotonic() >= deadline:
+            break
+        time.sleep(min(5.0, max(0.0, deadline - time.monotonic())))
     for line in report.lines:
         print(line)
     if report.problems:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -98,6 +99,9 @@ class DialogueSettings:
     max_turns: int = 8
     stop_patterns: dict[str, str] = field(default_factory=dict)  # agent -> regex that ends the episode
     final_answer_agent: str | None = None  # whose last message is the episode's final answer
+    # agent -> its first message; "{problem}", "{label}" and "{metadata[KEY]}" are filled in from the
+    # input sample (so an agent can be told what others must not see). Default: the problem.
+    openings: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -112,6 +116,24 @@ class CoordinatorSettings:
 
 
 @dataclass
+class TrainerSettings:
+    """The embedded CPU trainer's loss and optimizer (`mrlx_plugin.local.trainer`); slime jobs
+    ignore this section (their own flags of the same names apply)."""
+
+    lr: float = 1e-4
+    eps_clip: float = 0.2  # PPO clip range below 1
+    eps_clip_high: float = 0.28  # and above 1
+    kl_coef: float = 0.0  # KL to the initial (reference) model, low-variance estimator
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    micro_batch_size: int = 32
+    ppo_epochs: int = 1
+    warmup_sft_steps: int = 0  # supervised warm-start steps on the task's format before RL
+    warmup_sft_lr: float = 3e-3
+    threads: int = 1  # torch threads per trainer
+
+
+@dataclass
 class Settings:
     run_id: str = "mrlx"
     plugins: list[str] = field(default_factory=list)  # modules holding hook implementations
@@ -123,11 +145,19 @@ class Settings:
     pipeline: PipelineSettings = field(default_factory=PipelineSettings)
     dialogue: DialogueSettings = field(default_factory=DialogueSettings)
     coordinator: CoordinatorSettings = field(default_factory=CoordinatorSettings)
+    trainer: TrainerSettings = field(default_factory=TrainerSettings)
     # Sections for systems registered by plugins: mrlx.<system name>: {...}, validated by the plugin.
     extra: dict[str, Any] = field(default_factory=dict)
 
     def agent(self, name: str) -> AgentSettings:
         return self.agents[name]
+
+
+class _AnyKey(dict):
+    """Stands in for sample metadata when checking an opening template."""
+
+    def __missing__(self, key: str) -> str:
+        return ""
 
 
 _YAML_NAMES = {"self_agent": "self"}
@@ -213,8 +243,31 @@ def _convert(tp: Any, value: Any, path: str, errors: list[str]) -> Any:
         if not isinstance(value, str):
             errors.append(f"{path}: got {type(value).__name__} {value!r}; expected a string")
             return str(value)
-        return value
+        return _expand_env(value, path, errors)
     return value
+
+
+_ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+
+
+def _expand_env(value: str, path: str, errors: list[str]) -> str:
+    """`${NAME}` and `${NAME:-default}` in a string setting, from the environment, so that the
+    addresses of a multi-job run live in one env file (launch/mrlx.env) and nowhere else."""
+    if "${" not in value:
+        return value
+
+    def sub(m: re.Match) -> str:
+        name, default = m.group(1), m.group(2)
+        found = os.environ.get(name)
+        if found is None or (found == "" and default is not None):
+            if default is None:
+                errors.append(f"{path}: environment variable {name} is not set (the YAML says {value!r}); "
+                              "set it (launch/mrlx.env holds a run's addresses) or write the value itself")
+                return ""
+            return default
+        return found
+
+    return _ENV_REF.sub(sub, value)
 
 
 def _build_dataclass(cls: type, data: dict, path: str, errors: list[str]) -> Any:
@@ -294,6 +347,22 @@ def _check(settings: Settings, path: str, errors: list[str], known_systems: set[
         for who in d.stop_patterns:
             if who not in settings.agents:
                 errors.append(f"{path}.dialogue.stop_patterns.{who}: not an agent (agents: {', '.join(names)})")
+            else:
+                try:
+                    re.compile(d.stop_patterns[who])
+                except re.error as exc:
+                    errors.append(f"{path}.dialogue.stop_patterns.{who}: not a regular expression ({exc})")
+        for who, text in d.openings.items():
+            if who not in settings.agents:
+                errors.append(f"{path}.dialogue.openings.{who}: not an agent (agents: {', '.join(names)})")
+            else:
+                try:
+                    text.format(problem="", label="", metadata=_AnyKey())
+                except (KeyError, IndexError, ValueError, AttributeError) as exc:
+                    errors.append(
+                        f"{path}.dialogue.openings.{who}: cannot fill in {exc}; use {{problem}}, {{label}} or "
+                        "{metadata[KEY]} (double the braces for literal ones)"
+                    )
         if d.max_turns < 1:
             errors.append(f"{path}.dialogue.max_turns: got {d.max_turns}; expected at least 1")
     for who, row in settings.rewards.coupling.items():
@@ -398,7 +467,8 @@ def read_text_setting(value: str | None, base: Path | None = None) -> str | None
         candidate = Path(value)
         if base is not None and not candidate.is_absolute():
             candidate = base / candidate
-        if candidate.suffix in (".txt", ".md", ".jinja", ".j2") or candidate.is_file():
+        looks_like_a_path = not any(c.isspace() for c in value) and candidate.suffix in (".txt", ".md", ".jinja", ".j2")
+        if looks_like_a_path or candidate.is_file():
             try:
                 return candidate.read_text()
             except OSError as exc:

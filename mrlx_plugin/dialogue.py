@@ -5,7 +5,8 @@ own chat template and token space. Its own turns are the ids its engine sampled 
 with log-probs and weight versions); the other agents' messages are context (loss mask 0). An
 agent's transcript opens at its first turn, so it starts from everything said before it.
 
-Settings (`mrlx.dialogue`): `first`, `order`, `max_turns`, `stop_patterns` per agent, and
+Settings (`mrlx.dialogue`): `first`, `order`, `max_turns`, `stop_patterns` per agent,
+`openings` per agent (its first message, a template over the input sample), and
 `final_answer_agent` (default: whoever spoke last). The `mrlx_should_stop` hook may end the
 episode after any turn; a stop before `max_turns` counts as an early termination.
 """
@@ -28,10 +29,26 @@ def speaking_order(episode: Episode) -> list[str]:
     return order
 
 
+def opening(episode: Episode, agent: str) -> dict[str, str]:
+    """The agent's first message: its `dialogue.openings` template filled in, or the problem."""
+    template = episode.settings.dialogue.openings.get(agent)
+    if template is None:
+        return {"role": "user", "content": episode.problem}
+    metadata = dict(getattr(episode.sample, "metadata", None) or {})
+    try:
+        text = template.format(problem=episode.problem, label=episode.label if episode.label is not None else "",
+                               metadata=metadata)
+    except KeyError as exc:
+        raise ValueError(
+            f"mrlx.dialogue.openings.{agent}: input sample {episode.sample.index} has no metadata key {exc} "
+            f"(its keys: {sorted(metadata)}); add it to the prompt data's metadata"
+        ) from None
+    return {"role": "user", "content": text}
+
+
 async def run_dialogue(episode: Episode) -> None:
     d = episode.settings.dialogue
     order = speaking_order(episode)
-    opening = {"role": "user", "content": episode.problem}
     views: dict[str, Transcript] = {}
     unread: dict[str, list[dict[str, str]]] = {a: [] for a in order}
     last_speaker = None
@@ -39,7 +56,7 @@ async def run_dialogue(episode: Episode) -> None:
         agent = order[turn % len(order)]
         t = views.get(agent)
         if t is None:
-            t = views[agent] = episode.new_transcript(agent, [opening] + unread[agent])
+            t = views[agent] = episode.new_transcript(agent, [opening(episode, agent)] + unread[agent])
         elif not t.append_messages(unread[agent]):
             episode.metadata["stopped_by"] = f"context full ({agent})"
             break

@@ -28,11 +28,12 @@ RETRYABLE_STATUS = {429, 500, 502, 503, 504}
 class EngineError(RuntimeError):
     """An engine call that failed for good (after retries, or with a non-retryable answer)."""
 
-    def __init__(self, url: str, reason: str, attempts: int = 1):
+    def __init__(self, url: str, reason: str, attempts: int = 1, retryable: bool = True):
         super().__init__(f"{url}: {reason} (after {attempts} attempt{'s' if attempts != 1 else ''})")
         self.url = url
         self.reason = reason
         self.attempts = attempts
+        self.retryable = retryable  # False: the engine refused the request itself (HTTP 4xx)
 
 
 class _BadResponse(Exception):
@@ -173,7 +174,7 @@ class EngineClient:
                 snippet = raw[:200].decode(errors="replace")
                 last = f"HTTP {status}: {snippet}"
                 if status not in RETRYABLE_STATUS:
-                    raise EngineError(self.url + "/generate", last, attempt + 1)
+                    raise EngineError(self.url + "/generate", last, attempt + 1, retryable=False)
             except _BadResponse as exc:
                 last = f"bad response: {exc}"
             except asyncio.TimeoutError:

@@ -22,7 +22,7 @@ import time
 import uuid
 from typing import Any, Awaitable
 
-from .config import AgentSettings
+from .config import AgentSettings, ConfigError
 from .engine_client import EngineError
 from .host import host_rollout_aborted
 from .transcript import Transcript, Turn
@@ -155,6 +155,14 @@ class Episode:
                 result = await client.generate(transcript.tokens, params, deadline=deadline)
             except EngineError as exc:
                 self.aborted_turns += 1
+                # A peer's engines come and go (restarts, weight updates): keep trying until the
+                # peer deadline. This job's own engines had their retries in the client.
+                wait = e.abort_retry_wait_s
+                if agent.retry_on_abort and exc.retryable and time.monotonic() + wait < deadline:
+                    retried = True
+                    await asyncio.sleep(wait)
+                    self._check_alive()
+                    continue
                 self.abort(f"engine fault: {exc}")
                 raise EpisodeAborted(self.abort_reason) from None
             retried = retried or result.retries > 0
@@ -210,6 +218,19 @@ class Episode:
     def conversation_tokens(self) -> int:
         return sum(len(t.prompt_ids) + len(t.response_ids) for t in self.transcripts)
 
+    def samples_of(self, agents: list[str], every_agent: bool) -> list[Any]:
+        """Host samples of the transcripts of `agents`. With `every_agent`, an agent without a
+        transcript gets a failed sample (a peer's group must have one sample per episode);
+        otherwise only an episode with none at all gets one."""
+        out = [
+            t.to_sample(self.sample, self.rollout_id, aborted=self.aborted, meta=self.sample_meta(t))
+            for t in self.transcripts
+            if t.agent in agents
+        ]
+        have = {t.agent for t in self.transcripts}
+        missing = [a for a in agents if a not in have] if every_agent else ([] if out else agents[:1])
+        return out + [self.fallback_sample(a) for a in missing]
+
     def sample_meta(self, t: Transcript | None) -> dict[str, Any]:
         return {
             "agent": t.agent if t is not None else None,
@@ -229,12 +250,12 @@ class Episode:
             "episode": dict(self.metadata),
         }
 
-    def fallback_sample(self) -> Any:
-        """The input sample as a failed sample, for an episode that produced no transcript."""
-        first = next(iter(self.settings.agents))
-        tok = self.runtime.tokenizers[first]
-        t = Transcript.start(first, tok, [{"role": "user", "content": self.problem}], trainable=False)
-        return t.to_sample(self.sample, self.rollout_id, aborted=True, meta=self.sample_meta(None))
+    def fallback_sample(self, agent: str | None = None) -> Any:
+        """A failed sample (in `agent`'s token space) for an agent that has no transcript."""
+        agent = agent or next(iter(self.settings.agents))
+        messages = self.with_system_prompt(agent, [{"role": "user", "content": self.problem}])
+        t = Transcript.start(agent, self.runtime.tokenizers[agent], messages, trainable=False)
+        return t.to_sample(self.sample, self.rollout_id, aborted=True, meta=self.sample_meta(t))
 
 
 async def run_episode(runtime: Any, sample: Any, sampling_params: dict[str, Any] | None, evaluation: bool) -> Any:
@@ -262,11 +283,16 @@ async def run_episode(runtime: Any, sample: Any, sampling_params: dict[str, Any]
     if evaluation:
         samples = [_evaluation_sample(episode)]
     else:
-        samples = [
-            t.to_sample(sample, episode.rollout_id, aborted=episode.aborted, meta=episode.sample_meta(t))
-            for t in episode.transcripts
-            if runtime.trains_here(t.agent)
-        ] or [episode.fallback_sample()]
+        samples = episode.samples_of([a for a in runtime.settings.agents if runtime.trains_here(a)], every_agent=False)
+        if runtime.outbox is not None:  # other jobs' agents: their samples go through the coordinator
+            if runtime.current_step is None:
+                raise ConfigError(
+                    f"{runtime.source}: this job's episodes have samples for {', '.join(runtime.peer_agents())}, "
+                    "trained by other jobs; set --rollout-function-path mrlx_plugin.rollout.initiator_rollout"
+                )
+            peers = {a: episode.samples_of([a], every_agent=True) for a in runtime.peer_agents()}
+            group_size = getattr(runtime.args, "n_samples_per_prompt", 1) or 1
+            runtime.outbox.add(episode, peers, group_size=group_size, step=runtime.current_step)
     hooks.mrlx_episode_end(episode=episode, samples=samples)
     if episode.aborted:
         logger.debug("episode %s aborted: %s", episode.id, episode.abort_reason)

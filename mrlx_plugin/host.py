@@ -193,3 +193,55 @@ def unpack_generate_call(
 
 def takes_evaluation(fn: Any) -> bool:
     return "evaluation" in inspect.signature(fn).parameters
+
+
+class _LoopThread:
+    """A persistent event loop on a daemon thread, like slime's own (used when no host is present)."""
+
+    def __init__(self) -> None:
+        import asyncio
+        import threading
+
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="mrlx-rollout-loop", daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Any) -> Any:
+        import asyncio
+
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+
+_OWN_LOOP: _LoopThread | None = None
+
+
+def run_in_host_loop(coro: Any) -> Any:
+    """Run `coro` to completion on the host's rollout event loop and return its result.
+
+    slime and Miles run every rollout coroutine (the generate function included) on one
+    persistent background loop; rollout functions are synchronous and hand coroutines to it.
+    The plugin does the same, so its connections and background tasks live in one loop.
+    """
+    global _OWN_LOOP
+    for module in ("slime.utils.async_utils", "miles.utils.async_utils"):
+        if HOST is not None and module.startswith(HOST):
+            try:
+                run = __import__(module, fromlist=["run"]).run
+            except ImportError:
+                break
+            return run(coro)
+    if _OWN_LOOP is None:
+        _OWN_LOOP = _LoopThread()
+    return _OWN_LOOP.run(coro)
+
+
+def host_default_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: bool = False) -> Any:
+    """The host's own default rollout (slime's or Miles' `generate_rollout`), or the embedded
+    stand-in without a host. It calls the `--custom-generate-function-path` function per sample."""
+    if HOST == "slime":
+        from slime.rollout.sglang_rollout import generate_rollout
+    elif HOST == "miles":
+        from miles.rollout.sglang_rollout import generate_rollout  # type: ignore[no-redef]
+    else:
+        from .local.host_rollout import default_rollout as generate_rollout  # type: ignore[no-redef]
+    return generate_rollout(args, rollout_id, data_source, evaluation=evaluation)

@@ -6,6 +6,11 @@
     --custom-rm-path                    mrlx_plugin.rewards.reward      (optional)
     --custom-config-path                your.yaml                       (an `mrlx:` key)
 
+A multi-model run adds one rollout function per job:
+
+    --rollout-function-path  mrlx_plugin.rollout.initiator_rollout   (the job that runs episodes)
+    --rollout-function-path  mrlx_plugin.rollout.responder_rollout   (each other trainable agent's job)
+
 `generate` runs one multi-agent episode per input sample. slime calls it as
 `generate(args, sample, sampling_params, evaluation=...)`; Miles calls that same form (it adapts
 3+-parameter functions) or passes one `GenerateFnInput`; both work.
@@ -16,9 +21,11 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from .coordination import initiator_barrier, responder_take
 from .episode import run_episode
-from .host import unpack_generate_call, wrap_generate_output
-from .runtime import get_runtime
+from .host import RolloutFnTrainOutput, host_default_rollout, run_in_host_loop, unpack_generate_call, wrap_generate_output
+from .metrics import compute_metrics
+from .runtime import get_runtime, runtime_for
 
 
 async def generate(args: Any, sample: Any = None, sampling_params: Any = None, evaluation: bool = False) -> Any:
@@ -52,3 +59,48 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 generate.add_arguments = add_arguments  # type: ignore[attr-defined]
+
+
+def initiator_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: bool = False) -> Any:
+    """`--rollout-function-path` of the job that runs every episode of a multi-model system.
+
+    slime calls it right after this job's trainer pushed new weights. It reports this job's
+    version to the coordinator and waits until every other trainable agent is within
+    `coordinator.max_staleness` versions, runs the host's default rollout (which calls
+    `generate` per sample: each turn goes to the speaking agent's URL), and before returning
+    makes sure every other agent's samples of this rollout are committed to the coordinator.
+    Evaluation runs the host's default evaluation and queues nothing.
+    """
+    runtime = runtime_for(args)
+    if evaluation:
+        return host_default_rollout(args, rollout_id, data_source, evaluation=True)
+    runtime.current_step = rollout_id
+    metrics: dict[str, float] = {}
+    if runtime.outbox is not None:
+        metrics.update(run_in_host_loop(initiator_barrier(runtime, rollout_id)))
+    output = host_default_rollout(args, rollout_id, data_source, evaluation=False)
+    if runtime.outbox is not None:
+        metrics.update(run_in_host_loop(runtime.outbox.drain(rollout_id)))
+    output.metrics = {**(output.metrics or {}), **metrics}
+    return output
+
+
+def responder_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: bool = False) -> Any:
+    """`--rollout-function-path` of a job whose agent's turns another job's episodes produce.
+
+    It runs no episodes and never aborts this job's engines (they serve the initiator's turns).
+    It acknowledges the groups trained in the previous step, reports this job's new weight
+    version, and leases `--rollout-batch-size` whole groups (each the episodes of one of the
+    initiator's prompt groups) from the coordinator, waiting up to `coordinator.wait_deadline_s`;
+    the leases are renewed while the step trains. Evaluation runs the host's default evaluation.
+    """
+    runtime = runtime_for(args, tokenizers=False)
+    if evaluation:
+        return host_default_rollout(args, rollout_id, data_source, evaluation=True)
+    groups, metrics = run_in_host_loop(responder_take(runtime, rollout_id, int(args.rollout_batch_size)))
+    metrics.update(compute_metrics([s for g in groups for s in g]))
+    return RolloutFnTrainOutput(samples=groups, metrics=metrics)
+
+
+initiator_rollout.add_arguments = add_arguments  # type: ignore[attr-defined]
+responder_rollout.add_arguments = add_arguments  # type: ignore[attr-defined]

@@ -18,6 +18,7 @@ from typing import Any
 import pluggy
 
 from .config import AgentSettings, ConfigError, Settings, parse_settings, raw_settings_from_args, read_text_setting
+from .coordination import PeerOutbox, ResponderState, make_client
 from .engine_client import EngineClient
 from .host import router_url
 from .plugins import SystemFn, collect_systems, make_plugin_manager
@@ -58,7 +59,7 @@ class HostLimits:
 class Runtime:
     """Settings, hooks, tokenizers and engine clients of one rollout process."""
 
-    def __init__(self, args: Any, settings: Settings, pm: pluggy.PluginManager, source: str):
+    def __init__(self, args: Any, settings: Settings, pm: pluggy.PluginManager, source: str, tokenizers: bool = True):
         self.args = args
         self.settings = settings
         self.pm = pm
@@ -77,7 +78,30 @@ class Runtime:
             self.urls[name] = self._resolve_url(name, agent)
             self.clients[name] = by_url.setdefault(self.urls[name], EngineClient(self.urls[name], settings.engine))
             self.system_prompts[name] = read_text_setting(agent.system_prompt, base)
-            self.tokenizers[name] = self._load_tokenizer(name, agent, base)
+            if tokenizers:  # a responder job runs no episodes and may not have the others' tokenizers
+                self.tokenizers[name] = self._load_tokenizer(name, agent, base)
+        peers = self.peer_agents()
+        if peers and not settings.coordinator.url:
+            raise ConfigError(
+                f"{source}: mrlx.agents.{peers[0]} is trainable but not trained by this job (mrlx.self is "
+                f"{settings.self_agent!r}); set mrlx.coordinator.url so its samples reach its trainer, or set "
+                f"mrlx.agents.{peers[0]}.trainable: false"
+            )
+        self._coordinator: Any = None
+        self.current_step: int | None = None  # the initiator's rollout id, set by its rollout function
+        self.outbox = PeerOutbox(self) if peers else None
+        self.responder = ResponderState()
+
+    @property
+    def coordinator(self) -> Any:
+        """This job's coordinator client (created on first use)."""
+        if self._coordinator is None:
+            self._coordinator = make_client(self)
+        return self._coordinator
+
+    def peer_agents(self) -> list[str]:
+        """Trainable agents that another job trains: their samples go through the coordinator."""
+        return [a for a, s in self.settings.agents.items() if s.trainable and not self.trains_here(a)]
 
     def _resolve_url(self, name: str, agent: AgentSettings) -> str:
         if agent.url != "self":
@@ -107,6 +131,8 @@ class Runtime:
 
         for client in set(self.clients.values()):
             await client.close()
+        if self._coordinator is not None:
+            await self._coordinator.close()
         await shared_verifier().aclose()
 
     def trains_here(self, agent: str) -> bool:
@@ -117,7 +143,7 @@ class Runtime:
         return bool(a.trainable) and a.url == "self"
 
 
-def build_runtime(args: Any) -> Runtime:
+def build_runtime(args: Any, tokenizers: bool = True) -> Runtime:
     raw, source = raw_settings_from_args(args)
     plugins = raw.get("plugins", []) if isinstance(raw, dict) else []
     if not isinstance(plugins, list):
@@ -134,7 +160,7 @@ def build_runtime(args: Any) -> Runtime:
             f"{source}: --partial-rollout resumes one half-generated sample, but a multi-agent episode is many "
             "samples; remove --partial-rollout (aborted episodes are returned as ABORTED samples instead)"
         )
-    return Runtime(args, settings, pm, source)
+    return Runtime(args, settings, pm, source, tokenizers=tokenizers)
 
 
 # One Runtime per host args object. `argparse.Namespace` is unhashable, so the cache is keyed by
@@ -150,15 +176,17 @@ def cached_runtime(args: Any) -> Runtime | None:
     return None
 
 
-def runtime_for(args: Any) -> Runtime:
-    """The Runtime of `args`, built on first use (blocking: call from a thread or at start-up)."""
+def runtime_for(args: Any, tokenizers: bool = True) -> Runtime:
+    """The Runtime of `args`, built on first use (blocking: call from a thread or at start-up).
+
+    `tokenizers=False` (a responder job) skips loading the agents' tokenizers."""
     rt = cached_runtime(args)
     if rt is not None:
         return rt
     with _BUILD_LOCK:
         rt = cached_runtime(args)
         if rt is None:
-            rt = build_runtime(args)
+            rt = build_runtime(args, tokenizers=tokenizers)
             try:
                 ref = weakref.ref(args)
             except TypeError:  # an args object without weakref support: keep it alive instead

@@ -304,11 +304,19 @@ def ensure_model(
     return out
 
 
+def _quiet() -> None:
+    """No per-file progress bars from transformers: the demo and the engines print their own."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
 def _float32_kwargs() -> dict[str, Any]:
     """The dtype keyword of `from_pretrained`/`from_config` (renamed `dtype` in transformers 4.56)."""
     import torch
     import transformers
 
+    _quiet()
     major, minor = (int(x) for x in re.findall(r"\d+", transformers.__version__)[:2])
     return {"dtype": torch.float32} if (major, minor) >= (4, 56) else {"torch_dtype": torch.float32}
 

@@ -17,3 +17,13 @@ def arithmetic_prompts(n: int, seed: int = 0, max_operand: int = 50) -> list[tup
             a, b = max(a, b), min(a, b)
             out.append((f"What is {a} - {b}?", str(a - b)))
     return out
+
+
+TASKS = {"arithmetic": arithmetic_prompts}
+
+
+def task_prompts(name: str, n: int, seed: int = 0) -> list[tuple[str, str]]:
+    """The built-in task `name`'s prompts and labels."""
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; built-in tasks: {', '.join(TASKS)}")
+    return TASKS[name](n, seed=seed)

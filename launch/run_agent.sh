@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# Start one agent's slime job of a two-model run.
+#   bash launch/run_agent.sh A|B [ENV_FILE]         (default: launch/mrlx.env)
+#
+# A runs every episode (mrlx_plugin.rollout.initiator_rollout); B trains on its part of them
+# (mrlx_plugin.rollout.responder_rollout). Each job has its own Ray head, and its own
+# sglang-router at the fixed address of the env file; slime, given --sglang-router-ip/port,
+# starts no router of its own and registers its engines there, so the other job can reach
+# them. MRLX_DRY_RUN=1 prints the commands instead of running them. MRLX_WAIT=0 submits the
+# job and returns (run_two_agents.sh does this for B).
+set -euo pipefail
+here="$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")" && pwd)"
+role="${1:?usage: run_agent.sh A|B [ENV_FILE]}"
+# shellcheck source=/dev/null
+source "${2:-$here/mrlx.env}"
+
+case "$role" in
+  A) rollout_fn=mrlx_plugin.rollout.initiator_rollout ;;
+  B) rollout_fn=mrlx_plugin.rollout.responder_rollout ;;
+  *) echo "run_agent.sh: the first argument is A or B, got '$role'" >&2; exit 2 ;;
+esac
+v() { local name="AGENT_${role}_$1"; printf '%s' "${!name}"; }
+agent_var="AGENT_${role}"; agent="${!agent_var}"
+config="$(v CONFIG)"; host="$(v HOST)"; router_port="$(v ROUTER_PORT)"
+router_url="http://$host:$router_port"
+log_dir="$MRLX_RUN_DIR/$agent"; mkdir -p "$log_dir"
+
+run() {
+  if [ "${MRLX_DRY_RUN:-0}" = 1 ]; then printf '%q ' "$@"; echo; else "$@"; fi
+}
+
+# 1. Both jobs' settings, checked against each other (imports the hook modules; no GPU used),
+#    then what this job will call: the coordinator, and for A, B's router.
+run "$PYTHON" -m mrlx_plugin.cli check --offline --config "$AGENT_A_CONFIG" --config "$AGENT_B_CONFIG"
+if [ "$role" = A ]; then
+  run "$PYTHON" -m mrlx_plugin.cli check --config "$config" --skip-tokenizers
+else
+  run "$PYTHON" -m mrlx_plugin.cli check --config "$config" --skip-tokenizers --responder
+fi
+
+# 2. This job's Ray head.
+run ray start --head --node-ip-address "$host" --port "$(v RAY_PORT)" --num-gpus "$(v GPUS)" \
+  --disable-usage-stats --dashboard-host 127.0.0.1 --dashboard-port "$(v DASHBOARD_PORT)"
+
+# 3. This job's router, at the fixed address the other job and the env file know.
+if [ "${MRLX_DRY_RUN:-0}" = 1 ]; then
+  run "$PYTHON" -m sglang_router.launch_router --host "$host" --port "$router_port"
+else
+  nohup "$PYTHON" -m sglang_router.launch_router --host "$host" --port "$router_port" \
+    --log-level warn >> "$log_dir/router.log" 2>&1 &
+  echo $! > "$log_dir/router.pid"
+fi
+
+# 4. The slime job. The runtime env carries PYTHONPATH and every MRLX_* address the YAML reads.
+runtime_env=$("$PYTHON" - <<'PY'
+import json, os
+env = {k: v for k, v in os.environ.items() if k.startswith(("MRLX_", "AGENT_"))}
+env.pop("MRLX_TOKEN", None)  # the token travels as a file (MRLX_TOKEN_FILE), never in a job spec
+env["PYTHONPATH"] = ":".join(p for p in (os.environ["MEGATRON_DIR"], os.environ["MRLX_REPO"]) if p)
+env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
+print(json.dumps({"env_vars": env}))
+PY
+)
+
+MODEL_ARGS=()
+# shellcheck source=/dev/null
+[ "${MRLX_DRY_RUN:-0}" = 1 ] || source "$(v MODEL_SCRIPT)"   # defines MODEL_ARGS
+common=(
+  --actor-num-nodes 1 --actor-num-gpus-per-node "$(v GPUS)" --colocate
+  --hf-checkpoint "$(v HF)" --ref-load "$(v REF)" --load "$(v SAVE)" --save "$(v SAVE)" --save-interval 20
+  --tensor-model-parallel-size "$(v TP)" --sequence-parallel --rollout-num-gpus-per-engine "$(v GPUS_PER_ENGINE)"
+  --sglang-router-ip "$host" --sglang-router-port "$router_port"
+  --rollout-function-path "$rollout_fn"
+  --custom-generate-function-path mrlx_plugin.rollout.generate
+  --custom-reward-post-process-path mrlx_plugin.rewards.normalize
+  --custom-rollout-log-function-path mrlx_plugin.metrics.log_rollout
+  --custom-config-path "$config"
+  --prompt-data "$MRLX_PROMPT_DATA" --input-key prompt --label-key label --rollout-shuffle
+  --num-rollout "$MRLX_NUM_ROLLOUT"
+  --rollout-batch-size "$MRLX_ROLLOUT_BATCH_SIZE" --n-samples-per-prompt "$MRLX_N_SAMPLES_PER_PROMPT"
+  --global-batch-size "$((MRLX_ROLLOUT_BATCH_SIZE * MRLX_N_SAMPLES_PER_PROMPT))"
+  --rollout-max-context-len "$MRLX_MAX_CONTEXT_LEN" --rollout-max-response-len "$MRLX_MAX_RESPONSE_LEN"
+  --rollout-temperature 1
+  --advantage-estimator grpo --use-kl-loss --kl-loss-coef 0.00 --kl-loss-type low_var_kl
+  --eps-clip 0.2 --eps-clip-high 0.28 --use-rollout-logprobs
+  --optimizer adam --lr 1e-6 --lr-decay-style constant --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.98
+  --use-dynamic-batch-size --max-tokens-per-gpu 16384
+  --attention-dropout 0.0 --hidden-dropout 0.0 --attention-backend flash
+)
+submit=(ray job submit --address "http://127.0.0.1:$(v DASHBOARD_PORT)" --runtime-env-json "$runtime_env")
+[ "${MRLX_WAIT:-1}" = 1 ] || submit+=(--no-wait)
+run "${submit[@]}" -- "$PYTHON" "$SLIME_DIR/train.py" "${MODEL_ARGS[@]}" "${common[@]}"

@@ -1,0 +1,200 @@
+"""Keeping the jobs of a multi-model run in step, through the coordinator.
+
+The job that runs the episodes (the initiator) trains its own agent on the samples the host gets
+back, and hands every other trainable agent's samples to the coordinator:
+- `PeerOutbox` holds those samples until every episode of their prompt group has ended, then
+  commits the group's samples for each agent in one request. A group reaches the peer whole
+  (ABORTED samples, with zero loss mask, stand in for episodes that did not finish), so the
+  peer's GRPO groups are the initiator's prompt groups. A group in which no episode finished
+  is not sent. Evaluation sends nothing.
+- `initiator_barrier` runs at the top of each of the initiator's rollouts (right after its
+  trainer pushed new weights): it reports this job's version and waits until every other
+  trainable agent is within `coordinator.max_staleness` versions.
+
+The job of a peer agent (a responder) never runs episodes: `responder_take` reports its version,
+acknowledges what it trained in the previous step, and leases whole groups for this step.
+Leases are renewed while the step trains, so a crash of the responder hands its groups back
+after one lease period, and a slow step keeps them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from .config import ConfigError
+from .coordinator.client import CoordinatorClient, CoordinatorError, token_from_env_or_file
+from .coordinator.wire import item_from_sample, sample_from_item
+
+logger = logging.getLogger(__name__)
+
+
+def make_client(runtime: Any) -> CoordinatorClient:
+    c = runtime.settings.coordinator
+    if not c.url:
+        raise ConfigError(f"{runtime.source}: mrlx.coordinator.url is not set; a multi-model job needs the coordinator")
+    if runtime.settings.self_agent is None:
+        raise ConfigError(f"{runtime.source}: mrlx.self is not set; name the agent this job trains")
+    try:
+        token = token_from_env_or_file(c.token_env, c.token_file)
+    except ValueError as exc:
+        raise ConfigError(f"{runtime.source}: mrlx.coordinator.token_file: {exc}") from None
+    return CoordinatorClient(c.url, run_id=runtime.settings.run_id, agent=runtime.settings.self_agent, token=token,
+                             request_timeout_s=c.request_timeout_s, commit_deadline_s=c.wait_deadline_s)
+
+
+@dataclass
+class _Group:
+    episodes: int = 0
+    samples: dict[str, list[tuple[str, Any]]] = field(default_factory=dict)  # agent -> [(key, sample)]
+
+
+class PeerOutbox:
+    """Other agents' samples of this job's episodes, committed one whole prompt group at a time."""
+
+    def __init__(self, runtime: Any):
+        self.runtime = runtime
+        self.groups: dict[Any, _Group] = {}
+        self.pending: set[asyncio.Task] = set()
+        self.failures: list[str] = []
+        self.stats = {"groups_sent": 0, "samples_sent": 0, "groups_dropped": 0, "duplicates": 0}
+
+    def add(self, episode: Any, peer_samples: dict[str, list[Any]], group_size: int, step: int) -> None:
+        """Record one ended episode's samples for other agents; send the group once it is whole."""
+        key = episode.sample.group_index
+        group = self.groups.setdefault(key, _Group())
+        group.episodes += 1
+        for agent, samples in peer_samples.items():
+            bucket = group.samples.setdefault(agent, [])
+            for i, s in enumerate(samples):
+                bucket.append((f"{episode.id}:{agent}:{i}", s))
+        if group.episodes >= group_size:
+            del self.groups[key]
+            self._schedule(key, group, step)
+
+    def _schedule(self, key: Any, group: _Group, step: int) -> None:
+        task = asyncio.ensure_future(self._send(key, group, step))
+        self.pending.add(task)
+        task.add_done_callback(self.pending.discard)
+
+    async def _send(self, group_index: Any, group: _Group, step: int) -> None:
+        producer = self.runtime.settings.self_agent
+        for agent, keyed in group.samples.items():
+            if all(getattr(s, "remove_sample", False) for _, s in keyed):
+                self.stats["groups_dropped"] += 1
+                continue
+            name = f"{producer}:{group_index}"
+            items = [item_from_sample(s, key=k, group=name, group_size=len(keyed), producer=producer, step=step)
+                     for k, s in keyed]
+            try:
+                result = await self.runtime.coordinator.commit(agent, items)
+            except CoordinatorError as exc:
+                self.failures.append(f"group {name} for {agent!r}: {exc}")
+                continue
+            self.stats["groups_sent"] += 1
+            self.stats["samples_sent"] += result.accepted
+            self.stats["duplicates"] += result.duplicates
+
+    async def drain(self, step: int) -> dict[str, float]:
+        """Wait until every group is committed; raise if any could not be.
+
+        A group with fewer ended episodes than its size (a sample whose generate call never
+        returned) is sent as it is, its size what it has.
+        """
+        if self.groups:
+            logger.warning("%d prompt group(s) ended the rollout short of episodes; sending them as they are",
+                           len(self.groups))
+            for key in list(self.groups):
+                self._schedule(key, self.groups.pop(key), step)
+        if self.pending:
+            await asyncio.gather(*list(self.pending), return_exceptions=True)
+        if self.failures:
+            failures, self.failures = self.failures, []
+            raise CoordinatorError(f"could not hand {len(failures)} group(s) to the coordinator: " + "; ".join(failures[:3]))
+        return {f"coordinator/{k}": float(v) for k, v in self.stats.items()}
+
+
+async def initiator_barrier(runtime: Any, rollout_id: int) -> dict[str, float]:
+    """Report this job's version; wait until every trainable peer is within the staleness bound."""
+    c = runtime.settings.coordinator
+    client = runtime.coordinator
+    await client.heartbeat()
+    await client.report_version(rollout_id)
+    metrics: dict[str, float] = {}
+    for agent in runtime.peer_agents():
+        need = rollout_id - c.max_staleness
+        started = time.monotonic()
+        version = await client.wait_version(agent, need, deadline_s=c.wait_deadline_s) if need > 0 else (
+            await client.get_version(agent) or 0)
+        metrics[f"coordinator/wait_seconds/{agent}"] = time.monotonic() - started
+        metrics[f"staleness/{agent}"] = float(rollout_id - version)
+    return metrics
+
+
+@dataclass
+class ResponderState:
+    leases: list[str] = field(default_factory=list)
+    renewer: asyncio.Task | None = None
+
+
+async def responder_take(runtime: Any, rollout_id: int, groups_needed: int) -> tuple[list[list[Any]], dict[str, float]]:
+    """Ack last step's groups, report this job's version, and lease `groups_needed` whole groups."""
+    c = runtime.settings.coordinator
+    client = runtime.coordinator
+    state: ResponderState = runtime.responder
+    if state.renewer is not None:
+        state.renewer.cancel()
+        state.renewer = None
+    for lease_id in state.leases:  # the previous step has trained: its groups are done for good
+        await client.ack(lease_id)
+    state.leases = []
+    await client.heartbeat()
+    await client.report_version(rollout_id)
+    started = time.monotonic()
+    deadline = started + c.wait_deadline_s
+    groups: list[list[Any]] = []
+    why = "the producer sent no more"
+    while len(groups) < groups_needed:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise CoordinatorError(
+                f"step {rollout_id}: got {len(groups)} of {groups_needed} groups in {c.wait_deadline_s:.0f}s; {why}"
+            )
+        lease = await client.lease(groups_needed - len(groups), lease_s=c.lease_s, wait_s=min(30.0, remaining))
+        why = lease.message or why
+        if lease.lease_id and lease.groups:
+            state.leases.append(lease.lease_id)
+            groups.extend(lease.groups)
+        if lease.end:
+            break
+    if not groups:
+        raise CoordinatorError(f"step {rollout_id}: the producer ended the stream and no group is left to train on")
+    samples = [[sample_from_item(item) for item in g] for g in groups]
+    state.renewer = asyncio.ensure_future(_renew(client, list(state.leases), c.lease_s))
+    metrics = {"coordinator/wait_seconds": time.monotonic() - started, "coordinator/groups": float(len(groups))}
+    versions = [_as_int(v) for g in samples for s in g for v in (s.weight_versions or [])]
+    versions = [v for v in versions if v is not None]
+    if versions:
+        metrics[f"staleness/{runtime.settings.self_agent}"] = float(rollout_id - min(versions))
+    return samples, metrics
+
+
+async def _renew(client: CoordinatorClient, leases: list[str], lease_s: float) -> None:
+    """Keep this step's leases while it trains (a dead responder stops renewing; its groups return)."""
+    while True:
+        await asyncio.sleep(max(1.0, lease_s / 3))
+        for lease_id in leases:
+            try:
+                await client.extend(lease_id, lease_s)
+            except CoordinatorError as exc:
+                logger.warning("could not renew lease %s: %s", lease_id, exc)
+
+
+def _as_int(value: Any) -> int | None:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None

@@ -1,0 +1,487 @@
+"""The async client of the coordinator, for rollout code running on an event loop.
+
+Nothing here blocks the loop: HTTP goes through aiohttp (one session per event loop, connections
+reused), frames are encoded and decoded on a worker thread when they are large. Calls that fail
+for a passing reason (connection refused while the coordinator restarts, 429 backpressure, 502/503/
+504) are retried with exponential backoff and jitter until the call's deadline; errors the caller
+must fix (401, 404, 409, 413, 422, 507) are raised at once as `CoordinatorError` with the server's
+message. Every call names the caller (`X-Mrlx-Agent`, pid, host), which the coordinator records
+as a heartbeat.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import socket
+import weakref
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import orjson
+
+from mrlx_plugin.coordinator.wire import CONTENT_TYPE, BufferPool, QueueItem, decode_frame, encode_items_into
+
+RETRYABLE_STATUS = frozenset({429, 502, 503, 504})
+# Frames above this size are encoded/decoded on a worker thread so the loop keeps serving turns.
+THREAD_FRAME_BYTES = 256 << 10
+
+
+class CoordinatorError(RuntimeError):
+    """The coordinator refused a call, or could not be reached in time; the message says which."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class CoordinatorUnavailable(CoordinatorError):
+    """The call kept failing for passing reasons (unreachable, backpressure) until its deadline."""
+
+
+class CoordinatorWaitTimeout(CoordinatorError):
+    """`wait_version` reached its deadline; the message names the agent, its version and last seen."""
+
+
+@dataclass
+class CommitResult:
+    accepted: int
+    duplicates: int
+    duplicate_keys: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Lease:
+    """Groups handed out under `lease_id` (ack it once trained), or none: then `end` says the
+    producer ended the queue and it is empty, and `message` says why nothing came (who was waited for)."""
+
+    lease_id: str | None
+    groups: list[list[QueueItem]]
+    end: bool
+    message: str | None = None
+    group_info: list[dict[str, Any]] = field(default_factory=list)
+
+
+def token_from_env_or_file(env: str | None = "MRLX_TOKEN", file: str | None = None) -> str | None:
+    """The bearer token from `file` when given, else from the environment variable `env`; None if neither.
+
+    Raises ValueError when the file is given but missing or empty (a silent fallback to no token
+    would turn auth off without anyone noticing).
+    """
+    if file:
+        try:
+            with open(file, encoding="utf-8") as handle:
+                token = handle.read().strip()
+        except OSError as exc:
+            raise ValueError(f"cannot read the token file {file!r}: {exc.strerror}") from None
+        if not token:
+            raise ValueError(f"the token file {file!r} is empty")
+        return token
+    if env:
+        return os.environ.get(env, "").strip() or None
+    return None
+
+
+def _error_text(body: bytes) -> str:
+    try:
+        data = orjson.loads(body)
+        if isinstance(data, dict) and isinstance(data.get("error"), str):
+            return data["error"]
+    except orjson.JSONDecodeError:
+        pass
+    return body[:500].decode("utf-8", "replace")
+
+
+class CoordinatorClient:
+    """One agent's connection to the run's coordinator.
+
+    `url` is the coordinator's base URL; `agent` is who this client speaks for (its own queue is the
+    default `consumer` of `lease`/`ack`, its own version the default of `report_version`).
+    `request_timeout_s` bounds one HTTP exchange (long polls get their wait on top); calls other than
+    `commit` and `wait_version` give up after `max_retries` retries; `commit` retries until its
+    deadline. Commits are cut into requests of at most `max_commit_bytes` / `max_commit_items` and up
+    to `commit_concurrency` of them are in flight, so encoding overlaps the transfer.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        run_id: str,
+        agent: str,
+        token: str | None = None,
+        request_timeout_s: float = 60.0,
+        max_retries: int = 8,
+        backoff_base_s: float = 0.05,
+        backoff_max_s: float = 2.0,
+        commit_deadline_s: float = 600.0,
+        max_commit_bytes: int = 16 << 20,
+        max_commit_items: int = 1024,
+        commit_concurrency: int = 2,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.run_id = run_id
+        self.agent = agent
+        self.request_timeout_s = request_timeout_s
+        self.max_retries = max_retries
+        self.backoff_base_s = backoff_base_s
+        self.backoff_max_s = backoff_max_s
+        self.commit_deadline_s = commit_deadline_s
+        self.max_commit_bytes = max_commit_bytes
+        self.max_commit_items = max_commit_items
+        self.commit_concurrency = max(1, commit_concurrency)
+        self._headers = {
+            "X-Mrlx-Agent": agent,
+            "X-Mrlx-Pid": str(os.getpid()),
+            "X-Mrlx-Host": socket.gethostname(),
+        }
+        if token:
+            self._headers["Authorization"] = f"Bearer {token}"
+        self._buffers = BufferPool(keep=self.commit_concurrency + 2)
+        self._sessions: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, aiohttp.ClientSession] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    def __repr__(self) -> str:  # never shows the token
+        return f"CoordinatorClient(url={self.url!r}, run_id={self.run_id!r}, agent={self.agent!r})"
+
+    # ----------------------------------------------------------------- plumbing
+
+    def _session(self) -> aiohttp.ClientSession:
+        loop = asyncio.get_running_loop()
+        session = self._sessions.get(loop)
+        if session is None or session.closed:
+            session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=32), headers=self._headers, raise_for_status=False
+            )
+            self._sessions[loop] = session
+        return session
+
+    async def close(self) -> None:
+        """Close this loop's session (sessions of other loops close with their loop)."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        session = self._sessions.pop(loop, None)
+        if session is not None and not session.closed:
+            await session.close()
+
+    async def __aenter__(self) -> CoordinatorClient:  # noqa: PYI034
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def _path(self, suffix: str) -> str:
+        return f"{self.url}/v1/runs/{self.run_id}{suffix}"
+
+    async def _call(
+        self,
+        method: str,
+        url: str,
+        *,
+        json: Any = None,
+        data: bytes | memoryview | None = None,
+        deadline_s: float | None = None,
+        max_retries: int | None = None,
+        extra_timeout_s: float = 0.0,
+        reader: Callable[[aiohttp.ClientResponse], Awaitable[Any]] | None = None,
+    ) -> tuple[int, Any, Any]:
+        """One logical call: retried for passing failures until `deadline_s` (seconds from now)
+        and at most `max_retries` retries (None: until the deadline). Returns (status, headers,
+        body), the body as `reader` returns it (default: bytes)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + (
+            deadline_s if deadline_s is not None else self.request_timeout_s * (self.max_retries + 1)
+        )
+        if max_retries is None and deadline_s is None:
+            max_retries = self.max_retries
+        headers = {}
+        payload: bytes | memoryview | None = data
+        if json is not None:
+            payload = orjson.dumps(json)
+            headers["Content-Type"] = "application/json"
+        elif data is not None:
+            headers["Content-Type"] = CONTENT_TYPE
+        timeout = aiohttp.ClientTimeout(total=self.request_timeout_s + extra_timeout_s)
+        attempt = 0
+        while True:
+            retry_after = 0.0
+            try:
+                async with self._session().request(
+                    method, url, data=payload, headers=headers, timeout=timeout
+                ) as resp:
+                    if resp.status < 400:
+                        return resp.status, resp.headers, await (reader or _read_all)(resp)
+                    body = await resp.read()
+                    problem = f"HTTP {resp.status}: {_error_text(body)}"
+                    if resp.status not in RETRYABLE_STATUS:
+                        raise CoordinatorError(f"coordinator {method} {url} failed: {problem}", resp.status)
+                    try:
+                        retry_after = float(resp.headers.get("Retry-After", "0"))
+                    except ValueError:
+                        retry_after = 0.0
+                    status: int | None = resp.status
+            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError) as exc:
+                problem = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+                status = None
+            attempt += 1
+            remaining = deadline - loop.time()
+            if remaining <= 0 or (max_retries is not None and attempt > max_retries):
+                raise CoordinatorUnavailable(
+                    f"coordinator {method} {url} did not succeed after {attempt} attempts: {problem}", status
+                )
+            delay = min(self.backoff_max_s, self.backoff_base_s * (2 ** min(attempt - 1, 16)))
+            delay = max(retry_after, delay * random.uniform(0.5, 1.0))
+            await asyncio.sleep(min(delay, remaining))
+
+    async def _json_call(self, method: str, url: str, body: Any = None, **kwargs: Any) -> Any:
+        _, _, raw = await self._call(method, url, json=body, **kwargs)
+        return orjson.loads(raw)
+
+    # ----------------------------------------------------------------- agents
+
+    async def health(self) -> dict[str, Any]:
+        """GET /health (no auth needed)."""
+        return await self._json_call("GET", f"{self.url}/health")
+
+    async def run_info(self) -> dict[str, Any]:
+        """Every agent's version and last seen, and every queue's depth."""
+        return await self._json_call("GET", self._path(""))
+
+    async def heartbeat(self) -> dict[str, Any]:
+        """Tell the coordinator this agent is alive (any call does; this one does nothing else)."""
+        return await self._json_call(
+            "POST",
+            self._path(f"/agents/{self.agent}/heartbeat"),
+            {"pid": os.getpid(), "host": socket.gethostname()},
+        )
+
+    async def report_version(self, version: int, agent: str | None = None) -> int:
+        """Report a weight version (monotonic: a lower one is ignored); returns the registered version."""
+        data = await self._json_call(
+            "POST", self._path(f"/agents/{agent or self.agent}/version"), {"version": int(version)}
+        )
+        return int(data["version"])
+
+    async def get_version(self, agent: str) -> int | None:
+        """The agent's last reported version, None if it has reported none."""
+        data = await self._json_call("GET", self._path(f"/agents/{agent}/version"))
+        return data["version"]
+
+    async def wait_version(
+        self, agent: str, min_version: int, deadline_s: float, *, poll_s: float = 30.0
+    ) -> int:
+        """Wait until `agent` has reported a version >= `min_version`; returns that version.
+
+        Long-polls (each up to `poll_s`) until `deadline_s` seconds have passed, riding out
+        coordinator restarts; raises `CoordinatorWaitTimeout` naming the agent, its version and
+        when it was last seen.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + deadline_s
+        message = f"agent {agent!r} did not reach version {min_version} within {deadline_s:.1f} s"
+        while True:
+            remaining = deadline - loop.time()
+            poll = max(0.0, min(poll_s, remaining))
+            try:
+                data = await self._json_call(
+                    "POST",
+                    self._path(f"/agents/{agent}/wait_version"),
+                    {"min_version": int(min_version), "timeout_s": poll},
+                    deadline_s=max(remaining, 0.0) + 1.0,
+                    extra_timeout_s=poll,
+                )
+            except CoordinatorUnavailable as exc:
+                raise CoordinatorWaitTimeout(
+                    f"{message}; the coordinator was unreachable: {exc}", exc.status
+                ) from None
+            if data["reached"]:
+                return int(data["version"])
+            message = data.get("message") or message
+            if deadline - loop.time() <= 0:
+                raise CoordinatorWaitTimeout(f"waited {deadline_s:.1f} s: {message}")
+
+    # ----------------------------------------------------------------- queues
+
+    def _plan_chunks(self, items: Sequence[QueueItem]) -> list[Sequence[QueueItem]]:
+        """Cut a commit into requests. The first requests are small and each next one twice as large
+        (up to `max_commit_bytes`), so the first groups reach the consumer after a small request
+        instead of after a full-sized one, while the bulk still travels in large requests."""
+        chunks: list[Sequence[QueueItem]] = []
+        start, size = 0, 0
+        budget = max(1, self.max_commit_bytes // 16)
+        for index, item in enumerate(items):
+            estimate = 4 * len(item.tokens) + 5 * int(item.response_length) + 512
+            if index > start and (size + estimate > budget or index - start >= self.max_commit_items):
+                chunks.append(items[start:index])
+                start, size = index, 0
+                budget = min(self.max_commit_bytes, 2 * budget)
+            size += estimate
+        chunks.append(items[start:])
+        return chunks
+
+    async def commit(
+        self, consumer: str, items: Iterable[QueueItem], deadline_s: float | None = None
+    ) -> CommitResult:
+        """Commit `items` to the queue of `consumer`; keys already known count as duplicates.
+
+        Retries backpressure (429) and connection failures with backoff until `deadline_s` (default
+        `commit_deadline_s`), then raises `CoordinatorUnavailable`; raises `CoordinatorError` at once
+        for a rejected item (422, naming key and field), bad token (401), a request over the size
+        limit (413) or a database that cannot be written (507). Each request is all or nothing; a
+        commit cut into several requests may be partly stored when it raises, and is safe to repeat.
+        """
+        items = list(items)
+        if not items:
+            return CommitResult(0, 0)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + (deadline_s if deadline_s is not None else self.commit_deadline_s)
+        url = self._path(f"/queues/{consumer}/commit")
+        result = CommitResult(0, 0)
+        slots = asyncio.Semaphore(self.commit_concurrency)
+        tasks: list[asyncio.Task[None]] = []
+
+        async def send(buf: bytearray, frame: memoryview) -> None:
+            try:
+                _, _, raw = await self._call(
+                    "POST", url, data=frame, deadline_s=max(0.0, deadline - loop.time())
+                )
+                # Reused only after a complete exchange: the server has read every byte by then.
+                self._buffers.give(buf)
+            finally:
+                slots.release()
+            data = orjson.loads(raw)
+            result.accepted += data["accepted"]
+            result.duplicates += data["duplicates"]
+            result.duplicate_keys.extend(data.get("duplicate_keys", []))
+
+        try:
+            for chunk in self._plan_chunks(items):
+                if len(tasks) and any(task.done() and task.exception() for task in tasks):
+                    break
+                await slots.acquire()
+                try:
+                    if sum(len(item.tokens) for item in chunk) * 4 > THREAD_FRAME_BYTES:
+                        buf, frame = await loop.run_in_executor(None, encode_items_into, chunk, self._buffers)
+                    else:
+                        buf, frame = encode_items_into(chunk, self._buffers)
+                except BaseException:
+                    slots.release()
+                    raise
+                tasks.append(asyncio.create_task(send(buf, frame)))
+            await asyncio.gather(*tasks)
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        return result
+
+    async def seal(self, consumer: str, group: str, size: int) -> bool:
+        """Fix a group's final size (episodes came up short); True when the group is now complete."""
+        data = await self._json_call(
+            "POST", self._path(f"/queues/{consumer}/seal"), {"group": group, "size": int(size)}
+        )
+        return bool(data["complete"])
+
+    async def end_stream(self, consumer: str) -> int:
+        """No more items for `consumer`; incomplete groups are sealed as they are. Returns how many were."""
+        data = await self._json_call("POST", self._path(f"/queues/{consumer}/end"), {})
+        return int(data["sealed_groups"])
+
+    async def queue_info(self, consumer: str | None = None) -> dict[str, Any]:
+        """Depth, ready and incomplete groups, and the end mark of a queue."""
+        return await self._json_call("GET", self._path(f"/queues/{consumer or self.agent}"))
+
+    async def lease(
+        self,
+        max_groups: int,
+        lease_s: float,
+        wait_s: float,
+        consumer: str | None = None,
+        *,
+        step: int | None = None,
+    ) -> Lease:
+        """Lease up to `max_groups` complete groups of `consumer`'s queue (default: this agent's) for
+        `lease_s` seconds, waiting up to `wait_s` for the first one. Ack the lease after training on
+        it; an unacked lease's groups are delivered again after it expires."""
+        consumer = consumer or self.agent
+        body: dict[str, Any] = {
+            "max_groups": int(max_groups),
+            "lease_s": float(lease_s),
+            "wait_s": float(wait_s),
+        }
+        if step is not None:
+            body["step"] = int(step)
+        _, _, (header, items) = await self._call(
+            "POST",
+            self._path(f"/queues/{consumer}/lease"),
+            json=body,
+            deadline_s=wait_s + self.request_timeout_s * (self.max_retries + 1),
+            max_retries=self.max_retries,
+            extra_timeout_s=wait_s,
+            reader=self._read_frame,
+        )
+        groups: list[list[QueueItem]] = []
+        start = 0
+        for info in header.get("groups", []):
+            groups.append(items[start : start + info["size"]])
+            start += info["size"]
+        return Lease(
+            header.get("lease_id"),
+            groups,
+            bool(header.get("end")),
+            header.get("message"),
+            header.get("groups", []),
+        )
+
+    async def extend(self, lease_id: str, lease_s: float, consumer: str | None = None) -> float:
+        """Keep a lease for `lease_s` more seconds (training takes longer than the lease); returns
+        the seconds until it now expires. Raises `CoordinatorError` (409) once it was redelivered."""
+        data = await self._json_call(
+            "POST",
+            self._path(f"/queues/{consumer or self.agent}/extend"),
+            {"lease_id": lease_id, "lease_s": float(lease_s)},
+        )
+        return float(data["expires_in_s"])
+
+    async def ack(self, lease_id: str, consumer: str | None = None) -> dict[str, Any]:
+        """Mark a lease's groups done for good (idempotent). Raises `CoordinatorError` (409) when the
+        lease expired and its groups were already delivered again."""
+        return await self._json_call(
+            "POST", self._path(f"/queues/{consumer or self.agent}/ack"), {"lease_id": lease_id}
+        )
+
+    async def _read_frame(self, resp: aiohttp.ClientResponse) -> tuple[dict[str, Any], list[QueueItem]]:
+        """Read a frame into a reused buffer and decode it (on a worker thread when large)."""
+        length = resp.content_length
+        if length is None:
+            raw: bytes | memoryview = await resp.read()
+            buf = None
+        else:
+            buf = self._buffers.take(length)
+            view = memoryview(buf)
+            position = 0
+            while position < length:
+                chunk = await resp.content.readany()
+                if not chunk or position + len(chunk) > length:
+                    raise aiohttp.ClientPayloadError(f"the frame does not match its Content-Length {length}")
+                view[position : position + len(chunk)] = chunk
+                position += len(chunk)
+            raw = view[:length]
+        if len(raw) > THREAD_FRAME_BYTES:
+            decoded = await asyncio.get_running_loop().run_in_executor(None, decode_frame, raw)
+        else:
+            decoded = decode_frame(raw)
+        if buf is not None:  # the decoded items hold no reference to it (not reused if cancelled)
+            self._buffers.give(buf)
+        return decoded
+
+
+async def _read_all(resp: aiohttp.ClientResponse) -> bytes:
+    return await resp.read()

@@ -1,0 +1,1244 @@
+"""The coordinator service (aiohttp): durable per-agent sample queues, leases and acks, and the
+weight-version registry that keeps two training jobs within a staleness bound.
+
+One coordinator serves one run (`--run-id`) and the agents named at start (`--agents`). Routes,
+all under /v1 except health, metrics and the OpenAPI document:
+
+    GET  /health                                       no auth: status, run id, uptime, db path
+    GET  /metrics                                      Prometheus text
+    GET  /openapi.json                                 no auth: OpenAPI 3 description of all routes
+    GET  /v1/runs/{run}                                agents (version, last seen) and queue depths
+    POST /v1/runs/{run}/queues/{consumer}/commit       body: a wire frame of items (see `wire`)
+    POST /v1/runs/{run}/queues/{consumer}/lease        JSON in, wire frame out (lease id in its header)
+    POST /v1/runs/{run}/queues/{consumer}/ack          {"lease_id"}
+    POST /v1/runs/{run}/queues/{consumer}/extend       {"lease_id", "lease_s"}
+    POST /v1/runs/{run}/queues/{consumer}/seal         {"group", "size"}
+    POST /v1/runs/{run}/queues/{consumer}/end          {}
+    GET  /v1/runs/{run}/queues/{consumer}              depth, ready groups, ended
+    POST /v1/runs/{run}/agents/{agent}/heartbeat       {"pid"?, "host"?}
+    POST /v1/runs/{run}/agents/{agent}/version         {"version"}
+    GET  /v1/runs/{run}/agents/{agent}/version
+    POST /v1/runs/{run}/agents/{agent}/wait_version    {"min_version", "timeout_s"?} (long poll)
+
+Every call but /health and /openapi.json needs `Authorization: Bearer TOKEN`. Clients name
+themselves with `X-Mrlx-Agent`, `X-Mrlx-Pid`, `X-Mrlx-Host`; any such call counts as a heartbeat.
+Errors are JSON `{"error": message}` with the status saying what kind (401, 404, 409, 413, 422,
+429 with Retry-After, 503/507 when the database cannot be written).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+import ipaddress
+import logging
+import math
+import os
+import re
+import signal
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from mrlx_plugin.coordinator.client import token_from_env_or_file
+from mrlx_plugin.coordinator.storage import CoordinatorStore, QueueStats, StoreError, StoreOpenError
+from mrlx_plugin.coordinator.wire import (
+    CONTENT_TYPE,
+    MAX_GROUP_SIZE,
+    MAX_KEY_CHARS,
+    BufferPool,
+    FrameView,
+    WireError,
+    encode_frame,
+    frame_head,
+    scan_frame,
+    validate_record,
+)
+
+log = logging.getLogger("mrlx.coordinator")
+
+NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+MAX_WAIT_S = 300.0  # longest single long poll; clients loop for longer waits
+MAX_LEASE_GROUPS = 4096
+HEARTBEAT_FLUSH_S = 2.0
+RETRY_AFTER_S = 1
+AGENT_HEADER, PID_HEADER, HOST_HEADER = "X-Mrlx-Agent", "X-Mrlx-Pid", "X-Mrlx-Host"
+LEASE_HEADER = "X-Mrlx-Lease-Id"
+
+
+# --------------------------------------------------------------------------- request bodies
+
+
+@dataclass(frozen=True)
+class BodyField:
+    """One field of a JSON request body: its kind, bounds and default (also feeds /openapi.json)."""
+
+    kind: str  # "int" | "number" | "str"
+    required: bool = True
+    minimum: float | None = None
+    maximum: float | None = None
+    nullable: bool = False
+    default: Any = None
+    max_length: int | None = None
+    doc: str = ""
+
+
+LEASE_BODY = {
+    "max_groups": BodyField(
+        "int", False, 1, MAX_LEASE_GROUPS, default=1, doc="most complete groups to lease"
+    ),
+    "lease_s": BodyField(
+        "number", False, 0.05, 7 * 86400.0, default=600.0, doc="seconds until the lease expires"
+    ),
+    "wait_s": BodyField(
+        "number", False, 0.0, MAX_WAIT_S, default=0.0, doc="long-poll for up to this many seconds"
+    ),
+    "step": BodyField("int", False, 0, None, nullable=True, doc="only groups of this producer step"),
+}
+ACK_BODY = {"lease_id": BodyField("str", max_length=64, doc="the lease to ack")}
+EXTEND_BODY = {
+    "lease_id": BodyField("str", max_length=64, doc="the lease to keep"),
+    "lease_s": BodyField(
+        "number", minimum=0.05, maximum=7 * 86400.0, doc="seconds from now until it expires"
+    ),
+}
+SEAL_BODY = {
+    "group": BodyField("str", max_length=MAX_KEY_CHARS, doc="the group id"),
+    "size": BodyField("int", minimum=1, maximum=MAX_GROUP_SIZE, doc="the group's final size"),
+}
+END_BODY: dict[str, BodyField] = {}
+HEARTBEAT_BODY = {
+    "pid": BodyField("int", False, 0, None, nullable=True, doc="process id of the agent"),
+    "host": BodyField("str", False, nullable=True, max_length=256, doc="host name of the agent"),
+}
+VERSION_BODY = {"version": BodyField("int", minimum=0, doc="the agent's weight version (monotonic)")}
+WAIT_BODY = {
+    "min_version": BodyField("int", minimum=0, doc="wait until the agent has at least this version"),
+    "timeout_s": BodyField(
+        "number", False, 0.0, MAX_WAIT_S, default=30.0, doc="long-poll for up to this many seconds"
+    ),
+}
+
+
+class HttpProblem(Exception):
+    """An error answer: status, one clear message, optional headers."""
+
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.headers = headers or {}
+
+
+def parse_body(raw: bytes, spec: dict[str, BodyField], where: str) -> dict[str, Any]:
+    """Strictly parse a JSON object body: unknown fields, missing fields and wrong types are 422."""
+    if not raw.strip():
+        data: Any = {}
+    else:
+        try:
+            data = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            raise HttpProblem(422, f"{where}: the body is not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise HttpProblem(422, f"{where}: the body must be a JSON object")
+    unknown = sorted(set(data) - set(spec))
+    if unknown:
+        raise HttpProblem(422, f"{where}: unknown fields {unknown}; allowed are {sorted(spec)}")
+    out: dict[str, Any] = {}
+    for name, rule in spec.items():
+        if name not in data:
+            if rule.required:
+                raise HttpProblem(422, f"{where}: field {name!r} is required")
+            out[name] = rule.default
+            continue
+        value = data[name]
+        if value is None:
+            if not rule.nullable:
+                raise HttpProblem(422, f"{where}: field {name!r} must not be null")
+            out[name] = None
+            continue
+        if rule.kind == "int":
+            ok = isinstance(value, int) and not isinstance(value, bool)
+        elif rule.kind == "number":
+            ok = (isinstance(value, int) and not isinstance(value, bool)) or (
+                isinstance(value, float) and math.isfinite(value)
+            )
+        else:
+            ok = isinstance(value, str)
+        if not ok:
+            raise HttpProblem(
+                422,
+                f"{where}: field {name!r} must be a{'n' if rule.kind == 'int' else ''} {rule.kind}, got {value!r}",
+            )
+        if rule.kind == "str":
+            if not value or (rule.max_length is not None and len(value) > rule.max_length):
+                raise HttpProblem(
+                    422,
+                    f"{where}: field {name!r} must be a non-empty string of at most {rule.max_length} characters",
+                )
+        else:
+            if rule.minimum is not None and value < rule.minimum:
+                raise HttpProblem(422, f"{where}: field {name!r} must be >= {rule.minimum}, got {value}")
+            if rule.maximum is not None and value > rule.maximum:
+                raise HttpProblem(422, f"{where}: field {name!r} must be <= {rule.maximum}, got {value}")
+        out[name] = value
+    return out
+
+
+# --------------------------------------------------------------------------- configuration
+
+
+@dataclass
+class CoordinatorConfig:
+    db: str
+    run_id: str
+    agents: list[str]
+    host: str = "127.0.0.1"
+    port: int = 18888
+    token: str | None = field(default=None, repr=False)
+    max_depth: int = 65536
+    max_request_mb: float = 512.0
+    port_file: str | None = None
+    synchronous: str = "full"
+    max_db_mb: float | None = None
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _seen_phrase(beat: tuple[float, int | None, str | None] | None, now: float) -> str:
+    if beat is None:
+        return "never seen"
+    seen, pid, host = beat
+    who = []
+    if pid is not None:
+        who.append(f"pid {pid}")
+    if host:
+        who.append(f"on host {host}")
+    return f"last seen {max(0.0, now - seen):.1f} s ago" + (f" ({' '.join(who)})" if who else "")
+
+
+def _pulse(events: dict[str, asyncio.Event], name: str) -> None:
+    """Wake everyone waiting on `name` and arm a fresh event for the next waiters.
+
+    A waiter takes the current event BEFORE it looks at the state, so a change between its look and
+    its wait still wakes it (the event it holds is already set)."""
+    event = events.get(name)
+    events[name] = asyncio.Event()
+    if event is not None:
+        event.set()
+
+
+class Metrics:
+    """Counters and gauges, rendered as Prometheus text."""
+
+    def __init__(self) -> None:
+        self.counters: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+
+    def inc(self, name: str, amount: float = 1.0, **labels: str) -> None:
+        key = (name, tuple(sorted(labels.items())))
+        self.counters[key] = self.counters.get(key, 0.0) + amount
+
+    @staticmethod
+    def line(name: str, value: float, labels: dict[str, str] | tuple[tuple[str, str], ...] = ()) -> str:
+        items = labels.items() if isinstance(labels, dict) else labels
+        rendered = ",".join(f'{k}="{_escape_label(str(v))}"' for k, v in items)
+        return f"{name}{{{rendered}}} {value:g}" if rendered else f"{name} {value:g}"
+
+
+def _escape_label(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+COUNTER_HELP = {
+    "mrlx_coordinator_items_enqueued_total": "items accepted into a queue",
+    "mrlx_coordinator_items_duplicate_total": "items re-committed under a known key (no-op)",
+    "mrlx_coordinator_items_leased_total": "items handed out under a lease (redeliveries included)",
+    "mrlx_coordinator_items_redelivered_total": "items handed out again after a lease expired",
+    "mrlx_coordinator_items_acked_total": "items acked (done for good)",
+    "mrlx_coordinator_wait_timeouts_total": "long polls that ended without their condition",
+    "mrlx_coordinator_requests_total": "HTTP requests by endpoint and status",
+}
+
+
+# --------------------------------------------------------------------------- the service
+
+
+class Coordinator:
+    """The service's state and handlers; `build_app()` gives the aiohttp application."""
+
+    def __init__(self, config: CoordinatorConfig, store: CoordinatorStore, state: Any) -> None:
+        self.config = config
+        self.store = store
+        self.started = time.time()
+        self.agents = list(config.agents)
+        self.versions: dict[str, tuple[int, float]] = dict(state.versions)
+        self.heartbeats: dict[str, tuple[float, int | None, str | None]] = dict(state.heartbeats)
+        self.ended: set[str] = set(state.ended)
+        self.producers: dict[str, set[str]] = {k: set(v) for k, v in state.producers.items()}
+        self._dirty_beats: dict[str, tuple[float, int | None, str | None]] = {}
+        self._queue_events: dict[str, asyncio.Event] = {}
+        self._version_events: dict[str, asyncio.Event] = {}
+        self._waits: dict[str, int] = {"version": 0, "lease": 0}
+        self.metrics = Metrics()
+        self._cpu = ThreadPoolExecutor(max_workers=2, thread_name_prefix="mrlx-coord-cpu")
+        self._buffers = BufferPool(keep=4)
+        self._flusher: asyncio.Task[None] | None = None
+        self._token = config.token.encode() if config.token else None
+
+    # ----------------------------------------------------------------- plumbing
+
+    def build_app(self) -> web.Application:
+        max_bytes = int(self.config.max_request_mb * (1 << 20))
+        app = web.Application(client_max_size=max_bytes, middlewares=[self._errors, self._auth])
+        route = app.router.add_route
+        route("GET", "/health", self.health, name="health")
+        route("GET", "/metrics", self.metrics_text, name="metrics")
+        route("GET", "/openapi.json", self.openapi, name="openapi")
+        base = "/v1/runs/{run}"
+        route("GET", base, self.run_info, name="run")
+        queue = base + "/queues/{consumer}"
+        route("POST", queue + "/commit", self.commit, name="commit")
+        route("POST", queue + "/lease", self.lease, name="lease")
+        route("POST", queue + "/ack", self.ack, name="ack")
+        route("POST", queue + "/extend", self.extend, name="extend")
+        route("POST", queue + "/seal", self.seal, name="seal")
+        route("POST", queue + "/end", self.end, name="end")
+        route("GET", queue, self.queue_info, name="queue")
+        agent = base + "/agents/{agent}"
+        route("POST", agent + "/heartbeat", self.heartbeat, name="heartbeat")
+        route("POST", agent + "/version", self.report_version, name="report_version")
+        route("GET", agent + "/version", self.get_version, name="get_version")
+        route("POST", agent + "/wait_version", self.wait_version, name="wait_version")
+        app.on_startup.append(self._on_startup)
+        app.on_cleanup.append(self._on_cleanup)
+        return app
+
+    async def _on_startup(self, app: web.Application) -> None:
+        self._flusher = asyncio.create_task(self._flush_heartbeats_forever())
+
+    async def _on_cleanup(self, app: web.Application) -> None:
+        if self._flusher is not None:
+            self._flusher.cancel()
+            try:
+                await self._flusher
+            except asyncio.CancelledError:
+                pass
+        await self._flush_heartbeats()
+        self._cpu.shutdown(wait=False)
+
+    @web.middleware
+    async def _errors(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        """Every failure becomes a JSON error with one message; every request is counted."""
+        route = request.match_info.route
+        endpoint = route.name if route is not None and route.name else "unmatched"
+        try:
+            response = await handler(request)
+        except HttpProblem as exc:
+            response = self._error_response(exc.status, exc.message, exc.headers)
+        except StoreError as exc:
+            headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.status == 429 else None
+            if exc.status >= 500:
+                log.error("%s %s: %s", request.method, request.path, exc.message)
+            response = self._error_response(exc.status, exc.message, headers)
+        except web.HTTPException as exc:
+            message = exc.text or exc.reason
+            if exc.status == 413:
+                message = (
+                    f"request body is over the coordinator's limit of {self.config.max_request_mb:g} MB "
+                    "(--max-request-mb); send fewer items per request"
+                )
+            elif exc.status == 404:
+                message = f"no route {request.method} {request.path}; see /openapi.json"
+            elif exc.status == 405:
+                message = f"method {request.method} is not allowed on {request.path}; see /openapi.json"
+            response = self._error_response(exc.status, message, None)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a bug, not bad input: say so and keep serving
+            log.exception("unexpected error on %s %s", request.method, request.path)
+            response = self._error_response(500, f"internal error: {type(exc).__name__}: {exc}", None)
+        self.metrics.inc("mrlx_coordinator_requests_total", endpoint=endpoint, status=str(response.status))
+        return response
+
+    @staticmethod
+    def _error_response(status: int, message: str, headers: dict[str, str] | None) -> web.Response:
+        return web.Response(
+            status=status,
+            body=orjson.dumps({"error": message}),
+            content_type="application/json",
+            headers=headers,
+        )
+
+    @web.middleware
+    async def _auth(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        """Bearer token on everything but /health and /openapi.json; size limit; heartbeats."""
+        if request.path in ("/health", "/openapi.json"):
+            return await handler(request)
+        if self._token is not None:
+            header = request.headers.get("Authorization", "")
+            scheme, _, given = header.partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self._token):
+                raise HttpProblem(
+                    401,
+                    "missing or wrong bearer token: send 'Authorization: Bearer <token>' with the run's token",
+                    {"WWW-Authenticate": 'Bearer realm="mrlx-coordinator"'},
+                )
+        length = request.content_length
+        if length is not None and length > self.config.max_request_mb * (1 << 20):
+            raise web.HTTPRequestEntityTooLarge(
+                max_size=int(self.config.max_request_mb * (1 << 20)), actual_size=length
+            )
+        if "run" in request.match_info:
+            self._check_run(request.match_info["run"])
+            self._record_identity(request)
+        return await handler(request)
+
+    def _check_run(self, run: str) -> None:
+        if run != self.config.run_id:
+            raise HttpProblem(404, f"this coordinator serves run {self.config.run_id!r}, not {run!r}")
+
+    def _known_agent(self, name: str, what: str) -> str:
+        if name not in self.agents:
+            raise HttpProblem(
+                404,
+                f"unknown {what} {name!r}; the agents of run {self.config.run_id!r} are {', '.join(self.agents)}",
+            )
+        return name
+
+    def _record_identity(self, request: web.Request) -> None:
+        agent = request.headers.get(AGENT_HEADER)
+        if agent is None:
+            return
+        if agent not in self.agents:
+            raise HttpProblem(
+                422,
+                f"header {AGENT_HEADER} names unknown agent {agent!r}; the agents are {', '.join(self.agents)}",
+            )
+        pid_text = request.headers.get(PID_HEADER)
+        pid = None
+        if pid_text is not None:
+            if not (pid_text.isascii() and pid_text.isdigit() and len(pid_text) <= 10):
+                raise HttpProblem(422, f"header {PID_HEADER} must be a process id, got {pid_text!r}")
+            pid = int(pid_text)
+        host = request.headers.get(HOST_HEADER)
+        self._beat(agent, pid, host[:256] if host else None)
+
+    def _beat(self, agent: str, pid: int | None, host: str | None) -> None:
+        previous = self.heartbeats.get(agent)
+        if previous is not None:
+            pid = pid if pid is not None else previous[1]
+            host = host if host is not None else previous[2]
+        beat = (time.time(), pid, host)
+        self.heartbeats[agent] = beat
+        self._dirty_beats[agent] = beat
+
+    async def _flush_heartbeats(self) -> None:
+        if not self._dirty_beats:
+            return
+        beats, self._dirty_beats = self._dirty_beats, {}
+        try:
+            await self.store.save_heartbeats(beats)
+        except StoreError as exc:
+            log.warning("heartbeats not saved: %s", exc.message)
+            for agent, beat in beats.items():
+                self._dirty_beats.setdefault(agent, beat)
+
+    async def _flush_heartbeats_forever(self) -> None:
+        """Heartbeats live in memory and reach the file every few seconds: a per-call fsync would
+        cost more than losing the last seconds of last-seen times in a crash."""
+        while True:
+            await asyncio.sleep(HEARTBEAT_FLUSH_S)
+            await self._flush_heartbeats()
+
+    async def _read_json(self, request: web.Request, spec: dict[str, BodyField]) -> dict[str, Any]:
+        return parse_body(await request.read(), spec, f"{request.method} {request.path}")
+
+    @staticmethod
+    def _json(data: Any, status: int = 200) -> web.Response:
+        return web.Response(status=status, body=orjson.dumps(data), content_type="application/json")
+
+    def _wait_started(self, kind: str) -> None:
+        self._waits[kind] += 1
+
+    def _wait_ended(self, kind: str, timed_out: bool) -> None:
+        self._waits[kind] -= 1
+        if timed_out:
+            self.metrics.inc("mrlx_coordinator_wait_timeouts_total", kind=kind)
+
+    # ----------------------------------------------------------------- unauthenticated
+
+    async def health(self, request: web.Request) -> web.Response:
+        return self._json(
+            {
+                "status": "ok",
+                "run_id": self.config.run_id,
+                "uptime_s": round(time.time() - self.started, 3),
+                "db": self.config.db,
+            }
+        )
+
+    async def openapi(self, request: web.Request) -> web.Response:
+        return self._json(openapi_document(self.config.run_id, self.agents))
+
+    # ----------------------------------------------------------------- queues
+
+    async def _read_body(self, request: web.Request) -> tuple[memoryview, bytearray | None]:
+        """The request body, read into a reused buffer when its length is known (give it back after)."""
+        length = request.content_length
+        if length is None:
+            return memoryview(await request.read()), None
+        buf = self._buffers.take(length)
+        view = memoryview(buf)
+        position = 0
+        try:
+            while position < length:
+                chunk = await request.content.readany()
+                if not chunk:
+                    raise HttpProblem(400, f"the request body ended after {position} of its {length} bytes")
+                end = position + len(chunk)
+                if end > length:
+                    raise HttpProblem(400, f"the request body is longer than its Content-Length {length}")
+                view[position:end] = chunk
+                position = end
+        except BaseException:
+            self._buffers.give(buf)
+            raise
+        return view[:length], buf
+
+    def _scan(self, body: memoryview, consumer: str) -> FrameView:
+        frame = scan_frame(body)
+        for record in frame.records:
+            producer = record.meta["producer"]
+            if producer not in self.agents:
+                raise WireError(
+                    f"item {record.meta['key']!r}: producer {producer!r} is not an agent of run "
+                    f"{self.config.run_id!r} ({', '.join(self.agents)})"
+                )
+            validate_record(body, record)
+        return frame
+
+    async def commit(self, request: web.Request) -> web.Response:
+        consumer = self._known_agent(request.match_info["consumer"], "consumer")
+        body, buf = await self._read_body(request)
+        reusable = True
+        try:
+            try:
+                frame = await asyncio.get_running_loop().run_in_executor(
+                    self._cpu, self._scan, body, consumer
+                )
+            except WireError as exc:
+                raise HttpProblem(422, f"commit to {consumer!r} rejected, nothing written: {exc}") from None
+            outcome = await self.store.commit(
+                consumer, body, frame.records, time.time(), self.config.max_depth
+            )
+        except asyncio.CancelledError:
+            reusable = False  # a worker thread may still be reading the buffer
+            raise
+        finally:
+            if buf is not None and reusable:  # SQLite copied what it keeps
+                self._buffers.give(buf)
+        if outcome.accepted:
+            self.metrics.inc("mrlx_coordinator_items_enqueued_total", outcome.accepted, consumer=consumer)
+            producers = self.producers.setdefault(consumer, set())
+            producers.update(record.meta["producer"] for record in frame.records)
+            _pulse(self._queue_events, consumer)
+        if outcome.duplicates:
+            self.metrics.inc(
+                "mrlx_coordinator_items_duplicate_total", len(outcome.duplicates), consumer=consumer
+            )
+        return self._json(
+            {
+                "accepted": outcome.accepted,
+                "duplicates": len(outcome.duplicates),
+                "duplicate_keys": outcome.duplicates,
+            }
+        )
+
+    async def lease(self, request: web.Request) -> web.Response:
+        consumer = self._known_agent(request.match_info["consumer"], "consumer")
+        body = await self._read_json(request, LEASE_BODY)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + body["wait_s"]
+        waiting = False
+        try:
+            while True:
+                event = self._queue_events.setdefault(consumer, asyncio.Event())
+                if request.transport is None or request.transport.is_closing():
+                    # The consumer gave up waiting; leasing now would only park groups until expiry.
+                    return self._frame_response(
+                        {"lease_id": None, "end": False, "groups": [], "message": "client gone"}
+                    )
+                grant = await self.store.lease(
+                    consumer, body["max_groups"], body["lease_s"], body["step"], time.time()
+                )
+                if grant.groups:
+                    return await self._lease_response(consumer, grant, request)
+                if grant.end:
+                    return self._frame_response(
+                        {"lease_id": None, "end": True, "groups": [], "message": None}
+                    )
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    message = await self._no_groups_message(consumer, body["wait_s"])
+                    if waiting:
+                        self._wait_ended("lease", True)
+                        waiting = False
+                    return self._frame_response(
+                        {"lease_id": None, "end": False, "groups": [], "message": message}
+                    )
+                timeout = remaining
+                if grant.next_expiry is not None:  # another lease may expire first: look again then
+                    timeout = min(timeout, max(0.01, grant.next_expiry - time.time() + 0.01))
+                if not waiting:
+                    self._wait_started("lease")
+                    waiting = True
+                try:
+                    await asyncio.wait_for(event.wait(), timeout)
+                except asyncio.TimeoutError:
+                    pass
+        finally:
+            if waiting:
+                self._wait_ended("lease", False)
+
+    async def _lease_response(self, consumer: str, grant: Any, request: web.Request) -> web.StreamResponse:
+        records = await self.store.read_groups(consumer, [g.group for g in grant.groups])
+        groups = []
+        flat: list[bytes] = []
+        redelivered = 0
+        for granted, group_records in zip(grant.groups, records):
+            groups.append(
+                {
+                    "group": granted.group,
+                    "size": len(group_records),
+                    "step": granted.step,
+                    "producer": granted.producer,
+                    "redelivered": granted.redelivered,
+                }
+            )
+            flat.extend(group_records)
+            if granted.redelivered:
+                redelivered += len(group_records)
+        header = {"lease_id": grant.lease_id, "end": False, "groups": groups, "message": None}
+        head = frame_head(len(flat), header)
+        self.metrics.inc("mrlx_coordinator_items_leased_total", len(flat), consumer=consumer)
+        if redelivered:
+            self.metrics.inc("mrlx_coordinator_items_redelivered_total", redelivered, consumer=consumer)
+        # The stored records go out as they are, one write each: no frame is assembled in memory.
+        response = web.StreamResponse(headers={LEASE_HEADER: grant.lease_id, "Content-Type": CONTENT_TYPE})
+        response.content_length = len(head) + sum(len(record) for record in flat)
+        try:
+            await response.prepare(request)
+            await response.write(head)
+            for record in flat:
+                await response.write(record)
+            await response.write_eof()
+        except ConnectionError:
+            # The consumer went away; its lease expires and the groups are delivered again.
+            log.info("lease %s of %r: the consumer disconnected during the answer", grant.lease_id, consumer)
+        return response
+
+    def _frame_response(self, header: dict[str, Any]) -> web.Response:
+        return web.Response(body=encode_frame([], header), content_type=CONTENT_TYPE)
+
+    async def _no_groups_message(self, consumer: str, waited: float) -> str:
+        stats = (await self.store.queue_stats(time.time())).get(consumer, QueueStats())
+        now = time.time()
+        producers = sorted(
+            self.producers.get(consumer) or [a for a in self.agents if a != consumer] or self.agents
+        )
+        seen = "; ".join(f"{p!r} {_seen_phrase(self.heartbeats.get(p), now)}" for p in producers)
+        return (
+            f"no complete group for {consumer!r} within {waited:.1f} s "
+            f"({stats.queued_items} items queued, {stats.incomplete_groups} incomplete groups, "
+            f"{stats.leased_items} items leased); producers: {seen}"
+        )
+
+    async def ack(self, request: web.Request) -> web.Response:
+        consumer = self._known_agent(request.match_info["consumer"], "consumer")
+        body = await self._read_json(request, ACK_BODY)
+        outcome = await self.store.ack(consumer, body["lease_id"], time.time())
+        if outcome.items:
+            self.metrics.inc("mrlx_coordinator_items_acked_total", outcome.items, consumer=consumer)
+            _pulse(self._queue_events, consumer)  # room for blocked producers; maybe end-of-stream now
+        return self._json(
+            {
+                "acked_groups": outcome.groups,
+                "acked_items": outcome.items,
+                "already_acked": outcome.already_acked,
+            }
+        )
+
+    async def extend(self, request: web.Request) -> web.Response:
+        consumer = self._known_agent(request.match_info["consumer"], "consumer")
+        body = await self._read_json(request, EXTEND_BODY)
+        groups, expires = await self.store.extend(consumer, body["lease_id"], body["lease_s"], time.time())
+        return self._json(
+            {"lease_id": body["lease_id"], "groups": groups, "expires_in_s": round(expires - time.time(), 3)}
+        )
+
+    async def seal(self, request: web.Request) -> web.Response:
+        consumer = self._known_agent(request.match_info["consumer"], "consumer")
+        body = await self._read_json(request, SEAL_BODY)
+        complete = await self.store.seal(consumer, body["group"], body["size"])
+        if complete:
+            _pulse(self._queue_events, consumer)
+        return self._json({"group": body["group"], "size": body["size"], "complete": complete})
+
+    async def end(self, request: web.Request) -> web.Response:
+        consumer = self._known_agent(request.match_info["consumer"], "consumer")
+        await self._read_json(request, END_BODY)
+        sealed = await self.store.end(consumer, request.headers.get(AGENT_HEADER), time.time())
+        self.ended.add(consumer)
+        _pulse(self._queue_events, consumer)
+        return self._json({"ended": True, "sealed_groups": sealed})
+
+    async def queue_info(self, request: web.Request) -> web.Response:
+        consumer = self._known_agent(request.match_info["consumer"], "consumer")
+        stats = (await self.store.queue_stats(time.time())).get(consumer, QueueStats())
+        return self._json(self._queue_json(consumer, stats))
+
+    def _queue_json(self, consumer: str, stats: QueueStats) -> dict[str, Any]:
+        now = time.time()
+        return {
+            "consumer": consumer,
+            "queued_items": stats.queued_items,
+            "leased_items": stats.leased_items,
+            "ready_groups": stats.ready_groups,
+            "incomplete_groups": stats.incomplete_groups,
+            "oldest_item_age_s": None
+            if stats.oldest_created is None
+            else round(now - stats.oldest_created, 3),
+            "ended": consumer in self.ended,
+            "max_depth": self.config.max_depth,
+        }
+
+    # ----------------------------------------------------------------- agents
+
+    def _agent_json(self, agent: str) -> dict[str, Any]:
+        now = time.time()
+        version = self.versions.get(agent)
+        beat = self.heartbeats.get(agent)
+        return {
+            "agent": agent,
+            "version": None if version is None else version[0],
+            "version_updated_s_ago": None if version is None else round(now - version[1], 3),
+            "last_seen_s_ago": None if beat is None else round(now - beat[0], 3),
+            "pid": None if beat is None else beat[1],
+            "host": None if beat is None else beat[2],
+        }
+
+    async def run_info(self, request: web.Request) -> web.Response:
+        stats = await self.store.queue_stats(time.time())
+        return self._json(
+            {
+                "run_id": self.config.run_id,
+                "agents": {agent: self._agent_json(agent) for agent in self.agents},
+                "queues": {
+                    agent: self._queue_json(agent, stats.get(agent, QueueStats())) for agent in self.agents
+                },
+            }
+        )
+
+    async def heartbeat(self, request: web.Request) -> web.Response:
+        agent = self._known_agent(request.match_info["agent"], "agent")
+        body = await self._read_json(request, HEARTBEAT_BODY)
+        self._beat(agent, body["pid"], body["host"])
+        return self._json(self._agent_json(agent))
+
+    async def report_version(self, request: web.Request) -> web.Response:
+        agent = self._known_agent(request.match_info["agent"], "agent")
+        body = await self._read_json(request, VERSION_BODY)
+        version = body["version"]
+        current = self.versions.get(agent)
+        if current is not None and version <= current[0]:
+            # Monotonic: an older (or repeated) report is not an error, it just changes nothing.
+            return self._json({"agent": agent, "version": current[0], "accepted": version == current[0]})
+        now = time.time()
+        self.versions[agent] = (version, now)
+        _pulse(self._version_events, agent)  # wake waiters first; the fsync below takes milliseconds
+        await self.store.save_version(agent, version, now)
+        return self._json({"agent": agent, "version": version, "accepted": True})
+
+    async def get_version(self, request: web.Request) -> web.Response:
+        agent = self._known_agent(request.match_info["agent"], "agent")
+        return self._json(self._agent_json(agent))
+
+    async def wait_version(self, request: web.Request) -> web.Response:
+        agent = self._known_agent(request.match_info["agent"], "agent")
+        body = await self._read_json(request, WAIT_BODY)
+        wanted = body["min_version"]
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + body["timeout_s"]
+        self._wait_started("version")
+        timed_out = False
+        try:
+            while True:
+                event = self._version_events.setdefault(agent, asyncio.Event())
+                current = self.versions.get(agent)
+                if current is not None and current[0] >= wanted:
+                    return self._json(
+                        {"agent": agent, "reached": True, "version": current[0], "message": None}
+                    )
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    timed_out = True
+                    now = time.time()
+                    where = (
+                        "has reported no version yet" if current is None else f"is at version {current[0]}"
+                    )
+                    message = (
+                        f"agent {agent!r} {where}, waiting for >= {wanted}; "
+                        f"{_seen_phrase(self.heartbeats.get(agent), now)}"
+                    )
+                    return self._json(
+                        {
+                            "agent": agent,
+                            "reached": False,
+                            "version": None if current is None else current[0],
+                            "message": message,
+                            "last_seen_s_ago": self._agent_json(agent)["last_seen_s_ago"],
+                        }
+                    )
+                try:
+                    await asyncio.wait_for(event.wait(), remaining)
+                except asyncio.TimeoutError:
+                    pass
+        finally:
+            self._wait_ended("version", timed_out)
+
+    # ----------------------------------------------------------------- metrics
+
+    async def metrics_text(self, request: web.Request) -> web.Response:
+        now = time.time()
+        stats = await self.store.queue_stats(now)
+        line = Metrics.line
+        out: list[str] = []
+
+        def gauge(name: str, help_text: str, rows: list[tuple[dict[str, str], float]]) -> None:
+            out.append(f"# HELP {name} {help_text}")
+            out.append(f"# TYPE {name} gauge")
+            out.extend(line(name, value, labels) for labels, value in rows)
+
+        gauge(
+            "mrlx_coordinator_uptime_seconds",
+            "seconds since the coordinator started",
+            [({}, now - self.started)],
+        )
+        gauge(
+            "mrlx_coordinator_queue_items",
+            "unacked items per consumer queue: queued (incl. incomplete groups and expired leases) or leased",
+            [
+                ({"consumer": c, "state": "queued"}, stats.get(c, QueueStats()).queued_items)
+                for c in self.agents
+            ]
+            + [
+                ({"consumer": c, "state": "leased"}, stats.get(c, QueueStats()).leased_items)
+                for c in self.agents
+            ],
+        )
+        gauge(
+            "mrlx_coordinator_queue_ready_groups",
+            "complete groups waiting for a lease",
+            [({"consumer": c}, stats.get(c, QueueStats()).ready_groups) for c in self.agents],
+        )
+        gauge(
+            "mrlx_coordinator_queue_incomplete_groups",
+            "groups still waiting for items or a seal",
+            [({"consumer": c}, stats.get(c, QueueStats()).incomplete_groups) for c in self.agents],
+        )
+        ages = []
+        for consumer in self.agents:
+            oldest = stats.get(consumer, QueueStats()).oldest_created
+            ages.append(({"consumer": consumer}, 0.0 if oldest is None else max(0.0, now - oldest)))
+        gauge(
+            "mrlx_coordinator_queue_oldest_item_age_seconds",
+            "age of the oldest unacked item (0 when empty)",
+            ages,
+        )
+        gauge(
+            "mrlx_coordinator_queue_ended",
+            "1 once the producer ended the queue",
+            [({"consumer": c}, 1.0 if c in self.ended else 0.0) for c in self.agents],
+        )
+        gauge(
+            "mrlx_coordinator_agent_version",
+            "last weight version reported per agent (-1: none yet)",
+            [({"agent": a}, float(self.versions[a][0]) if a in self.versions else -1.0) for a in self.agents],
+        )
+        gauge(
+            "mrlx_coordinator_agent_last_seen_seconds",
+            "seconds since the agent's last call (-1: never seen)",
+            [
+                ({"agent": a}, now - self.heartbeats[a][0] if a in self.heartbeats else -1.0)
+                for a in self.agents
+            ],
+        )
+        gauge(
+            "mrlx_coordinator_waits_in_progress",
+            "long polls in progress",
+            [({"kind": kind}, float(count)) for kind, count in sorted(self._waits.items())],
+        )
+        by_name: dict[str, list[str]] = {name: [] for name in COUNTER_HELP}
+        for (name, labels), value in sorted(self.metrics.counters.items()):
+            by_name.setdefault(name, []).append(line(name, value, labels))
+        for name, lines in by_name.items():
+            out.append(f"# HELP {name} {COUNTER_HELP.get(name, name)}")
+            out.append(f"# TYPE {name} counter")
+            out.extend(lines)
+        return web.Response(
+            text="\n".join(out) + "\n",
+            content_type="text/plain",
+            charset="utf-8",
+            headers={"X-Content-Type-Options": "nosniff"},
+        )
+
+
+# --------------------------------------------------------------------------- OpenAPI
+
+
+def _schema(spec: dict[str, BodyField]) -> dict[str, Any]:
+    properties: dict[str, Any] = {}
+    for name, rule in spec.items():
+        kind = {"int": "integer", "number": "number", "str": "string"}[rule.kind]
+        prop: dict[str, Any] = {"type": kind}
+        if rule.nullable:  # the OpenAPI 3.0 spelling of "or null"
+            prop["nullable"] = True
+        if rule.minimum is not None:
+            prop["minimum"] = rule.minimum
+        if rule.maximum is not None:
+            prop["maximum"] = rule.maximum
+        if rule.kind == "str":
+            prop["minLength"] = 1
+            if rule.max_length is not None:
+                prop["maxLength"] = rule.max_length
+        if rule.default is not None:
+            prop["default"] = rule.default
+        if rule.doc:
+            prop["description"] = rule.doc
+        properties[name] = prop
+    schema: dict[str, Any] = {"type": "object", "properties": properties, "additionalProperties": False}
+    required = [n for n, r in spec.items() if r.required]
+    if required:  # OpenAPI 3.0 (JSON Schema draft 4) wants a non-empty list or none
+        schema["required"] = required
+    return schema
+
+
+def openapi_document(run_id: str | None = None, agents: list[str] | None = None) -> dict[str, Any]:
+    """An OpenAPI 3.0 description of every route (served auth-free at /openapi.json).
+
+    Given the run id and agents, path parameters list them as their only valid values, so that a
+    schema-driven fuzzer reaches the handlers instead of the 404 for an unknown run or agent."""
+    error = {
+        "description": "error",
+        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
+    }
+    json_ok = {"description": "ok", "content": {"application/json": {"schema": {"type": "object"}}}}
+    frame_ok = {
+        "description": "a wire frame (see mrlx_plugin.coordinator.wire); its JSON header holds lease_id, end, groups, message",
+        "content": {CONTENT_TYPE: {"schema": {"type": "string", "format": "binary"}}},
+    }
+    run_schema: dict[str, Any] = {"type": "string", **({"enum": [run_id]} if run_id else {})}
+    agent_schema: dict[str, Any] = {"type": "string", **({"enum": list(agents)} if agents else {})}
+    run = {"name": "run", "in": "path", "required": True, "schema": run_schema}
+    consumer = {"name": "consumer", "in": "path", "required": True, "schema": agent_schema}
+    agent = {"name": "agent", "in": "path", "required": True, "schema": agent_schema}
+    binary = {"schema": {"type": "string", "format": "binary"}}
+
+    def errors(*codes: int) -> dict[str, Any]:
+        return {str(code): error for code in codes}
+
+    def json_post(
+        summary: str,
+        spec: dict[str, BodyField],
+        params: list[dict[str, Any]],
+        ok: dict[str, Any],
+        *codes: int,
+    ) -> dict[str, Any]:
+        return {
+            "post": {
+                "summary": summary,
+                "parameters": params,
+                "requestBody": {
+                    "required": bool(spec),
+                    "content": {"application/json": {"schema": _schema(spec)}},
+                },
+                "responses": {"200": ok, **errors(401, 404, 413, 422, *codes)},
+            }
+        }
+
+    queue = "/v1/runs/{run}/queues/{consumer}"
+    agent_path = "/v1/runs/{run}/agents/{agent}"
+    return {
+        "openapi": "3.0.3",
+        "info": {"title": "mrlx coordinator", "version": "1"},
+        "components": {
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+            "schemas": {
+                "Error": {
+                    "type": "object",
+                    "properties": {"error": {"type": "string"}},
+                    "required": ["error"],
+                }
+            },
+        },
+        "security": [{"bearer": []}],
+        "paths": {
+            "/health": {"get": {"summary": "liveness", "security": [], "responses": {"200": json_ok}}},
+            "/openapi.json": {
+                "get": {"summary": "this document", "security": [], "responses": {"200": json_ok}}
+            },
+            "/metrics": {
+                "get": {
+                    "summary": "Prometheus text exposition",
+                    "responses": {
+                        "200": {
+                            "description": "metrics",
+                            "content": {"text/plain": {"schema": {"type": "string"}}},
+                        },
+                        **errors(401),
+                    },
+                }
+            },
+            "/v1/runs/{run}": {
+                "get": {
+                    "summary": "agents and queues",
+                    "parameters": [run],
+                    "responses": {"200": json_ok, **errors(401, 404)},
+                }
+            },
+            queue: {
+                "get": {
+                    "summary": "queue depth",
+                    "parameters": [run, consumer],
+                    "responses": {"200": json_ok, **errors(401, 404)},
+                }
+            },
+            queue + "/commit": {
+                "post": {
+                    "summary": "commit items (all or nothing); duplicates by key are no-ops",
+                    "parameters": [run, consumer],
+                    "requestBody": {
+                        "required": True,
+                        # the server reads the body as a frame whatever its declared type
+                        "content": {CONTENT_TYPE: binary, "application/octet-stream": binary},
+                    },
+                    "responses": {"200": json_ok, **errors(400, 401, 404, 409, 413, 422, 429, 503, 507)},
+                }
+            },
+            queue + "/lease": {
+                "post": {
+                    "summary": "lease complete groups (long poll up to wait_s)",
+                    "parameters": [run, consumer],
+                    "requestBody": {
+                        "required": False,
+                        "content": {"application/json": {"schema": _schema(LEASE_BODY)}},
+                    },
+                    "responses": {"200": frame_ok, **errors(401, 404, 413, 422, 503, 507)},
+                }
+            },
+            queue + "/ack": json_post("ack a lease", ACK_BODY, [run, consumer], json_ok, 409, 503, 507),
+            queue + "/extend": json_post(
+                "keep a lease longer", EXTEND_BODY, [run, consumer], json_ok, 409, 503, 507
+            ),
+            queue + "/seal": json_post(
+                "seal a group at its final size", SEAL_BODY, [run, consumer], json_ok, 409, 503, 507
+            ),
+            queue + "/end": json_post(
+                "end the queue (no more items)", END_BODY, [run, consumer], json_ok, 503, 507
+            ),
+            agent_path + "/heartbeat": json_post(
+                "record the agent as alive", HEARTBEAT_BODY, [run, agent], json_ok
+            ),
+            agent_path + "/version": {
+                **json_post(
+                    "report the agent's weight version", VERSION_BODY, [run, agent], json_ok, 503, 507
+                ),
+                "get": {
+                    "summary": "the agent's version and last seen",
+                    "parameters": [run, agent],
+                    "responses": {"200": json_ok, **errors(401, 404)},
+                },
+            },
+            agent_path + "/wait_version": json_post(
+                "long-poll until the agent reaches min_version (reached=false and a message on timeout)",
+                WAIT_BODY,
+                [run, agent],
+                json_ok,
+            ),
+        },
+    }
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def add_coordinator_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The coordinator's options, for `mrlx coordinator` and `python -m mrlx_plugin.coordinator.server`."""
+    parser.add_argument("--db", required=True, help="SQLite file on a local disk (created if missing)")
+    parser.add_argument("--run-id", required=True, help="the run this coordinator serves")
+    parser.add_argument("--agents", required=True, help="comma-separated agent names, e.g. doctor,patient")
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; others need a token)"
+    )
+    parser.add_argument("--port", type=int, default=18888, help="port (0: any free port, see --port-file)")
+    parser.add_argument(
+        "--token-env", default="MRLX_TOKEN", help="environment variable holding the bearer token"
+    )
+    parser.add_argument(
+        "--token-file", default=None, help="file holding the bearer token (instead of --token-env)"
+    )
+    parser.add_argument(
+        "--max-depth", type=int, default=65536, help="most unacked items per queue before commits get 429"
+    )
+    parser.add_argument(
+        "--max-request-mb", type=float, default=512.0, help="largest request body in MB (413 above)"
+    )
+    parser.add_argument("--port-file", default=None, help="write the bound port to this file once ready")
+    parser.add_argument(
+        "--synchronous",
+        choices=("full", "normal"),
+        default="full",
+        help="SQLite sync mode: full fsyncs every commit (survives power loss); normal survives process kills",
+    )
+    parser.add_argument(
+        "--max-db-mb", type=float, default=None, help="cap on the database size; commits past it get 507"
+    )
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
+    """A validated config from parsed options; raises ValueError with the option named."""
+    agents = [a.strip() for a in str(args.agents).split(",") if a.strip()]
+    if not agents:
+        raise ValueError("--agents: give at least one agent name, e.g. --agents doctor,patient")
+    for name in agents:
+        if not NAME_PATTERN.match(name):
+            raise ValueError(
+                f"--agents: {name!r} is not a valid agent name (letters, digits, _ . -; at most 64)"
+            )
+    if len(set(agents)) != len(agents):
+        raise ValueError(f"--agents: names repeat in {args.agents!r}")
+    if not NAME_PATTERN.match(args.run_id):
+        raise ValueError(f"--run-id: {args.run_id!r} is not valid (letters, digits, _ . -; at most 64)")
+    if args.max_depth < 1:
+        raise ValueError("--max-depth must be at least 1")
+    if args.max_request_mb <= 0:
+        raise ValueError("--max-request-mb must be positive")
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port {args.port} is not a port number")
+    token = token_from_env_or_file(args.token_env, args.token_file)
+    if token is None and not is_loopback(args.host):
+        raise ValueError(
+            f"refusing to listen on {args.host!r} without a token: anyone who can reach it could inject training "
+            f"data. Set ${args.token_env} (or --token-file), or bind to 127.0.0.1"
+        )
+    return CoordinatorConfig(
+        db=args.db,
+        run_id=args.run_id,
+        agents=agents,
+        host=args.host,
+        port=args.port,
+        token=token,
+        max_depth=args.max_depth,
+        max_request_mb=args.max_request_mb,
+        port_file=args.port_file,
+        synchronous=args.synchronous,
+        max_db_mb=args.max_db_mb,
+    )
+
+
+def _write_port_file(path: str, port: int) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as handle:
+        handle.write(f"{port}\n")
+    os.replace(tmp, path)
+
+
+async def serve(config: CoordinatorConfig, *, stop: asyncio.Event | None = None) -> None:
+    """Run the coordinator until SIGINT/SIGTERM (or `stop` is set)."""
+    store, state = await CoordinatorStore.open(
+        config.db, config.run_id, synchronous=config.synchronous, max_db_mb=config.max_db_mb
+    )
+    coordinator = Coordinator(config, store, state)
+    runner = web.AppRunner(coordinator.build_app(), access_log=None, handle_signals=False)
+    try:
+        await runner.setup()
+        site = web.TCPSite(runner, config.host, config.port, reuse_address=True)
+        await site.start()
+        port = config.port
+        for sock in getattr(site._server, "sockets", None) or []:  # the port actually bound (for --port 0)
+            port = sock.getsockname()[1]
+            break
+        if config.port_file:
+            _write_port_file(config.port_file, port)
+        stop = stop or asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            try:
+                loop.add_signal_handler(signum, stop.set)
+            except (NotImplementedError, RuntimeError):
+                pass
+        host = f"[{config.host}]" if ":" in config.host else config.host
+        print(
+            f"mrlx coordinator ready: run {config.run_id!r} at http://{host}:{port} "
+            f"(agents {','.join(config.agents)}; db {config.db}; auth {'on' if config.token else 'off'})",
+            flush=True,
+        )
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+        await store.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`mrlx coordinator ...`: parse options, check them, serve until interrupted."""
+    parser = add_coordinator_arguments(
+        argparse.ArgumentParser(
+            prog="mrlx coordinator", description="Run the mrlx coordinator for one training run."
+        )
+    )
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        config = config_from_args(args)
+    except (ValueError, OSError) as exc:
+        print(f"mrlx coordinator: {exc}", file=sys.stderr)
+        return 2
+    if config.token is None:
+        print(
+            f"mrlx coordinator: WARNING: no token (${args.token_env} unset, no --token-file); "
+            f"any local process can use this coordinator",
+            file=sys.stderr,
+            flush=True,
+        )
+    try:
+        asyncio.run(serve(config))
+    except StoreOpenError as exc:
+        print(f"mrlx coordinator: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"mrlx coordinator: cannot listen on {config.host}:{config.port}: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,356 @@
+"""The embedded CPU trainer: one agent's slime job, on a CPU, readable top to bottom.
+
+It plays the host's part for one agent exactly as slime's synchronous loop does, calling the
+plugin's functions the way slime calls them:
+
+    for rollout_id in range(start, num_rollout):
+        output = rollout_fn(args, rollout_id, data_source)        # --rollout-function-path
+        samples = flatten(output.samples)
+        raw, advantages = normalize(args, samples)                # --custom-reward-post-process-path
+        log_rollout(rollout_id, args, samples, metrics, secs)     # --custom-rollout-log-function-path
+        ppo_step(samples, advantages)                             # the trainer's own work
+        save a checkpoint; push it to the engine                  # /update_weights_from_disk
+        (the next rollout reports the new version to the coordinator)
+
+The loss is slime's shape: PPO-clip per token with separate low/high clip ranges, the ratio
+taken against the rollout log-probs (`--use-rollout-logprobs`), log-probs computed at the
+rollout temperature, an optional low-variance KL to the initial model, and a per-token mean
+over every trainable token of the step. Settings come from `mrlx.trainer` in the same YAML.
+
+    python -m mrlx_plugin.local.trainer --config job.yaml --model DIR --engine-url URL \
+        --rollout-function mrlx_plugin.rollout.initiator_rollout --out runs/demo/doctor ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import math
+import os
+import random
+import shutil
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("mrlx.trainer")
+
+
+# ----------------------------------------------------------------------------------------------
+# Arguments: slime's flag names for what slime would be given
+# ----------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from ..hostargs import add_host_arguments
+
+    p = argparse.ArgumentParser(prog="python -m mrlx_plugin.local.trainer", description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", required=True, help="the job's YAML (mrlx: ..., with mrlx.trainer)")
+    p.add_argument("--model", required=True, help="the agent's initial model directory")
+    p.add_argument("--engine-url", action="append", default=[], help="this agent's engine(s), for weight pushes")
+    p.add_argument("--rollout-function", default="mrlx_plugin.local.host_rollout.default_rollout",
+                   help="what slime's --rollout-function-path would name")
+    p.add_argument("--custom-generate-function-path", default="mrlx_plugin.rollout.generate")
+    p.add_argument("--num-rollout", type=int, default=10)
+    p.add_argument("--task", default="arithmetic", help="built-in prompts (mrlx_plugin.local.tasks) when no --prompt-data")
+    p.add_argument("--task-size", type=int, default=256, help="how many built-in prompts")
+    p.add_argument("--warmup-data", default=None, help="JSONL of {'messages': [...]} for the supervised warm-start")
+    p.add_argument("--out", required=True, help="checkpoints, metrics.jsonl and samples go here")
+    p.add_argument("--keep-checkpoints", type=int, default=2)
+    p.add_argument("--freeze", action="store_true", help="never update the weights (a baseline)")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--save-samples", action="store_true", help="write every trained sample to samples.jsonl")
+    add_host_arguments(p)
+    return p
+
+
+def load_function(path: str) -> Any:
+    module, _, attr = path.rpartition(".")
+    return getattr(importlib.import_module(module), attr)
+
+
+# ----------------------------------------------------------------------------------------------
+# The loss
+# ----------------------------------------------------------------------------------------------
+
+
+def response_logprobs(model: Any, samples: list[Any], temperature: float) -> list[Any]:
+    """Per-token log-probs of each sample's response under `model`, at the rollout temperature."""
+    import torch
+
+    pad = 0
+    longest = max(len(s.tokens) for s in samples)
+    ids = torch.full((len(samples), longest), pad, dtype=torch.long)
+    attention = torch.zeros((len(samples), longest), dtype=torch.long)
+    for i, s in enumerate(samples):
+        ids[i, : len(s.tokens)] = torch.tensor(s.tokens)
+        attention[i, : len(s.tokens)] = 1
+    logits = model(input_ids=ids, attention_mask=attention).logits.float()
+    if temperature and temperature > 0:
+        logits = logits / temperature
+    logprobs = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    out = []
+    for i, s in enumerate(samples):
+        end = len(s.tokens) - 1  # logprobs[:, j] scores token j + 1
+        out.append(logprobs[i, end - s.response_length : end])
+    return out
+
+
+def ppo_loss(model: Any, ref: Any, samples: list[Any], advantages: list[float], cfg: Any, temperature: float,
+             total_tokens: int) -> tuple[Any, dict[str, float]]:
+    """Sum over the micro-batch of the per-token PPO-clip (+ KL) loss, divided by the step's
+    trainable token count, so micro-batches add up to the step's per-token mean."""
+    import torch
+
+    new = response_logprobs(model, samples, temperature)
+    with torch.no_grad():
+        refs = response_logprobs(ref, samples, temperature) if ref is not None else None
+    loss = torch.zeros(())
+    clipped = kl_sum = 0.0
+    for i, (s, adv) in enumerate(zip(samples, advantages)):
+        mask = torch.tensor(s.loss_mask, dtype=torch.float32)
+        old = torch.tensor(s.rollout_log_probs, dtype=torch.float32)
+        ratio = torch.exp(new[i] - old)
+        unclipped = -adv * ratio
+        clip = -adv * torch.clamp(ratio, 1 - cfg.eps_clip, 1 + cfg.eps_clip_high)
+        per_token = torch.maximum(unclipped, clip)
+        clipped += float(((clip > unclipped).float() * mask).sum())
+        if refs is not None and cfg.kl_coef:
+            delta = refs[i] - new[i]
+            kl = torch.exp(delta) - delta - 1  # low-variance KL estimate
+            per_token = per_token + cfg.kl_coef * kl
+            kl_sum += float((kl.detach() * mask).sum())
+        loss = loss + (per_token * mask).sum()
+    return loss / total_tokens, {"clipped_tokens": clipped, "kl_sum": kl_sum}
+
+
+def ppo_step(model: Any, ref: Any, optimizer: Any, samples: list[Any], advantages: list[float], cfg: Any,
+             temperature: float) -> dict[str, float]:
+    """One optimizer step per PPO epoch over every sample with a trainable token."""
+    import torch
+
+    batch = [(s, a) for s, a in zip(samples, advantages) if sum(s.loss_mask or []) > 0]
+    if not batch:
+        return {"train/skipped": 1.0}
+    total = sum(sum(s.loss_mask) for s, _ in batch)
+    model.train()
+    stats: dict[str, float] = {}
+    for _ in range(cfg.ppo_epochs):
+        optimizer.zero_grad(set_to_none=True)
+        loss_value = clipped = kl_sum = 0.0
+        for k in range(0, len(batch), cfg.micro_batch_size):
+            part = batch[k : k + cfg.micro_batch_size]
+            loss, info = ppo_loss(model, ref, [s for s, _ in part], [a for _, a in part], cfg, temperature, total)
+            loss.backward()
+            loss_value += float(loss.detach())
+            clipped += info["clipped_tokens"]
+            kl_sum += info["kl_sum"]
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
+        optimizer.step()
+        stats = {"train/loss": loss_value, "train/clip_fraction": clipped / total, "train/kl": kl_sum / total,
+                 "train/grad_norm": grad_norm, "train/tokens": float(total)}
+    model.eval()
+    return stats
+
+
+# ----------------------------------------------------------------------------------------------
+# The supervised warm-start (format only, optional)
+# ----------------------------------------------------------------------------------------------
+
+
+def warm_start(model: Any, tokenizer: Any, path: str, steps: int, lr: float, batch: int, seed: int) -> list[float]:
+    """Cross-entropy on the assistant messages of `path` for `steps` steps; returns the losses."""
+    import torch
+
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    rng = random.Random(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    model.train()
+    losses = []
+    for _ in range(steps):
+        chosen = [rng.choice(rows)["messages"] for _ in range(batch)]
+        ids, labels = [], []
+        for messages in chosen:
+            prompt = tokenizer.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True)
+            full = prompt + messages[-1]["content"] + tokenizer.eos_token
+            p_ids = tokenizer.encode(prompt, add_special_tokens=False)
+            f_ids = tokenizer.encode(full, add_special_tokens=False)
+            ids.append(f_ids)
+            labels.append([-100] * len(p_ids) + f_ids[len(p_ids) :])
+        longest = max(map(len, ids))
+        x = torch.tensor([i + [0] * (longest - len(i)) for i in ids])
+        y = torch.tensor([lab + [-100] * (longest - len(lab)) for lab in labels])
+        attention = (torch.arange(longest)[None, :] < torch.tensor([len(i) for i in ids])[:, None]).long()
+        loss = model(input_ids=x, attention_mask=attention, labels=y).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+    model.eval()
+    return losses
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoints and weight pushes
+# ----------------------------------------------------------------------------------------------
+
+
+def save_checkpoint(out: Path, step: int, model: Any, tokenizer: Any, optimizer: Any, data_source: Any,
+                    keep: int) -> Path:
+    """out/checkpoints/step_{step:05d}: the weights (from_pretrained layout) and the trainer state."""
+    import torch
+
+    final = out / "checkpoints" / f"step_{step:05d}"
+    tmp = final.with_name(final.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(str(tmp))
+    tokenizer.save_pretrained(str(tmp))
+    state = {"step": step, "optimizer": optimizer.state_dict(), "torch_rng": torch.get_rng_state(),
+             "python_rng": random.getstate(),
+             "data_source": data_source.state_dict() if hasattr(data_source, "state_dict") else None}
+    torch.save(state, tmp / "trainer_state.pt")
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)  # a checkpoint directory is complete or absent
+    for old in sorted((out / "checkpoints").glob("step_*"))[:-keep]:
+        if not old.name.endswith(".tmp"):
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def latest_checkpoint(out: Path) -> Path | None:
+    found = sorted(p for p in (out / "checkpoints").glob("step_*") if not p.name.endswith(".tmp"))
+    return found[-1] if found else None
+
+
+def push_weights(engines: list[str], path: Path, version: int, timeout: float = 300.0) -> None:
+    """Load `path` into every engine of this agent and set its weight version (SGLang's call)."""
+    body = json.dumps({"model_path": str(path), "weight_version": str(version)}).encode()
+    for url in engines:
+        req = urllib.request.Request(url.rstrip("/") + "/update_weights_from_disk", data=body,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            answer = json.loads(resp.read() or b"{}")
+        if not answer.get("success", True):
+            raise RuntimeError(f"{url} refused the weights at {path}: {answer.get('message')}")
+
+
+# ----------------------------------------------------------------------------------------------
+# The loop
+# ----------------------------------------------------------------------------------------------
+
+
+def flatten(groups: Any) -> list[Any]:
+    out: list[Any] = []
+    for item in groups:
+        if isinstance(item, list):
+            out.extend(flatten(item))
+        else:
+            out.append(item)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
+    ns = build_parser().parse_args(argv)
+    import torch
+
+    from ..config import ConfigError
+    from ..hostargs import host_args, read_prompts
+    from ..metrics import log_rollout
+    from ..rewards import normalize
+    from ..runtime import runtime_for
+    from .host_rollout import LocalDataSource
+    from .model import load_model, load_tokenizer
+    from .tasks import task_prompts
+
+    out = Path(ns.out)
+    out.mkdir(parents=True, exist_ok=True)
+    random.seed(ns.seed)
+    torch.manual_seed(ns.seed)
+
+    # What slime would hand the plugin: args (its flags, plus the YAML's `mrlx` key) and a data source.
+    ns.hf_checkpoint = ns.hf_checkpoint or ns.model
+    args = host_args(ns, ns.config)
+    args.custom_generate_function_path = ns.custom_generate_function_path
+    args.rollout_function_path = ns.rollout_function
+    try:
+        cfg = runtime_for(args, tokenizers=ns.rollout_function.endswith("initiator_rollout") or
+                          ns.rollout_function.endswith("default_rollout")).settings.trainer
+    except ConfigError as exc:
+        print(f"trainer: {exc}", file=sys.stderr)
+        return 2
+    torch.set_num_threads(cfg.threads)
+    prompts = read_prompts(ns.prompt_data, ns.input_key, ns.label_key) if ns.prompt_data else \
+        task_prompts(ns.task, ns.task_size, seed=ns.seed)
+    data_source = LocalDataSource(prompts, ns.n_samples_per_prompt, shuffle=True, seed=ns.seed)
+    rollout_fn = load_function(ns.rollout_function)
+
+    # The model, its frozen reference (for the KL term) and the optimizer.
+    start, resumed_from = 0, None
+    checkpoint = latest_checkpoint(out) if ns.resume else None
+    model = load_model(checkpoint or ns.model)
+    tokenizer = load_tokenizer(checkpoint or ns.model)
+    ref = load_model(ns.model) if cfg.kl_coef else None
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    if checkpoint is not None:
+        state = torch.load(checkpoint / "trainer_state.pt", weights_only=False)
+        optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["torch_rng"])
+        random.setstate(state["python_rng"])
+        if state.get("data_source") is not None:
+            data_source.load_state_dict(state["data_source"])
+        start, resumed_from = state["step"] + 1, str(checkpoint)
+        log.info("resumed from %s: continuing at step %d", checkpoint, start)
+        push_weights(ns.engine_url, checkpoint, version=start)
+    elif ns.warmup_data and cfg.warmup_sft_steps and not ns.freeze:
+        losses = warm_start(model, tokenizer, ns.warmup_data, cfg.warmup_sft_steps, cfg.warmup_sft_lr,
+                            cfg.micro_batch_size, ns.seed)
+        log.info("warm-start (supervised, output format only): %d steps, loss %.3f -> %.3f",
+                 len(losses), losses[0], losses[-1])
+        _append(out / "metrics.jsonl", {"step": -1, "warm_start/steps": len(losses),
+                                        "warm_start/loss_first": losses[0], "warm_start/loss_last": losses[-1]})
+        pushed = save_checkpoint(out, -1, model, tokenizer, optimizer, data_source, ns.keep_checkpoints)
+        push_weights(ns.engine_url, pushed, version=0)
+
+    for rollout_id in range(start, ns.num_rollout):
+        t0 = time.monotonic()
+        output = rollout_fn(args, rollout_id, data_source, evaluation=False)
+        samples = flatten(output.samples)
+        rollout_s = time.monotonic() - t0
+        raw, advantages = normalize(args, samples)
+        metrics: dict[str, Any] = dict(output.metrics or {})
+        log_rollout(rollout_id, args, samples, metrics, rollout_s)
+
+        t1 = time.monotonic()
+        train = {"train/frozen": 1.0} if ns.freeze else ppo_step(model, ref, optimizer, samples, advantages, cfg,
+                                                                 args.rollout_temperature)
+        checkpoint = save_checkpoint(out, rollout_id, model, tokenizer, optimizer, data_source, ns.keep_checkpoints)
+        push_weights(ns.engine_url, checkpoint, version=rollout_id + 1)
+        row = {"step": rollout_id, "samples": len(samples), "rollout_s": rollout_s,
+               "train_s": time.monotonic() - t1, "raw_reward_mean": sum(raw) / max(1, len(raw)),
+               **metrics, **train}
+        if resumed_from and rollout_id == start:
+            row["resumed_from"] = resumed_from
+        _append(out / "metrics.jsonl", row)
+        if ns.save_samples:
+            with (out / "samples.jsonl").open("a") as f:
+                for s, adv in zip(samples, advantages):
+                    f.write(json.dumps({"step": rollout_id, "advantage": adv, **s.to_dict()}, default=str) + "\n")
+        log.info("step %d: %d samples, reward %.3f, rollout %.1fs, train %.1fs", rollout_id, len(samples),
+                 row["raw_reward_mean"], rollout_s, row["train_s"])
+    return 0
+
+
+def _append(path: Path, row: dict[str, Any]) -> None:
+    clean = {k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in row.items()}
+    with path.open("a") as f:
+        f.write(json.dumps(clean, default=str) + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

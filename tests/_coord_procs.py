@@ -1,0 +1,215 @@
+"""Coordinator processes for the coordinator tests: a real `python -m mrlx_plugin.coordinator.server`
+on 127.0.0.1, started on a free port (or a given one, to come back on the same address after a
+kill), with its log in the test's directory. Also a raw HTTP helper for requests the client would
+never send, and a factory of queue items."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mrlx_plugin.coordinator.wire import QueueItem
+
+REPO = Path(__file__).resolve().parent.parent
+TOKEN_ENV = "MRLX_TEST_COORDINATOR_TOKEN"
+
+
+class CoordinatorProcess:
+    """One coordinator of run `run_id` serving `agents`, its database in `workdir`."""
+
+    def __init__(
+        self,
+        workdir: Path,
+        *,
+        run_id: str = "run1",
+        agents: Sequence[str] = ("doctor", "patient"),
+        token: str | None = "test-token",
+        extra: Sequence[str] = (),
+    ) -> None:
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.db = self.workdir / "coordinator.sqlite"
+        self.run_id = run_id
+        self.agents = list(agents)
+        self.token = token
+        self.extra = list(extra)
+        self.port = 0
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.starts = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def argv(self, port: int, port_file: Path) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "mrlx_plugin.coordinator.server",
+            "--db",
+            str(self.db),
+            "--run-id",
+            self.run_id,
+            "--agents",
+            ",".join(self.agents),
+            "--port",
+            str(port),
+            "--port-file",
+            str(port_file),
+            "--token-env",
+            TOKEN_ENV,
+            *self.extra,
+        ]
+
+    def start(self, *, same_port: bool = False, timeout: float = 30.0) -> CoordinatorProcess:
+        """Start (again); with `same_port` on the port of the previous start."""
+        port_file = self.workdir / "port"
+        port_file.unlink(missing_ok=True)
+        env = dict(os.environ)
+        env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+        env.pop(TOKEN_ENV, None)
+        if self.token is not None:
+            env[TOKEN_ENV] = self.token
+        self.starts += 1
+        log = open(self.workdir / f"coordinator-{self.starts}.log", "wb")  # noqa: SIM115 (the child keeps it)
+        self.proc = subprocess.Popen(
+            self.argv(self.port if same_port else 0, port_file),
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+        )
+        log.close()
+        deadline = time.monotonic() + timeout
+        while not port_file.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(f"the coordinator did not start:\n{self.log_tail()}")
+            time.sleep(0.02)
+        self.port = int(port_file.read_text())
+        return self
+
+    def kill(self) -> None:
+        """SIGKILL (no shutdown code runs)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def log_tail(self, lines: int = 40) -> str:
+        path = self.workdir / f"coordinator-{self.starts}.log"
+        try:
+            return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def http(
+        self,
+        method: str,
+        path: str,
+        body: bytes | dict[str, Any] | None = None,
+        *,
+        token: str | None = "default",
+        headers: dict[str, str] | None = None,
+    ) -> tuple[int, dict[str, str], bytes]:
+        """A raw request (token "default": this coordinator's token; None: no Authorization header)."""
+        return http(
+            method, self.url + path, body, token=self.token if token == "default" else token, headers=headers
+        )
+
+
+def http(
+    method: str,
+    url: str,
+    body: bytes | dict[str, Any] | None = None,
+    *,
+    token: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> tuple[int, dict[str, str], bytes]:
+    """(status, headers, body) of one request; HTTP errors are returned, not raised."""
+    data = json.dumps(body).encode() if isinstance(body, dict) else body
+    request = urllib.request.Request(url, data=data, method=method, headers=dict(headers or {}))
+    if isinstance(body, dict):
+        request.add_header("Content-Type", "application/json")
+    if token is not None:
+        request.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, dict(response.headers), response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, dict(exc.headers), exc.read()
+
+
+def free_port() -> int:
+    """A port nobody listens on right now (for a client pointed at nothing)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def error_of(body: bytes) -> str:
+    return json.loads(body)["error"]
+
+
+def make_items(
+    n: int,
+    group: str,
+    group_size: int | None = None,
+    *,
+    producer: str = "doctor",
+    consumer: str = "patient",
+    step: int = 0,
+    start: int = 0,
+    tokens: int = 48,
+    seed: int = 0,
+) -> list[QueueItem]:
+    """`n` items of `group` (keys ep{start}..), random ids up to 2**31-1, 0/1 masks, float64 log-probs."""
+    rng = np.random.default_rng(seed + start)
+    items = []
+    for i in range(start, start + n):
+        response = tokens // 2 + i % 3
+        items.append(
+            QueueItem(
+                key=f"ep{i}:{consumer}",
+                group=group,
+                group_size=group_size if group_size is not None else n,
+                producer=producer,
+                step=step,
+                tokens=rng.integers(0, 2**31 - 1, tokens + i % 3, dtype=np.int64).tolist(),
+                response_length=response,
+                loss_mask=rng.integers(0, 2, response).tolist(),
+                rollout_log_probs=(-rng.random(response) * 7).tolist(),
+                fields={
+                    "reward": float(i) / 2,
+                    "status": "completed",
+                    "weight_versions": [str(step), str(step + 1)],
+                    "group_index": i // 4,
+                    "index": i,
+                    "rollout_id": step,
+                    "prompt": [{"role": "user", "content": f"question {i} \u00e9\u4e2d"}],
+                    "response": f"answer {i}",
+                    "label": "42",
+                    "metadata": {"episode": i, "nested": {"turns": [1, 2]}},
+                },
+            )
+        )
+    return items

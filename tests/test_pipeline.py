@@ -1,0 +1,264 @@
+"""The solver -> rewriter -> selector system end to end, over real sockets.
+
+Against the embedded engine (a real model) through a recording proxy, so every sample can be
+checked against the exact ids the engine returned; against the stub engine for fault injection
+and deterministic answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import types
+
+import orjson
+import pytest
+from aiohttp import ClientSession, web
+
+from _host import group, params, slime_args
+from mrlx_plugin.config import ConfigError
+from mrlx_plugin.host import Sample, Status
+from mrlx_plugin.metrics import compute_metrics
+from mrlx_plugin.rewards import group_key, normalize
+from mrlx_plugin.rollout import generate
+from mrlx_plugin.runtime import get_runtime
+
+
+async def _close(args):
+    await (await get_runtime(args)).aclose()
+
+
+class RecordingProxy:
+    """A reverse proxy in front of an engine that records what each /generate call returned."""
+
+    def __init__(self, target: str):
+        self.target = target
+        self.calls: list[tuple[list[int], list[int], list[float], str]] = []
+
+    async def handle(self, request: web.Request) -> web.Response:
+        body = await request.read()
+        async with self.session.post(self.target + "/generate", data=body, headers={"Content-Type": "application/json"}) as r:
+            raw = await r.read()
+        if r.status == 200:
+            req, out = orjson.loads(body), orjson.loads(raw)
+            entries = out["meta_info"]["output_token_logprobs"]
+            self.calls.append((req["input_ids"], [e[1] for e in entries], [e[0] for e in entries],
+                               out["meta_info"]["weight_version"]))
+        return web.Response(body=raw, status=r.status, content_type="application/json")
+
+    async def __aenter__(self) -> str:
+        self.session = ClientSession()
+        app = web.Application(client_max_size=1 << 26)
+        app.router.add_post("/generate", self.handle)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        return f"http://127.0.0.1:{port}"
+
+    async def __aexit__(self, *exc) -> None:
+        await self.runner.cleanup()
+        await self.session.close()
+
+
+PIPELINE = {"run_id": "test", "system": "pipeline", "pipeline": {"num_parallel": 2}}
+
+
+def test_samples_meet_the_host_contract_and_hold_the_engines_exact_ids(engine, tiny_model_dir):
+    async def run():
+        proxy = RecordingProxy(engine.url)
+        async with proxy as url:
+            args = slime_args(url, str(tiny_model_dir), PIPELINE, rollout_max_response_len=12)
+            groups = [group(0, 2), group(1, 2, prompt=[{"role": "user", "content": "What is 7 - 3?"}], label="4")]
+            outs = await asyncio.gather(*(generate(args, s, params(args), evaluation=False) for g in groups for s in g))
+            await _close(args)
+        return args, groups, outs, proxy.calls
+
+    args, groups, outs, calls = asyncio.run(run())
+    by_request: dict = {}  # prompt ids -> every answer the engine gave to that prompt
+    for req, ids, lps, version in calls:
+        by_request.setdefault(tuple(req), []).append((ids, lps, version))
+    flat = []
+    for inp, samples in zip([s for g in groups for s in g], outs):
+        assert isinstance(samples, list) and samples
+        agents = [s.metadata["mrlx"]["agent"] for s in samples]
+        assert agents.count("solver") == 2 and set(agents) <= {"solver", "rewriter", "selector"}
+        for s in samples:
+            assert s.rollout_id == inp.index and s.group_index == inp.group_index and s.index == inp.index
+            assert isinstance(s.reward, float)
+            assert s.status in (Status.COMPLETED, Status.TRUNCATED)
+            assert len(s.loss_mask) == s.response_length == len(s.rollout_log_probs) > 0
+            prompt, response = s.tokens[: -s.response_length], s.tokens[-s.response_length :]
+            answers = by_request[tuple(prompt)]  # the requests with this sample's prompt
+            matching = [a for a in answers if a[0] == response]
+            assert matching, "the response is exactly the ids the engine returned"
+            ids, lps, version = matching[0]
+            answers.remove(matching[0])  # each engine answer backs one sample
+            assert s.rollout_log_probs == pytest.approx(lps)
+            assert s.loss_mask == [1] * len(ids)
+            assert s.weight_versions == [version]
+        flat.extend(samples)
+    assert len(calls) == sum(s.metadata["mrlx"]["turns"] for s in {id(o[0]): o[0] for o in outs}.values())
+    raw, adv = normalize(args, flat)
+    sums: dict = {}
+    for s, a in zip(flat, adv):
+        sums.setdefault(group_key(s), []).append(a)
+    for key, values in sums.items():
+        assert abs(sum(values) / len(values)) < 1e-6, key
+    metrics = compute_metrics(flat)
+    assert metrics["multi_agent/episodes"] == 4
+    assert metrics["multi_agent/avg_turns"] >= 2
+    assert abs(sum(v for k, v in metrics.items() if k.startswith("loss_mask/role_split/")) - 1.0) < 1e-9
+
+
+def _stub_args(stub, **mrlx_overrides):
+    mrlx = {"run_id": "test", "system": "pipeline", "pipeline": {"num_parallel": 2},
+            "engine": {"max_retries": 1, "backoff_s": 0.01, "request_timeout_s": 5}}
+    for key, value in mrlx_overrides.items():
+        mrlx[key] = {**mrlx.get(key, {}), **value} if isinstance(value, dict) else value
+    return mrlx
+
+
+def test_team_rewards_follow_the_selected_answer(stub_engine, tiny_model_dir):
+    async def run():
+        args = slime_args(stub_engine.url, str(tiny_model_dir), _stub_args(stub_engine))
+        out = await generate(args, group(0, 1)[0], params(args))
+        await _close(args)
+        return out
+
+    out = asyncio.run(run())
+    rewards = {s.metadata["mrlx"]["label"]: s.reward for s in out}
+    # the stub answers \boxed{42} and "Judgment: 1": everyone right, the team right (offset weighting)
+    assert rewards == {"solver-0": pytest.approx(1.2), "solver-1": pytest.approx(1.2), "rewriter-0": pytest.approx(1.2),
+                       "rewriter-1": pytest.approx(1.2), "selector": pytest.approx(1.2)}
+    assert out[0].metadata["mrlx"]["team_reward"] == 1.0
+
+
+def test_an_invalid_selection_scores_zero_and_is_counted(tiny_model_dir, logs_dir):
+    from mrlx_plugin.local.processes import start_stub_engine
+
+    stub = start_stub_engine(log_dir=logs_dir, name="stub-judge9", extra=["--text", "It is \\boxed{42}. Judgment: 9"])
+    try:
+        async def run():
+            args = slime_args(stub.url, str(tiny_model_dir), _stub_args(stub, pipeline={"weighting": "multiplicative"}))
+            out = await generate(args, group(0, 1)[0], params(args))
+            await _close(args)
+            return out
+
+        out = asyncio.run(run())
+    finally:
+        stub.stop()
+    selector = [s for s in out if s.metadata["mrlx"]["agent"] == "selector"]
+    assert len(selector) == 1 and selector[0].reward == 0.0 and selector[0].status == Status.COMPLETED
+    solvers = [s for s in out if s.metadata["mrlx"]["agent"] == "solver"]
+    assert all(s.reward == pytest.approx(0.8) for s in solvers)  # right answers, failed team: 1 * 0.8
+    assert compute_metrics(out)["multi_agent/invalid_selection_rate"] == 1.0
+
+
+def test_a_users_hook_module_changes_grading_without_touching_the_package(stub_engine, tiny_model_dir, tmp_path, monkeypatch):
+    repo = tmp_path / "user_repo"
+    repo.mkdir()
+    (repo / "team_hooks.py").write_text(
+        "from mrlx_plugin import hookimpl\n\n"
+        "@hookimpl\n"
+        "def mrlx_grade(agent, transcript, episode):\n"
+        "    if agent == 'solver':\n"
+        "        return 0.25\n"
+        "    return None  # everyone else: the default math grader\n"
+    )
+    monkeypatch.syspath_prepend(str(repo))
+
+    async def run(plugins):
+        args = slime_args(stub_engine.url, str(tiny_model_dir),
+                          _stub_args(stub_engine, plugins=plugins, pipeline={"weighting": "none"}))
+        out = await generate(args, group(0, 1)[0], params(args))
+        await _close(args)
+        return {s.metadata["mrlx"]["label"]: s.reward for s in out}
+
+    default = asyncio.run(run([]))
+    hooked = asyncio.run(run(["team_hooks"]))
+    assert default["solver-0"] == 1.0 and hooked["solver-0"] == 0.25 and hooked["solver-1"] == 0.25
+    assert hooked["rewriter-0"] == default["rewriter-0"] == 1.0
+
+
+@pytest.mark.parametrize("mode", ["http500", "close", "bad_json", "stall", "abort"])
+def test_engine_faults_become_aborted_samples(mode, stub_engine, tiny_model_dir):
+    async def run():
+        mrlx = _stub_args(stub_engine, engine={"request_timeout_s": 1.0, "max_retries": 1})
+        args = slime_args(stub_engine.url, str(tiny_model_dir), mrlx)
+        async with ClientSession() as http:
+            await http.post(stub_engine.url + "/_stub/faults", json={"mode": mode, "count": 1000})
+        out = await generate(args, group(0, 1)[0], params(args))
+        await _close(args)
+        return out
+
+    out = asyncio.run(run())
+    assert out, "an aborted episode still returns its samples"
+    for s in out:
+        assert s.status == Status.ABORTED and s.reward == 0.0 and s.remove_sample
+        assert set(s.loss_mask) == {0} and len(s.loss_mask) == s.response_length
+        assert s.rollout_id == 0
+    meta = out[0].metadata["mrlx"]
+    assert meta["aborted"] and meta["aborted_turns"] >= 1
+    assert compute_metrics(out)["multi_agent/aborted_episodes"] == 1
+
+
+def test_a_passing_fault_is_retried_and_counted(stub_engine, tiny_model_dir):
+    async def run():
+        args = slime_args(stub_engine.url, str(tiny_model_dir), _stub_args(stub_engine))
+        async with ClientSession() as http:
+            await http.post(stub_engine.url + "/_stub/faults", json={"mode": "http500", "count": 1})
+            out = await generate(args, group(0, 1)[0], params(args))
+            stats = await (await http.get(stub_engine.url + "/_stub/stats")).json()
+        await _close(args)
+        return out, stats
+
+    out, stats = asyncio.run(run())
+    assert all(s.status == Status.COMPLETED for s in out)
+    assert out[0].metadata["mrlx"]["retried_turns"] == 1
+    assert stats["generate"] == out[0].metadata["mrlx"]["turns"] + 1
+    assert compute_metrics(out)["multi_agent/retried_turns"] == 1
+
+
+def test_evaluation_returns_the_teams_final_answer(stub_engine, tiny_model_dir):
+    async def run():
+        args = slime_args(stub_engine.url, str(tiny_model_dir), _stub_args(stub_engine))
+        out = await generate(args, group(0, 1)[0], params(args), evaluation=True)
+        await _close(args)
+        return out
+
+    out = asyncio.run(run())
+    assert isinstance(out, Sample)
+    assert out.reward == 1.0 and "42" in out.response and out.metadata["mrlx"]["evaluation"]
+
+
+def test_miles_input_form_is_accepted(stub_engine, tiny_model_dir):
+    async def run():
+        args = slime_args(stub_engine.url, str(tiny_model_dir), _stub_args(stub_engine))
+        state = types.SimpleNamespace(args=args)
+        miles_input = types.SimpleNamespace(state=state, args=args, sample=group(0, 1)[0],
+                                            sampling_params=params(args), evaluation=False)
+        out = await generate(miles_input)
+        await _close(args)
+        return out
+
+    out = asyncio.run(run())
+    assert isinstance(out, list) and len(out) == 5
+
+
+def test_a_bad_setting_raises_one_message_naming_the_key(stub_engine, tiny_model_dir):
+    args = slime_args(stub_engine.url, str(tiny_model_dir), {"pipeline": {"num_paralel": 2}})
+    with pytest.raises(ConfigError, match="mrlx.pipeline.num_paralel: unknown key; did you mean 'num_parallel'"):
+        asyncio.run(generate(args, group(0, 1)[0], params(args)))
+
+
+def test_the_shared_args_object_is_never_written(stub_engine, tiny_model_dir):
+    args = slime_args(stub_engine.url, str(tiny_model_dir), _stub_args(stub_engine))
+    before = dict(vars(args))
+
+    async def run():
+        await generate(args, group(0, 1)[0], params(args))
+        await _close(args)
+
+    asyncio.run(run())
+    assert vars(args) == before
