@@ -67,8 +67,8 @@ async def run_dialogue(episode: Episode) -> None:
         for other in order:
             if other != agent:
                 unread[other].append(message)
-        if t.truncated:
-            episode.metadata["stopped_by"] = f"length ({agent})"
+        if t.full:
+            episode.metadata["stopped_by"] = f"context full ({agent})"
             break
         stop = episode.runtime.hooks.mrlx_should_stop(episode=episode, agent=agent, transcript=t)
         if stop:

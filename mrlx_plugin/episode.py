@@ -131,8 +131,9 @@ class Episode:
     async def generate(self, transcript: Transcript, **sampling_overrides: Any) -> Turn:
         """One model turn for the transcript's agent, appended to the transcript.
 
-        Returns the turn. A transcript with no room left is marked truncated and gets no call
-        (the returned turn is empty, finish reason "length"). Engine faults that outlast the
+        Returns the turn. A transcript with no room left (`transcript.full`) is marked truncated
+        and gets no call (the returned turn is empty, finish reason "length"). A turn that hits
+        its per-turn cap marks the sample TRUNCATED; the conversation may go on. Engine faults that outlast the
         retries, and `abort` answers from an engine this job owns, end the episode
         (EpisodeAborted). A peer engine's `abort` (it is updating its weights) is retried after
         `engine.abort_retry_wait_s`, until `engine.peer_deadline_s`; its partial text is dropped.
@@ -143,7 +144,7 @@ class Episode:
         room = transcript.room()
         if room is not None:
             params["max_new_tokens"] = min(int(params.get("max_new_tokens", room)), room)
-        if transcript.truncated or params.get("max_new_tokens", 1) <= 0:
+        if params.get("max_new_tokens", 1) <= 0:
             transcript.truncated = True
             return Turn(transcript.agent, [], [], "", "length", None)
         client = self.runtime.clients[transcript.agent]

@@ -57,7 +57,7 @@ class Transcript:
     logprobs: list[float] = field(default_factory=list)
     weight_versions: list[str] = field(default_factory=list)
     turns: list[Turn] = field(default_factory=list)
-    truncated: bool = False
+    truncated: bool = False  # a turn hit its token cap, or context was cut: the sample is TRUNCATED
     reward: float | None = None  # shaped reward the agent trains on
     raw_reward: float | None = None  # the grader's reward before shaping
     label: str = ""  # free-form name for logs ("solver-3")
@@ -91,6 +91,12 @@ class Transcript:
         if self.max_response is not None:
             limits.append(self.max_response - len(self.response_ids))
         return max(0, min(limits)) if limits else None
+
+    @property
+    def full(self) -> bool:
+        """No room for another token: this agent's part of the episode is over."""
+        room = self.room()
+        return room is not None and room <= 0
 
     # --- appends -------------------------------------------------------------------------
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 import asyncio
 import types
 
-import orjson
 import pytest
-from aiohttp import ClientSession, web
+from aiohttp import ClientSession
 
 from _host import group, params, slime_args
+from _recorder import RecordingProxy
 from mrlx_plugin.config import ConfigError
 from mrlx_plugin.host import Sample, Status
 from mrlx_plugin.metrics import compute_metrics
@@ -27,57 +27,27 @@ async def _close(args):
     await (await get_runtime(args)).aclose()
 
 
-class RecordingProxy:
-    """A reverse proxy in front of an engine that records what each /generate call returned."""
-
-    def __init__(self, target: str):
-        self.target = target
-        self.calls: list[tuple[list[int], list[int], list[float], str]] = []
-
-    async def handle(self, request: web.Request) -> web.Response:
-        body = await request.read()
-        async with self.session.post(self.target + "/generate", data=body, headers={"Content-Type": "application/json"}) as r:
-            raw = await r.read()
-        if r.status == 200:
-            req, out = orjson.loads(body), orjson.loads(raw)
-            entries = out["meta_info"]["output_token_logprobs"]
-            self.calls.append((req["input_ids"], [e[1] for e in entries], [e[0] for e in entries],
-                               out["meta_info"]["weight_version"]))
-        return web.Response(body=raw, status=r.status, content_type="application/json")
-
-    async def __aenter__(self) -> str:
-        self.session = ClientSession()
-        app = web.Application(client_max_size=1 << 26)
-        app.router.add_post("/generate", self.handle)
-        self.runner = web.AppRunner(app)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
-        return f"http://127.0.0.1:{port}"
-
-    async def __aexit__(self, *exc) -> None:
-        await self.runner.cleanup()
-        await self.session.close()
-
-
 PIPELINE = {"run_id": "test", "system": "pipeline", "pipeline": {"num_parallel": 2}}
 
 
 def test_samples_meet_the_host_contract_and_hold_the_engines_exact_ids(engine, tiny_model_dir):
-    async def run():
-        proxy = RecordingProxy(engine.url)
-        async with proxy as url:
-            args = slime_args(url, str(tiny_model_dir), PIPELINE, rollout_max_response_len=12)
-            groups = [group(0, 2), group(1, 2, prompt=[{"role": "user", "content": "What is 7 - 3?"}], label="4")]
-            outs = await asyncio.gather(*(generate(args, s, params(args), evaluation=False) for g in groups for s in g))
-            await _close(args)
-        return args, groups, outs, proxy.calls
+    proxy = RecordingProxy(engine.url).start()
 
-    args, groups, outs, calls = asyncio.run(run())
+    async def run():
+        args = slime_args(proxy.url, str(tiny_model_dir), PIPELINE, rollout_max_response_len=12)
+        groups = [group(0, 2), group(1, 2, prompt=[{"role": "user", "content": "What is 7 - 3?"}], label="4")]
+        outs = await asyncio.gather(*(generate(args, s, params(args), evaluation=False) for g in groups for s in g))
+        await _close(args)
+        return args, groups, outs
+
+    try:
+        args, groups, outs = asyncio.run(run())
+    finally:
+        proxy.stop()
+    calls = proxy.calls
     by_request: dict = {}  # prompt ids -> every answer the engine gave to that prompt
-    for req, ids, lps, version in calls:
-        by_request.setdefault(tuple(req), []).append((ids, lps, version))
+    for c in calls:
+        by_request.setdefault(tuple(c["input_ids"]), []).append((c["ids"], c["logprobs"], c["version"]))
     flat = []
     for inp, samples in zip([s for g in groups for s in g], outs):
         assert isinstance(samples, list) and samples

@@ -159,3 +159,12 @@ def start_router(worker_urls: list[str], *, log_dir=None, name: str = "router") 
     port = free_port()
     argv = router_command("127.0.0.1", port, worker_urls)
     return start_service(name, argv, log_dir=log_dir, port=port, health_path="/health", timeout=60)
+
+
+def start_coordinator(db: str | os.PathLike, run_id: str, agents: list[str], *, log_dir=None,
+                      token_env: str = "MRLX_TOKEN", name: str = "coordinator", extra: list[str] | None = None,
+                      env: dict[str, str] | None = None) -> ManagedProcess:
+    """`mrlx coordinator` on 127.0.0.1 with its database at `db` (the token from `token_env`)."""
+    argv = [sys.executable, "-m", "mrlx_plugin.coordinator.server", "--db", str(db), "--run-id", run_id,
+            "--agents", ",".join(agents), "--token-env", token_env] + list(extra or [])
+    return start_service(name, argv, log_dir=log_dir, env=env)

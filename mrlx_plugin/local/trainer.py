@@ -33,6 +33,7 @@ import random
 import shutil
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -227,14 +228,29 @@ def latest_checkpoint(out: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def push_weights(engines: list[str], path: Path, version: int, timeout: float = 300.0) -> None:
-    """Load `path` into every engine of this agent and set its weight version (SGLang's call)."""
+def push_weights(engines: list[str], path: Path, version: int, deadline_s: float = 300.0) -> None:
+    """Load `path` into every engine of this agent and set its weight version (SGLang's call).
+
+    An engine that is down (restarting) is retried until `deadline_s`; one that refuses the
+    weights is an error.
+    """
     body = json.dumps({"model_path": str(path), "weight_version": str(version)}).encode()
     for url in engines:
-        req = urllib.request.Request(url.rstrip("/") + "/update_weights_from_disk", data=body,
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            answer = json.loads(resp.read() or b"{}")
+        deadline = time.monotonic() + deadline_s
+        while True:
+            req = urllib.request.Request(url.rstrip("/") + "/update_weights_from_disk", data=body,
+                                         headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(req, timeout=deadline_s) as resp:
+                    answer = json.loads(resp.read() or b"{}")
+                break
+            except urllib.error.HTTPError as exc:
+                raise RuntimeError(f"{url} refused the weights at {path}: HTTP {exc.code} {exc.read()[:200]!r}") from None
+            except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{url} did not take the weights at {path} within {deadline_s:.0f}s: {exc}") from None
+                log.warning("engine %s unreachable (%s); retrying the weight push", url, exc)
+                time.sleep(0.5)
         if not answer.get("success", True):
             raise RuntimeError(f"{url} refused the weights at {path}: {answer.get('message')}")
 
@@ -260,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from ..config import ConfigError
+    from ..host import run_in_host_loop
     from ..hostargs import host_args, read_prompts
     from ..metrics import log_rollout
     from ..rewards import normalize
@@ -343,6 +360,7 @@ def main(argv: list[str] | None = None) -> int:
                     f.write(json.dumps({"step": rollout_id, "advantage": adv, **s.to_dict()}, default=str) + "\n")
         log.info("step %d: %d samples, reward %.3f, rollout %.1fs, train %.1fs", rollout_id, len(samples),
                  row["raw_reward_mean"], rollout_s, row["train_s"])
+    run_in_host_loop(runtime_for(args).aclose())
     return 0
 
 

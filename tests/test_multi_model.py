@@ -1,0 +1,221 @@
+"""Two models co-training through the coordinator: two agent jobs as separate processes.
+
+Each job is the embedded trainer (`python -m mrlx_plugin.local.trainer`), which calls the
+plugin's rollout functions exactly as slime's loop does: rollout, train, push the new weights
+to its own engine (bumping its weight version). Job A runs every episode (initiator_rollout);
+job B trains on B's turns (responder_rollout). Two engines with different models and
+tokenizers, a coordinator, and a recording proxy in front of B's engine, all on real sockets.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from _recorder import RecordingProxy
+from mrlx_plugin.local.model import ensure_model
+from mrlx_plugin.local.processes import start_coordinator, start_engine, start_service
+
+TOKEN = "multi-model-test-token"
+STEPS, GROUPS, PER_PROMPT, STALENESS = 3, 2, 2, 1
+
+
+def job_yaml(path: Path, *, me: str, a_url: str, b_url: str, a_tok: Path, b_tok: Path, coordinator: str) -> Path:
+    path.write_text(f"""
+mrlx:
+  run_id: mm-test
+  system: dialogue
+  self: {me}
+  agents:
+    a: {{url: {'self' if me == 'a' else a_url}, tokenizer: '{a_tok}', trainable: true,
+        system_prompt: 'You answer.', sampling: {{max_new_tokens: 6}}}}
+    b: {{url: {'self' if me == 'b' else b_url}, tokenizer: '{b_tok}', trainable: true,
+        system_prompt: 'You check.', sampling: {{max_new_tokens: 6}}}}
+  dialogue: {{first: a, max_turns: 4}}
+  engine: {{abort_retry_wait_s: 0.2, peer_deadline_s: 90, request_timeout_s: 10, max_retries: 1, backoff_s: 0.05}}
+  coordinator: {{url: '{coordinator}', token_env: MRLX_TEST_TOKEN, max_staleness: {STALENESS},
+                 wait_deadline_s: 120, lease_s: 30}}
+  trainer: {{lr: 0.001}}
+""")
+    return path
+
+
+def trainer(config: Path, model: Path, engine: str, rollout_fn: str, out: Path, log: Path) -> subprocess.Popen:
+    argv = [sys.executable, "-m", "mrlx_plugin.local.trainer", "--config", str(config), "--model", str(model),
+            "--engine-url", engine, "--router-url", engine, "--rollout-function", rollout_fn,
+            "--num-rollout", str(STEPS), "--rollout-batch-size", str(GROUPS), "--n-samples-per-prompt", str(PER_PROMPT),
+            "--rollout-max-response-len", "24", "--out", str(out), "--save-samples"]
+    env = dict(os.environ, MRLX_TEST_TOKEN=TOKEN)
+    return subprocess.Popen(argv, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env)
+
+
+def rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def two_models(tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("two-models")
+    # Different weights and different vocabularies: each agent has its own token space.
+    return ensure_model(root / "a", preset="tiny", seed=1), ensure_model(root / "b", preset="tiny", seed=2, vocab_size=384)
+
+
+def test_two_jobs_co_train_through_the_coordinator(two_models, tmp_path, logs_dir):
+    model_a, model_b = two_models
+    env = {"MRLX_TEST_TOKEN": TOKEN}
+    coordinator = start_coordinator(tmp_path / "coord.sqlite", "mm-test", ["a", "b"], log_dir=tmp_path,
+                                    token_env="MRLX_TEST_TOKEN", env=env)
+    engine_a = start_engine(model_a, log_dir=tmp_path, name="engine-a", threads=1)
+    engine_b = start_engine(model_b, log_dir=tmp_path, name="engine-b", threads=1)
+    proxy = RecordingProxy(engine_b.url).start()
+    procs: list = [coordinator, engine_a, engine_b]
+    jobs: list[subprocess.Popen] = []
+    try:
+        cfg_a = job_yaml(tmp_path / "a.yaml", me="a", a_url=engine_a.url, b_url=proxy.url, a_tok=model_a, b_tok=model_b,
+                         coordinator=coordinator.url)
+        cfg_b = job_yaml(tmp_path / "b.yaml", me="b", a_url=engine_a.url, b_url=proxy.url, a_tok=model_a, b_tok=model_b,
+                         coordinator=coordinator.url)
+        # B's engine goes down before the run and comes back while A's first rollout is under way:
+        # A's turns for B must be retried, never filled with anything but what B's engine sampled.
+        port_b = engine_b.port
+        engine_b.kill()
+        jobs.append(trainer(cfg_b, model_b, engine_b.url, "mrlx_plugin.rollout.responder_rollout", tmp_path / "out_b",
+                            tmp_path / "job_b.log"))
+        jobs.append(trainer(cfg_a, model_a, engine_a.url, "mrlx_plugin.rollout.initiator_rollout", tmp_path / "out_a",
+                            tmp_path / "job_a.log"))
+        time.sleep(3.0)
+        restarted = start_service("engine-b2", [sys.executable, "-m", "mrlx_plugin.local.engine", "--model",
+                                                str(model_b), "--port", str(port_b), "--threads", "1"],
+                                  log_dir=tmp_path, port=port_b)
+        procs.append(restarted)
+        for job, name in zip(jobs, ("b", "a")):
+            code = job.wait(timeout=240)
+            assert code == 0, (tmp_path / f"job_{name}.log").read_text()[-4000:]
+    finally:
+        for job in jobs:
+            if job.poll() is None:
+                job.kill()
+        proxy.stop()
+        for p in procs:
+            p.stop()
+
+    a_samples, b_samples = rows(tmp_path / "out_a" / "samples.jsonl"), rows(tmp_path / "out_b" / "samples.jsonl")
+    a_metrics, b_metrics = rows(tmp_path / "out_a" / "metrics.jsonl"), rows(tmp_path / "out_b" / "metrics.jsonl")
+    episodes = STEPS * GROUPS * PER_PROMPT
+
+    # Every B sample of A's episodes reached B's trainer, exactly once.
+    a_ids = [s["metadata"]["mrlx"]["episode_id"] for s in a_samples]
+    b_ids = [s["metadata"]["mrlx"]["episode_id"] for s in b_samples]
+    assert len(a_ids) == len(set(a_ids)) == episodes
+    assert sorted(b_ids) == sorted(a_ids)
+    assert all(s["metadata"]["mrlx"]["agent"] == "b" for s in b_samples)
+
+    # B's groups are A's prompt groups.
+    for step in range(STEPS):
+        groups = {s["group_index"] for s in b_samples if s["step"] == step}
+        assert len(groups) == GROUPS
+        for g in groups:
+            assert sum(1 for s in b_samples if s["step"] == step and s["group_index"] == g) == PER_PROMPT
+
+    # B's tokens are B's own: every trained span is exactly what B's engine returned for that prefix.
+    by_prefix = {(tuple(c["input_ids"]), tuple(c["ids"])): c for c in proxy.calls}
+    for s in b_samples:
+        assert s["status"] in ("completed", "truncated")
+        assert max(s["tokens"]) < 384  # B's vocabulary, not A's
+        start = len(s["tokens"]) - s["response_length"]
+        mask = s["loss_mask"]
+        i = 0
+        spans = 0
+        while i < len(mask):
+            if mask[i] == 1:
+                j = i
+                while j < len(mask) and mask[j] == 1:
+                    j += 1
+                call = by_prefix.get((tuple(s["tokens"][: start + i]), tuple(s["tokens"][start + i : start + j])))
+                assert call is not None, "a trained span B's engine never returned"
+                assert s["rollout_log_probs"][i:j] == pytest.approx(call["logprobs"], abs=1e-6)
+                spans += 1
+                i = j
+            else:
+                assert s["rollout_log_probs"][i] == 0.0
+                i += 1
+        assert spans == len(s["weight_versions"]) >= 1
+
+    # The restart cost retries, not episodes.
+    assert proxy.failed > 0
+    assert sum(m.get("multi_agent/retried_turns", 0) for m in a_metrics) > 0
+    assert all(m.get("multi_agent/aborted_episodes", 0) == 0 for m in a_metrics)
+
+    # Staleness stayed within the bound, on both sides.
+    assert [m["step"] for m in a_metrics] == list(range(STEPS))
+    for m in a_metrics:
+        assert 0 <= m["staleness/b"] <= STALENESS
+    for m in b_metrics:
+        assert m["staleness/b"] <= STALENESS
+    # A's engine moved to a new weight version every step, and so did B's.
+    assert {s["weight_versions"][0] for s in a_samples if s["step"] == STEPS - 1} == {str(STEPS - 1)}
+
+
+def _in_process_initiator(engine_url: str, tokenizer: Path, coordinator_url: str):
+    from _host import slime_args
+
+    mrlx = {"run_id": "mm-eval", "system": "dialogue", "self": "a",
+            "agents": {"a": {"url": "self", "sampling": {"max_new_tokens": 4}},
+                       "b": {"url": engine_url, "trainable": True, "sampling": {"max_new_tokens": 4}}},
+            "dialogue": {"max_turns": 2},
+            "coordinator": {"url": coordinator_url, "token_env": "MRLX_TEST_TOKEN", "wait_deadline_s": 20}}
+    return slime_args(engine_url, str(tokenizer), mrlx, rollout_batch_size=1, n_samples_per_prompt=2,
+                      n_samples_per_eval_prompt=1)
+
+
+def test_evaluation_queues_nothing_and_a_missing_rollout_function_is_named(engine, tiny_model_dir, tmp_path,
+                                                                          monkeypatch):
+    import asyncio
+
+    from mrlx_plugin.config import ConfigError
+    from mrlx_plugin.coordinator.client import CoordinatorClient
+    from mrlx_plugin.host import Sample
+    from mrlx_plugin.local.host_rollout import LocalDataSource
+    from mrlx_plugin.host import run_in_host_loop
+    from mrlx_plugin.rollout import generate, initiator_rollout
+    from mrlx_plugin.runtime import runtime_for
+
+    monkeypatch.setenv("MRLX_TEST_TOKEN", TOKEN)
+    coordinator = start_coordinator(tmp_path / "c.sqlite", "mm-eval", ["a", "b"], log_dir=tmp_path,
+                                    token_env="MRLX_TEST_TOKEN", env={"MRLX_TEST_TOKEN": TOKEN})
+    try:
+        args = _in_process_initiator(engine.url, tiny_model_dir, coordinator.url)
+        # generate() alone, as if --rollout-function-path had not been set: refused, with the fix named
+        with pytest.raises(ConfigError, match="--rollout-function-path mrlx_plugin.rollout.initiator_rollout"):
+            asyncio.run(generate(args, Sample(group_index=0, index=0, prompt="What is 1 + 1?", label="2"),
+                                 {"max_new_tokens": 4}))
+        source = LocalDataSource([("What is 1 + 1?", "2")], 2, eval_prompts=[("What is 2 + 2?", "4"), ("3 + 3?", "6")])
+        out = initiator_rollout(args, 0, source, evaluation=True)
+        evaluated = out.data["eval"]["samples"]
+        assert len(evaluated) == 2 and all(isinstance(r, float) for r in out.data["eval"]["rewards"])
+
+        async def queue():
+            client = CoordinatorClient(coordinator.url, run_id="mm-eval", agent="b", token=TOKEN)
+            try:
+                return await client.queue_info("b"), await client.get_version("a")
+            finally:
+                await client.close()
+
+        info, version_a = asyncio.run(queue())
+        assert info["queued_items"] == 0 and info["leased_items"] == 0 and info["incomplete_groups"] == 0
+        assert version_a is None  # evaluation reports no version and waits on no one
+
+        # The same job in training does queue B's samples: one prompt group of two episodes.
+        trained = initiator_rollout(args, 0, source, evaluation=False)
+        assert sum(len(g) for g in trained.samples) == 2
+        info, version_a = asyncio.run(queue())
+        assert info["queued_items"] == 2 and info["ready_groups"] == 1 and version_a == 0
+        run_in_host_loop(runtime_for(args).aclose())
+    finally:
+        coordinator.stop()
