@@ -1,5 +1,6 @@
 """The `mrlx` command.
 
+    mrlx demo ...          two small models co-train on a CPU (the embedded default, end to end)
     mrlx engine ...        an embedded SGLang-protocol engine on the CPU
     mrlx stub-engine ...   a model-free SGLang-protocol responder (benchmarks, fault tests)
     mrlx rollout ...       run episodes of the configured system against engines; write JSONL
@@ -47,6 +48,12 @@ def _check(argv: list[str]) -> int:
     return main(argv)
 
 
+def _demo(argv: list[str]) -> int:
+    from .local.demo import main
+
+    return main(argv)
+
+
 def _bench(argv: list[str]) -> int:
     from .benchmarks import main
 
@@ -56,6 +63,7 @@ def _bench(argv: list[str]) -> int:
 COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "engine": (_engine, "serve a small transformers model over the SGLang HTTP protocol (CPU)"),
     "stub-engine": (_stub_engine, "a model-free SGLang-protocol responder for benchmarks and fault tests"),
+    "demo": (_demo, "two small models co-train on this CPU through the full multi-model loop"),
     "rollout": (_rollout, "run N episodes of a system against engines; print a summary; write samples as JSONL"),
     "check": (_check, "validate configs (and two jobs' configs against each other); reach every URL"),
     "coordinator": (_coordinator, "the durable coordinator of a multi-model run"),

@@ -67,6 +67,9 @@ class EngineSettings:
     abort_retry_wait_s: float = 2.0  # wait before retrying a turn a peer engine aborted
     peer_deadline_s: float = 600.0  # give up on an aborting/unreachable peer after this long
     max_connections: int = 1024  # connection pool size per engine URL
+    # Reproducible sampling: each call carries `sampling_seed` derived from this seed, the episode
+    # and the turn (SGLang honours it with deterministic inference; the embedded engine always).
+    sampling_seed: int | None = None
 
 
 @dataclass
@@ -121,10 +124,18 @@ class TrainerSettings:
     ignore this section (their own flags of the same names apply)."""
 
     lr: float = 1e-4
+    lr_warmup_steps: int = 0  # RL steps over which the learning rate rises linearly from lr / steps to lr
+    lr_decay_style: Literal["constant", "cosine"] = "constant"  # after warm-up: keep, or cosine to lr_min
+    lr_min: float = 0.0
     eps_clip: float = 0.2  # PPO clip range below 1
     eps_clip_high: float = 0.28  # and above 1
     kl_coef: float = 0.0  # KL to the initial (reference) model, low-variance estimator
     weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.98
+    # A large epsilon scales Adam's steps with the gradient where the gradient is tiny: RL's noisy
+    # small gradients then do not push every weight by a full `lr` (which wrecks small models).
+    adam_eps: float = 1e-8
     max_grad_norm: float = 1.0
     micro_batch_size: int = 32
     ppo_epochs: int = 1
@@ -230,6 +241,11 @@ def _convert(tp: Any, value: Any, path: str, errors: list[str]) -> Any:
             errors.append(f"{path}: got {value!r}; expected true or false")
         return value
     if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string: take it as the number meant
+            try:
+                value = float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             errors.append(f"{path}: got {type(value).__name__} {value!r}; expected a number")
             return 0.0

@@ -114,7 +114,9 @@ class PeerOutbox:
         if self.failures:
             failures, self.failures = self.failures, []
             raise CoordinatorError(f"could not hand {len(failures)} group(s) to the coordinator: " + "; ".join(failures[:3]))
-        return {f"coordinator/{k}": float(v) for k, v in self.stats.items()}
+        step_stats = {f"coordinator/{k}": float(v) for k, v in self.stats.items()}
+        self.stats = dict.fromkeys(self.stats, 0)  # per rollout
+        return step_stats
 
 
 async def initiator_barrier(runtime: Any, rollout_id: int) -> dict[str, float]:
@@ -180,6 +182,17 @@ async def responder_take(runtime: Any, rollout_id: int, groups_needed: int) -> t
     if versions:
         metrics[f"staleness/{runtime.settings.self_agent}"] = float(rollout_id - min(versions))
     return samples, metrics
+
+
+async def responder_finish(runtime: Any) -> None:
+    """Acknowledge the groups of the last step (its training is done and saved)."""
+    state: ResponderState = runtime.responder
+    if state.renewer is not None:
+        state.renewer.cancel()
+        state.renewer = None
+    for lease_id in state.leases:
+        await runtime.coordinator.ack(lease_id)
+    state.leases = []
 
 
 async def _renew(client: CoordinatorClient, leases: list[str], lease_s: float) -> None:

@@ -20,6 +20,7 @@ import logging
 import math
 import time
 import uuid
+import zlib
 from typing import Any, Awaitable
 
 from .config import AgentSettings, ConfigError
@@ -149,6 +150,9 @@ class Episode:
             return Turn(transcript.agent, [], [], "", "length", None)
         client = self.runtime.clients[transcript.agent]
         e = self.settings.engine
+        if e.sampling_seed is not None and "sampling_seed" not in params:
+            key = f"{e.sampling_seed}:{self.id}:{transcript.label}:{len(transcript.turns)}".encode()
+            params["sampling_seed"] = zlib.crc32(key) & 0x7FFFFFFF
         deadline = time.monotonic() + (e.peer_deadline_s if agent.retry_on_abort else e.request_timeout_s * (e.max_retries + 1))
         retried = False
         while True:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from .coordination import initiator_barrier, responder_take
+from .coordination import initiator_barrier, responder_finish, responder_take
 from .episode import run_episode
 from .host import RolloutFnTrainOutput, host_default_rollout, run_in_host_loop, unpack_generate_call, wrap_generate_output
 from .metrics import compute_metrics
@@ -100,6 +100,17 @@ def responder_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: 
     groups, metrics = run_in_host_loop(responder_take(runtime, rollout_id, int(args.rollout_batch_size)))
     metrics.update(compute_metrics([s for g in groups for s in g]))
     return RolloutFnTrainOutput(samples=groups, metrics=metrics)
+
+
+def finish_responder(args: Any) -> None:
+    """Acknowledge the groups of a responder's last step, once it is trained and saved.
+
+    `responder_rollout` acknowledges each step's groups when the next step begins, so a job that
+    dies mid-training gets them again. A job that finishes cleanly calls this after its final
+    checkpoint (slime has no hook there; without it, a run resumed later trains the last step's
+    groups once more).
+    """
+    run_in_host_loop(responder_finish(runtime_for(args, tokenizers=False)))
 
 
 initiator_rollout.add_arguments = add_arguments  # type: ignore[attr-defined]

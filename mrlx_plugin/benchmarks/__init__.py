@@ -4,6 +4,7 @@
                              path, memory of many concurrent episodes (against stub engines)
     mrlx bench coordinator   durable commit-then-lease throughput and barrier wake-up latency,
                              against a plain in-memory JSON queue
+    mrlx bench demo          the CPU demo and its frozen-B baseline: time, rewards, memory
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ def main(argv: list[str]) -> int:
         from .rollout import main as run
     elif name == "coordinator":
         from ..coordinator.bench import main as run
+    elif name == "demo":
+        from .demo import main as run
     else:
-        print(f"mrlx bench: unknown benchmark {name!r} (rollout, coordinator)", file=sys.stderr)
+        print(f"mrlx bench: unknown benchmark {name!r} (rollout, coordinator, demo)", file=sys.stderr)
         return 2
     return run(rest)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import random
+from pathlib import Path
 
 
 def arithmetic_prompts(n: int, seed: int = 0, max_operand: int = 50) -> list[tuple[str, str]]:
@@ -19,7 +21,48 @@ def arithmetic_prompts(n: int, seed: int = 0, max_operand: int = 50) -> list[tup
     return out
 
 
-TASKS = {"arithmetic": arithmetic_prompts}
+def addition_prompts(n: int, seed: int = 0, max_operand: int = 4) -> list[tuple[str, str]]:
+    """`n` questions "What is a + b?" with 0 <= a, b <= max_operand, every sum equally often.
+
+    The demo's task: small enough for a model built from scratch to learn on two CPU cores in
+    minutes. Each sum is drawn uniformly and then a pair that makes it, so no single answer is
+    right more often than 1 in (2 * max_operand + 1): a model has to read the question to beat
+    chance, which keeps RL from settling on one favourite number.
+    """
+    rng = random.Random(seed)
+    by_sum: dict[int, list[tuple[int, int]]] = {}
+    for a in range(max_operand + 1):
+        for b in range(max_operand + 1):
+            by_sum.setdefault(a + b, []).append((a, b))
+    out = []
+    for _ in range(n):
+        a, b = rng.choice(by_sum[rng.randint(0, 2 * max_operand)])
+        out.append((f"What is {a} + {b}?", str(a + b)))
+    return out
+
+
+def format_examples(path: str | Path, prompts: list[tuple[str, str]], n: int, seed: int = 0,
+                    context: bool = False) -> Path:
+    """A warm-start file teaching the output FORMAT only: "\\boxed{N}" with N drawn at random.
+
+    Labels are never used, so the warm-started model knows how to answer but not what: its
+    first rewards are chance level. With `context`, each example also shows a teammate's
+    message (a random boxed number), as the second agent of the demo sees one.
+    """
+    rng = random.Random(seed)
+    top = max(int(label) for _, label in prompts)
+    with Path(path).open("w") as f:
+        for _ in range(n):
+            prompt, _ = rng.choice(prompts)
+            messages = [{"role": "user", "content": prompt}]
+            if context:
+                messages.append({"role": "user", "content": f"\\boxed{{{rng.randint(0, top)}}}"})
+            messages.append({"role": "assistant", "content": f"\\boxed{{{rng.randint(0, top)}}}"})
+            f.write(json.dumps({"messages": messages}) + "\n")
+    return Path(path)
+
+
+TASKS = {"arithmetic": arithmetic_prompts, "addition": addition_prompts}
 
 
 def task_prompts(name: str, n: int, seed: int = 0) -> list[tuple[str, str]]:

@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup-data", default=None, help="JSONL of {'messages': [...]} for the supervised warm-start")
     p.add_argument("--out", required=True, help="checkpoints, metrics.jsonl and samples go here")
     p.add_argument("--keep-checkpoints", type=int, default=2)
-    p.add_argument("--freeze", action="store_true", help="never update the weights (a baseline)")
+    p.add_argument("--freeze", action="store_true", help="no RL updates (the warm-start still runs): a baseline")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save-samples", action="store_true", help="write every trained sample to samples.jsonl")
@@ -80,26 +80,33 @@ def load_function(path: str) -> Any:
 # ----------------------------------------------------------------------------------------------
 
 
-def response_logprobs(model: Any, samples: list[Any], temperature: float) -> list[Any]:
-    """Per-token log-probs of each sample's response under `model`, at the rollout temperature."""
+def _batch(samples: list[Any]) -> tuple[Any, Any, Any, Any]:
+    """Right-padded token ids and attention mask, and per-position response tensors aligned with
+    the model's shifted log-probs: position j scores token j + 1."""
     import torch
 
-    pad = 0
     longest = max(len(s.tokens) for s in samples)
-    ids = torch.full((len(samples), longest), pad, dtype=torch.long)
+    ids = torch.zeros((len(samples), longest), dtype=torch.long)
     attention = torch.zeros((len(samples), longest), dtype=torch.long)
+    mask = torch.zeros((len(samples), longest - 1))
+    old = torch.zeros((len(samples), longest - 1))
     for i, s in enumerate(samples):
-        ids[i, : len(s.tokens)] = torch.tensor(s.tokens)
-        attention[i, : len(s.tokens)] = 1
+        n, r = len(s.tokens), s.response_length
+        ids[i, :n] = torch.tensor(s.tokens)
+        attention[i, :n] = 1
+        mask[i, n - 1 - r : n - 1] = torch.tensor(s.loss_mask, dtype=torch.float32)
+        old[i, n - 1 - r : n - 1] = torch.tensor(s.rollout_log_probs, dtype=torch.float32)
+    return ids, attention, mask, old
+
+
+def token_logprobs(model: Any, ids: Any, attention: Any, temperature: float) -> Any:
+    """log p(token j + 1 | tokens <= j) at the rollout temperature, for every position j."""
+    import torch
+
     logits = model(input_ids=ids, attention_mask=attention).logits.float()
     if temperature and temperature > 0:
         logits = logits / temperature
-    logprobs = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-    out = []
-    for i, s in enumerate(samples):
-        end = len(s.tokens) - 1  # logprobs[:, j] scores token j + 1
-        out.append(logprobs[i, end - s.response_length : end])
-    return out
+    return torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
 
 
 def ppo_loss(model: Any, ref: Any, samples: list[Any], advantages: list[float], cfg: Any, temperature: float,
@@ -108,26 +115,33 @@ def ppo_loss(model: Any, ref: Any, samples: list[Any], advantages: list[float], 
     trainable token count, so micro-batches add up to the step's per-token mean."""
     import torch
 
-    new = response_logprobs(model, samples, temperature)
-    with torch.no_grad():
-        refs = response_logprobs(ref, samples, temperature) if ref is not None else None
-    loss = torch.zeros(())
-    clipped = kl_sum = 0.0
-    for i, (s, adv) in enumerate(zip(samples, advantages)):
-        mask = torch.tensor(s.loss_mask, dtype=torch.float32)
-        old = torch.tensor(s.rollout_log_probs, dtype=torch.float32)
-        ratio = torch.exp(new[i] - old)
-        unclipped = -adv * ratio
-        clip = -adv * torch.clamp(ratio, 1 - cfg.eps_clip, 1 + cfg.eps_clip_high)
-        per_token = torch.maximum(unclipped, clip)
-        clipped += float(((clip > unclipped).float() * mask).sum())
-        if refs is not None and cfg.kl_coef:
-            delta = refs[i] - new[i]
-            kl = torch.exp(delta) - delta - 1  # low-variance KL estimate
-            per_token = per_token + cfg.kl_coef * kl
-            kl_sum += float((kl.detach() * mask).sum())
-        loss = loss + (per_token * mask).sum()
-    return loss / total_tokens, {"clipped_tokens": clipped, "kl_sum": kl_sum}
+    ids, attention, mask, old = _batch(samples)
+    adv = torch.tensor(advantages, dtype=torch.float32)[:, None]
+    new = token_logprobs(model, ids, attention, temperature)
+    ratio = torch.exp((new - old) * mask)  # 1 off the trainable tokens
+    unclipped = -adv * ratio
+    clip = -adv * torch.clamp(ratio, 1 - cfg.eps_clip, 1 + cfg.eps_clip_high)
+    per_token = torch.maximum(unclipped, clip)
+    info = {"clipped_tokens": float(((clip > unclipped).float() * mask).sum()), "kl_sum": 0.0,
+            "drift_sum": float(((new.detach() - old).abs() * mask).sum())}
+    if ref is not None and cfg.kl_coef:
+        with torch.no_grad():
+            ref_lp = token_logprobs(ref, ids, attention, temperature)
+        delta = ref_lp - new
+        kl = torch.exp(delta) - delta - 1  # low-variance KL estimate
+        per_token = per_token + cfg.kl_coef * kl
+        info["kl_sum"] = float((kl.detach() * mask).sum())
+    return (per_token * mask).sum() / total_tokens, info
+
+
+def learning_rate(cfg: Any, step: int, total: int) -> float:
+    """slime's schedule: linear warm-up over `lr_warmup_steps`, then constant or cosine to `lr_min`."""
+    if step < cfg.lr_warmup_steps:
+        return cfg.lr * (step + 1) / cfg.lr_warmup_steps
+    if cfg.lr_decay_style == "cosine":
+        done = (step - cfg.lr_warmup_steps) / max(1, total - cfg.lr_warmup_steps)
+        return cfg.lr_min + 0.5 * (cfg.lr - cfg.lr_min) * (1 + math.cos(math.pi * min(1.0, done)))
+    return cfg.lr
 
 
 def ppo_step(model: Any, ref: Any, optimizer: Any, samples: list[Any], advantages: list[float], cfg: Any,
@@ -143,7 +157,7 @@ def ppo_step(model: Any, ref: Any, optimizer: Any, samples: list[Any], advantage
     stats: dict[str, float] = {}
     for _ in range(cfg.ppo_epochs):
         optimizer.zero_grad(set_to_none=True)
-        loss_value = clipped = kl_sum = 0.0
+        loss_value = clipped = kl_sum = drift = 0.0
         for k in range(0, len(batch), cfg.micro_batch_size):
             part = batch[k : k + cfg.micro_batch_size]
             loss, info = ppo_loss(model, ref, [s for s, _ in part], [a for _, a in part], cfg, temperature, total)
@@ -151,9 +165,13 @@ def ppo_step(model: Any, ref: Any, optimizer: Any, samples: list[Any], advantage
             loss_value += float(loss.detach())
             clipped += info["clipped_tokens"]
             kl_sum += info["kl_sum"]
+            drift += info["drift_sum"]
         grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
         optimizer.step()
-        stats = {"train/loss": loss_value, "train/clip_fraction": clipped / total, "train/kl": kl_sum / total,
+        # train/logprob_drift: mean |trainer log-prob - rollout log-prob| of the step's first pass;
+        # near 0 when the engine and the trainer agree on the weights and the sampling temperature.
+        stats = stats or {"train/logprob_drift": drift / total}
+        stats |= {"train/loss": loss_value, "train/clip_fraction": clipped / total, "train/kl": kl_sum / total,
                  "train/grad_norm": grad_norm, "train/tokens": float(total)}
     model.eval()
     return stats
@@ -223,6 +241,15 @@ def save_checkpoint(out: Path, step: int, model: Any, tokenizer: Any, optimizer:
     return final
 
 
+def engine_version(url: str) -> str | None:
+    """The weight version an engine reports now (after a push: proof that it took the weights)."""
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/get_weight_version", timeout=10) as resp:
+            return json.loads(resp.read()).get("weight_version")
+    except (urllib.error.URLError, ConnectionError, TimeoutError, ValueError):
+        return None
+
+
 def latest_checkpoint(out: Path) -> Path | None:
     found = sorted(p for p in (out / "checkpoints").glob("step_*") if not p.name.endswith(".tmp"))
     return found[-1] if found else None
@@ -280,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     from ..hostargs import host_args, read_prompts
     from ..metrics import log_rollout
     from ..rewards import normalize
+    from ..rollout import finish_responder
     from ..runtime import runtime_for
     from .host_rollout import LocalDataSource
     from .model import load_model, load_tokenizer
@@ -312,8 +340,8 @@ def main(argv: list[str] | None = None) -> int:
     checkpoint = latest_checkpoint(out) if ns.resume else None
     model = load_model(checkpoint or ns.model)
     tokenizer = load_tokenizer(checkpoint or ns.model)
-    ref = load_model(ns.model) if cfg.kl_coef else None
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                  betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
     if checkpoint is not None:
         state = torch.load(checkpoint / "trainer_state.pt", weights_only=False)
         optimizer.load_state_dict(state["optimizer"])
@@ -324,16 +352,20 @@ def main(argv: list[str] | None = None) -> int:
         start, resumed_from = state["step"] + 1, str(checkpoint)
         log.info("resumed from %s: continuing at step %d", checkpoint, start)
         push_weights(ns.engine_url, checkpoint, version=start)
-    elif ns.warmup_data and cfg.warmup_sft_steps and not ns.freeze:
+    elif ns.warmup_data and cfg.warmup_sft_steps:  # a frozen agent is warm-started too: it is the baseline
         losses = warm_start(model, tokenizer, ns.warmup_data, cfg.warmup_sft_steps, cfg.warmup_sft_lr,
                             cfg.micro_batch_size, ns.seed)
         log.info("warm-start (supervised, output format only): %d steps, loss %.3f -> %.3f",
                  len(losses), losses[0], losses[-1])
         _append(out / "metrics.jsonl", {"step": -1, "warm_start/steps": len(losses),
                                         "warm_start/loss_first": losses[0], "warm_start/loss_last": losses[-1]})
-        pushed = save_checkpoint(out, -1, model, tokenizer, optimizer, data_source, ns.keep_checkpoints)
-        push_weights(ns.engine_url, pushed, version=0)
+        model.save_pretrained(str(out / "warm_start"))
+        tokenizer.save_pretrained(str(out / "warm_start"))
+        push_weights(ns.engine_url, out / "warm_start", version=0)
 
+    # The KL reference is the policy RL starts from: the initial model after any warm-start.
+    start_model = out / "warm_start" if (out / "warm_start" / "config.json").exists() else Path(ns.model)
+    ref = load_model(start_model) if cfg.kl_coef else None
     for rollout_id in range(start, ns.num_rollout):
         t0 = time.monotonic()
         output = rollout_fn(args, rollout_id, data_source, evaluation=False)
@@ -344,13 +376,15 @@ def main(argv: list[str] | None = None) -> int:
         log_rollout(rollout_id, args, samples, metrics, rollout_s)
 
         t1 = time.monotonic()
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(cfg, rollout_id, ns.num_rollout)
         train = {"train/frozen": 1.0} if ns.freeze else ppo_step(model, ref, optimizer, samples, advantages, cfg,
                                                                  args.rollout_temperature)
         checkpoint = save_checkpoint(out, rollout_id, model, tokenizer, optimizer, data_source, ns.keep_checkpoints)
         push_weights(ns.engine_url, checkpoint, version=rollout_id + 1)
         row = {"step": rollout_id, "samples": len(samples), "rollout_s": rollout_s,
                "train_s": time.monotonic() - t1, "raw_reward_mean": sum(raw) / max(1, len(raw)),
-               **metrics, **train}
+               "engine/weight_versions": [engine_version(url) for url in ns.engine_url], **metrics, **train}
         if resumed_from and rollout_id == start:
             row["resumed_from"] = resumed_from
         _append(out / "metrics.jsonl", row)
@@ -360,6 +394,8 @@ def main(argv: list[str] | None = None) -> int:
                     f.write(json.dumps({"step": rollout_id, "advantage": adv, **s.to_dict()}, default=str) + "\n")
         log.info("step %d: %d samples, reward %.3f, rollout %.1fs, train %.1fs", rollout_id, len(samples),
                  row["raw_reward_mean"], rollout_s, row["train_s"])
+    if ns.rollout_function.endswith("responder_rollout"):
+        finish_responder(args)  # the last step is trained and saved: its groups are done for good
     run_in_host_loop(runtime_for(args).aclose())
     return 0
 

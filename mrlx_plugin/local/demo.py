@@ -1,0 +1,278 @@
+"""`mrlx demo`: two small models co-train on a CPU through the full multi-model loop.
+
+The same processes as a two-model slime run, shrunk to fit a laptop: two embedded engines
+(behind the real sglang-router when it is installed), the coordinator, and one trainer per
+agent (`mrlx_plugin.local.trainer`, calling the plugin's rollout functions as slime does).
+
+The task: agent A (the proposer) is asked "What is a + b?" and answers in \\boxed{}; agent B
+(the decider) sees the question and A's answer and gives the team's final answer. A is rewarded
+for its own answer, B for the team's. Both models are built from a config on this machine and
+first taught the answer FORMAT only (a short supervised warm-start on random numbers, logged
+as such); what the right answer is they learn by RL. `--freeze B` runs the same seed with B's
+weights never updated: the baseline co-training has to beat.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import secrets
+import subprocess
+import sys
+import time
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+A, B = "proposer", "decider"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mrlx demo", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="runs/demo", help="working directory (models, logs, checkpoints, plot)")
+    p.add_argument("--steps", type=int, default=150, help="training steps (rollouts) per agent")
+    p.add_argument("--prompts-per-step", type=int, default=16, help="--rollout-batch-size")
+    p.add_argument("--samples-per-prompt", type=int, default=16, help="--n-samples-per-prompt (GRPO group size)")
+    p.add_argument("--max-operand", type=int, default=3, help="questions are a + b with 0 <= a, b <= this")
+    p.add_argument("--preset", default="small", help="model size (mrlx_plugin.local.model presets)")
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--warmup-steps", type=int, default=80, help="format-only supervised steps (0: none)")
+    p.add_argument("--freeze", choices=[A, B, "A", "B"], default=None, help="never update this agent (baseline)")
+    p.add_argument("--resume", action="store_true", help="continue both agents from their checkpoints in --out")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-router", action="store_true", help="talk to the engines directly")
+    p.add_argument("--quiet", action="store_true", help="no progress bars or table")
+    return p
+
+
+def _yaml(path: Path, me: str, urls: dict[str, str], models: dict[str, Path], coordinator: str, ns: Any) -> Path:
+    def agent(name: str) -> str:
+        url = "self" if name == me else urls[name]
+        return (f"    {name}: {{url: '{url}', tokenizer: '{models[name]}', trainable: true, "
+                f"sampling: {{max_new_tokens: 10, temperature: 1.0}}}}\n")
+
+    path.write_text(
+        "mrlx:\n"
+        f"  run_id: demo\n  system: dialogue\n  self: {me}\n"
+        "  agents:\n" + agent(A) + agent(B) +
+        f"  dialogue: {{first: {A}, max_turns: 2, final_answer_agent: {B}}}\n"
+        "  rewards: {shaping: independent}\n"
+        f"  engine: {{request_timeout_s: 60, abort_retry_wait_s: 0.5, peer_deadline_s: 300, sampling_seed: {ns.seed}}}\n"
+        f"  coordinator: {{url: '{coordinator}', token_env: MRLX_DEMO_TOKEN, max_staleness: 1, "
+        "wait_deadline_s: 900, lease_s: 120}\n"
+        f"  trainer: {{lr: {ns.lr}, lr_warmup_steps: 10, lr_decay_style: cosine, lr_min: {ns.lr / 10}, "
+        "kl_coef: 0.1, ppo_epochs: 2, adam_eps: 1.0e-5, "
+        f"warmup_sft_steps: {ns.warmup_steps}, warmup_sft_lr: 1.0e-3, micro_batch_size: 64, threads: 1}}\n"
+    )
+    return path
+
+
+def _rss_kib(pid: int, field: str = "VmHWM") -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def _rows(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def run_demo(ns: argparse.Namespace) -> dict[str, Any]:
+    from .model import ensure_model
+    from .processes import router_available, start_coordinator, start_engine, start_router
+    from .tasks import addition_prompts, format_examples
+
+    freeze = {"A": A, "B": B}.get(ns.freeze, ns.freeze)
+    out = Path(ns.out)
+    logs = out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    token = secrets.token_urlsafe(24)
+    env = dict(os.environ, MRLX_DEMO_TOKEN=token)
+
+    # The two models, each built from a config on this machine (never downloaded).
+    models = {A: ensure_model(out / "models" / A, preset=ns.preset, seed=ns.seed),
+              B: ensure_model(out / "models" / B, preset=ns.preset, seed=ns.seed + 1)}
+    prompts = addition_prompts(256, seed=ns.seed, max_operand=ns.max_operand)
+    prompt_file = out / "prompts.jsonl"
+    prompt_file.write_text("".join(json.dumps({"prompt": p, "label": lab}) + "\n" for p, lab in prompts))
+    warmup = {A: format_examples(out / f"warmup_{A}.jsonl", prompts, 2000, seed=ns.seed),
+              B: format_examples(out / f"warmup_{B}.jsonl", prompts, 2000, seed=ns.seed + 1, context=True)}
+
+    procs: list[Any] = []
+    jobs: dict[str, subprocess.Popen] = {}
+    peak_kib: dict[int, int] = {}
+    with ExitStack() as stack:
+        def stop_all() -> None:
+            for job in jobs.values():
+                if job.poll() is None:
+                    job.terminate()
+            for job in jobs.values():
+                try:
+                    job.wait(20)
+                except subprocess.TimeoutExpired:
+                    job.kill()
+            for p in reversed(procs):
+                p.stop()
+
+        stack.callback(stop_all)
+        coordinator = start_coordinator(out / "coordinator.sqlite", "demo", [A, B], log_dir=logs,
+                                        token_env="MRLX_DEMO_TOKEN", env={"MRLX_DEMO_TOKEN": token})
+        procs.append(coordinator)
+        engines, urls = {}, {}
+        use_router = router_available() and not ns.no_router
+        for name in (A, B):
+            latest = _latest(out / name) if ns.resume else None
+            engines[name] = start_engine(latest or models[name], log_dir=logs, name=f"engine-{name}", threads=1,
+                                         extra=["--seed", str(ns.seed), "--max-batch", "256"])
+            procs.append(engines[name])
+            urls[name] = engines[name].url
+            if use_router:
+                router = start_router([engines[name].url], log_dir=logs, name=f"router-{name}")
+                procs.append(router)
+                urls[name] = router.url
+        configs = {name: _yaml(out / f"{name}.yaml", name, urls, models, coordinator.url, ns) for name in (A, B)}
+        for name, rollout_fn in ((B, "mrlx_plugin.rollout.responder_rollout"), (A, "mrlx_plugin.rollout.initiator_rollout")):
+            argv = [sys.executable, "-m", "mrlx_plugin.local.trainer", "--config", str(configs[name]),
+                    "--model", str(models[name]), "--engine-url", engines[name].url, "--router-url", urls[name],
+                    "--rollout-function", rollout_fn, "--num-rollout", str(ns.steps),
+                    "--prompt-data", str(prompt_file), "--rollout-batch-size", str(ns.prompts_per_step),
+                    "--n-samples-per-prompt", str(ns.samples_per_prompt), "--rollout-max-response-len", "24",
+                    "--warmup-data", str(warmup[name]), "--out", str(out / name), "--seed", str(ns.seed)]
+            argv += (["--freeze"] if freeze == name else []) + (["--resume"] if ns.resume else [])
+            jobs[name] = subprocess.Popen(argv, stdout=open(logs / f"trainer-{name}.log", "ab"),
+                                          stderr=subprocess.STDOUT, env=env)
+        _follow(ns, out, jobs, procs, peak_kib)
+        for name, job in jobs.items():
+            if job.returncode != 0:
+                tail = (logs / f"trainer-{name}.log").read_text(errors="replace")[-3000:]
+                raise RuntimeError(f"the trainer of {name} failed (exit {job.returncode}):\n{tail}")
+        own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        peak_mib = (sum(peak_kib.values()) + own) / 1024
+    return _report(ns, out, time.monotonic() - started, peak_mib, freeze, use_router)
+
+
+def _latest(agent_dir: Path) -> Path | None:
+    found = sorted(p for p in (agent_dir / "checkpoints").glob("step_*") if not p.name.endswith(".tmp"))
+    return found[-1] if found else None
+
+
+def _follow(ns: Any, out: Path, jobs: dict[str, subprocess.Popen], procs: list[Any], peak_kib: dict[int, int]) -> None:
+    """A progress bar and a per-step table while the trainers run; the peak memory of every process."""
+    bar = None
+    if not ns.quiet:
+        from tqdm import tqdm
+
+        bar = tqdm(total=ns.steps, desc="co-training", unit="step", dynamic_ncols=True)
+        tqdm.write(f"{'step':>4}  {A + ' (A) right':>17}  {'team right':>10}  {B + ' (B) trained':>17}  "
+                   f"{'staleness':>9}  {'elapsed':>7}")
+    shown = 0
+    t0 = time.monotonic()
+    while True:
+        for pid in [j.pid for j in jobs.values()] + [p.proc.pid for p in procs]:
+            peak_kib[pid] = max(peak_kib.get(pid, 0), _rss_kib(pid))
+        a_rows = [r for r in _rows(out / A / "metrics.jsonl") if r.get("step", -1) >= 0]
+        b_done = sum(1 for r in _rows(out / B / "metrics.jsonl") if r.get("step", -1) >= 0)
+        if bar is not None and len(a_rows) > shown:
+            for r in a_rows[shown:]:
+                bar.write(f"{r['step']:>4}  {r.get(f'reward/{A}/mean', 0):>17.3f}  "
+                          f"{r.get('multi_agent/team_reward', 0):>10.3f}  {b_done:>11} steps  "
+                          f"{r.get(f'staleness/{B}', 0):>9.0f}  {time.monotonic() - t0:>6.0f}s")
+            bar.update(len(a_rows) - shown)
+            bar.set_postfix_str(f"{B}: {b_done} steps trained")
+        shown = len(a_rows)
+        if all(j.poll() is not None for j in jobs.values()) or any(j.poll() not in (None, 0) for j in jobs.values()):
+            break
+        time.sleep(0.5)
+    if bar is not None:
+        bar.close()
+
+
+def _report(ns: Any, out: Path, wall: float, peak_mib: float, freeze: str | None, router: bool) -> dict[str, Any]:
+    rows = {name: [r for r in _rows(out / name / "metrics.jsonl")] for name in (A, B)}
+    steps = {name: [r for r in rows[name] if r.get("step", -1) >= 0] for name in (A, B)}
+    a_rows = steps[A]
+
+    def first_last(key: str) -> tuple[float | None, float | None]:
+        values = [r[key] for r in a_rows if r.get(key) is not None]
+        return (values[0], values[-1]) if values else (None, None)
+
+    summary: dict[str, Any] = {"wall_time_s": wall, "peak_memory_mib": peak_mib, "frozen": freeze, "router": router,
+                               "steps": len(a_rows), "seed": ns.seed, "agents": {}}
+    # A's reward is A's own grade; B's is the team's final answer (what B is rewarded for).
+    keys = {A: f"reward/{A}/mean", B: "multi_agent/team_reward"}
+    for name in (A, B):
+        first, last = first_last(keys[name])
+        warm = [r for r in rows[name] if r.get("step") == -1]
+        summary["agents"][name] = {
+            "reward": "own answer" if name == A else "team's final answer",
+            "first_step_reward": first, "last_step_reward": last,
+            "steps_trained": len(steps[name]) if freeze != name else 0,
+            "samples_trained": sum(r.get("samples", 0) for r in steps[name]) if freeze != name else 0,
+            "warm_start_steps": warm[0]["warm_start/steps"] if warm else 0,
+            "checkpoints": str(out / name / "checkpoints"),
+        }
+    team = [r.get("multi_agent/team_reward") for r in a_rows if r.get("multi_agent/team_reward") is not None]
+    summary["team_reward_last5"] = sum(team[-5:]) / len(team[-5:]) if team else None
+    summary["plot"] = str(_plot(out, a_rows, freeze))
+    (out / "metrics.json").write_text(json.dumps({"summary": summary, "metrics": rows}, indent=1, default=str))
+    summary["metrics"] = str(out / "metrics.json")
+    return summary
+
+
+def _plot(out: Path, a_rows: list[dict[str, Any]], freeze: str | None) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
+    steps = [r["step"] for r in a_rows]
+    for key, label in ((f"reward/{A}/mean", f"{A} (A): own answer"), ("multi_agent/team_reward", f"{B} (B): team's final answer")):
+        ax.plot(steps, [r.get(key) for r in a_rows], marker="o", ms=3, label=label)
+    ax.set_xlabel("training step")
+    ax.set_ylabel("mean reward (fraction right)")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.set_title("mrlx demo: two models co-training" + (f" ({freeze} frozen)" if freeze else ""))
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    path = out / "rewards.png"
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def print_summary(s: dict[str, Any]) -> None:
+    print(f"\nmrlx demo finished in {s['wall_time_s']:.0f} s ({s['steps']} steps; peak memory "
+          f"{s['peak_memory_mib']:.0f} MiB{'; frozen: ' + s['frozen'] if s['frozen'] else ''})")
+    print(f"  {'agent':<10} {'rewarded for':<20} {'first step':>10} {'last step':>10} {'steps':>6} {'samples':>8}  warm-start")
+    for name, a in s["agents"].items():
+        fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else "-"  # noqa: E731
+        print(f"  {name:<10} {a['reward']:<20} {fmt(a['first_step_reward']):>10} {fmt(a['last_step_reward']):>10} "
+              f"{a['steps_trained']:>6} {a['samples_trained']:>8}  {a['warm_start_steps']} format-only steps")
+    print(f"  plot: {s['plot']}\n  metrics: {s['metrics']}\n  checkpoints: "
+          + ", ".join(a["checkpoints"] for a in s["agents"].values()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    try:
+        summary = run_demo(ns)
+    except RuntimeError as exc:
+        print(f"mrlx demo: {exc}", file=sys.stderr)
+        return 1
+    print_summary(summary)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
