@@ -53,6 +53,7 @@ class AgentSettings:
     trainable: bool | None = None  # None = trainable when url is "self"
     sampling: SamplingSettings = field(default_factory=SamplingSettings)
     retry_on_abort: bool | None = None  # retry a turn the engine aborted; None = yes for peers, no for self
+    api_key_env: str | None = None  # environment variable holding the key of an SGLang server run with --api-key
 
 
 @dataclass
@@ -426,11 +427,31 @@ def parse_settings(data: Any, source: str = "config", known_systems: set[str] | 
     return settings
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """A YAML loader that refuses a key given twice in one mapping (PyYAML keeps the last one,
+    which would silently drop, say, one of two agents with one name)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if isinstance(key, (str, int, float, bool)) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None,
+                    f"key {key!r} appears twice in one mapping (lines {seen[key]} and {line}); YAML would keep "
+                    "only the last, silently dropping the other: rename or merge them",
+                    key_node.start_mark,
+                )
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_yaml(path: str | os.PathLike) -> dict:
     """Read a `--custom-config-path` YAML (or Miles' inline `base64:...`) and return its mapping."""
     text = _read_file_arg(str(path))
     try:
-        data = yaml.safe_load(text) or {}
+        data = yaml.load(text, Loader=_StrictLoader) or {}
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
     if not isinstance(data, dict):
@@ -460,7 +481,12 @@ def raw_settings_from_args(args: Any) -> tuple[Any, str]:
     """The `mrlx` mapping as the host left it on `args`, and where it came from (for messages)."""
     value = getattr(args, TOP_KEY, None)
     if isinstance(value, dict):
-        return value, getattr(args, "custom_config_path", None) or "args.mrlx"
+        source = getattr(args, "custom_config_path", None)
+        if source and not str(source).startswith("base64:") and Path(source).is_file():
+            # The host has parsed the file already, keeping the last of any repeated key; read
+            # it again, strictly, so that a repeated key is an error instead of a silent drop.
+            load_yaml(source)
+        return value, source or "args.mrlx"
     file_arg = getattr(args, "mrlx_config", None) or getattr(args, "custom_config_path", None)
     if file_arg:
         data = load_yaml(file_arg)

@@ -185,7 +185,7 @@ async def responder_take(runtime: Any, rollout_id: int, groups_needed: int) -> t
 
 
 async def responder_finish(runtime: Any) -> None:
-    """Acknowledge the groups of the last step (its training is done and saved)."""
+    """Acknowledge the groups leased so far (their training is done and saved)."""
     state: ResponderState = runtime.responder
     if state.renewer is not None:
         state.renewer.cancel()

@@ -97,9 +97,10 @@ def parse_generate_response(body: bytes) -> tuple[list[int], list[float], str, s
 class EngineClient:
     """Calls one engine URL. Safe to share between tasks and event loops of one process."""
 
-    def __init__(self, url: str, settings: EngineSettings | None = None):
+    def __init__(self, url: str, settings: EngineSettings | None = None, api_key: str | None = None):
         self.url = url.rstrip("/")
         self.settings = settings or EngineSettings()
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
         self._pools: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, HTTPPool]" = weakref.WeakKeyDictionary()
         self._last: tuple[asyncio.AbstractEventLoop, HTTPPool] | None = None
 
@@ -158,7 +159,7 @@ class EngineClient:
             if timeout <= 0:
                 raise EngineError(self.url + "/generate", f"deadline passed; last error: {last}", attempt)
             try:
-                status, raw = await self._pool().request("POST", "/generate", payload, timeout)
+                status, raw = await self._pool().request("POST", "/generate", payload, timeout, self._headers)
                 if status == 200:
                     ids, logprobs, text, finish, version, meta = parse_generate_response(raw)
                     return GenerateResult(
@@ -191,7 +192,9 @@ class EngineClient:
 
     async def _call(self, method: str, path: str, body: bytes | None, timeout: float | None) -> Any:
         try:
-            status, raw = await self._pool().request(method, path, body, timeout or self.settings.connect_timeout_s * 3)
+            status, raw = await self._pool().request(
+                method, path, body, timeout or self.settings.connect_timeout_s * 3, self._headers
+            )
         except asyncio.TimeoutError:
             raise EngineError(self.url + path, "no answer in time") from None
         except HTTPError as exc:

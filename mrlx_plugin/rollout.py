@@ -102,13 +102,13 @@ def responder_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: 
     return RolloutFnTrainOutput(samples=groups, metrics=metrics)
 
 
-def finish_responder(args: Any) -> None:
-    """Acknowledge the groups of a responder's last step, once it is trained and saved.
+def ack_trained_groups(args: Any) -> None:
+    """Acknowledge the groups a responder has trained, once the trained weights are saved.
 
-    `responder_rollout` acknowledges each step's groups when the next step begins, so a job that
-    dies mid-training gets them again. A job that finishes cleanly calls this after its final
-    checkpoint (slime has no hook there; without it, a run resumed later trains the last step's
-    groups once more).
+    `responder_rollout` acknowledges each step's groups when the next step begins: slime has no
+    hook after a save, and a job that dies mid-training gets its groups again. A host that knows
+    when a step is saved (the embedded trainer does) calls this right after the save, so that a
+    job resumed from that save never trains those groups twice.
     """
     run_in_host_loop(responder_finish(runtime_for(args, tokenizers=False)))
 

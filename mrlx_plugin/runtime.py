@@ -9,6 +9,7 @@ host's limits. The host's `args` is only ever read.
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import weakref
 from dataclasses import dataclass
@@ -73,10 +74,14 @@ class Runtime:
         self.clients: dict[str, EngineClient] = {}
         self.urls: dict[str, str] = {}
         base = Path(source).parent if Path(source).is_file() else None
-        by_url: dict[str, EngineClient] = {}
+        by_url: dict[tuple[str, str | None], EngineClient] = {}
         for name, agent in settings.agents.items():
             self.urls[name] = self._resolve_url(name, agent)
-            self.clients[name] = by_url.setdefault(self.urls[name], EngineClient(self.urls[name], settings.engine))
+            key = self._api_key(name, agent)
+            client = by_url.get((self.urls[name], key))
+            if client is None:
+                client = by_url[(self.urls[name], key)] = EngineClient(self.urls[name], settings.engine, api_key=key)
+            self.clients[name] = client
             self.system_prompts[name] = read_text_setting(agent.system_prompt, base)
             if tokenizers:  # a responder job runs no episodes and may not have the others' tokenizers
                 self.tokenizers[name] = self._load_tokenizer(name, agent, base)
@@ -113,6 +118,17 @@ class Runtime:
                 "--sglang-router-ip/--sglang-router-port; set them, or give this agent an http:// URL"
             )
         return url
+
+    def _api_key(self, name: str, agent: AgentSettings) -> str | None:
+        if agent.api_key_env is None:
+            return None
+        key = os.environ.get(agent.api_key_env, "").strip()
+        if not key:
+            raise ConfigError(
+                f"{self.source}: mrlx.agents.{name}.api_key_env: environment variable {agent.api_key_env} is not set "
+                "in the rollout process; pass it through the job's runtime env"
+            )
+        return key
 
     def _load_tokenizer(self, name: str, agent: AgentSettings, base: Path | None) -> AgentTokenizer:
         path = agent.tokenizer or getattr(self.args, "hf_checkpoint", None)

@@ -12,9 +12,11 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:  # the examples package and user-style hook modules
-    sys.path.insert(0, str(REPO))
+TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent
+for path in (REPO, TESTS):  # the examples package; the tests' helper modules (_host, _recorder, ...)
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 

@@ -147,3 +147,18 @@ def test_base64_config_as_miles_passes_it(tmp_path):
     payload = base64.b64encode(b"mrlx: {run_id: inline-run}\n").decode()
     raw, source = raw_settings_from_args(argparse.Namespace(custom_config_path="base64:" + payload))
     assert raw == {"run_id": "inline-run"}
+
+
+def test_two_agents_with_one_name_are_refused_not_merged(tmp_path):
+    path = tmp_path / "dup.yaml"
+    path.write_text("mrlx:\n  system: dialogue\n  agents:\n    doctor: {url: self}\n    patient: {url: self}\n"
+                    "    doctor: {url: 'http://127.0.0.1:9'}\n")
+    with pytest.raises(ConfigError, match=r"key 'doctor' appears twice in one mapping \(lines 4 and 6\)"):
+        settings_from_yaml(path)
+    # also when the host (slime) has parsed the file already and handed over args.mrlx
+    import yaml
+
+    args = argparse.Namespace(custom_config_path=str(path), mrlx=yaml.safe_load(path.read_text())["mrlx"],
+                              hf_checkpoint=None)
+    with pytest.raises(ConfigError, match="appears twice"):
+        build_runtime(args)

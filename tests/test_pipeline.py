@@ -232,3 +232,45 @@ def test_the_shared_args_object_is_never_written(stub_engine, tiny_model_dir):
 
     asyncio.run(run())
     assert vars(args) == before
+
+
+def test_an_engine_behind_an_api_key_gets_the_key(stub_engine, tiny_model_dir, monkeypatch):
+    """SGLang servers started with --api-key want `Authorization: Bearer KEY` on every call."""
+    from aiohttp import web
+
+    seen: list[str | None] = []
+
+    async def run(with_key: bool):
+        async def guard(request: web.Request) -> web.Response:
+            seen.append(request.headers.get("Authorization"))
+            if request.headers.get("Authorization") != "Bearer sesame":
+                return web.json_response({"error": "bad key"}, status=401)
+            async with ClientSession() as http:
+                async with http.post(stub_engine.url + "/generate", data=await request.read(),
+                                     headers={"Content-Type": "application/json"}) as r:
+                    return web.Response(body=await r.read(), status=r.status, content_type="application/json")
+
+        app = web.Application()
+        app.router.add_post("/generate", guard)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        key = {"api_key_env": "MRLX_TEST_ENGINE_KEY"} if with_key else {}
+        mrlx = _stub_args(stub_engine)
+        mrlx["agents"] = {n: {"url": url, **key} for n in ("solver", "rewriter", "selector")}
+        args = slime_args(None, str(tiny_model_dir), mrlx)
+        try:
+            return await generate(args, group(0, 1)[0], params(args))
+        finally:
+            await _close(args)
+            await runner.cleanup()
+
+    monkeypatch.setenv("MRLX_TEST_ENGINE_KEY", "sesame")
+    keyed = asyncio.run(run(True))
+    assert all(s.status == Status.COMPLETED for s in keyed) and set(seen) == {"Bearer sesame"}
+    seen.clear()
+    refused = asyncio.run(run(False))
+    assert all(s.status == Status.ABORTED for s in refused)
+    assert len(seen) == 2  # 401 is the engine's answer, not a passing fault: one call per solver, no retries

@@ -1351,6 +1351,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     parser.add_argument("--model", required=True, help="model directory (from_pretrained layout)")
     parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --model)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    parser.add_argument("--allow-remote", action="store_true",
+                        help="allow a non-loopback --host (the engine has no authentication: trusted networks only)")
     parser.add_argument(
         "--port", type=int, default=0, help="port to listen on; 0 picks a free one (default: 0)"
     )
@@ -1399,8 +1401,13 @@ def _load_torch() -> None:
 
 
 async def _serve(args: argparse.Namespace) -> int:
+    from ..netutil import public_bind_refusal
     from .model import load_model, load_tokenizer
 
+    refusal = public_bind_refusal(args.host, args.allow_remote, "the embedded engine")
+    if refusal:
+        log.error("%s", refusal)
+        return 2
     _load_torch()
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -602,6 +602,8 @@ def _answer(
 def add_stub_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the stub engine's flags to `parser`."""
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    parser.add_argument("--allow-remote", action="store_true",
+                        help="allow a non-loopback --host (the stub has no authentication: trusted networks only)")
     parser.add_argument("--port", type=int, default=0, help="port; 0 picks a free one (default: 0)")
     parser.add_argument("--port-file", default=None, help="write the bound port to this file once listening")
     parser.add_argument(
@@ -632,6 +634,12 @@ def _write_port_file(path: str, port: int) -> None:
 
 
 async def _serve(args: argparse.Namespace) -> int:
+    from ..netutil import public_bind_refusal
+
+    refusal = public_bind_refusal(args.host, args.allow_remote, "the stub engine")
+    if refusal:
+        log.error("%s", refusal)
+        return 2
     config = StubConfig(
         latency=max(0.0, args.latency),
         response_tokens=max(0, args.response_tokens),

@@ -307,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     from ..hostargs import host_args, read_prompts
     from ..metrics import log_rollout
     from ..rewards import normalize
-    from ..rollout import finish_responder
+    from ..rollout import ack_trained_groups
     from ..runtime import runtime_for
     from .host_rollout import LocalDataSource
     from .model import load_model, load_tokenizer
@@ -334,6 +334,7 @@ def main(argv: list[str] | None = None) -> int:
         task_prompts(ns.task, ns.task_size, seed=ns.seed)
     data_source = LocalDataSource(prompts, ns.n_samples_per_prompt, shuffle=True, seed=ns.seed)
     rollout_fn = load_function(ns.rollout_function)
+    responder = ns.rollout_function.endswith("responder_rollout")
 
     # The model, its frozen reference (for the KL term) and the optimizer.
     start, resumed_from = 0, None
@@ -350,6 +351,8 @@ def main(argv: list[str] | None = None) -> int:
         if state.get("data_source") is not None:
             data_source.load_state_dict(state["data_source"])
         start, resumed_from = state["step"] + 1, str(checkpoint)
+        for name in ("samples.jsonl", "metrics.jsonl"):  # rows of steps the checkpoint does not hold
+            _drop_rows_from(out / name, start)
         log.info("resumed from %s: continuing at step %d", checkpoint, start)
         push_weights(ns.engine_url, checkpoint, version=start)
     elif ns.warmup_data and cfg.warmup_sft_steps:  # a frozen agent is warm-started too: it is the baseline
@@ -380,7 +383,13 @@ def main(argv: list[str] | None = None) -> int:
             group["lr"] = learning_rate(cfg, rollout_id, ns.num_rollout)
         train = {"train/frozen": 1.0} if ns.freeze else ppo_step(model, ref, optimizer, samples, advantages, cfg,
                                                                  args.rollout_temperature)
+        if ns.save_samples:  # before the checkpoint: a resumed run drops the rows of an unsaved step
+            with (out / "samples.jsonl").open("a") as f:
+                for s, adv in zip(samples, advantages):
+                    f.write(json.dumps({"step": rollout_id, "advantage": adv, **s.to_dict()}, default=str) + "\n")
         checkpoint = save_checkpoint(out, rollout_id, model, tokenizer, optimizer, data_source, ns.keep_checkpoints)
+        if responder:
+            ack_trained_groups(args)  # trained and saved: a resumed job must not train them again
         push_weights(ns.engine_url, checkpoint, version=rollout_id + 1)
         row = {"step": rollout_id, "samples": len(samples), "rollout_s": rollout_s,
                "train_s": time.monotonic() - t1, "raw_reward_mean": sum(raw) / max(1, len(raw)),
@@ -388,16 +397,19 @@ def main(argv: list[str] | None = None) -> int:
         if resumed_from and rollout_id == start:
             row["resumed_from"] = resumed_from
         _append(out / "metrics.jsonl", row)
-        if ns.save_samples:
-            with (out / "samples.jsonl").open("a") as f:
-                for s, adv in zip(samples, advantages):
-                    f.write(json.dumps({"step": rollout_id, "advantage": adv, **s.to_dict()}, default=str) + "\n")
         log.info("step %d: %d samples, reward %.3f, rollout %.1fs, train %.1fs", rollout_id, len(samples),
                  row["raw_reward_mean"], rollout_s, row["train_s"])
-    if ns.rollout_function.endswith("responder_rollout"):
-        finish_responder(args)  # the last step is trained and saved: its groups are done for good
     run_in_host_loop(runtime_for(args).aclose())
     return 0
+
+
+def _drop_rows_from(path: Path, step: int) -> None:
+    if not path.exists():
+        return
+    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line).get("step", -1) < step]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(line + "\n" for line in keep))
+    os.replace(tmp, path)
 
 
 def _append(path: Path, row: dict[str, Any]) -> None:

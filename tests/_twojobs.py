@@ -1,0 +1,129 @@
+"""Two agent jobs of a multi-model run, as real processes: a coordinator, an engine per agent and
+the embedded trainer per agent (which calls the plugin's rollout functions as slime's loop does).
+
+Job A runs every episode (initiator_rollout); job B trains on B's turns (responder_rollout).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mrlx_plugin.local.processes import ManagedProcess, free_port, start_engine, start_service
+
+TOKEN = "two-jobs-test-token"
+ENV = {"MRLX_TEST_TOKEN": TOKEN}
+
+
+def coordinator_argv(db: Path, port: int, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "mrlx_plugin.coordinator.server", "--db", str(db), "--run-id", "jobs",
+            "--agents", "a,b", "--port", str(port), "--token-env", "MRLX_TEST_TOKEN", *extra]
+
+
+@dataclass
+class TwoJobs:
+    root: Path
+    model_a: Path
+    model_b: Path
+    steps: int = 4
+    groups: int = 2
+    per_prompt: int = 2
+    coordinator_settings: str = "max_staleness: 1, wait_deadline_s: 120, lease_s: 30"
+    b_trainer_settings: str = "lr: 0.001"
+    procs: list[ManagedProcess] = field(default_factory=list)
+    jobs: dict[str, subprocess.Popen] = field(default_factory=dict)
+
+    def start_services(self) -> None:
+        self.coord_port = free_port()
+        self.coordinator = self.start_coordinator()
+        self.engine_a = start_engine(self.model_a, log_dir=self.root, name="engine-a", threads=1)
+        self.engine_b = start_engine(self.model_b, log_dir=self.root, name="engine-b", threads=1)
+        self.procs += [self.engine_a, self.engine_b]
+
+    def start_coordinator(self) -> ManagedProcess:
+        proc = start_service("coordinator", coordinator_argv(self.root / "coord.sqlite", self.coord_port),
+                             log_dir=self.root, port=self.coord_port, env=ENV)
+        self.procs.append(proc)
+        return proc
+
+    def yaml(self, me: str) -> Path:
+        path = self.root / f"{me}.yaml"
+        trainer = "lr: 0.001" if me == "a" else self.b_trainer_settings
+        path.write_text(f"""
+mrlx:
+  run_id: jobs
+  system: dialogue
+  self: {me}
+  agents:
+    a: {{url: {'self' if me == 'a' else self.engine_a.url}, tokenizer: '{self.model_a}', trainable: true,
+        sampling: {{max_new_tokens: 5}}}}
+    b: {{url: {'self' if me == 'b' else self.engine_b.url}, tokenizer: '{self.model_b}', trainable: true,
+        sampling: {{max_new_tokens: 5}}}}
+  dialogue: {{first: a, max_turns: 2}}
+  engine: {{abort_retry_wait_s: 0.2, peer_deadline_s: 60, request_timeout_s: 10}}
+  coordinator: {{url: 'http://127.0.0.1:{self.coord_port}', token_env: MRLX_TEST_TOKEN, {self.coordinator_settings}}}
+  trainer: {{{trainer}}}
+""")
+        return path
+
+    def start_job(self, me: str, *extra: str) -> subprocess.Popen:
+        engine = self.engine_a if me == "a" else self.engine_b
+        fn = "initiator_rollout" if me == "a" else "responder_rollout"
+        argv = [sys.executable, "-m", "mrlx_plugin.local.trainer", "--config", str(self.yaml(me)),
+                "--model", str(self.model_a if me == "a" else self.model_b), "--engine-url", engine.url,
+                "--router-url", engine.url, "--rollout-function", f"mrlx_plugin.rollout.{fn}",
+                "--num-rollout", str(self.steps), "--rollout-batch-size", str(self.groups),
+                "--n-samples-per-prompt", str(self.per_prompt), "--rollout-max-response-len", "16",
+                "--out", str(self.root / f"out_{me}"), "--save-samples", *extra]
+        log = open(self.root / f"job_{me}.log", "ab")
+        job = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, **ENV))
+        self.jobs[me] = job
+        return job
+
+    def rows(self, me: str, name: str) -> list[dict[str, Any]]:
+        path = self.root / f"out_{me}" / name
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+    def log(self, me: str) -> str:
+        return (self.root / f"job_{me}.log").read_text(errors="replace")[-4000:]
+
+    def wait(self, me: str, timeout: float = 240) -> int:
+        return self.jobs[me].wait(timeout=timeout)
+
+    def queue(self, consumer: str = "b") -> dict[str, Any]:
+        import urllib.request
+
+        req = urllib.request.Request(f"http://127.0.0.1:{self.coord_port}/v1/runs/jobs/queues/{consumer}",
+                                     headers={"Authorization": f"Bearer {TOKEN}"})
+        with urllib.request.urlopen(req, timeout=5) as resp:
+            return json.loads(resp.read())
+
+    def wait_until(self, predicate, timeout: float = 120, every: float = 0.05) -> None:
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            if time.monotonic() > deadline:
+                raise TimeoutError("condition not reached; logs:\n" + self.log("a") + "\n---\n" + self.log("b"))
+            time.sleep(every)
+
+    def stop(self) -> None:
+        for job in self.jobs.values():
+            if job.poll() is None:
+                job.kill()
+                job.wait(10)
+        for proc in reversed(self.procs):
+            proc.stop()
+
+    def assert_b_trained_every_episode_once(self) -> None:
+        a_ids = [s["metadata"]["mrlx"]["episode_id"] for s in self.rows("a", "samples.jsonl")]
+        b_ids = [s["metadata"]["mrlx"]["episode_id"] for s in self.rows("b", "samples.jsonl")]
+        assert len(a_ids) == len(set(a_ids)) == self.steps * self.groups * self.per_prompt
+        assert len(b_ids) == len(set(b_ids)), "a B sample was trained twice"
+        assert sorted(b_ids) == sorted(a_ids), "a B sample of A's episodes never reached B's trainer"
