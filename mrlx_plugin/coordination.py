@@ -2,11 +2,11 @@
 
 The job that runs the episodes (the initiator) trains its own agent on the samples the host gets
 back, and hands every other trainable agent's samples to the coordinator:
-- `PeerOutbox` holds those samples until every episode of their prompt group has ended, then
-  commits the group's samples for each agent in one request. A group reaches the peer whole
-  (ABORTED samples, with zero loss mask, stand in for episodes that did not finish), so the
-  peer's GRPO groups are the initiator's prompt groups. A group in which no episode finished
-  is not sent. Evaluation sends nothing.
+- `PeerOutbox` holds those samples until the host's rollout returns, then commits, for each
+  prompt group the host kept for this step, the group's samples for each agent in one request.
+  A group reaches the peer whole (an ABORTED sample, with zero loss mask, stands in for an
+  episode that did not finish), so the peer's GRPO groups are the initiator's prompt groups and
+  each peer step trains on one initiator step. Evaluation sends nothing.
 - `initiator_barrier` runs at the top of each of the initiator's rollouts (right after its
   trainer pushed new weights): it reports this job's version and waits until every other
   trainable agent is within `coordinator.max_staleness` versions.
@@ -53,38 +53,39 @@ class _Group:
 
 
 class PeerOutbox:
-    """Other agents' samples of this job's episodes, committed one whole prompt group at a time."""
+    """Other agents' samples of this job's episodes, committed per prompt group at rollout end.
+
+    The generate function adds each episode's samples for other agents as soon as its rewards are
+    known. When the host's rollout returns, `drain` commits the groups the host kept for this
+    job's step, each in one request, and drops the rest (groups the host over-sampled and then
+    filtered out or aborted): so every peer gets exactly this step's prompt groups, one step's
+    worth per step, and its queue does not grow with the host's over-sampling.
+    """
 
     def __init__(self, runtime: Any):
         self.runtime = runtime
         self.groups: dict[Any, _Group] = {}
-        self.pending: set[asyncio.Task] = set()
-        self.failures: list[str] = []
-        self.stats = {"groups_sent": 0, "samples_sent": 0, "groups_dropped": 0, "duplicates": 0}
+        self.stats = self._zero()
 
-    def add(self, episode: Any, peer_samples: dict[str, list[Any]], group_size: int, step: int) -> None:
-        """Record one ended episode's samples for other agents; send the group once it is whole."""
-        key = episode.sample.group_index
-        group = self.groups.setdefault(key, _Group())
+    @staticmethod
+    def _zero() -> dict[str, int]:
+        return {"groups_sent": 0, "samples_sent": 0, "groups_not_kept": 0, "groups_all_aborted": 0, "duplicates": 0}
+
+    def add(self, episode: Any, peer_samples: dict[str, list[Any]]) -> None:
+        """Record one ended episode's samples for other agents (rewards are final by now)."""
+        group = self.groups.setdefault(episode.sample.group_index, _Group())
         group.episodes += 1
         for agent, samples in peer_samples.items():
             bucket = group.samples.setdefault(agent, [])
             for i, s in enumerate(samples):
                 bucket.append((f"{episode.id}:{agent}:{i}", s))
-        if group.episodes >= group_size:
-            del self.groups[key]
-            self._schedule(key, group, step)
 
-    def _schedule(self, key: Any, group: _Group, step: int) -> None:
-        task = asyncio.ensure_future(self._send(key, group, step))
-        self.pending.add(task)
-        task.add_done_callback(self.pending.discard)
-
-    async def _send(self, group_index: Any, group: _Group, step: int) -> None:
+    async def _send(self, group_index: Any, group: _Group, step: int) -> list[str]:
         producer = self.runtime.settings.self_agent
+        failures = []
         for agent, keyed in group.samples.items():
             if all(getattr(s, "remove_sample", False) for _, s in keyed):
-                self.stats["groups_dropped"] += 1
+                self.stats["groups_all_aborted"] += 1
                 continue
             name = f"{producer}:{group_index}"
             items = [item_from_sample(s, key=k, group=name, group_size=len(keyed), producer=producer, step=step)
@@ -92,30 +93,28 @@ class PeerOutbox:
             try:
                 result = await self.runtime.coordinator.commit(agent, items)
             except CoordinatorError as exc:
-                self.failures.append(f"group {name} for {agent!r}: {exc}")
+                failures.append(f"group {name} for {agent!r}: {exc}")
                 continue
             self.stats["groups_sent"] += 1
             self.stats["samples_sent"] += result.accepted
             self.stats["duplicates"] += result.duplicates
+        return failures
 
-    async def drain(self, step: int) -> dict[str, float]:
-        """Wait until every group is committed; raise if any could not be.
+    async def drain(self, step: int, kept: set[Any] | None) -> dict[str, float]:
+        """Commit the groups in `kept` (all when None), drop the others; raise if a commit failed.
 
-        A group with fewer ended episodes than its size (a sample whose generate call never
-        returned) is sent as it is, its size what it has.
+        Commits retry through coordinator restarts and backpressure until their deadline; a
+        group that still cannot be committed fails the rollout loudly rather than vanishing.
         """
-        if self.groups:
-            logger.warning("%d prompt group(s) ended the rollout short of episodes; sending them as they are",
-                           len(self.groups))
-            for key in list(self.groups):
-                self._schedule(key, self.groups.pop(key), step)
-        if self.pending:
-            await asyncio.gather(*list(self.pending), return_exceptions=True)
-        if self.failures:
-            failures, self.failures = self.failures, []
-            raise CoordinatorError(f"could not hand {len(failures)} group(s) to the coordinator: " + "; ".join(failures[:3]))
+        groups, self.groups = self.groups, {}
+        chosen = {k: g for k, g in groups.items() if kept is None or k in kept}
+        self.stats["groups_not_kept"] += len(groups) - len(chosen)
+        results = await asyncio.gather(*(self._send(k, g, step) for k, g in chosen.items()))
+        failures = [f for r in results for f in r]
         step_stats = {f"coordinator/{k}": float(v) for k, v in self.stats.items()}
-        self.stats = dict.fromkeys(self.stats, 0)  # per rollout
+        self.stats = self._zero()
+        if failures:
+            raise CoordinatorError(f"could not hand {len(failures)} group(s) to the coordinator: " + "; ".join(failures[:3]))
         return step_stats
 
 

@@ -295,9 +295,7 @@ async def run_episode(runtime: Any, sample: Any, sampling_params: dict[str, Any]
                     f"{runtime.source}: this job's episodes have samples for {', '.join(runtime.peer_agents())}, "
                     "trained by other jobs; set --rollout-function-path mrlx_plugin.rollout.initiator_rollout"
                 )
-            peers = {a: episode.samples_of([a], every_agent=True) for a in runtime.peer_agents()}
-            group_size = getattr(runtime.args, "n_samples_per_prompt", 1) or 1
-            runtime.outbox.add(episode, peers, group_size=group_size, step=runtime.current_step)
+            runtime.outbox.add(episode, {a: episode.samples_of([a], every_agent=True) for a in runtime.peer_agents()})
     hooks.mrlx_episode_end(episode=episode, samples=samples)
     if episode.aborted:
         logger.debug("episode %s aborted: %s", episode.id, episode.abort_reason)

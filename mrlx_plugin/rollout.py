@@ -68,7 +68,7 @@ def initiator_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: 
     version to the coordinator and waits until every other trainable agent is within
     `coordinator.max_staleness` versions, runs the host's default rollout (which calls
     `generate` per sample: each turn goes to the speaking agent's URL), and before returning
-    makes sure every other agent's samples of this rollout are committed to the coordinator.
+    commits the other agents' samples of the prompt groups the host kept for this step.
     Evaluation runs the host's default evaluation and queues nothing.
     """
     runtime = runtime_for(args)
@@ -80,9 +80,18 @@ def initiator_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: 
         metrics.update(run_in_host_loop(initiator_barrier(runtime, rollout_id)))
     output = host_default_rollout(args, rollout_id, data_source, evaluation=False)
     if runtime.outbox is not None:
-        metrics.update(run_in_host_loop(runtime.outbox.drain(rollout_id)))
+        kept = {_group_index(group) for group in output.samples}
+        metrics.update(run_in_host_loop(runtime.outbox.drain(rollout_id, kept)))
     output.metrics = {**(output.metrics or {}), **metrics}
     return output
+
+
+def _group_index(group: Any) -> Any:
+    """The prompt group of one group of the host's rollout output (samples, or lists of them)."""
+    first = group[0]
+    while isinstance(first, list):
+        first = first[0]
+    return first.group_index
 
 
 def responder_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: bool = False) -> Any:

@@ -93,7 +93,7 @@ mrlx:
         return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
     def log(self, me: str) -> str:
-        return (self.root / f"job_{me}.log").read_text(errors="replace")[-4000:]
+        return (self.root / f"job_{me}.log").read_text(errors="replace")[-20000:]
 
     def wait(self, me: str, timeout: float = 240) -> int:
         return self.jobs[me].wait(timeout=timeout)

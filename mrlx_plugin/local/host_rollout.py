@@ -17,6 +17,7 @@ import random
 from typing import Any
 
 from ..host import RolloutFnEvalOutput, RolloutFnTrainOutput, Sample, Status, run_in_host_loop
+from ..hostargs import sampling_params
 
 
 class LocalDataSource:
@@ -81,17 +82,7 @@ def _load_function(path: str) -> Any:
 async def _generate_groups(args: Any, groups: list[list[Sample]], evaluation: bool) -> list[list[Any]]:
     generate = _load_function(getattr(args, "custom_generate_function_path", None) or "mrlx_plugin.rollout.generate")
     semaphore = asyncio.Semaphore(getattr(args, "sglang_server_concurrency", None) or 512)
-    params = {
-        "temperature": args.rollout_temperature,
-        "top_p": args.rollout_top_p,
-        "top_k": args.rollout_top_k,
-        "max_new_tokens": args.rollout_max_response_len,
-        "stop": args.rollout_stop,
-        "stop_token_ids": args.rollout_stop_token_ids,
-        "skip_special_tokens": args.rollout_skip_special_tokens,
-        "no_stop_trim": True,
-        "spaces_between_special_tokens": False,
-    }
+    params = sampling_params(args)
 
     async def one(sample: Sample) -> Any:
         async with semaphore:

@@ -369,37 +369,39 @@ def main(argv: list[str] | None = None) -> int:
     # The KL reference is the policy RL starts from: the initial model after any warm-start.
     start_model = out / "warm_start" if (out / "warm_start" / "config.json").exists() else Path(ns.model)
     ref = load_model(start_model) if cfg.kl_coef else None
-    for rollout_id in range(start, ns.num_rollout):
-        t0 = time.monotonic()
-        output = rollout_fn(args, rollout_id, data_source, evaluation=False)
-        samples = flatten(output.samples)
-        rollout_s = time.monotonic() - t0
-        raw, advantages = normalize(args, samples)
-        metrics: dict[str, Any] = dict(output.metrics or {})
-        log_rollout(rollout_id, args, samples, metrics, rollout_s)
+    try:
+        for rollout_id in range(start, ns.num_rollout):
+            t0 = time.monotonic()
+            output = rollout_fn(args, rollout_id, data_source, evaluation=False)
+            samples = flatten(output.samples)
+            rollout_s = time.monotonic() - t0
+            raw, advantages = normalize(args, samples)
+            metrics: dict[str, Any] = dict(output.metrics or {})
+            log_rollout(rollout_id, args, samples, metrics, rollout_s)
 
-        t1 = time.monotonic()
-        for group in optimizer.param_groups:
-            group["lr"] = learning_rate(cfg, rollout_id, ns.num_rollout)
-        train = {"train/frozen": 1.0} if ns.freeze else ppo_step(model, ref, optimizer, samples, advantages, cfg,
-                                                                 args.rollout_temperature)
-        if ns.save_samples:  # before the checkpoint: a resumed run drops the rows of an unsaved step
-            with (out / "samples.jsonl").open("a") as f:
-                for s, adv in zip(samples, advantages):
-                    f.write(json.dumps({"step": rollout_id, "advantage": adv, **s.to_dict()}, default=str) + "\n")
-        checkpoint = save_checkpoint(out, rollout_id, model, tokenizer, optimizer, data_source, ns.keep_checkpoints)
-        if responder:
-            ack_trained_groups(args)  # trained and saved: a resumed job must not train them again
-        push_weights(ns.engine_url, checkpoint, version=rollout_id + 1)
-        row = {"step": rollout_id, "samples": len(samples), "rollout_s": rollout_s,
-               "train_s": time.monotonic() - t1, "raw_reward_mean": sum(raw) / max(1, len(raw)),
-               "engine/weight_versions": [engine_version(url) for url in ns.engine_url], **metrics, **train}
-        if resumed_from and rollout_id == start:
-            row["resumed_from"] = resumed_from
-        _append(out / "metrics.jsonl", row)
-        log.info("step %d: %d samples, reward %.3f, rollout %.1fs, train %.1fs", rollout_id, len(samples),
-                 row["raw_reward_mean"], rollout_s, row["train_s"])
-    run_in_host_loop(runtime_for(args).aclose())
+            t1 = time.monotonic()
+            for group in optimizer.param_groups:
+                group["lr"] = learning_rate(cfg, rollout_id, ns.num_rollout)
+            train = {"train/frozen": 1.0} if ns.freeze else ppo_step(model, ref, optimizer, samples, advantages, cfg,
+                                                                     args.rollout_temperature)
+            if ns.save_samples:  # before the checkpoint: a resumed run drops the rows of an unsaved step
+                with (out / "samples.jsonl").open("a") as f:
+                    for s, adv in zip(samples, advantages):
+                        f.write(json.dumps({"step": rollout_id, "advantage": adv, **s.to_dict()}, default=str) + "\n")
+            checkpoint = save_checkpoint(out, rollout_id, model, tokenizer, optimizer, data_source, ns.keep_checkpoints)
+            if responder:
+                ack_trained_groups(args)  # trained and saved: a resumed job must not train them again
+            push_weights(ns.engine_url, checkpoint, version=rollout_id + 1)
+            row = {"step": rollout_id, "samples": len(samples), "rollout_s": rollout_s,
+                   "train_s": time.monotonic() - t1, "raw_reward_mean": sum(raw) / max(1, len(raw)),
+                   "engine/weight_versions": [engine_version(url) for url in ns.engine_url], **metrics, **train}
+            if resumed_from and rollout_id == start:
+                row["resumed_from"] = resumed_from
+            _append(out / "metrics.jsonl", row)
+            log.info("step %d: %d samples, reward %.3f, rollout %.1fs, train %.1fs", rollout_id, len(samples),
+                     row["raw_reward_mean"], rollout_s, row["train_s"])
+    finally:  # also on errors: close the rollout loop's connections (no "unclosed session" noise)
+        run_in_host_loop(runtime_for(args).aclose())
     return 0
 
 
