@@ -5,6 +5,8 @@
     mrlx bench coordinator   durable commit-then-lease throughput and barrier wake-up latency,
                              against a plain in-memory JSON queue
     mrlx bench demo          the CPU demo and its frozen-B baseline: time, rewards, memory
+    mrlx bench load          10,000 concurrent two-model episodes, the coordinator under
+                             backpressure, and a 10-minute soak watching memory and open files
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ def main(argv: list[str]) -> int:
         from ..coordinator.bench import main as run
     elif name == "demo":
         from .demo import main as run
+    elif name == "load":
+        from .load import main as run
     else:
         print(f"mrlx bench: unknown benchmark {name!r} (rollout, coordinator, demo)", file=sys.stderr)
         return 2

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hmac
-import ipaddress
 import logging
 import math
 import os
@@ -46,8 +45,11 @@ from typing import Any
 
 import orjson
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 
 from mrlx_plugin.coordinator.client import token_from_env_or_file
+from mrlx_plugin.netutil import is_loopback
 from mrlx_plugin.coordinator.storage import CoordinatorStore, QueueStats, StoreError, StoreOpenError
 from mrlx_plugin.coordinator.wire import (
     CONTENT_TYPE,
@@ -65,6 +67,7 @@ from mrlx_plugin.coordinator.wire import (
 log = logging.getLogger("mrlx.coordinator")
 
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+INT64_MAX = (1 << 63) - 1
 MAX_WAIT_S = 300.0  # longest single long poll; clients loop for longer waits
 MAX_LEASE_GROUPS = 4096
 HEARTBEAT_FLUSH_S = 2.0
@@ -88,6 +91,12 @@ class BodyField:
     default: Any = None
     max_length: int | None = None
     doc: str = ""
+
+    def __post_init__(self) -> None:
+        # SQLite stores 64-bit integers: an unbounded int field would pass validation and then
+        # fail in the database; the bound is published in /openapi.json like any other.
+        if self.kind == "int" and self.maximum is None:
+            object.__setattr__(self, "maximum", INT64_MAX)
 
 
 LEASE_BODY = {
@@ -210,13 +219,17 @@ class CoordinatorConfig:
     max_db_mb: float | None = None
 
 
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
+class OneLineBadRequests(logging.Filter):
+    """A request that is not valid HTTP is the client's fault: one warning line, not a traceback
+    at ERROR (which would read as a fault of the coordinator)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError):
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            record.msg, record.args, record.exc_info, record.exc_text = "refused a malformed request: %s", (first,), None, None
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
         return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _seen_phrase(beat: tuple[float, int | None, str | None] | None, now: float) -> str:
@@ -368,6 +381,11 @@ class Coordinator:
             elif exc.status == 405:
                 message = f"method {request.method} is not allowed on {request.path}; see /openapi.json"
             response = self._error_response(exc.status, message, None)
+        except RequestPayloadError as exc:  # a body that cannot be read as sent (bad compression, cut chunks)
+            message = str(exc).replace("\n", " ").strip()
+            response = self._error_response(
+                400, f"{request.method} {request.path}: the request body could not be read: {message}", None
+            )
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a bug, not bad input: say so and keep serving
@@ -395,12 +413,21 @@ class Coordinator:
         if self._token is not None:
             header = request.headers.get("Authorization", "")
             scheme, _, given = header.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self._token):
+            if scheme.lower() != "bearer" or not hmac.compare_digest(
+                given.strip().encode("utf-8", "surrogateescape"), self._token  # headers may hold any bytes
+            ):
                 raise HttpProblem(
                     401,
                     "missing or wrong bearer token: send 'Authorization: Bearer <token>' with the run's token",
                     {"WWW-Authenticate": 'Bearer realm="mrlx-coordinator"'},
                 )
+        encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+        if encoding not in ("", "identity"):
+            # Bodies are taken as sent (the server does not decompress): a compressed body could
+            # unpack far past the size limit, and the client never compresses.
+            raise HttpProblem(
+                415, f"{request.method} {request.path}: Content-Encoding {encoding!r} is not accepted; send the body uncompressed"
+            )
         length = request.content_length
         if length is not None and length > self.config.max_request_mb * (1 << 20):
             raise web.HTTPRequestEntityTooLarge(
@@ -439,7 +466,10 @@ class Coordinator:
                 raise HttpProblem(422, f"header {PID_HEADER} must be a process id, got {pid_text!r}")
             pid = int(pid_text)
         host = request.headers.get(HOST_HEADER)
-        self._beat(agent, pid, host[:256] if host else None)
+        if host:
+            # Header bytes that are not UTF-8 arrive as surrogates; keep the name printable and storable.
+            host = host.encode("utf-8", "surrogateescape").decode("utf-8", "replace")[:256]
+        self._beat(agent, pid, host or None)
 
     def _beat(self, agent: str, pid: int | None, host: str | None) -> None:
         previous = self.heartbeats.get(agent)
@@ -980,7 +1010,7 @@ def openapi_document(run_id: str | None = None, agents: list[str] | None = None)
                     "required": bool(spec),
                     "content": {"application/json": {"schema": _schema(spec)}},
                 },
-                "responses": {"200": ok, **errors(401, 404, 413, 422, *codes)},
+                "responses": {"200": ok, **errors(400, 401, 404, 413, 415, 422, *codes)},
             }
         }
 
@@ -1051,7 +1081,7 @@ def openapi_document(run_id: str | None = None, agents: list[str] | None = None)
                         "required": False,
                         "content": {"application/json": {"schema": _schema(LEASE_BODY)}},
                     },
-                    "responses": {"200": frame_ok, **errors(401, 404, 413, 422, 503, 507)},
+                    "responses": {"200": frame_ok, **errors(400, 401, 404, 413, 415, 422, 503, 507)},
                 }
             },
             queue + "/ack": json_post("ack a lease", ACK_BODY, [run, consumer], json_ok, 409, 503, 507),
@@ -1178,7 +1208,9 @@ async def serve(config: CoordinatorConfig, *, stop: asyncio.Event | None = None)
         config.db, config.run_id, synchronous=config.synchronous, max_db_mb=config.max_db_mb
     )
     coordinator = Coordinator(config, store, state)
-    runner = web.AppRunner(coordinator.build_app(), access_log=None, handle_signals=False)
+    runner = web.AppRunner(
+        coordinator.build_app(), access_log=None, handle_signals=False, auto_decompress=False
+    )
     try:
         await runner.setup()
         site = web.TCPSite(runner, config.host, config.port, reuse_address=True)
@@ -1217,6 +1249,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("aiohttp.server").addFilter(OneLineBadRequests())
     try:
         config = config_from_args(args)
     except (ValueError, OSError) as exc:
