@@ -195,7 +195,10 @@ def _storage_failure(exc: sqlite3.Error) -> StorageFailure:
     name = getattr(exc, "sqlite_errorname", "") or ""
     status = 507 if name == "SQLITE_FULL" or "full" in str(exc).lower() else 503
     return StorageFailure(
-        f"the coordinator's database could not be written: {exc} ({name or 'sqlite error'})", status
+        f"the coordinator's database could not be written: {exc} ({name or 'sqlite error'}); nothing "
+        "of this request was stored; reads still work; free space on (or make writable) the disk of "
+        "--db and writes resume without a restart",
+        status,
     )
 
 
