@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import json
 import os
 import shutil
 import subprocess
@@ -136,8 +137,6 @@ def reads_still_answer(coord: CoordinatorProcess, queued: int) -> None:
     assert status == 200 and b"mrlx_coordinator_queue_items" in body
     status, _, body = http("GET", coord.url + "/v1/runs/run1/queues/patient", token=coord.token)
     assert status == 200, body
-    import json
-
     assert json.loads(body)["queued_items"] == queued, body
 
 
@@ -208,21 +207,19 @@ def test_disk_full_fails_commits_loudly_keeps_reads_and_recovers(tmp_path):
             coord.stop()
 
 
-def test_disk_full_injected_fails_commits_loudly_and_recovers(tmp_path):
+@pytest.mark.parametrize(
+    ("error", "status", "words"),
+    [
+        ("ENOSPC", 507, "full"),  # the disk full, where no tmpfs can be mounted
+        # A read-only disk: 503, retried until the commit deadline (an operator may fix it in time).
+        ("EROFS", 503, "I/O"),
+    ],
+    ids=["full", "read-only"],
+)
+def test_injected_disk_errors_fail_commits_loudly_keep_reads_and_recover(tmp_path, error, status, words):
     coord = CoordinatorProcess(tmp_path / "coordinator").start()
     try:
         assert coord.proc is not None
-        run_fault(coord, failing_file_writes(coord.proc.pid, "ENOSPC"), 507, "full")
-    finally:
-        coord.stop()
-
-
-def test_read_only_disk_fails_commits_loudly_keeps_reads_and_recovers(tmp_path):
-    coord = CoordinatorProcess(tmp_path / "coordinator").start()
-    try:
-        assert coord.proc is not None
-        # A read-only disk is not a passing state the producer could wait out quickly, but the
-        # answer is 503 (retried until the commit deadline): an operator may fix it in time.
-        run_fault(coord, failing_file_writes(coord.proc.pid, "EROFS"), 503, "I/O")
+        run_fault(coord, failing_file_writes(coord.proc.pid, error), status, words)
     finally:
         coord.stop()
