@@ -38,8 +38,20 @@ else
   run "$PYTHON" -m mrlx_plugin.cli check --config "$config" --skip-tokenizers --responder
 fi
 
+# Where the job's GPUs go. A's engines are only called by A's own rollouts, so A colocates them
+# with its trainer (slime offloads them while A trains). B's engines answer A's episodes while B
+# trains (the jobs overlap by up to max_staleness steps), so B must not colocate: its engines
+# keep their own GPUs.
+if [ "$role" = A ]; then
+  placement=(--actor-num-nodes 1 --actor-num-gpus-per-node "$(v GPUS)" --colocate)
+  ray_gpus="$(v GPUS)"
+else
+  placement=(--actor-num-nodes 1 --actor-num-gpus-per-node "$(v GPUS)" --rollout-num-gpus "$(v ROLLOUT_GPUS)")
+  ray_gpus="$(( $(v GPUS) + $(v ROLLOUT_GPUS) ))"
+fi
+
 # 2. This job's Ray head.
-run ray start --head --node-ip-address "$host" --port "$(v RAY_PORT)" --num-gpus "$(v GPUS)" \
+run ray start --head --node-ip-address "$host" --port "$(v RAY_PORT)" --num-gpus "$ray_gpus" \
   --disable-usage-stats --dashboard-host 127.0.0.1 --dashboard-port "$(v DASHBOARD_PORT)"
 
 # 3. This job's router, at the fixed address the other job and the env file know.
@@ -66,7 +78,7 @@ MODEL_ARGS=()
 # shellcheck source=/dev/null
 [ "${MRLX_DRY_RUN:-0}" = 1 ] || source "$(v MODEL_SCRIPT)"   # defines MODEL_ARGS
 common=(
-  --actor-num-nodes 1 --actor-num-gpus-per-node "$(v GPUS)" --colocate
+  "${placement[@]}"
   --hf-checkpoint "$(v HF)" --ref-load "$(v REF)" --load "$(v SAVE)" --save "$(v SAVE)" --save-interval 20
   --tensor-model-parallel-size "$(v TP)" --sequence-parallel --rollout-num-gpus-per-engine "$(v GPUS_PER_ENGINE)"
   --sglang-router-ip "$host" --sglang-router-port "$router_port"

@@ -93,7 +93,7 @@ class RewardSettings:
     # Episode shaping for systems other than the pipeline (multi-model dialogue).
     shaping: Literal["independent", "cooperative", "zero_sum", "bilateral", "asymmetric"] = "independent"
     coupling: dict[str, dict[str, float]] = field(default_factory=dict)  # asymmetric: agent -> {agent: weight}
-    grade_timeout_s: float = 10.0
+    grade_timeout_s: float = 30.0  # above the math verifier's own 10 s, which scores a hung parse 0
 
 
 @dataclass

@@ -85,8 +85,9 @@ class PeerOutbox:
         failures = []
         for agent, keyed in group.samples.items():
             if all(getattr(s, "remove_sample", False) for _, s in keyed):
+                # Sent all the same (zero loss masks train nothing): the peer leases one step's
+                # groups per step, and a missing group would pull the next step's into this one.
                 self.stats["groups_all_aborted"] += 1
-                continue
             name = f"{producer}:{group_index}"
             items = [item_from_sample(s, key=k, group=name, group_size=len(keyed), producer=producer, step=step)
                      for k, s in keyed]
@@ -149,14 +150,15 @@ async def responder_take(runtime: Any, rollout_id: int, groups_needed: int) -> t
     if state.renewer is not None:
         state.renewer.cancel()
         state.renewer = None
-    for lease_id in state.leases:  # the previous step has trained: its groups are done for good
-        await client.ack(lease_id)
-    state.leases = []
+    expired = await _ack_all(client, state)  # the previous step has trained: its groups are done for good
     await client.heartbeat()
     await client.report_version(rollout_id)
     started = time.monotonic()
     deadline = started + c.wait_deadline_s
     groups: list[list[Any]] = []
+    # This step's leases become the state's (to be acked once trained) only when the groups are
+    # handed to the host: leases of a step that fails here are never acked, so they come back.
+    leases: list[str] = []
     why = "the producer sent no more"
     while len(groups) < groups_needed:
         remaining = deadline - time.monotonic()
@@ -167,15 +169,17 @@ async def responder_take(runtime: Any, rollout_id: int, groups_needed: int) -> t
         lease = await client.lease(groups_needed - len(groups), lease_s=c.lease_s, wait_s=min(30.0, remaining))
         why = lease.message or why
         if lease.lease_id and lease.groups:
-            state.leases.append(lease.lease_id)
+            leases.append(lease.lease_id)
             groups.extend(lease.groups)
         if lease.end:
             break
     if not groups:
         raise CoordinatorError(f"step {rollout_id}: the producer ended the stream and no group is left to train on")
     samples = [[sample_from_item(item) for item in g] for g in groups]
-    state.renewer = asyncio.ensure_future(_renew(client, list(state.leases), c.lease_s))
-    metrics = {"coordinator/wait_seconds": time.monotonic() - started, "coordinator/groups": float(len(groups))}
+    state.leases = leases
+    state.renewer = asyncio.ensure_future(_renew(client, list(leases), c.lease_s))
+    metrics = {"coordinator/wait_seconds": time.monotonic() - started, "coordinator/groups": float(len(groups)),
+               "coordinator/acks_expired": float(expired)}
     versions = [_as_int(v) for g in samples for s in g for v in (s.weight_versions or [])]
     versions = [v for v in versions if v is not None]
     if versions:
@@ -189,9 +193,24 @@ async def responder_finish(runtime: Any) -> None:
     if state.renewer is not None:
         state.renewer.cancel()
         state.renewer = None
+    await _ack_all(runtime.coordinator, state)
+
+
+async def _ack_all(client: CoordinatorClient, state: ResponderState) -> int:
+    """Ack the state's leases; returns how many had expired already (409: their groups were
+    handed out again and will be trained again, so delivery stays at least once)."""
+    expired = 0
     for lease_id in state.leases:
-        await runtime.coordinator.ack(lease_id)
+        try:
+            await client.ack(lease_id)
+        except CoordinatorError as exc:
+            if exc.status not in (404, 409):
+                raise
+            expired += 1
+            logger.warning("lease %s could not be acked (%s); its groups were leased again after it expired. "
+                           "Raise mrlx.coordinator.lease_s if training a step takes longer", lease_id, exc)
     state.leases = []
+    return expired
 
 
 async def _renew(client: CoordinatorClient, leases: list[str], lease_s: float) -> None:

@@ -197,13 +197,30 @@ class Episode:
         return turn
 
     async def grade(self, transcript: Transcript) -> float:
-        """The transcript's raw reward from the mrlx_grade hook (also stored on the transcript)."""
-        result = self.runtime.hooks.mrlx_grade(agent=transcript.agent, transcript=transcript, episode=self)
-        if inspect.isawaitable(result):
-            result = await asyncio.wait_for(result, self.settings.rewards.grade_timeout_s)
-        value = 0.0 if result is None else float(result)
-        if not math.isfinite(value):
-            raise ValueError(f"mrlx_grade returned {result!r} for agent {transcript.agent!r}; expected a finite number")
+        """The transcript's raw reward from the mrlx_grade hook (also stored on the transcript).
+
+        A grade that fails (its deadline `rewards.grade_timeout_s` passes, a remote reward model
+        is down, the hook raises or returns no finite number) aborts the episode: its samples
+        leave ABORTED with a zero loss mask rather than with a reward nobody computed.
+        """
+        timeout = self.settings.rewards.grade_timeout_s
+        try:
+            result = self.runtime.hooks.mrlx_grade(agent=transcript.agent, transcript=transcript, episode=self)
+            if inspect.isawaitable(result):
+                result = await asyncio.wait_for(result, timeout)
+            value = 0.0 if result is None else float(result)
+            if not math.isfinite(value):
+                raise ValueError(f"mrlx_grade returned {result!r}; expected a finite number")
+        except (ConfigError, asyncio.CancelledError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - one failed grade must not end the host's rollout
+            if isinstance(exc, asyncio.TimeoutError):
+                reason = f"grading agent {transcript.agent!r} took longer than rewards.grade_timeout_s ({timeout:g} s)"
+            else:
+                reason = f"grading agent {transcript.agent!r} failed: {type(exc).__name__}: {exc}"
+            _warn_grade_failure(reason, exc)
+            self.abort(reason)
+            raise EpisodeAborted(reason) from None
         transcript.raw_reward = transcript.reward = value
         return value
 
@@ -263,6 +280,19 @@ class Episode:
         return t.to_sample(self.sample, self.rollout_id, aborted=True, meta=self.sample_meta(t))
 
 
+_grade_failures = 0
+
+
+def _warn_grade_failure(reason: str, exc: BaseException) -> None:
+    """The first few failed grades with their traceback, then one line in a hundred."""
+    global _grade_failures
+    _grade_failures += 1
+    if _grade_failures <= 5:
+        logger.warning("%s; the episode's samples are ABORTED", reason, exc_info=exc)
+    elif _grade_failures % 100 == 0:
+        logger.warning("%d grades have failed so far; the latest: %s", _grade_failures, reason)
+
+
 async def run_episode(runtime: Any, sample: Any, sampling_params: dict[str, Any] | None, evaluation: bool) -> Any:
     """Run the configured system on one input sample; return the host's sample(s).
 
@@ -278,12 +308,16 @@ async def run_episode(runtime: Any, sample: Any, sampling_params: dict[str, Any]
         raise
     hooks = runtime.hooks
     if not episode.aborted:
-        for t in episode.transcripts:
-            if t.raw_reward is None and t.turns and runtime.settings.agents[t.agent].trainable:
-                await episode.grade(t)
-        if episode.final_transcript is not None and episode.team_reward is None:
-            ft = episode.final_transcript
-            episode.team_reward = ft.raw_reward if ft.raw_reward is not None else await episode.grade(ft)
+        try:
+            for t in episode.transcripts:
+                if t.raw_reward is None and t.turns and runtime.settings.agents[t.agent].trainable:
+                    await episode.grade(t)
+            if episode.final_transcript is not None and episode.team_reward is None:
+                ft = episode.final_transcript
+                episode.team_reward = ft.raw_reward if ft.raw_reward is not None else await episode.grade(ft)
+        except EpisodeAborted:
+            pass
+    if not episode.aborted:
         hooks.mrlx_shape_rewards(episode=episode, settings=runtime.settings)
     if evaluation:
         samples = [_evaluation_sample(episode)]

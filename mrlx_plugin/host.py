@@ -100,14 +100,16 @@ def copy_sample(sample: Any, **changes: Any) -> Any:
     Only the fields a plugin owns are carried over; tokens, masks and log-probs start empty so that
     no list is shared between siblings.
     """
+    # Built from the fields slime's and Miles' Sample share; the rest are set as attributes
+    # (Miles' Sample has no `rollout_id` field, and a dataclass takes extra attributes).
     new = Sample(
         group_index=sample.group_index,
         index=sample.index,
-        rollout_id=getattr(sample, "rollout_id", None),
         prompt=sample.prompt,
         label=sample.label,
         metadata=dict(sample.metadata or {}),
     )
+    new.rollout_id = getattr(sample, "rollout_id", None)
     if getattr(sample, "session_id", None) is not None and hasattr(new, "session_id"):
         new.session_id = sample.session_id
     for key, value in changes.items():

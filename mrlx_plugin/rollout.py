@@ -104,7 +104,8 @@ def responder_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: 
     the leases are renewed while the step trains. Evaluation runs the host's default evaluation.
     """
     runtime = runtime_for(args, tokenizers=False)
-    if evaluation:
+    if evaluation:  # the host's evaluation runs whole episodes here: they need every agent's tokenizer
+        runtime.load_tokenizers()
         return host_default_rollout(args, rollout_id, data_source, evaluation=True)
     groups, metrics = run_in_host_loop(responder_take(runtime, rollout_id, int(args.rollout_batch_size)))
     metrics.update(compute_metrics([s for g in groups for s in g]))

@@ -74,6 +74,7 @@ class Runtime:
         self.clients: dict[str, EngineClient] = {}
         self.urls: dict[str, str] = {}
         base = Path(source).parent if Path(source).is_file() else None
+        self._base = base
         by_url: dict[tuple[str, str | None], EngineClient] = {}
         for name, agent in settings.agents.items():
             self.urls[name] = self._resolve_url(name, agent)
@@ -96,6 +97,13 @@ class Runtime:
         self.current_step: int | None = None  # the initiator's rollout id, set by its rollout function
         self.outbox = PeerOutbox(self) if peers else None
         self.responder = ResponderState()
+
+    def load_tokenizers(self) -> None:
+        """Load the agents' tokenizers a responder's Runtime skipped (blocking; before episodes run
+        on it, as a responder's evaluation does)."""
+        for name, agent in self.settings.agents.items():
+            if name not in self.tokenizers:
+                self.tokenizers[name] = self._load_tokenizer(name, agent, self._base)
 
     @property
     def coordinator(self) -> Any:

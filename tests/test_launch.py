@@ -72,6 +72,9 @@ def test_run_agent_builds_one_slime_job_per_agent(tmp_path):
         assert "ray start --head" in out and "ray job submit" in out
         assert "mrlx_plugin.cli check --offline" in out
     assert "--responder" in b and "--responder" not in a
+    # B's engines answer A's episodes while B trains: never offloaded by colocation.
+    assert "--colocate" in a and "--colocate" not in b and "--rollout-num-gpus 4" in b
+    assert "ray start --head --node-ip-address 127.0.0.1 --port 6479 --num-gpus 8" in b
     assert "--rollout-batch-size 32 --n-samples-per-prompt 8" in a and "--rollout-batch-size 32 --n-samples-per-prompt 8" in b
     submit = shlex.split(next(line for line in a.splitlines() if line.startswith("ray job submit")))
     job_env = json.loads(submit[submit.index("--runtime-env-json") + 1])

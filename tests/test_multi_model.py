@@ -183,7 +183,9 @@ def test_evaluation_queues_nothing_and_a_missing_rollout_function_is_named(engin
     from mrlx_plugin.host import Sample
     from mrlx_plugin.local.host_rollout import LocalDataSource
     from mrlx_plugin.host import run_in_host_loop
-    from mrlx_plugin.rollout import generate, initiator_rollout
+    from _host import slime_args
+
+    from mrlx_plugin.rollout import generate, initiator_rollout, responder_rollout
     from mrlx_plugin.runtime import runtime_for
 
     monkeypatch.setenv("MRLX_TEST_TOKEN", TOKEN)
@@ -217,5 +219,18 @@ def test_evaluation_queues_nothing_and_a_missing_rollout_function_is_named(engin
         info, version_a = asyncio.run(queue())
         assert info["queued_items"] == 2 and info["ready_groups"] == 1 and version_a == 0
         run_in_host_loop(runtime_for(args).aclose())
+
+        # B's job evaluates too (slime evaluates at rollout 0): whole episodes, nothing queued.
+        mrlx_b = {**args.mrlx, "self": "b", "agents": {
+            "a": {"url": engine.url, "trainable": True, "sampling": {"max_new_tokens": 4}},
+            "b": {"url": "self", "sampling": {"max_new_tokens": 4}}}}
+        args_b = slime_args(engine.url, str(tiny_model_dir), mrlx_b, rollout_batch_size=1, n_samples_per_prompt=2,
+                            n_samples_per_eval_prompt=1)
+        out_b = responder_rollout(args_b, 0, source, evaluation=True)
+        assert len(out_b.data["eval"]["samples"]) == 2
+        assert all(s.status != Sample.Status.ABORTED for s in out_b.data["eval"]["samples"])
+        info, _ = asyncio.run(queue())
+        assert info["queued_items"] == 2  # unchanged
+        run_in_host_loop(runtime_for(args_b).aclose())
     finally:
         coordinator.stop()

@@ -151,6 +151,41 @@ def test_a_users_hook_module_changes_grading_without_touching_the_package(stub_e
     assert hooked["rewriter-0"] == default["rewriter-0"] == 1.0
 
 
+@pytest.mark.parametrize("failure", ["raises", "too slow", "not a number"])
+def test_a_failing_grade_aborts_the_episode_without_raising(failure, stub_engine, tiny_model_dir, tmp_path,
+                                                             monkeypatch):
+    repo = tmp_path / "user_repo"
+    repo.mkdir()
+    body = {
+        "raises": "    raise ConnectionError('reward model at http://rm:8000 refused the connection')\n",
+        "too slow": "    await asyncio.sleep(30)\n",
+        "not a number": "    return float('nan')\n",
+    }[failure]
+    (repo / f"grade_{failure.replace(' ', '_')}.py").write_text(
+        "import asyncio\nfrom mrlx_plugin import hookimpl\n\n@hookimpl\n"
+        "async def mrlx_grade(agent, transcript, episode):\n"
+        "    if agent != 'rewriter':\n        return None\n" + body
+    )
+    monkeypatch.syspath_prepend(str(repo))
+
+    async def run():
+        mrlx = _stub_args(stub_engine, plugins=[f"grade_{failure.replace(' ', '_')}"],
+                          rewards={"grade_timeout_s": 0.5})
+        args = slime_args(stub_engine.url, str(tiny_model_dir), mrlx)
+        out = await generate(args, group(0, 1)[0], params(args))
+        await _close(args)
+        return out
+
+    out = asyncio.run(run())
+    assert isinstance(out, list) and out
+    for s in out:
+        assert s.status == Status.ABORTED and s.reward == 0.0 and set(s.loss_mask) <= {0}
+        reason = s.metadata["mrlx"]["abort_reason"]
+        assert "grading agent 'rewriter'" in reason
+    assert {"raises": "refused the connection", "too slow": "grade_timeout_s", "not a number": "finite"}[failure] in reason
+    assert compute_metrics(out)["multi_agent/aborted_episodes"] == 1.0
+
+
 @pytest.mark.parametrize("mode", ["http500", "close", "bad_json", "stall", "abort"])
 def test_engine_faults_become_aborted_samples(mode, stub_engine, tiny_model_dir):
     async def run():
@@ -202,7 +237,23 @@ def test_evaluation_returns_the_teams_final_answer(stub_engine, tiny_model_dir):
     assert out.reward == 1.0 and "42" in out.response and out.metadata["mrlx"]["evaluation"]
 
 
-def test_miles_input_form_is_accepted(stub_engine, tiny_model_dir):
+def miles_sample_class() -> type:
+    """A Sample shaped like Miles': slime's fields without `rollout_id` (extra attributes allowed)."""
+    import dataclasses
+
+    from mrlx_plugin import host
+
+    own = [(f.name, f.type, f) for f in dataclasses.fields(host.Sample) if f.name != "rollout_id"]
+    cls = dataclasses.make_dataclass("MilesSample", own)
+    cls.Status = host.Sample.Status
+    return cls
+
+
+def test_miles_input_form_is_accepted(stub_engine, tiny_model_dir, monkeypatch):
+    from mrlx_plugin import host
+
+    monkeypatch.setattr(host, "Sample", miles_sample_class())
+
     async def run():
         args = slime_args(stub_engine.url, str(tiny_model_dir), _stub_args(stub_engine))
         state = types.SimpleNamespace(args=args)
@@ -214,6 +265,8 @@ def test_miles_input_form_is_accepted(stub_engine, tiny_model_dir):
 
     out = asyncio.run(run())
     assert isinstance(out, list) and len(out) == 5
+    assert all(type(s).__name__ == "MilesSample" and s.reward is not None for s in out)
+    assert len({s.rollout_id for s in out}) == 1  # still one episode id, as an attribute
 
 
 def test_a_bad_setting_raises_one_message_naming_the_key(stub_engine, tiny_model_dir):
