@@ -81,9 +81,10 @@ def parse_generate_response(body: bytes) -> tuple[list[int], list[float], str, s
             raise ValueError
         ids = list(columns[1]) if entries else []
         logprobs = list(columns[0]) if entries else []
-        if not all(type(i) is int for i in ids):
+        # Type checks as one C-level pass each (they run over every generated token).
+        if ids and set(map(type, ids)) != {int}:
             ids = [int(i) for i in ids]
-        if not all(type(x) is float for x in logprobs):
+        if logprobs and set(map(type, logprobs)) != {float}:
             logprobs = [float(x) if x is not None else 0.0 for x in logprobs]
     except (TypeError, IndexError, ValueError):
         raise _BadResponse("meta_info.output_token_logprobs entries are not [logprob, token_id, ...]") from None

@@ -83,6 +83,9 @@ class _Pending:
     close: bool = False  # close the connection after answering
     timer: asyncio.TimerHandle | None = None
     due: bool = False  # latency elapsed; held only because generation is paused
+    # The normal answer, built on arrival: a burst of answers falling due together is then sent
+    # at once, as an engine that generated them during the latency would, not one build apart.
+    ready: bytes | None = None
 
 
 @dataclass
@@ -364,7 +367,7 @@ class StubServer:
         conn.busy = True
         self._next_id += 1
         key = self._next_id
-        pending = _Pending(conn, rids, build, close)
+        pending = _Pending(conn, rids, build, close, ready=build(None))
         st.pending[key] = pending
         assert self.loop is not None
         if cfg.latency > 0:
@@ -388,7 +391,8 @@ class StubServer:
         if pending.timer is not None:
             pending.timer.cancel()
         self.state.stats["aborted" if abort_message else "generate_ok"] += 1
-        pending.conn.send(_response(200, pending.build(abort_message)), pending.close)
+        body = pending.ready if abort_message is None and pending.ready is not None else pending.build(abort_message)
+        pending.conn.send(_response(200, body), pending.close)
         pending.conn.resume()
 
     def forget(self, conn: _Connection) -> None:
