@@ -28,6 +28,6 @@ def main(argv: list[str]) -> int:
     elif name == "load":
         from .load import main as run
     else:
-        print(f"mrlx bench: unknown benchmark {name!r} (rollout, coordinator, demo)", file=sys.stderr)
+        print(f"mrlx bench: unknown benchmark {name!r} (rollout, coordinator, demo, load)", file=sys.stderr)
         return 2
     return run(rest)
