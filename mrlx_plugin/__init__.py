@@ -13,13 +13,13 @@ from .transcript import Transcript, Turn
 __version__ = "0.1.0"
 
 __all__ = [
+    "HOST",
     "ConfigError",
     "Episode",
     "EpisodeAborted",
-    "HOST",
     "Sample",
     "Transcript",
     "Turn",
-    "hookimpl",
     "__version__",
+    "hookimpl",
 ]

@@ -6,9 +6,9 @@ import re
 from functools import lru_cache
 from typing import Any
 
+from .grading import grade_math, quick_grade
 from .hookspecs import hookimpl
 from .rewards import coupling_matrix, shared_verifier, team_weighting
-from .grading import grade_math, quick_grade
 
 
 @hookimpl(trylast=True)

@@ -102,7 +102,7 @@ class EngineClient:
         self.url = url.rstrip("/")
         self.settings = settings or EngineSettings()
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
-        self._pools: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, HTTPPool]" = weakref.WeakKeyDictionary()
+        self._pools: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, HTTPPool] = weakref.WeakKeyDictionary()
         self._last: tuple[asyncio.AbstractEventLoop, HTTPPool] | None = None
 
     def _pool(self) -> HTTPPool:

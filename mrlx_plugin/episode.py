@@ -21,7 +21,8 @@ import math
 import time
 import uuid
 import zlib
-from typing import Any, Awaitable
+from collections.abc import Awaitable
+from typing import Any
 
 from .config import AgentSettings, ConfigError
 from .engine_client import EngineError

@@ -27,7 +27,8 @@ keep implementations quick, and return an awaitable where you must wait on somet
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
 
 import pluggy
 
@@ -43,7 +44,7 @@ if TYPE_CHECKING:
 
 
 @hookspec
-def mrlx_register_systems() -> dict[str, Callable[["Episode"], Awaitable[None]]]:
+def mrlx_register_systems() -> dict[str, Callable[[Episode], Awaitable[None]]]:
     """Register agent systems by name.
 
     Return a mapping of system names to async functions `run(episode) -> None`. A run function
@@ -59,7 +60,7 @@ def mrlx_register_systems() -> dict[str, Callable[["Episode"], Awaitable[None]]]
 
 
 @hookspec(firstresult=True)
-def mrlx_grade(agent: str, transcript: "Transcript", episode: "Episode") -> float | Awaitable[float] | None:
+def mrlx_grade(agent: str, transcript: Transcript, episode: Episode) -> float | Awaitable[float] | None:
     """Grade one agent's output in an episode: the sample's raw reward. *First result wins.*
 
     `transcript.answer_text` is the agent's last message with any reasoning (`...</think>`)
@@ -73,7 +74,7 @@ def mrlx_grade(agent: str, transcript: "Transcript", episode: "Episode") -> floa
 
 
 @hookspec(firstresult=True)
-def mrlx_shape_rewards(episode: "Episode", settings: "Settings") -> bool | None:
+def mrlx_shape_rewards(episode: Episode, settings: Settings) -> bool | None:
     """Turn the graded rewards of one episode into the rewards each agent trains on.
 
     Read and rewrite `transcript.reward` for the transcripts in `episode.transcripts`, using
@@ -88,7 +89,7 @@ def mrlx_shape_rewards(episode: "Episode", settings: "Settings") -> bool | None:
 
 
 @hookspec(firstresult=True)
-def mrlx_should_stop(episode: "Episode", agent: str, transcript: "Transcript") -> bool | None:
+def mrlx_should_stop(episode: Episode, agent: str, transcript: Transcript) -> bool | None:
     """Decide whether a turn-taking episode ends after `agent`'s latest turn. *First result wins.*
 
     Return True to stop now, False to continue, None to defer. Called by the dialogue system
@@ -98,7 +99,7 @@ def mrlx_should_stop(episode: "Episode", agent: str, transcript: "Transcript") -
 
 
 @hookspec
-def mrlx_episode_end(episode: "Episode", samples: list[Any]) -> None:
+def mrlx_episode_end(episode: Episode, samples: list[Any]) -> None:
     """Observe a finished episode and the samples it returns to the host.
 
     Called once per episode (aborted ones included, with `episode.aborted` set) after rewards

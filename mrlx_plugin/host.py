@@ -16,14 +16,14 @@ from typing import Any
 HOST: str | None = None
 
 try:  # slime
-    from slime.utils.types import Sample  # type: ignore[no-redef]
     from slime.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput  # type: ignore[no-redef]
+    from slime.utils.types import Sample  # type: ignore[no-redef]
 
     HOST = "slime"
 except ImportError:
     try:  # Miles
-        from miles.utils.types import Sample  # type: ignore[no-redef]
         from miles.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput  # type: ignore[no-redef]
+        from miles.utils.types import Sample  # type: ignore[no-redef]
 
         HOST = "miles"
     except ImportError:
@@ -70,7 +70,7 @@ if HOST is None:
             return value
 
         @staticmethod
-        def from_dict(data: dict[str, Any]) -> "Sample":
+        def from_dict(data: dict[str, Any]) -> Sample:
             data = dict(data)
             data["status"] = Sample.Status(data.get("status", "pending"))
             names = set(Sample.__dataclass_fields__)

@@ -17,8 +17,8 @@ are `url: self`, so one model plays every role and trains on all of them.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from .episode import Episode
 from .transcript import Transcript

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import pluggy
 
@@ -29,7 +30,7 @@ def make_plugin_manager(modules: list[str], source: str = "mrlx.plugins") -> plu
     pm.register(defaults, name="mrlx_plugin.defaults")
     try:
         pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP)
-    except Exception as exc:  # noqa: BLE001 - a broken third-party entry point
+    except Exception as exc:
         raise ConfigError(f"loading the '{ENTRY_POINT_GROUP}' entry points failed: {exc}") from exc
     for i, name in enumerate(modules):
         where = f"{source}[{i}]"

@@ -23,7 +23,13 @@ from typing import Any
 
 from .coordination import initiator_barrier, responder_finish, responder_take
 from .episode import run_episode
-from .host import RolloutFnTrainOutput, host_default_rollout, run_in_host_loop, unpack_generate_call, wrap_generate_output
+from .host import (
+    RolloutFnTrainOutput,
+    host_default_rollout,
+    run_in_host_loop,
+    unpack_generate_call,
+    wrap_generate_output,
+)
 from .metrics import compute_metrics
 from .runtime import get_runtime, runtime_for
 

@@ -18,7 +18,14 @@ from typing import Any
 
 import pluggy
 
-from .config import AgentSettings, ConfigError, Settings, parse_settings, raw_settings_from_args, read_text_setting
+from .config import (
+    AgentSettings,
+    ConfigError,
+    Settings,
+    parse_settings,
+    raw_settings_from_args,
+    read_text_setting,
+)
 from .coordination import PeerOutbox, ResponderState, make_client
 from .engine_client import EngineClient
 from .host import router_url
@@ -36,7 +43,7 @@ class HostLimits:
     default_sampling: dict[str, Any]  # used when the host passes no sampling_params (CLI)
 
     @classmethod
-    def from_args(cls, args: Any) -> "HostLimits":
+    def from_args(cls, args: Any) -> HostLimits:
         ctx = getattr(args, "rollout_max_context_len", None)
         sampling = {
             "temperature": getattr(args, "rollout_temperature", 1.0),

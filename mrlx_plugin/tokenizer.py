@@ -15,7 +15,7 @@ from typing import Any
 
 from .config import ConfigError
 
-_LOADED: dict[tuple[str, str | None], "AgentTokenizer"] = {}
+_LOADED: dict[tuple[str, str | None], AgentTokenizer] = {}
 _LOCK = threading.Lock()
 
 # Paragraph breaks: after a blank line, before the next non-space character. Byte-level BPE

@@ -67,7 +67,7 @@ class Transcript:
     _held: list[str | list[int]] = field(default_factory=list)
 
     @classmethod
-    def start(cls, agent: str, tokenizer: AgentTokenizer, messages: list[dict[str, str]], **kw: Any) -> "Transcript":
+    def start(cls, agent: str, tokenizer: AgentTokenizer, messages: list[dict[str, str]], **kw: Any) -> Transcript:
         text, ids = tokenizer.prompt_ids(messages)
         t = cls(agent=agent, tokenizer=tokenizer, messages=list(messages), **kw)
         t.prompt_messages = list(messages)

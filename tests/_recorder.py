@@ -63,7 +63,7 @@ class RecordingProxy:
         self._loop.run_until_complete(self._main())
         self._loop.run_forever()
 
-    def start(self) -> "RecordingProxy":
+    def start(self) -> RecordingProxy:
         self._thread.start()
         self._ready.wait(10)
         return self

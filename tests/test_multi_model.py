@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from _recorder import RecordingProxy
+
 from mrlx_plugin.local.model import ensure_model
 from mrlx_plugin.local.processes import start_coordinator, start_engine, start_service
 
@@ -178,13 +178,12 @@ def test_evaluation_queues_nothing_and_a_missing_rollout_function_is_named(engin
                                                                           monkeypatch):
     import asyncio
 
-    from mrlx_plugin.config import ConfigError
-    from mrlx_plugin.coordinator.client import CoordinatorClient
-    from mrlx_plugin.host import Sample
-    from mrlx_plugin.local.host_rollout import LocalDataSource
-    from mrlx_plugin.host import run_in_host_loop
     from _host import slime_args
 
+    from mrlx_plugin.config import ConfigError
+    from mrlx_plugin.coordinator.client import CoordinatorClient
+    from mrlx_plugin.host import Sample, run_in_host_loop
+    from mrlx_plugin.local.host_rollout import LocalDataSource
     from mrlx_plugin.rollout import generate, initiator_rollout, responder_rollout
     from mrlx_plugin.runtime import runtime_for
 

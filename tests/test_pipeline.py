@@ -11,10 +11,10 @@ import asyncio
 import types
 
 import pytest
-from aiohttp import ClientSession
-
 from _host import group, params, slime_args
 from _recorder import RecordingProxy
+from aiohttp import ClientSession
+
 from mrlx_plugin.config import ConfigError
 from mrlx_plugin.host import Sample, Status
 from mrlx_plugin.metrics import compute_metrics

@@ -134,7 +134,8 @@ def job_settings(engine_url: str, coordinator_url: str, response_tokens: int, ma
 def host_args(engine_url: str, tokenizer: str, mrlx: dict[str, Any], response_tokens: int,
               n_samples_per_prompt: int) -> argparse.Namespace:
     """What slime hands the rollout function: its flags (slime's names) plus the `mrlx` key."""
-    from ..hostargs import add_host_arguments, host_args as build, set_router
+    from ..hostargs import add_host_arguments, set_router
+    from ..hostargs import host_args as build
 
     parser = argparse.ArgumentParser()
     add_host_arguments(parser)

@@ -29,11 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-WORDS = (
-    "let the number of integers between positive real triangle sum product prime divisor coefficient "
-    "sequence function polynomial probability circle radius angle area perimeter digit remainder modulo "
-    "consider find compute show that such where each every value maximum minimum expected ordered pair"
-).split()
+WORDS = ["let", "the", "number", "of", "integers", "between", "positive", "real", "triangle", "sum", "product", "prime", "divisor", "coefficient", "sequence", "function", "polynomial", "probability", "circle", "radius", "angle", "area", "perimeter", "digit", "remainder", "modulo", "consider", "find", "compute", "show", "that", "such", "where", "each", "every", "value", "maximum", "minimum", "expected", "ordered", "pair"]
 MATH = ["x^2+y^2=25", "\\frac{a}{b}", "n!", "2^{10}", "\\sqrt{3}", "a_{n+1}=2a_n+1", "f(x)=x^3-3x", "\\binom{12}{4}"]
 
 

@@ -49,7 +49,6 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
 from mrlx_plugin.coordinator.client import token_from_env_or_file
-from mrlx_plugin.netutil import is_loopback
 from mrlx_plugin.coordinator.storage import CoordinatorStore, QueueStats, StoreError, StoreOpenError
 from mrlx_plugin.coordinator.wire import (
     CONTENT_TYPE,
@@ -63,6 +62,7 @@ from mrlx_plugin.coordinator.wire import (
     scan_frame,
     validate_record,
 )
+from mrlx_plugin.netutil import is_loopback
 
 log = logging.getLogger("mrlx.coordinator")
 

@@ -256,7 +256,7 @@ def print_summary(s: dict[str, Any]) -> None:
           f"{s['peak_memory_mib']:.0f} MiB{'; frozen: ' + s['frozen'] if s['frozen'] else ''})")
     print(f"  {'agent':<10} {'rewarded for':<20} {'first step':>10} {'last step':>10} {'steps':>6} {'samples':>8}  warm-start")
     for name, a in s["agents"].items():
-        fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else "-"  # noqa: E731
+        fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else "-"
         print(f"  {name:<10} {a['reward']:<20} {fmt(a['first_step_reward']):>10} {fmt(a['last_step_reward']):>10} "
               f"{a['steps_trained']:>6} {a['samples_trained']:>8}  {a['warm_start_steps']} format-only steps")
     print(f"  plot: {s['plot']}\n  metrics: {s['metrics']}\n  checkpoints: "

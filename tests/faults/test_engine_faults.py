@@ -7,8 +7,8 @@ import json
 import urllib.request
 
 import pytest
-
 from _host import slime_args
+
 from mrlx_plugin.host import Status, run_in_host_loop
 from mrlx_plugin.local.host_rollout import LocalDataSource, default_rollout
 from mrlx_plugin.metrics import compute_metrics

@@ -10,8 +10,8 @@ from __future__ import annotations
 import time
 
 import pytest
-
 from _twojobs import TwoJobs
+
 from mrlx_plugin.local.model import ensure_model
 
 
