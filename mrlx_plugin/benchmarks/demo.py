@@ -9,9 +9,10 @@ demo together) under 4 GiB.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
+
+from . import write_report
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,10 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n  {'measure':<{width}}  {'co-training':>12}  {'frozen B':>10}  goal")
     for name, c, f, goal in rows:
         print(f"  {name:<{width}}  {c:>12}  {f:>10}  {goal}")
-    out = Path(ns.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"co_training": co, "frozen_b": frozen, "team_gap_last5": gap}, indent=1, default=str))
-    print(f"  -> {out}")
+    write_report(ns.out, {"co_training": co, "frozen_b": frozen, "team_gap_last5": gap})
     return 0
 
 

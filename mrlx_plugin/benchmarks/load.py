@@ -44,6 +44,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from . import write_report
+
 RUN_ID = "load"
 PRODUCER, CONSUMER = "a", "b"
 TOKEN_ENV = "MRLX_LOAD_BENCH_TOKEN"
@@ -760,10 +762,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--max-depth must hold at least one prompt group (--n-samples-per-prompt items)")
     report = run_load_bench(ns)
     print(format_table(report))
-    out = Path(ns.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
-    print(f"  -> {out}")
+    write_report(ns.out, report)
     return 0
 
 

@@ -29,6 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from . import write_report
+
 WORDS = ["let", "the", "number", "of", "integers", "between", "positive", "real", "triangle", "sum", "product", "prime", "divisor", "coefficient", "sequence", "function", "polynomial", "probability", "circle", "radius", "angle", "area", "perimeter", "digit", "remainder", "modulo", "consider", "find", "compute", "show", "that", "such", "where", "each", "every", "value", "maximum", "minimum", "expected", "ordered", "pair"]
 MATH = ["x^2+y^2=25", "\\frac{a}{b}", "n!", "2^{10}", "\\sqrt{3}", "a_{n+1}=2a_n+1", "f(x)=x^3-3x", "\\binom{12}{4}"]
 
@@ -259,10 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  {'measure':<{width}}  {'result':<28} goal")
     for name, value, goal in rows:
         print(f"  {name:<{width}}  {value:<28} {goal}")
-    out = Path(ns.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(f"  -> {out}")
+    write_report(ns.out, result)
     return 0
 
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import multiprocessing as mp
 import os
 import queue
@@ -669,8 +668,9 @@ def run_coordinator_bench(
             )
     print(format_table(report))
     if out_json:
-        with open(out_json, "w") as handle:
-            json.dump(report, handle, indent=2)
+        from mrlx_plugin.benchmarks import write_report
+
+        write_report(out_json, report)
     return report
 
 
@@ -733,7 +733,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--workdir", default=None, help="where the database goes (a local disk; default: the temp dir)"
     )
-    parser.add_argument("--out", default=None, help="write the numbers as JSON here")
+    parser.add_argument("--out", default="runs/bench/coordinator.json", help="write the numbers as JSON here")
     args = parser.parse_args(argv)
     run_coordinator_bench(
         args.out,
