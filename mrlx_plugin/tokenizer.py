@@ -55,6 +55,8 @@ class AgentTokenizer:
         # length warnings, and decoding without "clean-up" of spaces (the text must spell the ids).
         backend = getattr(hf_tokenizer, "_tokenizer", None)
         self._backend = backend if type(backend).__module__.startswith("tokenizers") else None
+        # tokenizers >= 0.20: the same ids without computing character offsets (a quarter faster).
+        self._fast_encode = getattr(self._backend, "encode_batch_fast", None)
         self.eos_token_id: int | None = hf_tokenizer.eos_token_id
         if self.eos_token_id is None and hf_tokenizer.pad_token_id is not None:
             self.eos_token_id = hf_tokenizer.pad_token_id
@@ -77,6 +79,8 @@ class AgentTokenizer:
         return self._encode_whole(text)
 
     def _encode_whole(self, text: str) -> list[int]:
+        if self._fast_encode is not None:
+            return self._fast_encode([text], add_special_tokens=False)[0].ids
         if self._backend is not None:
             return self._backend.encode(text, add_special_tokens=False).ids
         return list(self.hf.encode(text, add_special_tokens=False))
