@@ -212,7 +212,3 @@ class EngineClient:
     async def get_json(self, path: str, timeout: float | None = None) -> Any:
         """GET an endpoint and decode its JSON (health checks, model info, weight version)."""
         return await self._call("GET", path, None, timeout)
-
-    async def post_json(self, path: str, body: Any, timeout: float | None = None) -> Any:
-        """POST a JSON body to an endpoint (weight updates, aborts) and decode the answer."""
-        return await self._call("POST", path, orjson.dumps(body), timeout or self.settings.request_timeout_s)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import enum
-import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -191,10 +190,6 @@ def unpack_generate_call(
             "or one Miles GenerateFnInput"
         )
     return args, sample, dict(sampling_params or {}), bool(evaluation), None
-
-
-def takes_evaluation(fn: Any) -> bool:
-    return "evaluation" in inspect.signature(fn).parameters
 
 
 class _LoopThread:

@@ -161,10 +161,6 @@ class Transcript:
     def generated_tokens(self) -> int:
         return sum(len(t.token_ids) for t in self.turns)
 
-    @property
-    def aborted_turn(self) -> bool:
-        return bool(self.turns) and self.turns[-1].finish_reason == "abort"
-
     # --- to the host ---------------------------------------------------------------------
 
     def to_sample(self, template: Any, rollout_id: int | None, *, aborted: bool, meta: dict[str, Any]) -> Any:

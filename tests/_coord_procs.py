@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -158,12 +157,6 @@ def http(
     except urllib.error.HTTPError as exc:
         return exc.code, dict(exc.headers), exc.read()
 
-
-def free_port() -> int:
-    """A port nobody listens on right now (for a client pointed at nothing)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def error_of(body: bytes) -> str:

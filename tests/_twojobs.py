@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mrlx_plugin.local.processes import ManagedProcess, free_port, start_engine, start_service
+from mrlx_plugin.local.processes import ManagedProcess, start_engine, start_service
+from mrlx_plugin.netutil import free_port
 
 TOKEN = "two-jobs-test-token"
 ENV = {"MRLX_TEST_TOKEN": TOKEN}

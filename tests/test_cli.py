@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from mrlx_plugin.local.processes import free_port, router_available
+from mrlx_plugin.local.processes import router_available
+from mrlx_plugin.netutil import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -7,7 +7,7 @@ import asyncio
 import json
 
 import pytest
-from _coord_procs import CoordinatorProcess, free_port, make_items
+from _coord_procs import CoordinatorProcess, make_items
 
 from mrlx_plugin.coordinator.client import (
     CoordinatorClient,
@@ -16,6 +16,7 @@ from mrlx_plugin.coordinator.client import (
     CoordinatorWaitTimeout,
     token_from_env_or_file,
 )
+from mrlx_plugin.netutil import free_port
 
 
 @pytest.fixture

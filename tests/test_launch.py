@@ -14,7 +14,7 @@ import sys
 import urllib.request
 from pathlib import Path
 
-from mrlx_plugin.local.processes import free_port
+from mrlx_plugin.netutil import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 LAUNCH = REPO / "launch"

@@ -44,6 +44,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from ..procstat import cpu_seconds, memory_mib, open_fds
 from . import write_report
 
 RUN_ID = "load"
@@ -51,35 +52,6 @@ PRODUCER, CONSUMER = "a", "b"
 TOKEN_ENV = "MRLX_LOAD_BENCH_TOKEN"
 # Spare descriptors beyond one connection per concurrent episode (coordinator, pipes, files).
 FD_HEADROOM = 512
-
-
-# ---------------------------------------------------------------------------------------------
-# /proc readers (Linux)
-# ---------------------------------------------------------------------------------------------
-
-
-def proc_memory_mib(pid: int | str = "self") -> tuple[float, float]:
-    """(current RSS, peak RSS) of a process in MiB, from /proc/<pid>/status."""
-    rss = hwm = 0.0
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                rss = int(line.split()[1]) / 1024
-            elif line.startswith("VmHWM:"):
-                hwm = int(line.split()[1]) / 1024
-    return rss, hwm
-
-
-def open_fds(pid: int | str = "self") -> int:
-    """How many file descriptors the process has open."""
-    return len(os.listdir(f"/proc/{pid}/fd"))
-
-
-def cpu_seconds(pid: int | str = "self") -> float:
-    """User + system CPU seconds the process has used (all its threads), from /proc/<pid>/stat."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -183,7 +155,7 @@ def rollout_worker(ns: argparse.Namespace) -> int:
                         ns.latency)
     args = host_args(ns.engine_url, ns.tokenizer, mrlx, ns.response_tokens, n)
     runtime = runtime_for(args)  # settings, plugins, tokenizers: before any clock starts
-    rss, hwm = proc_memory_mib()
+    rss, hwm = memory_mib()
     _emit(ns.events, {"event": "ready", "t": time.time(), "rss_mib": rss, "hwm_mib": hwm, "fds": open_fds()})
 
     def one_round(rollout_id: int, phase: str, episodes: int) -> dict[str, Any]:
@@ -191,11 +163,11 @@ def rollout_worker(ns: argparse.Namespace) -> int:
         args.rollout_batch_size = groups
         args.sglang_server_concurrency = groups * n  # slime's semaphore: every episode may run at once
         _Flight.reset()
-        rss_before, _ = proc_memory_mib()
+        rss_before, _ = memory_mib()
         t0 = time.time()
         output = initiator_rollout(args, rollout_id, source)
         t1 = time.time()
-        rss_after, hwm_after = proc_memory_mib()
+        rss_after, hwm_after = memory_mib()
         metrics = {k: float(v) for k, v in (output.metrics or {}).items() if k.startswith(("coordinator/", "staleness/"))}
         statuses = _count(output)
         del output
@@ -460,7 +432,7 @@ def run_load_bench(ns: argparse.Namespace) -> dict[str, Any]:
                 row: dict[str, Any] = {"t": time.time(), "loadavg_1m": os.getloadavg()[0]}
                 for name, pid in pids.items():
                     try:
-                        row[f"{name}_rss_mib"] = proc_memory_mib(pid)[0]
+                        row[f"{name}_rss_mib"] = memory_mib(pid)[0]
                         row[f"{name}_fds"] = open_fds(pid)
                     except OSError:  # it just exited
                         row[f"{name}_rss_mib"] = row[f"{name}_fds"] = None

@@ -41,6 +41,8 @@ from typing import Any
 
 import numpy as np
 
+from mrlx_plugin.procstat import cpu_seconds
+
 AGENTS = ("producer", "consumer")
 RUN_ID = "bench"
 
@@ -137,12 +139,11 @@ def _start_coordinator(
     return proc, f"http://127.0.0.1:{port}"
 
 
-def _cpu_seconds(pid: int) -> float | None:
-    """User + system CPU seconds of a process so far (Linux /proc; None elsewhere)."""
+
+def _server_cpu(pid: int | None) -> float | None:
+    """CPU seconds of the server so far (None where /proc cannot say)."""
     try:
-        with open(f"/proc/{pid}/stat") as handle:
-            fields = handle.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return cpu_seconds(pid) if pid else None
     except (OSError, ValueError, IndexError):
         return None
 
@@ -485,10 +486,10 @@ def _run_steps(
         for step in range(steps):
             collect(link.ready, len(procs))
             time.sleep(gap_s)  # idle, as between training steps (the coordinator checkpoints then)
-            server_cpu0 = _cpu_seconds(server_pid) if server_pid else None
+            server_cpu0 = _server_cpu(server_pid)
             link.go[step].set()
             result = {name: value for name, _, value in collect(link.results, len(procs))}
-            server_cpu1 = _cpu_seconds(server_pid) if server_pid else None
+            server_cpu1 = _server_cpu(server_pid)
             if server_cpu0 is not None and server_cpu1 is not None:
                 result["server_cpu_s"] = server_cpu1 - server_cpu0
             out.append(result)

@@ -33,7 +33,6 @@ import asyncio
 import hmac
 import logging
 import math
-import os
 import re
 import signal
 import sys
@@ -62,7 +61,7 @@ from mrlx_plugin.coordinator.wire import (
     scan_frame,
     validate_record,
 )
-from mrlx_plugin.netutil import is_loopback
+from mrlx_plugin.netutil import is_loopback, write_port_file
 
 log = logging.getLogger("mrlx.coordinator")
 
@@ -1195,13 +1194,6 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
     )
 
 
-def _write_port_file(path: str, port: int) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as handle:
-        handle.write(f"{port}\n")
-    os.replace(tmp, path)
-
-
 async def serve(config: CoordinatorConfig, *, stop: asyncio.Event | None = None) -> None:
     """Run the coordinator until SIGINT/SIGTERM (or `stop` is set)."""
     store, state = await CoordinatorStore.open(
@@ -1220,7 +1212,7 @@ async def serve(config: CoordinatorConfig, *, stop: asyncio.Event | None = None)
             port = sock.getsockname()[1]
             break
         if config.port_file:
-            _write_port_file(config.port_file, port)
+            write_port_file(config.port_file, port)
         stop = stop or asyncio.Event()
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGINT, signal.SIGTERM):

@@ -704,15 +704,9 @@ class CoordinatorStore:
         conn = self._writer
         assert conn is not None
         with self._transaction():
-            row = conn.execute(
-                "SELECT consumer, groups, expires, acked FROM leases WHERE lease_id = ?", (lease_id,)
-            ).fetchone()
-            if row is None or row[0] != consumer:
-                raise Rejected(f"unknown lease {lease_id!r} for the queue of {consumer!r}", 404)
-            _, groups_json, expires, acked = row
+            groups, expires, acked = _lease_of(conn, consumer, lease_id)
             if acked is not None:
                 return AckOutcome(0, 0, True)
-            groups = orjson.loads(groups_json)
             owned = []
             for group in groups:
                 state = conn.execute(
@@ -755,15 +749,9 @@ class CoordinatorStore:
         conn = self._writer
         assert conn is not None
         with self._transaction():
-            row = conn.execute(
-                "SELECT consumer, groups, expires, acked FROM leases WHERE lease_id = ?", (lease_id,)
-            ).fetchone()
-            if row is None or row[0] != consumer:
-                raise Rejected(f"unknown lease {lease_id!r} for the queue of {consumer!r}", 404)
-            _, groups_json, expires, acked = row
+            groups, expires, acked = _lease_of(conn, consumer, lease_id)
             if acked is not None:
                 raise Rejected(f"lease {lease_id!r} was acked already; there is nothing left to keep", 409)
-            groups = orjson.loads(groups_json)
             new_expiry = now + lease_s
             held = conn.execute(
                 "UPDATE groups SET lease_expires = ? WHERE consumer = ? AND lease_id = ? AND acked IS NULL",
@@ -833,6 +821,18 @@ class CoordinatorStore:
                 [(agent, seen, pid, host) for agent, (seen, pid, host) in beats.items()],
             )
         self._after_write()
+
+
+def _lease_of(
+    conn: sqlite3.Connection, consumer: str, lease_id: str
+) -> tuple[list[str], float, float | None]:
+    """(groups, expiry, acked time) of a lease of `consumer`'s queue; 404 for any other id."""
+    row = conn.execute(
+        "SELECT consumer, groups, expires, acked FROM leases WHERE lease_id = ?", (lease_id,)
+    ).fetchone()
+    if row is None or row[0] != consumer:
+        raise Rejected(f"unknown lease {lease_id!r} for the queue of {consumer!r}", 404)
+    return orjson.loads(row[1]), row[2], row[3]
 
 
 class _WriteTransaction:

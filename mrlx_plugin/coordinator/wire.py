@@ -317,14 +317,6 @@ def encode_items(items: Iterable[QueueItem], header: dict[str, Any] | None = Non
     return bytes(view) if len(view) != len(buf) else bytes(buf)
 
 
-def encode_record(item: QueueItem) -> bytes:
-    """One item record (record head, metadata, packed arrays), ready to be framed."""
-    plan = _plan_record(item)
-    buf = bytearray(plan.size)
-    plan.write_into(buf, 0)
-    return bytes(buf)
-
-
 def frame_head(count: int, header: dict[str, Any] | None = None) -> bytes:
     """The head of a frame of `count` records (frame head and header), for writing records after it."""
     header_bytes = _padded_json(header or {})

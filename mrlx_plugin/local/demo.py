@@ -26,6 +26,8 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+from ..procstat import memory_mib
+
 A, B = "proposer", "decider"
 
 
@@ -69,14 +71,12 @@ def _yaml(path: Path, me: str, urls: dict[str, str], models: dict[str, Path], co
     return path
 
 
-def _rss_kib(pid: int, field: str = "VmHWM") -> int:
+
+def _peak_kib(pid: int) -> int:
     try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
+        return int(memory_mib(pid)[1] * 1024)
+    except OSError:  # it has exited
+        return 0
 
 
 def _rows(path: Path) -> list[dict[str, Any]]:
@@ -178,7 +178,7 @@ def _follow(ns: Any, out: Path, jobs: dict[str, subprocess.Popen], procs: list[A
     t0 = time.monotonic()
     while True:
         for pid in [j.pid for j in jobs.values()] + [p.proc.pid for p in procs]:
-            peak_kib[pid] = max(peak_kib.get(pid, 0), _rss_kib(pid))
+            peak_kib[pid] = max(peak_kib.get(pid, 0), _peak_kib(pid))
         a_rows = [r for r in _rows(out / A / "metrics.jsonl") if r.get("step", -1) >= 0]
         b_done = sum(1 for r in _rows(out / B / "metrics.jsonl") if r.get("step", -1) >= 0)
         if bar is not None and len(a_rows) > shown:

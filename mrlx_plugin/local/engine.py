@@ -28,7 +28,6 @@ import itertools
 import logging
 import os
 import signal
-import socket
 import sys
 import time
 import uuid
@@ -40,6 +39,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from ..netutil import free_port, public_bind_refusal, write_port_file
 from .batcher import (
     DEFAULT_MAX_NEW_TOKENS,
     PREFILL_TOKEN_BUDGET,
@@ -66,7 +66,6 @@ __all__ = [
     "SamplingSettings",
     "add_engine_arguments",
     "deregister_from_router",
-    "free_port",
     "main",
     "parse_sampling_params",
     "register_with_router",
@@ -138,13 +137,6 @@ def router_command(
     if worker_urls:
         argv += ["--worker-urls", *worker_urls]
     return argv
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free on `host` a moment ago (for tools that cannot bind port 0)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 # --------------------------------------------------------------------------------------------
@@ -679,13 +671,6 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     return parser
 
 
-def _write_port_file(path: str, port: int) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(f"{port}\n")
-    os.replace(tmp, path)  # readers never see a half-written file
-
-
 class _QuietProbes(logging.Filter):
     """Drop aiohttp's tracebacks for the router's HTTP/2 probe ("PRI * HTTP/2.0"), which is
     expected: the router falls back to HTTP/1.1 at once."""
@@ -696,7 +681,6 @@ class _QuietProbes(logging.Filter):
 
 
 async def _serve(args: argparse.Namespace) -> int:
-    from ..netutil import public_bind_refusal
     from .model import load_model, load_tokenizer
 
     refusal = public_bind_refusal(args.host, args.allow_remote, "the embedded engine")
@@ -760,7 +744,7 @@ async def _serve(args: argparse.Namespace) -> int:
     sockets = site._server.sockets if site._server else []  # type: ignore[union-attr]
     server.port = int(sockets[0].getsockname()[1])
     if args.port_file:
-        _write_port_file(args.port_file, server.port)
+        write_port_file(args.port_file, server.port)
     log.info(
         "engine serving %s at http://%s:%s (weight_version %s, max batch %s, %s threads)",
         args.model,

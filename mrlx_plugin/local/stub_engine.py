@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import signal
 import sys
 import time
@@ -40,6 +39,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
+
+from ..netutil import public_bind_refusal, write_port_file
 
 log = logging.getLogger("mrlx.stub_engine")
 
@@ -630,15 +631,7 @@ def add_stub_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     return parser
 
 
-def _write_port_file(path: str, port: int) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(f"{port}\n")
-    os.replace(tmp, path)  # readers never see a half-written file
-
-
 async def _serve(args: argparse.Namespace) -> int:
-    from ..netutil import public_bind_refusal
 
     refusal = public_bind_refusal(args.host, args.allow_remote, "the stub engine")
     if refusal:
@@ -663,7 +656,7 @@ async def _serve(args: argparse.Namespace) -> int:
         return 2
     port = int(srv.sockets[0].getsockname()[1])
     if args.port_file:
-        _write_port_file(args.port_file, port)
+        write_port_file(args.port_file, port)
     log.info("stub engine listening on http://%s:%s", args.host, port)
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
