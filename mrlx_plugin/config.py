@@ -450,20 +450,47 @@ class _StrictLoader(yaml.SafeLoader):
 def load_yaml(path: str | os.PathLike) -> dict:
     """Read a `--custom-config-path` YAML (or Miles' inline `base64:...`) and return its mapping."""
     text = _read_file_arg(str(path))
+    where = config_label(path)
     try:
         data = yaml.load(text, Loader=_StrictLoader) or {}
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+        raise ConfigError(f"{where}: not valid YAML: {exc}") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping with the key '{TOP_KEY}'")
+        raise ConfigError(f"{where}: the top level must be a mapping with the key '{TOP_KEY}'")
     return data
 
 
-def _read_file_arg(value: str) -> str:
-    if value.startswith("base64:"):
-        import base64
+def is_inline(value: str | os.PathLike | None) -> bool:
+    """Whether a `--custom-config-path` value is Miles' inline form (`base64:<payload>`), not a path."""
+    return str(value or "").startswith("base64:")
 
-        return base64.b64decode(value[len("base64:") :]).decode()
+
+def config_label(value: str | os.PathLike) -> str:
+    """How messages name a config argument: the path, or a short name for an inline payload."""
+    return "--custom-config-path base64:..." if is_inline(value) else str(value)
+
+
+def config_dir(value: str | os.PathLike | None) -> Path | None:
+    """The folder that relative file settings of this config are read from: the YAML file's own
+    folder, or None (the working directory) for an inline config or none at all."""
+    if not value or is_inline(value):
+        return None
+    path = Path(value)
+    return path.parent if path.is_file() else None
+
+
+def _read_file_arg(value: str) -> str:
+    if is_inline(value):
+        import base64
+        import binascii
+
+        try:
+            return base64.b64decode(value[len("base64:") :], validate=True).decode()
+        except (binascii.Error, UnicodeDecodeError) as exc:
+            raise ConfigError(
+                f"--custom-config-path base64:...: the payload is not base64 of UTF-8 YAML ({exc}); "
+                "encode the YAML file with `base64 -w0 FILE`"
+            ) from None
     try:
         return Path(value).read_text()
     except OSError as exc:
@@ -477,24 +504,25 @@ def settings_from_yaml(path: str | os.PathLike, known_systems: set[str] | None =
     return parse_settings(data[TOP_KEY], source=str(path), known_systems=known_systems)
 
 
-def raw_settings_from_args(args: Any) -> tuple[Any, str]:
-    """The `mrlx` mapping as the host left it on `args`, and where it came from (for messages)."""
+def raw_settings_from_args(args: Any) -> tuple[Any, str, Path | None]:
+    """The `mrlx` mapping as the host left it on `args`, where it came from (for messages), and the
+    folder its relative file settings are read from (see `config_dir`)."""
     value = getattr(args, TOP_KEY, None)
     if isinstance(value, dict):
         source = getattr(args, "custom_config_path", None)
-        if source and not str(source).startswith("base64:") and Path(source).is_file():
+        if source and config_dir(source) is not None:
             # The host has parsed the file already, keeping the last of any repeated key; read
             # it again, strictly, so that a repeated key is an error instead of a silent drop.
             load_yaml(source)
-        return value, source or "args.mrlx"
+        return value, config_label(source) if source else "args.mrlx", config_dir(source)
     file_arg = getattr(args, "mrlx_config", None) or getattr(args, "custom_config_path", None)
     if file_arg:
         data = load_yaml(file_arg)
         if TOP_KEY not in data:
             raise ConfigError(
-                f"{file_arg}: no top-level '{TOP_KEY}' key; put every plugin setting under '{TOP_KEY}:'"
+                f"{config_label(file_arg)}: no top-level '{TOP_KEY}' key; put every plugin setting under '{TOP_KEY}:'"
             )
-        return data[TOP_KEY], str(file_arg)
+        return data[TOP_KEY], config_label(file_arg), config_dir(file_arg)
     raise ConfigError(
         "no mrlx settings found: pass --custom-config-path FILE.yaml with a top-level 'mrlx:' key "
         "(or --mrlx-config FILE.yaml on Miles)"

@@ -17,9 +17,10 @@ from .episode import Episode
 from .transcript import Transcript
 
 
-def speaking_order(episode: Episode) -> list[str]:
-    d = episode.settings.dialogue
-    order = list(d.order or episode.settings.agents)
+def speaking_order(settings) -> list[str]:
+    """Who speaks, in turn order, starting with `dialogue.first`."""
+    d = settings.dialogue
+    order = list(d.order or settings.agents)
     first = d.first or order[0]
     if first in order:
         i = order.index(first)
@@ -48,7 +49,7 @@ def opening(episode: Episode, agent: str) -> dict[str, str]:
 
 async def run_dialogue(episode: Episode) -> None:
     d = episode.settings.dialogue
-    order = speaking_order(episode)
+    order = speaking_order(episode.settings)
     views: dict[str, Transcript] = {}
     unread: dict[str, list[dict[str, str]]] = {a: [] for a in order}
     last_speaker = None
@@ -79,3 +80,11 @@ async def run_dialogue(episode: Episode) -> None:
     if final in views:
         episode.final_transcript = views[final]
         episode.final_answer = views[final].answer_text
+
+
+def _dialogue_fan_out(settings) -> dict[str, int]:
+    """One sample per agent that takes turns (an agent keeps one transcript however often it speaks)."""
+    return {agent: 1 for agent in speaking_order(settings)}
+
+
+run_dialogue.fan_out = _dialogue_fan_out  # type: ignore[attr-defined]

@@ -21,12 +21,11 @@ import math
 import time
 import uuid
 import zlib
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from .config import AgentSettings, ConfigError
 from .engine_client import EngineError
-from .host import host_rollout_aborted
 from .transcript import Transcript, Turn
 
 logger = logging.getLogger(__name__)
@@ -49,8 +48,10 @@ def problem_text(prompt: Any) -> str:
 
 
 class Episode:
-    def __init__(self, runtime: Any, sample: Any, sampling_params: dict[str, Any] | None, evaluation: bool):
+    def __init__(self, runtime: Any, sample: Any, sampling_params: dict[str, Any] | None, evaluation: bool,
+                 host_aborted: Callable[[], bool] | None = None):
         self.runtime = runtime
+        self.host_aborted = host_aborted or (lambda: False)  # the host's "this rollout is over" flag
         self.settings = runtime.settings
         self.sample = sample
         self.evaluation = evaluation
@@ -115,7 +116,7 @@ class Episode:
             self.abort_reason = reason
 
     def _check_alive(self) -> None:
-        if not self.aborted and host_rollout_aborted():
+        if not self.aborted and self.host_aborted():
             self.abort("the host ended the rollout")
         if self.aborted:
             raise EpisodeAborted(self.abort_reason)
@@ -242,17 +243,34 @@ class Episode:
         return sum(len(t.prompt_ids) + len(t.response_ids) for t in self.transcripts)
 
     def samples_of(self, agents: list[str], every_agent: bool) -> list[Any]:
-        """Host samples of the transcripts of `agents`. With `every_agent`, an agent without a
-        transcript gets a failed sample (a peer's group must have one sample per episode);
-        otherwise only an episode with none at all gets one."""
-        out = [
-            t.to_sample(self.sample, self.rollout_id, aborted=self.aborted, meta=self.sample_meta(t))
-            for t in self.transcripts
-            if t.agent in agents
-        ]
-        have = {t.agent for t in self.transcripts}
-        missing = [a for a in agents if a not in have] if every_agent else ([] if out else agents[:1])
-        return out + [self.fallback_sample(a) for a in missing]
+        """Host samples of the transcripts of `agents`, agent by agent.
+
+        When the system declares its fan-out (`runtime.fan_out`), each agent gets exactly that
+        many samples, ABORTED fillers standing in for transcripts the episode did not open (it
+        was aborted, or stopped before that role spoke): the host's data-parallel split needs a
+        step's sample count fixed. Otherwise each agent gets one sample per transcript; with
+        `every_agent` an agent without a transcript gets a filler (a peer's group must have one
+        sample per episode), and an episode with no transcript at all gets one filler.
+        """
+        fan_out = self.runtime.fan_out
+        out: list[Any] = []
+        for agent in agents:
+            own = [t.to_sample(self.sample, self.rollout_id, aborted=self.aborted, meta=self.sample_meta(t))
+                   for t in self.transcripts if t.agent == agent]
+            if fan_out is not None:
+                want = fan_out.get(agent, 0)
+                if len(own) > want:
+                    raise RuntimeError(
+                        f"system {self.settings.system!r} declares {want} sample(s) of agent {agent!r} per episode "
+                        f"(its fan_out) but episode {self.id} opened {len(own)} transcripts for it; fix the system's "
+                        "fan_out or the transcripts it opens"
+                    )
+            else:
+                want = max(len(own), 1) if every_agent else len(own)
+            out += own + [self.fallback_sample(agent) for _ in range(want - len(own))]
+        if not out and fan_out is None and agents:
+            out.append(self.fallback_sample(agents[0]))
+        return out
 
     def sample_meta(self, t: Transcript | None) -> dict[str, Any]:
         return {
@@ -294,13 +312,15 @@ def _warn_grade_failure(reason: str, exc: BaseException) -> None:
         logger.warning("%d grades have failed so far; the latest: %s", _grade_failures, reason)
 
 
-async def run_episode(runtime: Any, sample: Any, sampling_params: dict[str, Any] | None, evaluation: bool) -> Any:
+async def run_episode(runtime: Any, sample: Any, sampling_params: dict[str, Any] | None, evaluation: bool,
+                      host_aborted: Callable[[], bool] | None = None) -> Any:
     """Run the configured system on one input sample; return the host's sample(s).
 
     Training: a list of samples for the agents this job trains, sharing the input's rollout id.
     Evaluation: one sample holding the team's final answer, its reward the final answer's grade.
+    `host_aborted` tells whether the host has ended the rollout (no new turn starts then).
     """
-    episode = Episode(runtime, sample, sampling_params, evaluation)
+    episode = Episode(runtime, sample, sampling_params, evaluation, host_aborted)
     try:
         await runtime.system(episode)
     except EpisodeAborted:

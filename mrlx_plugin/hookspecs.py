@@ -56,6 +56,13 @@ def mrlx_register_systems() -> dict[str, Callable[[Episode], Awaitable[None]]]:
     Called once per process when the plugins load. Select a system with `mrlx.system: NAME`;
     its settings live under `mrlx.NAME` (a mapping, given to you as `episode.system_settings`).
     The package registers `pipeline` and `dialogue` itself.
+
+    A run function should declare its fan-out: set `run.fan_out = fn(settings) -> {agent: n}`,
+    the number of transcripts one episode opens per agent. Every episode then returns exactly
+    that many samples per trained agent (ABORTED fillers for what an aborted or short episode
+    did not open), so a host step has a fixed sample count, and the plugin checks the host's
+    micro-batch flags against it at start-up. A system without `fan_out` returns a varying
+    count and needs the host's `--use-dynamic-batch-size`.
     """
 
 

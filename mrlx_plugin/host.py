@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import enum
+import os
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 HOST: str | None = None
@@ -126,21 +128,36 @@ def router_url(args: argparse.Namespace) -> str | None:
     return f"http://{host}:{port}"
 
 
-def host_rollout_aborted() -> bool:
-    """True once slime's default rollout has started aborting its requests (end of a rollout).
+def host_abort_flag(miles_input: Any = None) -> Callable[[], bool]:
+    """A function that tells whether the host has marked the current rollout aborted.
 
-    Reads slime's GenerateState singleton without creating it. Miles and no host: always False;
-    there the engine's `abort` finish reason is the signal.
+    slime keeps one `GenerateState` singleton whose `aborted` its default rollout sets before it
+    aborts the requests still in flight. Miles keeps the flag on the `GenerateState` it hands to
+    a new-form generate function (`input.state`), on every rollout path (class-based, legacy,
+    fully async); its legacy adapter would hide it, which is why `generate` takes the new form
+    there. Without a host nothing aborts a rollout but the engines' own `abort` answers.
     """
+    state = getattr(miles_input, "state", None)
+    if state is not None:
+        return lambda: bool(getattr(state, "aborted", False))
     if HOST != "slime":
-        return False
+        return _never
     try:
         from slime.rollout.sglang_rollout import GenerateState
         from slime.utils.misc import SingletonMeta
     except ImportError:
-        return False
-    state = SingletonMeta._instances.get(GenerateState)
-    return bool(state is not None and getattr(state, "aborted", False))
+        return _never
+
+    def slime_aborted() -> bool:
+        # Read the singleton without creating it: a rollout that has not started is not aborted.
+        state = SingletonMeta._instances.get(GenerateState)
+        return bool(state is not None and getattr(state, "aborted", False))
+
+    return slime_aborted
+
+
+def _never() -> bool:
+    return False
 
 
 async def host_reward(args: argparse.Namespace, sample: Any) -> Any:
@@ -233,12 +250,54 @@ def run_in_host_loop(coro: Any) -> Any:
 
 
 def host_default_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: bool = False) -> Any:
-    """The host's own default rollout (slime's or Miles' `generate_rollout`), or the embedded
-    stand-in without a host. It calls the `--custom-generate-function-path` function per sample."""
+    """The host's own default rollout, or the embedded stand-in without a host. It calls the
+    `--custom-generate-function-path` function per sample.
+
+    slime: `slime.rollout.sglang_rollout.generate_rollout`. Miles: the class-based
+    `InferenceRolloutFn` (built once per data source and kept, as Miles' rollout manager does),
+    or the legacy `miles.rollout.sglang_rollout.generate_rollout` when Miles runs with
+    `MILES_USE_LEGACY_ROLLOUT_V1=1`.
+    """
     if HOST == "slime":
         from slime.rollout.sglang_rollout import generate_rollout
-    elif HOST == "miles":
-        from miles.rollout.sglang_rollout import generate_rollout  # type: ignore[no-redef]
-    else:
-        from .local.host_rollout import default_rollout as generate_rollout  # type: ignore[no-redef]
-    return generate_rollout(args, rollout_id, data_source, evaluation=evaluation)
+
+        return generate_rollout(args, rollout_id, data_source, evaluation=evaluation)
+    if HOST == "miles":
+        return _miles_default_rollout(args, rollout_id, data_source, evaluation)
+    from .local.host_rollout import default_rollout
+
+    return default_rollout(args, rollout_id, data_source, evaluation=evaluation)
+
+
+def miles_uses_legacy_rollout() -> bool:
+    """Whether Miles runs its deprecated function-based rollout (`MILES_USE_LEGACY_ROLLOUT_V1=1`)."""
+    try:
+        from miles.utils.environ import use_legacy_rollout_v1
+    except ImportError:
+        return os.environ.get("MILES_USE_LEGACY_ROLLOUT_V1", "0") not in ("", "0")
+    return bool(use_legacy_rollout_v1())
+
+
+# Miles' class-based rollout keeps state across calls (its GenerateState, eval datasets): one
+# instance per data source, like the one Miles' rollout manager would have built.
+_MILES_ROLLOUTS: dict[int, tuple[Any, Any]] = {}
+
+
+def _miles_default_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: bool) -> Any:
+    from miles.rollout.base_types import call_rollout_fn
+
+    if miles_uses_legacy_rollout():
+        from miles.rollout.sglang_rollout import generate_rollout
+
+        return call_rollout_fn(generate_rollout, args, rollout_id, data_source, evaluation=evaluation)
+    from miles.rollout.base_types import RolloutFnConstructorInput, RolloutFnEvalInput, RolloutFnTrainInput
+    from miles.rollout.inference_rollout.compatibility import call_rollout_function
+    from miles.rollout.inference_rollout.inference_rollout_common import InferenceRolloutFn
+
+    entry = _MILES_ROLLOUTS.get(id(data_source))
+    if entry is None or entry[0] is not data_source:
+        entry = _MILES_ROLLOUTS[id(data_source)] = (
+            data_source, InferenceRolloutFn(RolloutFnConstructorInput(args=args, data_source=data_source))
+        )
+    rollout_input = RolloutFnEvalInput(rollout_id=rollout_id) if evaluation else RolloutFnTrainInput(rollout_id=rollout_id)
+    return call_rollout_function(entry[1], rollout_input)

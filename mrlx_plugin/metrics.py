@@ -21,6 +21,7 @@ token counts, aborted/retried turns, ...), so the metrics are computed from the 
 
 from __future__ import annotations
 
+import importlib
 import logging
 from collections import defaultdict
 from typing import Any
@@ -86,36 +87,53 @@ def log_rollout(rollout_id: int, args: Any, samples: list[Any], rollout_extra_me
 
     The host logs `rollout_extra_metrics` with its own metrics right after this returns False,
     so the metrics are merged into that dict (same step, same backend: wandb, tensorboard).
-    When the host passed no dict, they are logged here. Returns False: the host's own rollout
-    metrics are still logged.
+    When the host passed no dict, they are logged here, on the host's rollout step. Returns
+    False: the host's own rollout metrics are still logged.
     """
     metrics = compute_metrics(samples)
     if isinstance(rollout_extra_metrics, dict):
         rollout_extra_metrics.update(metrics)
     else:
-        _log_through_host(rollout_id, args, metrics)
+        log_through_host(args, metrics, rollout_id, evaluation=False)
     return False
 
 
 def log_eval_rollout(rollout_id: int, args: Any, data: dict, extra_metrics: dict | None) -> bool:
-    """`--custom-eval-rollout-log-function-path`: per-dataset multi-agent metrics under `eval/<name>/`."""
+    """`--custom-eval-rollout-log-function-path`: per-dataset multi-agent metrics under `eval/<name>/`.
+
+    Miles passes no extra-metrics dict for evaluation (None), and both hosts replace an empty
+    one with a new dict, so unless the host passed a non-empty dict the metrics are logged here,
+    on the host's `eval/step`."""
     metrics: dict[str, float] = {}
     for name, entry in (data or {}).items():
         for key, value in compute_metrics(entry.get("samples") or []).items():
             metrics[f"eval/{name}/{key}"] = value
-    if isinstance(extra_metrics, dict):
+    if extra_metrics:
         extra_metrics.update(metrics)
-    else:
-        _log_through_host(rollout_id, args, metrics)
+    elif metrics:
+        log_through_host(args, metrics, rollout_id, evaluation=True)
     return False
 
 
-def _log_through_host(rollout_id: int, args: Any, metrics: dict[str, float]) -> None:
-    for module in ("slime.observability.logging_utils", "slime.utils.logging_utils", "miles.utils.logging_utils"):
-        try:
-            logging_utils = __import__(module, fromlist=["log"])
-        except ImportError:
-            continue
-        logging_utils.log(args, {**metrics, "multi_agent/step": rollout_id}, step_key="multi_agent/step")
+# Where each host's logger lives: a module with `log(args, metrics, step_key)` and one with
+# `compute_rollout_step(args, rollout_id)` (slime 0.3: observability/; Miles: tracking_utils/).
+_HOST_LOGGING = {
+    "slime": ("slime.observability.logging_utils", "slime.observability.metric_utils"),
+    "miles": ("miles.utils.tracking_utils.tracking", "miles.utils.metric_utils"),
+}
+
+
+def log_through_host(args: Any, metrics: dict[str, float], rollout_id: int, evaluation: bool) -> None:
+    """Log `metrics` with the host's own logger, on the step axis the host uses for that kind of
+    rollout (`rollout/step` or `eval/step`), so they line up with the host's metrics."""
+    from .host import HOST
+
+    modules = _HOST_LOGGING.get(HOST or "")
+    if modules is None:
+        logger.info("rollout %s %smulti-agent metrics: %s", rollout_id, "eval " if evaluation else "", metrics)
         return
-    logger.info("rollout %s multi-agent metrics: %s", rollout_id, metrics)
+    log_module = importlib.import_module(modules[0])
+    step_module = importlib.import_module(modules[1])
+    step_key = "eval/step" if evaluation else "rollout/step"
+    step = step_module.compute_rollout_step(args, rollout_id)
+    log_module.log(args, {**metrics, step_key: step}, step_key=step_key)

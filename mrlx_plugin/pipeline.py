@@ -152,7 +152,14 @@ def make_pipeline(prompts: PipelinePrompts = PipelinePrompts()):
         episode.team_reward = float(chosen.raw_reward or 0.0)
         episode.metadata["selected"] = choice
 
+    run.fan_out = pipeline_fan_out  # type: ignore[attr-defined]
     return run
+
+
+def pipeline_fan_out(settings) -> dict[str, int]:
+    """Samples per episode and role: `num_parallel` solvers and rewriters, one selector."""
+    n = settings.pipeline.num_parallel
+    return {"solver": n, "rewriter": n, "selector": 1}
 
 
 run_pipeline = make_pipeline()

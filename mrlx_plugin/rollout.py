@@ -12,8 +12,10 @@ A multi-model run adds one rollout function per job:
     --rollout-function-path  mrlx_plugin.rollout.responder_rollout   (each other trainable agent's job)
 
 `generate` runs one multi-agent episode per input sample. slime calls it as
-`generate(args, sample, sampling_params, evaluation=...)`; Miles calls that same form (it adapts
-3+-parameter functions) or passes one `GenerateFnInput`; both work.
+`generate(args, sample, sampling_params, evaluation=...)`. Miles looks at the name of the first
+parameter: `input` makes it pass one `GenerateFnInput` (the new form), which carries its rollout
+state, so the episode sees Miles' abort flag; any other name would put the function behind
+Miles' legacy adapter, which drops that state.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from .coordination import initiator_barrier, responder_finish, responder_take
 from .episode import run_episode
 from .host import (
     RolloutFnTrainOutput,
+    host_abort_flag,
     host_default_rollout,
     run_in_host_loop,
     unpack_generate_call,
@@ -34,19 +37,24 @@ from .metrics import compute_metrics
 from .runtime import get_runtime, runtime_for
 
 
-async def generate(args: Any, sample: Any = None, sampling_params: Any = None, evaluation: bool = False) -> Any:
+async def generate(input: Any, sample: Any = None, sampling_params: Any = None, evaluation: bool = False) -> Any:
     """Run one episode of the configured agent system on `sample`.
 
-    Training returns a list of samples (every agent this job trains, all with the input's
-    rollout id and a reward set); evaluation returns one sample holding the team's final answer
-    and its grade. Engine faults never raise: they come back as ABORTED samples with reward 0.0
-    and a zero loss mask. Settings errors raise ConfigError on the first call.
+    `input` is slime's `args` (then `sample` and `sampling_params` follow), or Miles' one
+    `GenerateFnInput` (the first parameter's name `input` is what tells Miles to pass it).
+
+    Training returns the same number of samples for every episode (the system's fan-out for
+    the agents this job trains, all with the input's rollout id and a reward set, ABORTED
+    fillers standing in for what an episode did not produce); evaluation returns one sample
+    holding the team's final answer and its grade. Engine faults never raise: they come back
+    as ABORTED samples with reward 0.0 and a zero loss mask. No new turn starts once the host
+    marks the rollout aborted. Settings errors raise ConfigError on the first call.
     """
     args, sample, sampling_params, evaluation, miles_input = unpack_generate_call(
-        args, sample, sampling_params, evaluation
+        input, sample, sampling_params, evaluation
     )
     runtime = await get_runtime(args)
-    result = await run_episode(runtime, sample, sampling_params, evaluation)
+    result = await run_episode(runtime, sample, sampling_params, evaluation, host_aborted=host_abort_flag(miles_input))
     return wrap_generate_output(result, miles_input)
 
 

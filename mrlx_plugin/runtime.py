@@ -29,6 +29,7 @@ from .config import (
 from .coordination import PeerOutbox, ResponderState, make_client
 from .engine_client import EngineClient
 from .host import router_url
+from .hostcheck import check_rollout_mode, check_step_split
 from .plugins import SystemFn, collect_systems, make_plugin_manager
 from .tokenizer import AgentTokenizer, load_tokenizer
 
@@ -67,7 +68,8 @@ class HostLimits:
 class Runtime:
     """Settings, hooks, tokenizers and engine clients of one rollout process."""
 
-    def __init__(self, args: Any, settings: Settings, pm: pluggy.PluginManager, source: str, tokenizers: bool = True):
+    def __init__(self, args: Any, settings: Settings, pm: pluggy.PluginManager, source: str,
+                 base: Path | None = None, tokenizers: bool = True):
         self.args = args
         self.settings = settings
         self.pm = pm
@@ -76,11 +78,11 @@ class Runtime:
         self.limits = HostLimits.from_args(args)
         self.systems: dict[str, SystemFn] = collect_systems(pm)
         self.system: SystemFn = self.systems[settings.system]
+        self.fan_out: dict[str, int] | None = declared_fan_out(self.system, settings, source)
         self.system_prompts: dict[str, str | None] = {}
         self.tokenizers: dict[str, AgentTokenizer] = {}
         self.clients: dict[str, EngineClient] = {}
         self.urls: dict[str, str] = {}
-        base = Path(source).parent if Path(source).is_file() else None
         self._base = base
         by_url: dict[tuple[str, str | None], EngineClient] = {}
         for name, agent in settings.agents.items():
@@ -104,6 +106,12 @@ class Runtime:
         self.current_step: int | None = None  # the initiator's rollout id, set by its rollout function
         self.outbox = PeerOutbox(self) if peers else None
         self.responder = ResponderState()
+
+    def samples_per_episode(self) -> int | None:
+        """How many samples each episode returns to this job's trainer (None: it varies)."""
+        if self.fan_out is None:
+            return None
+        return sum(n for agent, n in self.fan_out.items() if self.trains_here(agent))
 
     def load_tokenizers(self) -> None:
         """Load the agents' tokenizers a responder's Runtime skipped (blocking; before episodes run
@@ -175,7 +183,7 @@ class Runtime:
 
 
 def build_runtime(args: Any, tokenizers: bool = True) -> Runtime:
-    raw, source = raw_settings_from_args(args)
+    raw, source, base = raw_settings_from_args(args)
     plugins = raw.get("plugins", []) if isinstance(raw, dict) else []
     if not isinstance(plugins, list):
         raise ConfigError(f"{source}: mrlx.plugins: expected a list of module names, got {plugins!r}")
@@ -191,7 +199,27 @@ def build_runtime(args: Any, tokenizers: bool = True) -> Runtime:
             f"{source}: --partial-rollout resumes one half-generated sample, but a multi-agent episode is many "
             "samples; remove --partial-rollout (aborted episodes are returned as ABORTED samples instead)"
         )
-    return Runtime(args, settings, pm, source, tokenizers=tokenizers)
+    runtime = Runtime(args, settings, pm, source, base, tokenizers=tokenizers)
+    check_rollout_mode(args, runtime)
+    check_step_split(args, runtime.samples_per_episode(), settings.system, source)
+    return runtime
+
+
+def declared_fan_out(system: SystemFn, settings: Settings, source: str) -> dict[str, int] | None:
+    """The samples per episode and agent that `system` declares through its `fan_out(settings)`
+    attribute (see hookspecs.mrlx_register_systems), or None for a system that declares none."""
+    declare = getattr(system, "fan_out", None)
+    if declare is None:
+        return None
+    counts = declare(settings)
+    if not isinstance(counts, dict) or not all(
+        a in settings.agents and isinstance(n, int) and n >= 0 for a, n in counts.items()
+    ):
+        raise ConfigError(
+            f"{source}: system {settings.system!r}: fan_out(settings) returned {counts!r}; expected a mapping of "
+            f"configured agents ({', '.join(settings.agents)}) to sample counts"
+        )
+    return counts
 
 
 # One Runtime per host args object. `argparse.Namespace` is unhashable, so the cache is keyed by

@@ -145,8 +145,35 @@ def test_base64_config_as_miles_passes_it(tmp_path):
     from mrlx_plugin.config import raw_settings_from_args
 
     payload = base64.b64encode(b"mrlx: {run_id: inline-run}\n").decode()
-    raw, source = raw_settings_from_args(argparse.Namespace(custom_config_path="base64:" + payload))
+    raw, source, base = raw_settings_from_args(argparse.Namespace(custom_config_path="base64:" + payload))
     assert raw == {"run_id": "inline-run"}
+    assert base is None and "base64:" in source and payload not in source
+
+
+def test_inline_config_longer_than_a_file_name_builds_a_runtime(tiny_tokenizer_dir):
+    """Miles sets the inline YAML's keys on args and keeps `base64:...` in custom_config_path; a
+    payload longer than a file name once crashed the runtime (it was probed as a path)."""
+    import base64
+
+    import yaml
+
+    text = "mrlx:\n  system: dialogue\n  agents:\n" + "".join(
+        f"    agent_{i}: {{url: self, system_prompt: 'You are agent number {i} of a long team.'}}\n" for i in range(8)
+    )
+    assert len(text) > 400
+    args = argparse.Namespace(custom_config_path="base64:" + base64.b64encode(text.encode()).decode(),
+                              mrlx=yaml.safe_load(text)["mrlx"], hf_checkpoint=str(tiny_tokenizer_dir),
+                              sglang_router_ip="127.0.0.1", sglang_router_port=9)
+    runtime = build_runtime(args)
+    assert runtime.system_prompts["agent_3"] == "You are agent number 3 of a long team."
+    assert runtime.source == "--custom-config-path base64:..."
+
+
+def test_broken_inline_config_is_one_message():
+    from mrlx_plugin.config import raw_settings_from_args
+
+    with pytest.raises(ConfigError, match=r"base64:\.\.\.: the payload is not base64"):
+        raw_settings_from_args(argparse.Namespace(custom_config_path="base64:not base64 at all!"))
 
 
 def test_two_agents_with_one_name_are_refused_not_merged(tmp_path):

@@ -198,7 +198,9 @@ def test_engine_faults_become_aborted_samples(mode, stub_engine, tiny_model_dir)
         return out
 
     out = asyncio.run(run())
-    assert out, "an aborted episode still returns its samples"
+    # The fan-out is fixed (2 solvers, 2 rewriters, a selector) whether the episode finished or
+    # not: a step's sample count must split evenly across the host's data-parallel ranks.
+    assert len(out) == 2 * 2 + 1, "an aborted episode returns as many samples as a finished one"
     for s in out:
         assert s.status == Status.ABORTED and s.reward == 0.0 and s.remove_sample
         assert set(s.loss_mask) == {0} and len(s.loss_mask) == s.response_length
@@ -206,6 +208,31 @@ def test_engine_faults_become_aborted_samples(mode, stub_engine, tiny_model_dir)
     meta = out[0].metadata["mrlx"]
     assert meta["aborted"] and meta["aborted_turns"] >= 1
     assert compute_metrics(out)["multi_agent/aborted_episodes"] == 1
+
+
+def test_an_episode_that_stops_early_still_returns_its_fixed_fan_out(tiny_model_dir, logs_dir):
+    """Solvers that give no answer end the episode before the rewriters speak: the rewriter and
+    selector samples are ABORTED fillers (reward 0.0, zero mask), in those agents' token space."""
+    from mrlx_plugin.local.processes import start_stub_engine
+
+    stub = start_stub_engine(log_dir=logs_dir, name="stub-silent", extra=["--text", ""])
+    try:
+        async def run():
+            args = slime_args(stub.url, str(tiny_model_dir), _stub_args(stub))
+            out = await generate(args, group(0, 1)[0], params(args))
+            await _close(args)
+            return out
+
+        out = asyncio.run(run())
+    finally:
+        stub.stop()
+    agents = [s.metadata["mrlx"]["agent"] for s in out]
+    assert agents == ["solver", "solver", "rewriter", "rewriter", "selector"]
+    assert [s.status for s in out[:2]] == [Status.COMPLETED] * 2
+    for s in out[2:]:
+        assert s.status == Status.ABORTED and s.reward == 0.0 and s.remove_sample
+        assert set(s.loss_mask) == {0} and len(s.loss_mask) == s.response_length >= 1
+    assert len({s.rollout_id for s in out}) == 1 and out[0].metadata["mrlx"]["episode"]["stopped_at"] == "solver"
 
 
 def test_a_passing_fault_is_retried_and_counted(stub_engine, tiny_model_dir):

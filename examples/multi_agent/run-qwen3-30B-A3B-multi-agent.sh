@@ -53,8 +53,10 @@ ROLLOUT_ARGS=(
   --rollout-max-response-len 8192
   --rollout-temperature 1
 
-  # Each input yields up to 2*num_parallel+1 samples sharing one rollout id; the global batch
-  # counts rollout ids, so 32 prompts x 8 samples = 256 episodes per step.
+  # Each input yields exactly 2*num_parallel+1 samples sharing one rollout id (ABORTED fillers
+  # for an episode that ends early); the global batch counts rollout ids, so 32 prompts x 8
+  # samples = 256 episodes (2,816 samples) per step. The dynamic micro-batches below split any
+  # such step; with fixed ones (--micro-batch-size) the plugin checks at start-up that it splits.
   --global-batch-size 256
   --balance-data
 )

@@ -18,6 +18,7 @@ from typing import Any
 
 from ..host import RolloutFnEvalOutput, RolloutFnTrainOutput, Sample, Status, run_in_host_loop
 from ..hostargs import sampling_params
+from ..runtime import cached_runtime
 
 
 class LocalDataSource:
@@ -109,4 +110,27 @@ def default_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: bo
         }})
     groups = data_source.get_samples(args.rollout_batch_size)
     results = run_in_host_loop(_generate_groups(args, groups, evaluation=False))
+    runtime = cached_runtime(args)
+    check_like_host(results, fixed_fan_out=runtime is not None and runtime.fan_out is not None)
     return RolloutFnTrainOutput(samples=results, metrics={})
+
+
+def check_like_host(groups: list[list[Any]], fixed_fan_out: bool) -> None:
+    """The invariants the hosts enforce on a training rollout, enforced here too so that the CPU
+    runs fail where a GPU job would: the samples of one generate call share one non-None rollout
+    id (slime asserts it before the split), and every call returns the same number of samples
+    when the system declares a fixed fan-out (with fixed micro-batches a step's count must split
+    evenly across data-parallel ranks, so a count that varies with aborts breaks the host's split)."""
+    sizes = set()
+    for group in groups:
+        for result in group:
+            if not isinstance(result, list):
+                sizes.add(1)
+                continue
+            ids = {getattr(s, "rollout_id", None) for s in result}
+            assert len(ids) == 1 and None not in ids, f"siblings of one generate call must share a rollout_id; got {ids}"
+            sizes.add(len(result))
+    assert not fixed_fan_out or len(sizes) <= 1, (
+        f"generate calls of one step returned different sample counts {sorted(sizes)}; the host's static "
+        "micro-batch split needs every episode to return the same number"
+    )

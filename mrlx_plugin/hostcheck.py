@@ -1,0 +1,159 @@
+"""Start-up checks of the host's flags against what the plugin will hand it.
+
+Two things stop a real job long after it started (after model loading, after the first
+rollout) unless they are caught when the plugin is first called:
+
+- The data-parallel split. slime and Miles cut each step into micro-batches and give every
+  data-parallel rank the same number of them. With fixed micro-batches (no
+  `--use-dynamic-batch-size`) a step of S samples makes ceil(S / micro_batch_size) of them, and
+  that count must be a multiple of dp_size (times the micro-batch group under virtual pipeline
+  parallelism), or the host's split raises. A step holds `global_batch_size` episodes (the host
+  counts rollout ids) times the samples each episode returns, so the check needs the system's
+  fan-out. A system whose fan-out varies by design needs the dynamic path.
+- The rollout mode. A multi-model job must run the plugin's `initiator_rollout` or
+  `responder_rollout`; a fully asynchronous host rollout cannot be combined with either.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from .config import ConfigError
+
+
+@dataclass(frozen=True)
+class HostSplit:
+    """How the host will split a step, read from its flags."""
+
+    episodes_per_step: int  # global_batch_size: rollout ids per optimizer step
+    dp_size: int
+    mb_group: int  # micro-batch group per virtual-pipeline stage (1 without virtual pipeline)
+    micro_batch_size: int | None  # None on the dynamic path
+    dynamic: bool
+
+    @property
+    def align(self) -> int:
+        """A step's micro-batch count must be a multiple of this."""
+        return self.dp_size * self.mb_group
+
+    def fits(self, samples: int) -> bool:
+        if samples < self.align:
+            return False
+        if self.dynamic:  # the host splits bins until the count aligns
+            return True
+        return math.ceil(samples / self.micro_batch_size) % self.align == 0
+
+
+def _int(args: Any, name: str, default: int | None = None) -> int | None:
+    value = getattr(args, name, None)
+    return default if value is None else int(value)
+
+
+def host_split(args: Any) -> HostSplit | None:
+    """The host's split settings, or None when `args` carries no trainer batch flags (the CLI,
+    the embedded trainer: nothing splits there)."""
+    dynamic = bool(getattr(args, "use_dynamic_batch_size", False))
+    mbs = _int(args, "micro_batch_size")
+    if not dynamic and mbs is None:
+        return None
+    episodes = _int(args, "global_batch_size")
+    if episodes is None:
+        per_rollout = _int(args, "rollout_batch_size", 0) * _int(args, "n_samples_per_prompt", 1)
+        episodes = per_rollout // (_int(args, "num_steps_per_rollout") or 1)
+    dp = _int(args, "data_parallel_size")
+    if dp is None:
+        world = _int(args, "world_size") or _int(args, "actor_num_nodes", 1) * _int(args, "actor_num_gpus_per_node", 1)
+        model_parallel = (_int(args, "tensor_model_parallel_size", 1) * _int(args, "pipeline_model_parallel_size", 1)
+                          * _int(args, "context_parallel_size", 1))
+        dp = max(1, world // max(1, model_parallel))
+    vpp = _int(args, "virtual_pipeline_model_parallel_size", 1)
+    group = _int(args, "microbatch_group_size_per_vp_stage") or _int(args, "pipeline_model_parallel_size", 1)
+    return HostSplit(episodes, dp, group if vpp > 1 else 1, None if dynamic else mbs, dynamic)
+
+
+_DP = ("the data-parallel size: --actor-num-nodes x --actor-num-gpus-per-node / (--tensor-model-parallel-size x "
+       "--pipeline-model-parallel-size x --context-parallel-size)")
+_DYNAMIC = "--use-dynamic-batch-size --max-tokens-per-gpu N"
+
+
+def check_step_split(args: Any, per_episode: int | None, system: str, source: str) -> None:
+    """Refuse host batch settings under which a step of this job could not be split.
+
+    `per_episode` is how many samples each episode returns to this job (None: it varies)."""
+    split = host_split(args)
+    if split is None:
+        return
+    if per_episode is None:
+        if not split.dynamic:
+            raise ConfigError(
+                f"{source}: system {system!r} returns a varying number of samples per episode (it declares no "
+                f"fan_out), so a step's sample count is arbitrary and the host's fixed micro-batches "
+                f"(--micro-batch-size {split.micro_batch_size}) cannot split it across {split.dp_size} data-parallel "
+                f"ranks; pass {_DYNAMIC}, or give the system a fixed fan_out"
+            )
+        return
+    samples = split.episodes_per_step * per_episode
+    if split.fits(samples):
+        return
+    group = f" x the micro-batch group ({split.mb_group}, --microbatch-group-size-per-vp-stage)" if split.mb_group > 1 else ""
+    head = (
+        f"{source}: the host could not split this job's steps across its data-parallel ranks. Each episode of "
+        f"system {system!r} returns {per_episode} sample(s) to this job, so a step of {split.episodes_per_step} "
+        f"episodes (--global-batch-size, or --rollout-batch-size x --n-samples-per-prompt / --num-steps-per-rollout) "
+        f"holds {samples} samples"
+    )
+    if split.dynamic:
+        raise ConfigError(
+            f"{head}, fewer than the {split.align} micro-batches the split needs ({_DP}{group}); "
+            "train more episodes per step or use fewer data-parallel ranks"
+        )
+    count = math.ceil(samples / split.micro_batch_size)
+    sizes = [m for m in range(1, samples + 1) if math.ceil(samples / m) % split.align == 0]
+    hint = f"--micro-batch-size {' or '.join(str(m) for m in sizes[-3:])}" if sizes else ""
+    unit = split.align * split.micro_batch_size // math.gcd(split.align * split.micro_batch_size, per_episode)
+    raise ConfigError(
+        f"{head}; with --micro-batch-size {split.micro_batch_size} that is {count} micro-batches, not a multiple "
+        f"of {split.align} ({_DP}{group}), and the host's split would stop the job at its first step. "
+        f"Pass {_DYNAMIC} (any count splits), or sizes that divide: "
+        + (f"{hint}, or " if hint else "")
+        + f"a step of a multiple of {unit} episodes"
+    )
+
+
+def check_rollout_mode(args: Any, runtime: Any) -> None:
+    """Refuse host rollout modes a multi-model job cannot run under."""
+    peers = runtime.peer_agents()
+    if not peers:
+        return  # a shared-model job: every host mode calls `generate` per sample, which is all it needs
+    what = f"{runtime.source}: agent {peers[0]!r} is trained by another job (a multi-model run)"
+    if getattr(args, "fully_async", False):
+        raise ConfigError(
+            f"{what}, which needs --rollout-function-path mrlx_plugin.rollout.initiator_rollout (or responder_rollout); "
+            "Miles' --fully-async selects its own rollout function and cannot be combined with it: remove --fully-async"
+        )
+    if not hasattr(args, "rollout_function_path"):
+        return  # no host rollout loop (the `mrlx rollout` command runs episodes itself)
+    from .rollout import initiator_rollout, responder_rollout
+
+    path = args.rollout_function_path
+    fn = _load(path) if path else None
+    if fn is not initiator_rollout and fn is not responder_rollout:
+        extra = (" slime's fully asynchronous rollout cannot run a multi-model job;"
+                 if path and "fully_async" in str(path) else "")
+        raise ConfigError(
+            f"{what}, but --rollout-function-path is {path or 'the host default'!s}.{extra} Set "
+            "--rollout-function-path mrlx_plugin.rollout.initiator_rollout in the job that runs the episodes and "
+            "mrlx_plugin.rollout.responder_rollout in each other agent's job"
+        )
+
+
+def _load(path: str) -> Any:
+    import importlib
+
+    module, _, attr = str(path).rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), attr, None)
+    except ImportError:
+        return None
