@@ -102,7 +102,7 @@ def copy_sample(sample: Any, **changes: Any) -> Any:
     no list is shared between siblings.
     """
     # Built from the fields slime's and Miles' Sample share; the rest are set as attributes
-    # (Miles' Sample has no `rollout_id` field, and a dataclass takes extra attributes).
+    # (older Miles releases have no `rollout_id` field; a dataclass takes it as an attribute).
     new = Sample(
         group_index=sample.group_index,
         index=sample.index,

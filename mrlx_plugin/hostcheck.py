@@ -11,7 +11,8 @@ rollout) unless they are caught when the plugin is first called:
   counts rollout ids) times the samples each episode returns, so the check needs the system's
   fan-out. A system whose fan-out varies by design needs the dynamic path.
 - The rollout mode. A multi-model job must run the plugin's `initiator_rollout` or
-  `responder_rollout`; a fully asynchronous host rollout cannot be combined with either.
+  `responder_rollout`; Miles' `--fully-async` cannot be combined with either; slime's fully
+  asynchronous rollout and its top-p training path cannot take mrlx episodes at all.
 """
 
 from __future__ import annotations
@@ -123,10 +124,27 @@ def check_step_split(args: Any, per_episode: int | None, system: str, source: st
 
 
 def check_rollout_mode(args: Any, runtime: Any) -> None:
-    """Refuse host rollout modes a multi-model job cannot run under."""
+    """Refuse host rollout modes the plugin cannot run under (README: "Host modes")."""
+    from .host import HOST
+
+    path = getattr(args, "rollout_function_path", None)
+    if HOST == "slime" and path and str(path).endswith("fully_async_rollout.generate_rollout_fully_async"):
+        # It orders finished groups by `getattr(item, "index")`, which for a list is the list's
+        # own method: every generate function that returns several samples fails there.
+        raise ConfigError(
+            f"{runtime.source}: --rollout-function-path {path}: slime's fully asynchronous rollout cannot take "
+            "generate functions that return several samples per input (it sorts groups by sample.index and fails "
+            "on lists; THUDM/slime#2344), and every mrlx episode does; use slime's default rollout"
+        )
+    if HOST == "slime" and float(getattr(args, "rollout_top_p", 1.0) or 1.0) != 1.0:
+        raise ConfigError(
+            f"{runtime.source}: --rollout-top-p {args.rollout_top_p}: with top-p below 1 slime's training expects the "
+            "sampled top-p token sets on every sample (rollout_top_p_token_ids), which mrlx episodes do not record; "
+            "remove --rollout-top-p (an agent's own mrlx.agents.NAME.sampling.top_p is sent to its engine only)"
+        )
     peers = runtime.peer_agents()
     if not peers:
-        return  # a shared-model job: every host mode calls `generate` per sample, which is all it needs
+        return  # a shared-model job: the host's rollout calls `generate` per sample, which is all it needs
     what = f"{runtime.source}: agent {peers[0]!r} is trained by another job (a multi-model run)"
     if getattr(args, "fully_async", False):
         raise ConfigError(
@@ -137,13 +155,10 @@ def check_rollout_mode(args: Any, runtime: Any) -> None:
         return  # no host rollout loop (the `mrlx rollout` command runs episodes itself)
     from .rollout import initiator_rollout, responder_rollout
 
-    path = args.rollout_function_path
     fn = _load(path) if path else None
     if fn is not initiator_rollout and fn is not responder_rollout:
-        extra = (" slime's fully asynchronous rollout cannot run a multi-model job;"
-                 if path and "fully_async" in str(path) else "")
         raise ConfigError(
-            f"{what}, but --rollout-function-path is {path or 'the host default'!s}.{extra} Set "
+            f"{what}, but --rollout-function-path is {path or 'the host default'!s}. Set "
             "--rollout-function-path mrlx_plugin.rollout.initiator_rollout in the job that runs the episodes and "
             "mrlx_plugin.rollout.responder_rollout in each other agent's job"
         )

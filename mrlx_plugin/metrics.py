@@ -14,6 +14,7 @@ token counts, aborted/retried turns, ...), so the metrics are computed from the 
 | `multi_agent/team_reward` | mean grade of the team's final answer |
 | `multi_agent/invalid_selection_rate` | pipeline episodes whose selector named no valid rewrite |
 | `multi_agent/aborted_episodes`, `multi_agent/aborted_turns` | engine faults and aborts |
+| `multi_agent/malformed_answers` | episodes ended by an engine answer no one may train on |
 | `multi_agent/retried_turns` | turns that needed a retry (engine fault or peer abort) |
 | `loss_mask/role_split/<agent>` | share of all trainable tokens that belong to the agent |
 | `samples/<agent>` | samples of the agent in the rollout |
@@ -72,6 +73,9 @@ def compute_metrics(samples: list[Any]) -> dict[str, float]:
         out["multi_agent/aborted_episodes"] = float(sum(bool(e.get("aborted")) for e in eps))
         out["multi_agent/aborted_turns"] = float(sum(e.get("aborted_turns", 0) for e in eps))
         out["multi_agent/retried_turns"] = float(sum(e.get("retried_turns", 0) for e in eps))
+        out["multi_agent/malformed_answers"] = float(
+            sum(bool((e.get("episode") or {}).get("malformed_answer")) for e in eps)
+        )
         finished = [e for e in eps if not e.get("aborted")]
         if finished:
             out["multi_agent/team_reward"] = sum(float(e.get("team_reward") or 0.0) for e in finished) / len(finished)
@@ -101,14 +105,14 @@ def log_rollout(rollout_id: int, args: Any, samples: list[Any], rollout_extra_me
 def log_eval_rollout(rollout_id: int, args: Any, data: dict, extra_metrics: dict | None) -> bool:
     """`--custom-eval-rollout-log-function-path`: per-dataset multi-agent metrics under `eval/<name>/`.
 
-    Miles passes no extra-metrics dict for evaluation (None), and both hosts replace an empty
-    one with a new dict, so unless the host passed a non-empty dict the metrics are logged here,
-    on the host's `eval/step`."""
+    Both hosts log the eval output's `metrics` after this returns, and their own rollouts leave
+    it None: then there is no dict to merge into, and the metrics are logged here, on the host's
+    `eval/step`."""
     metrics: dict[str, float] = {}
     for name, entry in (data or {}).items():
         for key, value in compute_metrics(entry.get("samples") or []).items():
             metrics[f"eval/{name}/{key}"] = value
-    if extra_metrics:
+    if isinstance(extra_metrics, dict):
         extra_metrics.update(metrics)
     elif metrics:
         log_through_host(args, metrics, rollout_id, evaluation=True)

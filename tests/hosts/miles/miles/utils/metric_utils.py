@@ -1,0 +1,11 @@
+"""Stands in for `miles.utils.metric_utils` (the step axis of rollout and eval metrics)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def compute_rollout_step(args: Any, rollout_id: int) -> int:
+    if getattr(args, "wandb_always_use_train_step", False):
+        return rollout_id * args.rollout_batch_size * args.n_samples_per_prompt // args.global_batch_size
+    return rollout_id

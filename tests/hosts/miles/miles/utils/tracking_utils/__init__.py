@@ -1,0 +1,1 @@
+"""Stands in for `miles.utils.tracking_utils` (the package of Miles' metric backends)."""

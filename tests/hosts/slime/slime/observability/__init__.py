@@ -1,0 +1,1 @@
+"""Fake of slime.observability (see the package docstring)."""

@@ -1,0 +1,1 @@
+"""Fake of slime.ray (see the package docstring)."""

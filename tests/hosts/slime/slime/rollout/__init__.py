@@ -1,0 +1,1 @@
+"""Fake of slime.rollout (see the package docstring)."""

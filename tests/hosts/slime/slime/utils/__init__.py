@@ -1,0 +1,1 @@
+"""Fake of slime.utils (see the package docstring)."""
