@@ -158,6 +158,12 @@ def http(
         return exc.code, dict(exc.headers), exc.read()
 
 
+def waits_in_progress(coord: CoordinatorProcess, kind: str) -> float:
+    """Long polls of `kind` ("version", "lease") the coordinator is holding now (its /metrics)."""
+    text = coord.http("GET", "/metrics")[2].decode()
+    prefix = f'mrlx_coordinator_waits_in_progress{{kind="{kind}"}} '
+    return sum(float(line[len(prefix) :]) for line in text.splitlines() if line.startswith(prefix))
+
 
 def error_of(body: bytes) -> str:
     return json.loads(body)["error"]

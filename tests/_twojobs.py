@@ -10,10 +10,11 @@ import json
 import os
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from _wait import wait_until
 
 from mrlx_plugin.local.processes import ManagedProcess, start_engine, start_service
 from mrlx_plugin.netutil import free_port
@@ -107,12 +108,10 @@ mrlx:
         with urllib.request.urlopen(req, timeout=5) as resp:
             return json.loads(resp.read())
 
-    def wait_until(self, predicate, timeout: float = 120, every: float = 0.05) -> None:
-        deadline = time.monotonic() + timeout
-        while not predicate():
-            if time.monotonic() > deadline:
-                raise TimeoutError("condition not reached; logs:\n" + self.log("a") + "\n---\n" + self.log("b"))
-            time.sleep(every)
+    def wait_until(self, predicate, timeout: float = 120, every: float = 0.05,
+                   what: str | None = None) -> Any:
+        return wait_until(predicate, timeout, every=every, what=what,
+                          details=lambda: "logs:\n" + self.log("a") + "\n---\n" + self.log("b"))
 
     def stop(self) -> None:
         for job in self.jobs.values():

@@ -9,7 +9,8 @@ import time
 
 import numpy as np
 import pytest
-from _coord_procs import CoordinatorProcess, error_of, make_items
+from _coord_procs import CoordinatorProcess, error_of, make_items, waits_in_progress
+from _wait import async_wait_until
 
 from mrlx_plugin.coordinator.client import CoordinatorClient, CoordinatorError, CoordinatorWaitTimeout
 from mrlx_plugin.coordinator.wire import CONTENT_TYPE, QueueItem, encode_items, sample_from_item
@@ -118,10 +119,12 @@ def test_lease_expiry_redelivers_whole_groups_and_ack_stops_it(start_coordinator
     async def scenario():
         producer, consumer = clients(coord)
         await producer.commit("patient", make_items(3, "g0"))
-        first = await consumer.lease(10, lease_s=0.3, wait_s=0)
+        # Long enough that the next call comes before it expires however loaded the machine; the
+        # long poll after it returns as soon as it has expired.
+        first = await consumer.lease(10, lease_s=2.0, wait_s=0)
         assert [len(g) for g in first.groups] == [3]
         assert (await consumer.lease(10, 60, 0)).groups == []  # still leased
-        second = await consumer.lease(10, lease_s=60, wait_s=5)  # wakes when the first lease expires
+        second = await consumer.lease(10, lease_s=60, wait_s=30)  # wakes when the first lease expires
         assert [[i.key for i in g] for g in second.groups] == [["ep0:patient", "ep1:patient", "ep2:patient"]]
         assert second.group_info[0]["redelivered"] is True
         with pytest.raises(CoordinatorError) as stale:
@@ -144,6 +147,8 @@ def test_extend_keeps_a_lease(start_coordinator):
         await producer.commit("patient", make_items(1, "g0"))
         lease = await consumer.lease(1, lease_s=0.4, wait_s=0)
         assert await consumer.extend(lease.lease_id, 60) > 50
+        # Past the lease's first expiry however slow the machine (it was granted before this
+        # sleep began); the extended one is 60 s away.
         await asyncio.sleep(0.6)
         assert (await consumer.lease(1, 60, 0)).groups == []  # not redelivered: the lease was kept
         await consumer.ack(lease.lease_id)
@@ -326,7 +331,9 @@ def test_sigkill_and_restart_loses_nothing(start_coordinator):
         acked = await consumer.lease(1, 60, 0)
         assert [g[0].group for g in acked.groups] == ["A"]
         await consumer.ack(acked.lease_id)
-        held = await consumer.lease(1, lease_s=1.5, wait_s=0)
+        # Outlives the SIGKILL and the restart below (seconds on a loaded machine): B must still
+        # be leased when the restarted coordinator is first asked.
+        held = await consumer.lease(1, lease_s=5.0, wait_s=0)
         assert [g[0].group for g in held.groups] == ["B"]
         await producer.close()
         await consumer.close()
@@ -342,7 +349,7 @@ def test_sigkill_and_restart_loses_nothing(start_coordinator):
         assert (await producer.commit("patient", make_items(2, "A"))).duplicates == 2  # acked keys remembered
         now = await consumer.lease(10, 60, 0)
         assert [g[0].group for g in now.groups] == ["C"]  # A is acked, B is still leased
-        later = await consumer.lease(10, 60, wait_s=5)  # B's lease expires (wall clock, kept in the file)
+        later = await consumer.lease(10, 60, wait_s=30)  # B's lease expires (wall clock, kept in the file)
         assert [[i.key for i in g] for g in later.groups] == [[i.key for i in held]]
         assert later.groups[0][0].tokens == held[0].tokens
         await consumer.ack(now.lease_id)
@@ -361,7 +368,8 @@ def test_wait_version_wakes_on_report_and_times_out_naming_the_agent(start_coord
         producer, consumer = clients(coord)
         await producer.report_version(1)
         waiter = asyncio.ensure_future(consumer.wait_version("doctor", 2, deadline_s=30))
-        await asyncio.sleep(0.2)
+        await async_wait_until(lambda: waits_in_progress(coord, "version") >= 1, 30,
+                               what="the waiter's long poll at the coordinator")
         assert not waiter.done()
         assert await producer.report_version(2) == 2
         assert await asyncio.wait_for(waiter, 10) == 2

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 
+import aiohttp
 import pytest
-from _coord_procs import CoordinatorProcess, make_items
+from _coord_procs import CoordinatorProcess, make_items, waits_in_progress
+from _wait import async_wait_until
 
 from mrlx_plugin.coordinator.client import (
     CoordinatorClient,
@@ -37,6 +40,21 @@ def requests_seen(coord: CoordinatorProcess, endpoint: str, status: int) -> int:
     return sum(int(float(line[len(prefix) :])) for line in text.splitlines() if line.startswith(prefix))
 
 
+def attempts_of(c: CoordinatorClient) -> Callable[[], int]:
+    """How many HTTP requests `c` has started so far (each attempt of a call takes the session
+    once): to wait until a call has really met a dead coordinator."""
+    count = 0
+    session = c._session
+
+    def counted() -> aiohttp.ClientSession:
+        nonlocal count
+        count += 1
+        return session()
+
+    c._session = counted  # type: ignore[method-assign]
+    return lambda: count
+
+
 def test_commit_during_downtime_succeeds_once_the_coordinator_is_back(coord):
     coord.start()
     coord.kill()
@@ -44,8 +62,11 @@ def test_commit_during_downtime_succeeds_once_the_coordinator_is_back(coord):
     async def scenario():
         producer = client(coord, "doctor")
         consumer = client(coord, "patient")
+        attempts = attempts_of(producer)
         commit = asyncio.ensure_future(producer.commit("patient", make_items(3, "g0"), deadline_s=60))
-        await asyncio.sleep(1.0)
+        # a second attempt starts only once the first has failed against the dead address
+        await async_wait_until(lambda: attempts() >= 2, 30,
+                               what="the commit retrying against the dead address")
         assert not commit.done()  # still retrying against the dead address
         await asyncio.get_running_loop().run_in_executor(None, lambda: coord.start(same_port=True))
         result = await asyncio.wait_for(commit, 60)
@@ -65,10 +86,16 @@ def test_wait_version_rides_out_a_restart(coord):
         producer = client(coord, "doctor")
         consumer = client(coord, "patient")
         await producer.report_version(1)
+        attempts = attempts_of(consumer)
         waiter = asyncio.ensure_future(consumer.wait_version("doctor", 2, deadline_s=60, poll_s=1.0))
-        await asyncio.sleep(0.3)
+        await async_wait_until(lambda: waits_in_progress(coord, "version") >= 1, 30,
+                               what="the waiter's long poll at the coordinator")
         await asyncio.get_running_loop().run_in_executor(None, coord.kill)
-        await asyncio.sleep(0.5)
+        # Every attempt started from now on meets the dead address; a second one starts only
+        # once the first has failed there.
+        before = attempts()
+        await async_wait_until(lambda: attempts() >= before + 2, 30,
+                               what="the waiter retrying against the dead coordinator")
         await asyncio.get_running_loop().run_in_executor(None, lambda: coord.start(same_port=True))
         assert not waiter.done()
         await producer.report_version(2)
@@ -90,7 +117,8 @@ def test_commit_retries_backpressure_until_the_consumer_acks(tmp_path):
             blocked = asyncio.ensure_future(
                 producer.commit("patient", make_items(2, "g1", start=4), deadline_s=60)
             )
-            await asyncio.sleep(1.5)
+            await async_wait_until(lambda: requests_seen(coord, "commit", 429) >= 1, 30,
+                                   what="a commit refused with 429 (the queue is full)")
             assert not blocked.done()
             assert requests_seen(coord, "commit", 429) >= 1
             lease = await consumer.lease(1, 60, 0)

@@ -13,11 +13,11 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 from _recorder import RecordingProxy
+from _wait import wait_until
 
 from mrlx_plugin.local.model import ensure_model
 from mrlx_plugin.local.processes import start_coordinator, start_engine, start_service
@@ -89,7 +89,18 @@ def test_two_jobs_co_train_through_the_coordinator(two_models, tmp_path, logs_di
                             tmp_path / "job_b.log"))
         jobs.append(trainer(cfg_a, model_a, engine_a.url, "mrlx_plugin.rollout.initiator_rollout", tmp_path / "out_a",
                             tmp_path / "job_a.log"))
-        time.sleep(3.0)
+
+        # Restart it once A has sent B a turn and found the engine down (not after a fixed time:
+        # on a loaded machine A's first turn may come much later).
+        def a_turn_for_b_failed() -> bool:
+            for job, name in zip(jobs, ("b", "a")):
+                if job.poll() is not None:
+                    raise AssertionError(f"job {name} exited ({job.returncode}) before A sent B a turn:\n"
+                                         + (tmp_path / f"job_{name}.log").read_text()[-4000:])
+            return proxy.failed > 0
+
+        wait_until(a_turn_for_b_failed, timeout=180, every=0.1,
+                   what="a turn of A's for B failing at B's dead engine")
         restarted = start_service("engine-b2", [sys.executable, "-m", "mrlx_plugin.local.engine", "--model",
                                                 str(model_b), "--port", str(port_b), "--threads", "1"],
                                   log_dir=tmp_path, port=port_b)

@@ -7,12 +7,17 @@ twice, and nothing waits forever.
 
 from __future__ import annotations
 
-import time
+import socket
 
 import pytest
 from _twojobs import TwoJobs
 
 from mrlx_plugin.local.model import ensure_model
+
+
+def refuses_connections(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) != 0
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +41,11 @@ def test_coordinator_killed_mid_step_and_restarted_loses_and_repeats_nothing(job
     # Kill the coordinator once A has finished its first step, while the next is under way.
     jobs.wait_until(lambda: len(jobs.rows("a", "metrics.jsonl")) >= 1)
     jobs.coordinator.kill()
-    time.sleep(2.0)
+    # Back as soon as the old one is observably gone, not after a fixed downtime: the jobs' calls
+    # meet the dead address while the new process starts, and a downtime that grows with a loaded
+    # machine's slow restart only risks outlasting the retries of the jobs' coordinator calls.
+    jobs.wait_until(lambda: refuses_connections(jobs.coord_port), timeout=30,
+                    what="the killed coordinator's port to refuse connections")
     jobs.coordinator = jobs.start_coordinator()  # same database, same port
     assert jobs.wait("b") == 0, jobs.log("b")
     assert jobs.wait("a") == 0, jobs.log("a")
