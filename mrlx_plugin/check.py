@@ -22,7 +22,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .config import ConfigError, Settings, load_yaml, parse_settings
+from .config import (
+    ConfigError,
+    Settings,
+    config_dir,
+    load_yaml,
+    parse_settings,
+    public_text,
+    read_text_setting,
+)
 from .engine_client import EngineClient, EngineError
 from .plugins import collect_systems, make_plugin_manager
 
@@ -47,7 +55,11 @@ def load_config(path: str) -> Settings:
     raw = data["mrlx"] or {}
     plugins = raw.get("plugins", []) if isinstance(raw, dict) else []
     pm = make_plugin_manager(plugins if isinstance(plugins, list) else [], source=f"{path}: mrlx.plugins")
-    return parse_settings(raw, source=path, known_systems=set(collect_systems(pm)))
+    settings = parse_settings(raw, source=path, known_systems=set(collect_systems(pm)))
+    for name, agent in settings.agents.items():  # a file a setting names must be there (read as the job will)
+        for key in ("system_prompt", "chat_template"):
+            read_text_setting(getattr(agent, key), config_dir(path), key=f"{path}: mrlx.agents.{name}.{key}")
+    return settings
 
 
 async def check_engine(name: str, where: str, url: str, timeout: float, report: Report) -> None:
@@ -56,9 +68,11 @@ async def check_engine(name: str, where: str, url: str, timeout: float, report: 
         await client.get_json("/health", timeout=timeout)
         info = await client.get_json("/get_model_info", timeout=timeout)
         model = info.get("model_path") if isinstance(info, dict) else None
-        report.ok(f"{where}: agent {name!r} at {url} answers" + (f" (model {model})" if model else ""))
+        report.ok(f"{where}: agent {name!r} at {public_text(url)} answers"
+                  + (f" (model {model})" if model else ""))
     except EngineError as exc:
-        report.fail(f"{where}: agent {name!r} at {url} is unreachable: {exc.reason}; start its engines/router first")
+        report.fail(f"{where}: agent {name!r} at {public_text(url)} is unreachable: {exc.reason}; "
+                    "start its engines/router first")
     finally:
         await client.close()
 
@@ -71,14 +85,16 @@ async def check_coordinator(path: str, settings: Settings, timeout: float, repor
     try:
         health = await client.get_json("/health", timeout=timeout)
     except EngineError as exc:
-        report.fail(f"{path}: mrlx.coordinator.url {c.url} is unreachable: {exc.reason}; start it with launch/start_coordinator.sh")
+        report.fail(f"{path}: mrlx.coordinator.url {public_text(c.url)} is unreachable: {exc.reason}; "
+                    "start it with launch/start_coordinator.sh")
         await client.close()
         return
     run = health.get("run_id") if isinstance(health, dict) else None
     if run is not None and run != settings.run_id:
-        report.fail(f"{path}: the coordinator at {c.url} serves run {run!r}, but mrlx.run_id is {settings.run_id!r}")
+        report.fail(f"{path}: the coordinator at {public_text(c.url)} serves run {run!r}, but mrlx.run_id is "
+                    f"{settings.run_id!r}")
     else:
-        report.ok(f"{path}: coordinator at {c.url} answers (run {run})")
+        report.ok(f"{path}: coordinator at {public_text(c.url)} answers (run {run})")
     token = _token(c)
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:

@@ -7,11 +7,17 @@
     mrlx check ...         validate configs and reach every URL before any GPU is used
     mrlx coordinator ...   the coordinator service of a multi-model run
     mrlx bench ...         benchmarks (print a table, write JSON)
+
+A command that starts processes stops them all when it ends: normally, on an exception, and on
+SIGTERM, SIGINT or SIGHUP (each becomes `Stopped`, raised in the main thread, so that every
+`finally` and ExitStack on the way runs); see `mrlx_plugin.local.processes` for what happens
+when it is SIGKILLed.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from collections.abc import Callable
 
@@ -60,6 +66,36 @@ def _bench(argv: list[str]) -> int:
     return main(argv)
 
 
+class Stopped(KeyboardInterrupt):
+    """SIGTERM, SIGINT or SIGHUP arrived: the command unwinds, stopping what it started."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+# These serve until SIGTERM/SIGINT with their own handlers (a graceful shutdown); they start nothing.
+SERVERS = ("engine", "stub-engine", "coordinator")
+
+
+def stop_on_signals() -> None:
+    """Turn SIGTERM, SIGINT and SIGHUP into `Stopped` in the main thread. The first one wins:
+    after it, all three are ignored, so that a second Ctrl-C cannot cut the clean-up short (a
+    SIGKILL still can; the kernel then ends the children, see `local.processes.tied`). A signal
+    this process was started with ignored (nohup, a shell's background job) stays ignored."""
+
+    def handler(signum: int, frame: object) -> None:
+        for s in STOP_SIGNALS:
+            if signal.getsignal(s) is handler:
+                signal.signal(s, signal.SIG_IGN)
+        raise Stopped(signum)
+
+    for s in STOP_SIGNALS:
+        if signal.getsignal(s) is not signal.SIG_IGN:
+            signal.signal(s, handler)
+
+
 COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "engine": (_engine, "serve a small transformers model over the SGLang HTTP protocol (CPU)"),
     "stub-engine": (_stub_engine, "a model-free SGLang-protocol responder for benchmarks and fault tests"),
@@ -91,11 +127,16 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"mrlx: unknown command {name!r}; commands: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
+    if name not in SERVERS:
+        stop_on_signals()
     try:
         return COMMANDS[name][0](rest)
     except ConfigError as exc:
         print(f"mrlx {name}: {exc}", file=sys.stderr)
         return 2
+    except Stopped as exc:
+        print(f"mrlx {name}: stopped by {signal.Signals(exc.signum).name}", file=sys.stderr)
+        return 128 + exc.signum
     except KeyboardInterrupt:
         return 130
 

@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import os
 import re
+import reprlib
 import types
 import typing
 from dataclasses import dataclass, field
@@ -117,6 +118,7 @@ class CoordinatorSettings:
     wait_deadline_s: float = 1800.0
     lease_s: float = 600.0
     request_timeout_s: float = 60.0
+    outage_deadline_s: float = 600.0  # each coordinator call rides out an outage this long, then fails
 
 
 @dataclass
@@ -182,6 +184,41 @@ PIPELINE_AGENTS = ("solver", "rewriter", "selector")
 # ---------------------------------------------------------------------------------------------
 
 
+class EnvValue(str):
+    """A setting's string with `${NAME}` filled in from the environment. It is that string in
+    every use; its repr, and so every message about it, shows what the YAML says (`${NAME}`),
+    never the value, which may be a secret."""
+
+    def __new__(cls, value: str, template: str) -> EnvValue:
+        obj = super().__new__(cls, value)
+        obj.env_template = template
+        return obj
+
+    def __repr__(self) -> str:
+        return repr(self.env_template)
+
+    def __reduce__(self) -> tuple:
+        return (EnvValue, (str(self), self.env_template))
+
+
+def public_text(value: Any) -> str:
+    """`value` as a message may show it: a value from the environment as its `${NAME}` text."""
+    return value.env_template if isinstance(value, EnvValue) else str(value)
+
+
+_SHORT = reprlib.Repr()
+_SHORT.maxstring = _SHORT.maxother = 200
+_SHORT.maxlevel, _SHORT.maxlist, _SHORT.maxdict = 3, 8, 8
+
+
+def _show(value: Any) -> str:
+    """A value in an error message: its repr, cut short (a value can be a whole YAML subtree),
+    and for a value from the environment the variable, not the value."""
+    if isinstance(value, EnvValue):
+        return f"{value!r} (from the environment)"
+    return _SHORT.repr(value)
+
+
 def _type_name(tp: Any) -> str:
     origin = typing.get_origin(tp)
     if origin is Literal:
@@ -208,23 +245,23 @@ def _convert(tp: Any, value: Any, path: str, errors: list[str]) -> Any:
             return _convert(inner[0], value, path, errors)
     if origin is Literal:
         if value not in typing.get_args(tp):
-            errors.append(f"{path}: got {value!r}; expected {_type_name(tp)}")
+            errors.append(f"{path}: got {_show(value)}; expected {_type_name(tp)}")
         return value
     if origin is list:
         if not isinstance(value, list):
-            errors.append(f"{path}: got {type(value).__name__} {value!r}; expected {_type_name(tp)}")
+            errors.append(f"{path}: got {type(value).__name__} {_show(value)}; expected {_type_name(tp)}")
             return []
         (item_tp,) = typing.get_args(tp)
         return [_convert(item_tp, v, f"{path}[{i}]", errors) for i, v in enumerate(value)]
     if origin is dict:
         if not isinstance(value, dict):
-            errors.append(f"{path}: got {type(value).__name__} {value!r}; expected {_type_name(tp)}")
+            errors.append(f"{path}: got {type(value).__name__} {_show(value)}; expected {_type_name(tp)}")
             return {}
         key_tp, val_tp = typing.get_args(tp)
         out = {}
         for k, v in value.items():
             if not isinstance(k, str):
-                errors.append(f"{path}: key {k!r} must be a string")
+                errors.append(f"{path}: key {_show(k)} must be a string")
                 continue
             out[k] = _convert(val_tp, v, f"{path}.{k}", errors)
         return out
@@ -232,14 +269,16 @@ def _convert(tp: Any, value: Any, path: str, errors: list[str]) -> Any:
         if value is None:
             value = {}
         if not isinstance(value, dict):
-            errors.append(f"{path}: got {type(value).__name__} {value!r}; expected a mapping of settings")
+            errors.append(
+                f"{path}: got {type(value).__name__} {_show(value)}; expected a mapping of settings"
+            )
             return tp()
         return _build_dataclass(tp, value, path, errors)
     if tp is Any:
         return value
     if tp is bool:
         if not isinstance(value, bool):
-            errors.append(f"{path}: got {value!r}; expected true or false")
+            errors.append(f"{path}: got {_show(value)}; expected true or false")
         return value
     if tp is float:
         if isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string: take it as the number meant
@@ -248,17 +287,17 @@ def _convert(tp: Any, value: Any, path: str, errors: list[str]) -> Any:
             except ValueError:
                 pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            errors.append(f"{path}: got {type(value).__name__} {value!r}; expected a number")
+            errors.append(f"{path}: got {type(value).__name__} {_show(value)}; expected a number")
             return 0.0
         return float(value)
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            errors.append(f"{path}: got {type(value).__name__} {value!r}; expected an integer")
+            errors.append(f"{path}: got {type(value).__name__} {_show(value)}; expected an integer")
             return 0
         return value
     if tp is str:
         if not isinstance(value, str):
-            errors.append(f"{path}: got {type(value).__name__} {value!r}; expected a string")
+            errors.append(f"{path}: got {type(value).__name__} {_show(value)}; expected a string")
             return str(value)
         return _expand_env(value, path, errors)
     return value
@@ -269,7 +308,8 @@ _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 
 def _expand_env(value: str, path: str, errors: list[str]) -> str:
     """`${NAME}` and `${NAME:-default}` in a string setting, from the environment, so that the
-    addresses of a multi-job run live in one env file (launch/mrlx.env) and nowhere else."""
+    addresses of a multi-job run live in one env file (launch/mrlx.env) and nowhere else. The
+    result is an `EnvValue`: messages show the YAML's text, never what the environment held."""
     if "${" not in value:
         return value
 
@@ -284,7 +324,8 @@ def _expand_env(value: str, path: str, errors: list[str]) -> str:
             return default
         return found
 
-    return _ENV_REF.sub(sub, value)
+    expanded = _ENV_REF.sub(sub, value)
+    return EnvValue(expanded, value) if _ENV_REF.search(value) else expanded
 
 
 def _build_dataclass(cls: type, data: dict, path: str, errors: list[str]) -> Any:
@@ -312,7 +353,7 @@ def _build_dataclass(cls: type, data: dict, path: str, errors: list[str]) -> Any
 
 def _check(settings: Settings, path: str, errors: list[str], known_systems: set[str] | None) -> None:
     if not settings.run_id or not all(c.isalnum() or c in "-_." for c in settings.run_id):
-        errors.append(f"{path}.run_id: got {settings.run_id!r}; use letters, digits, '-', '_' and '.'")
+        errors.append(f"{path}.run_id: got {_show(settings.run_id)}; use letters, digits, '-', '_' and '.'")
     if settings.system == "pipeline" and not settings.agents:
         settings.agents = {name: AgentSettings() for name in PIPELINE_AGENTS}
     if not settings.agents:
@@ -320,7 +361,7 @@ def _check(settings: Settings, path: str, errors: list[str], known_systems: set[
     for name, agent in settings.agents.items():
         apath = f"{path}.agents.{name}"
         if agent.url != "self" and not (agent.url.startswith("http://") or agent.url.startswith("https://")):
-            errors.append(f"{apath}.url: got {agent.url!r}; expected 'self' or an http://host:port URL")
+            errors.append(f"{apath}.url: got {_show(agent.url)}; expected 'self' or an http://host:port URL")
         s = agent.sampling
         if s.max_new_tokens is not None and s.max_new_tokens < 1:
             errors.append(f"{apath}.sampling.max_new_tokens: got {s.max_new_tokens}; expected at least 1")
@@ -334,7 +375,7 @@ def _check(settings: Settings, path: str, errors: list[str], known_systems: set[
             agent.retry_on_abort = agent.url != "self"
     if settings.self_agent is not None and settings.self_agent not in settings.agents:
         errors.append(
-            f"{path}.self: agent {settings.self_agent!r} is not under {path}.agents "
+            f"{path}.self: agent {_show(settings.self_agent)} is not under {path}.agents "
             f"(agents: {', '.join(settings.agents) or 'none'})"
         )
     if settings.system == "pipeline":
@@ -357,10 +398,14 @@ def _check(settings: Settings, path: str, errors: list[str], known_systems: set[
             errors.append(f"{path}.agents: the dialogue system needs at least two agents; got {len(names)}")
         for key, who in (("first", d.first), ("final_answer_agent", d.final_answer_agent)):
             if who is not None and who not in settings.agents:
-                errors.append(f"{path}.dialogue.{key}: {who!r} is not an agent (agents: {', '.join(names)})")
+                errors.append(
+                    f"{path}.dialogue.{key}: {_show(who)} is not an agent (agents: {', '.join(names)})"
+                )
         for i, who in enumerate(d.order or []):
             if who not in settings.agents:
-                errors.append(f"{path}.dialogue.order[{i}]: {who!r} is not an agent (agents: {', '.join(names)})")
+                errors.append(
+                    f"{path}.dialogue.order[{i}]: {_show(who)} is not an agent (agents: {', '.join(names)})"
+                )
         for who in d.stop_patterns:
             if who not in settings.agents:
                 errors.append(f"{path}.dialogue.stop_patterns.{who}: not an agent (agents: {', '.join(names)})")
@@ -401,7 +446,7 @@ def _check(settings: Settings, path: str, errors: list[str], known_systems: set[
     builtin = {"pipeline", "dialogue"}
     if known_systems is not None and settings.system not in known_systems:
         errors.append(
-            f"{path}.system: no agent system named {settings.system!r} is registered "
+            f"{path}.system: no agent system named {_show(settings.system)} is registered "
             f"(known: {', '.join(sorted(known_systems))}); list the module that registers it under {path}.plugins"
         )
     for key in settings.extra:
@@ -427,13 +472,143 @@ def parse_settings(data: Any, source: str = "config", known_systems: set[str] | 
     return settings
 
 
+# A settings file is a few levels deep and a few hundred values long. These limits stop a
+# malicious or broken file before it costs memory or the stack: anchors and aliases can make a
+# few lines stand for billions of values ("billion laughs"), and nesting costs Python frames.
+MAX_YAML_DEPTH = 64  # levels of nesting, counted through aliases
+MAX_YAML_ALIAS_VALUES = 100_000  # values that aliases repeat, over the whole file
+
+
+class YamlLimitError(yaml.YAMLError):
+    """A YAML file past one of the limits above; `load_yaml` turns it into a ConfigError."""
+
+    def __init__(self, path: list[str], node_or_mark: Any, problem: str):
+        super().__init__(problem)
+        self.key = _yaml_path(path)
+        mark = getattr(node_or_mark, "start_mark", node_or_mark)
+        self.line = mark.line + 1 if mark is not None else None
+        self.problem = problem
+
+
+def _yaml_path(segments: list[str]) -> str:
+    shown = segments if len(segments) <= 8 else segments[:8] + ["..."]
+    out = ""
+    for seg in shown:
+        out += seg if seg.startswith("[") or seg == "..." or not out else "." + seg
+    return out or "(the top level)"
+
+
+def _segment(parent: Any, index: Any) -> str:
+    if isinstance(parent, yaml.SequenceNode):
+        return f"[{index}]"
+    if isinstance(index, yaml.ScalarNode):
+        return str(index.value)
+    return "(a key)" if parent is not None else ""
+
+
+def _children(node: Any) -> list[tuple[str, Any, Any]]:
+    """(path segment, child node, the node whose line names the place) of each child: for a
+    mapping's value that is its key, since an alias's node carries the line of its anchor."""
+    if isinstance(node, yaml.SequenceNode):
+        return [(f"[{i}]", child, child) for i, child in enumerate(node.value)]
+    if isinstance(node, yaml.MappingNode):
+        out = []
+        for key, value in node.value:
+            out.append(("(a key)", key, key))
+            out.append((str(key.value) if isinstance(key, yaml.ScalarNode) else "(a key)", value, key))
+        return out
+    return []
+
+
+def _check_expansion(root: Any) -> None:
+    """Refuse a document whose aliases loop, repeat more than MAX_YAML_ALIAS_VALUES values, or
+    nest deeper than MAX_YAML_DEPTH. One pass over the node graph, each node once (aliases share
+    nodes), without recursion."""
+    size: dict[int, int] = {}  # id(node) -> values in it once every alias is written out
+    depth: dict[int, int] = {}
+    parents: dict[int, int] = {}  # id(node) -> how many places refer to it (more than one: aliased)
+    on_stack: set[int] = set()
+    stack = [("", root, iter(_children(root)))]
+    on_stack.add(id(root))
+    while stack:
+        _, node, todo = stack[-1]
+        for seg, child, where in todo:
+            parents[id(child)] = parents.get(id(child), 0) + 1
+            if id(child) in on_stack:
+                raise YamlLimitError([s for s, _, _ in stack[1:]] + [seg], where,
+                                     "an alias refers to a value that contains it (a loop); "
+                                     "write the value out")
+            if id(child) not in size:
+                on_stack.add(id(child))
+                stack.append((seg, child, iter(_children(child))))
+                break
+        else:
+            stack.pop()
+            on_stack.discard(id(node))
+            kids = [child for _, child, _ in _children(node)]
+            size[id(node)] = 1 + sum(size[id(c)] for c in kids)
+            depth[id(node)] = 1 + max((depth[id(c)] for c in kids), default=0)
+
+    def descend(measure: dict[int, int], stop_at_alias: bool) -> tuple[list[str], Any]:
+        """The path into the biggest (or deepest) child, down to the first alias (or the limit),
+        and the last key on it (the line of a node reached through an alias is its anchor's)."""
+        path, node, key = [], root, root
+        while True:
+            kids = _children(node)
+            if not kids:
+                return path, key
+            seg, node, where = max(kids, key=lambda kid: measure[id(kid[1])])
+            path.append(seg)
+            if where is not node:
+                key = where
+            if (stop_at_alias and parents.get(id(node), 0) > 1) or len(path) >= MAX_YAML_DEPTH:
+                return path, key
+
+    if depth[id(root)] > MAX_YAML_DEPTH:
+        path, node = descend(depth, stop_at_alias=False)
+        raise YamlLimitError(path, node, f"nested more than {MAX_YAML_DEPTH} levels deep (aliases included); "
+                                         "settings are a few levels deep: flatten it")
+    repeated = size[id(root)] - len(size)
+    if repeated > MAX_YAML_ALIAS_VALUES:
+        path, node = descend(size, stop_at_alias=True)
+        raise YamlLimitError(path, node, f"the aliases (*name) of this file repeat {repeated:,} values, "
+                                         f"more than the {MAX_YAML_ALIAS_VALUES:,} allowed (a 'billion laughs' "
+                                         "YAML bomb?); write the values out, or nest fewer aliases")
+
+
 class _StrictLoader(yaml.SafeLoader):
     """A YAML loader that refuses a key given twice in one mapping (PyYAML keeps the last one,
-    which would silently drop, say, one of two agents with one name)."""
+    which would silently drop, say, one of two agents with one name), and a document past the
+    limits above (before anything is built from it)."""
+
+    def __init__(self, stream: Any):
+        super().__init__(stream)
+        self._path: list[str] = []
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if parent is not None:
+            self._path.append(_segment(parent, index))
+        try:
+            if len(self._path) > MAX_YAML_DEPTH:
+                raise YamlLimitError(list(self._path), self.peek_event().start_mark,
+                                     f"nested more than {MAX_YAML_DEPTH} levels deep; settings are a few "
+                                     "levels deep: flatten it")
+            return super().compose_node(parent, index)
+        finally:
+            if parent is not None:
+                self._path.pop()
+
+    def get_single_node(self) -> Any:
+        node = super().get_single_node()
+        if node is not None:
+            _check_expansion(node)
+        return node
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         seen: dict[Any, int] = {}
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *defaults`: the base class merges it
+                continue
             key = self.construct_object(key_node, deep=True)
             line = key_node.start_mark.line + 1
             if isinstance(key, (str, int, float, bool)) and key in seen:
@@ -453,6 +628,9 @@ def load_yaml(path: str | os.PathLike) -> dict:
     where = config_label(path)
     try:
         data = yaml.load(text, Loader=_StrictLoader) or {}
+    except YamlLimitError as exc:
+        line = f"line {exc.line}: " if exc.line is not None else ""
+        raise ConfigError(f"{where}: {line}{exc.key}: {exc.problem}") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{where}: not valid YAML: {exc}") from None
     if not isinstance(data, dict):
@@ -529,18 +707,50 @@ def raw_settings_from_args(args: Any) -> tuple[Any, str, Path | None]:
     )
 
 
-def read_text_setting(value: str | None, base: Path | None = None) -> str | None:
-    """A setting that holds either text or a path to a text file (system prompts, chat templates)."""
+_FILE_SUFFIX = re.compile(r"\.[A-Za-z][A-Za-z0-9_-]{0,9}$")
+
+
+def looks_like_a_path(value: str) -> bool:
+    """The rule for settings that hold text or name a file (`system_prompt`, `chat_template`):
+    a value that is one line, with no spaces and no braces, and that contains a '/' or ends in a
+    file suffix (`.txt`, `.md`, `.jinja`, `.tmpl`, ...), names a file, which must exist. Any
+    other value is the text itself: a prompt has spaces, a Jinja template braces."""
+    return (
+        bool(value)
+        and not any(c.isspace() for c in value)
+        and "{" not in value
+        and "}" not in value
+        and ("/" in value or _FILE_SUFFIX.search(value) is not None)
+    )
+
+
+def read_text_setting(value: str | None, base: Path | None = None, key: str = "setting") -> str | None:
+    """A setting that holds either text or the path of a text file (system prompts, chat
+    templates): the file's text when `value` names an existing file, an error naming `key` when
+    it looks like a path (`looks_like_a_path`) but no such file exists, and `value` itself
+    otherwise. A relative path is read from `base`, the YAML file's folder (see `config_dir`),
+    or the working directory when there is none."""
     if value is None:
         return None
-    if "\n" not in value and len(value) < 4096:
-        candidate = Path(value)
-        if base is not None and not candidate.is_absolute():
-            candidate = base / candidate
-        looks_like_a_path = not any(c.isspace() for c in value) and candidate.suffix in (".txt", ".md", ".jinja", ".j2")
-        if looks_like_a_path or candidate.is_file():
-            try:
-                return candidate.read_text()
-            except OSError as exc:
-                raise ConfigError(f"{value}: cannot read ({exc.strerror})") from None
-    return value
+    if "\n" in value or len(value) >= 4096:
+        return value
+    candidate = Path(value).expanduser()
+    if base is not None and not candidate.is_absolute():
+        candidate = base / candidate
+    # The file as a message may name it (a path from the environment stays `${NAME}`).
+    file = _show(value) if isinstance(value, EnvValue) else str(candidate)
+    if candidate.is_file():
+        try:
+            return candidate.read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = getattr(exc, "strerror", None) or "not UTF-8 text"
+            raise ConfigError(f"{key}: cannot read {file} ({reason})") from None
+    if not looks_like_a_path(value):
+        return value
+    where = f"from the YAML's folder, {base}" if base is not None else "from the working directory"
+    problem = "is a folder, not a file" if candidate.exists() else "does not exist"
+    raise ConfigError(
+        f"{key}: {_show(value)} names a file (one line, no spaces or braces, with a '/' or a file suffix), "
+        f"but {file} {problem} (a relative path is read {where}); fix the path, or write the text itself "
+        "(a prompt with spaces, a template with its braces)"
+    )

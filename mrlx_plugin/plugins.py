@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import traceback
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -35,16 +36,11 @@ def make_plugin_manager(modules: list[str], source: str = "mrlx.plugins") -> plu
     for i, name in enumerate(modules):
         where = f"{source}[{i}]"
         if not isinstance(name, str) or not name:
-            raise ConfigError(f"{where}: expected a dotted module name, got {name!r}")
+            shown = repr(name) if len(repr(name)) <= 200 else repr(name)[:200] + "..."
+            raise ConfigError(f"{where}: expected a dotted module name, got {shown}")
         if pm.get_plugin(name) is not None:
             continue
-        try:
-            module = importlib.import_module(name)
-        except ImportError as exc:
-            raise ConfigError(
-                f"{where}: cannot import {name!r} ({exc}); put its repository on PYTHONPATH of the rollout "
-                "process (slime: ray job submit --runtime-env-json '{\"env_vars\": {\"PYTHONPATH\": ...}}')"
-            ) from None
+        module = _import(name, where)
         try:
             pm.register(module, name=name)
         except pluggy.PluginValidationError as exc:
@@ -55,6 +51,38 @@ def make_plugin_manager(modules: list[str], source: str = "mrlx.plugins") -> plu
         known = ", ".join(sorted(n for n in dir(hookspecs) if n.startswith("mrlx_")))
         raise ConfigError(f"{source}: {exc} (known hooks: {known})") from None
     return pm
+
+
+def _import(name: str, where: str) -> Any:
+    """Import a hook module named in the config; any failure is one ConfigError naming the entry,
+    the module and, for an error inside the module, the file and line."""
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        missing = exc.name or ""
+        if not missing or name == missing or name.startswith(missing + "."):  # the module (or its package)
+            raise ConfigError(
+                f"{where}: cannot import {name!r} ({exc}); put its repository on PYTHONPATH of the rollout "
+                "process (slime: ray job submit --runtime-env-json '{\"env_vars\": {\"PYTHONPATH\": ...}}')"
+            ) from None
+        raise ConfigError(
+            f"{where}: importing {name!r} failed{_place(exc)}: it imports {missing!r}, which is not "
+            f"installed ({exc}); install it where the rollout process runs"
+        ) from None
+    except SyntaxError as exc:
+        place = f" ({exc.filename}, line {exc.lineno})" if exc.filename else ""
+        raise ConfigError(f"{where}: {name!r} has a syntax error{place}: {exc.msg}; fix the module") from None
+    except Exception as exc:  # noqa: BLE001 - whatever a user's module raises while it is imported
+        raise ConfigError(
+            f"{where}: importing {name!r} raised {type(exc).__name__}{_place(exc)}: {exc}; fix the module"
+        ) from None
+
+
+def _place(exc: BaseException) -> str:
+    """Where in the user's code an exception was raised (the innermost frame outside importlib)."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if "importlib" not in f.filename and f.filename != __file__]
+    return f" at {frames[-1].filename}, line {frames[-1].lineno}" if frames else ""
 
 
 def collect_systems(pm: pluggy.PluginManager) -> dict[str, SystemFn]:

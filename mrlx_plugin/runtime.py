@@ -92,7 +92,8 @@ class Runtime:
             if client is None:
                 client = by_url[(self.urls[name], key)] = EngineClient(self.urls[name], settings.engine, api_key=key)
             self.clients[name] = client
-            self.system_prompts[name] = read_text_setting(agent.system_prompt, base)
+            self.system_prompts[name] = read_text_setting(agent.system_prompt, base,
+                                                          key=f"{source}: mrlx.agents.{name}.system_prompt")
             if tokenizers:  # a responder job runs no episodes and may not have the others' tokenizers
                 self.tokenizers[name] = self._load_tokenizer(name, agent, base)
         peers = self.peer_agents()
@@ -160,7 +161,8 @@ class Runtime:
                 f"{self.source}: mrlx.agents.{name}.tokenizer: not set and the host gave no --hf-checkpoint; "
                 "give the path of this agent's tokenizer"
             )
-        template = read_text_setting(agent.chat_template, base)
+        template = read_text_setting(agent.chat_template, base,
+                                     key=f"{self.source}: mrlx.agents.{name}.chat_template")
         return load_tokenizer(str(path), template, key_hint=f"{self.source}: mrlx.agents.{name}.tokenizer")
 
     async def aclose(self) -> None:

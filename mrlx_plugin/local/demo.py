@@ -19,6 +19,7 @@ import json
 import os
 import resource
 import secrets
+import shutil
 import subprocess
 import sys
 import time
@@ -42,7 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--warmup-steps", type=int, default=80, help="format-only supervised steps (0: none)")
     p.add_argument("--freeze", choices=[A, B, "A", "B"], default=None, help="never update this agent (baseline)")
-    p.add_argument("--resume", action="store_true", help="continue both agents from their checkpoints in --out")
+    again = p.add_mutually_exclusive_group()  # a run already in --out: continue it, or replace it
+    again.add_argument("--resume", action="store_true", help="continue both agents from their checkpoints in --out")
+    again.add_argument("--overwrite", action="store_true",
+                       help="delete the run already in --out (checkpoints, metrics, logs, models) and start over")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-router", action="store_true", help="talk to the engines directly")
     p.add_argument("--quiet", action="store_true", help="no progress bars or table")
@@ -85,13 +89,52 @@ def _rows(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+# What a run leaves in --out (the models, built from --preset and --seed, come back identical).
+RUN_STATE = (A, B, "coordinator.sqlite", "coordinator.sqlite-wal", "coordinator.sqlite-shm", "logs",
+             "metrics.json", "rewards.png")
+
+
+def _previous_run(out: Path, ns: argparse.Namespace) -> None:
+    """Refuse to start a new run on top of an old one, unless told to continue or to replace it.
+
+    A new run in the same folder would mix both: the trainers append to the old metrics, the
+    coordinator's database holds the old run's queues, and each trainer prunes checkpoints by
+    name, so the old run's later steps would outlive the new run's first one (and `--resume`
+    would then continue the old run). Deleting it unasked could throw away hours of training,
+    so that takes `--overwrite`."""
+    found = [out / name for name in RUN_STATE if (out / name).exists()]
+    if not found or getattr(ns, "resume", False):
+        return
+    if not getattr(ns, "overwrite", False):
+        from ..config import ConfigError
+
+        raise ConfigError(
+            f"--out {out} already holds a run ({found[0]}); pass --resume to continue it, --overwrite to "
+            "delete it and start over, or give another --out"
+        )
+    for path in found + [out / "models"]:
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+
+
 def run_demo(ns: argparse.Namespace) -> dict[str, Any]:
+    from ..config import ConfigError
     from .model import ensure_model
-    from .processes import router_available, start_coordinator, start_engine, start_router
+    from .processes import (
+        popen_tied,
+        router_available,
+        start_coordinator,
+        start_engine,
+        start_router,
+        stop_all,
+    )
     from .tasks import addition_prompts, format_examples
 
     freeze = {"A": A, "B": B}.get(ns.freeze, ns.freeze)
     out = Path(ns.out)
+    _previous_run(out, ns)
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
@@ -99,8 +142,11 @@ def run_demo(ns: argparse.Namespace) -> dict[str, Any]:
     env = dict(os.environ, MRLX_DEMO_TOKEN=token)
 
     # The two models, each built from a config on this machine (never downloaded).
-    models = {A: ensure_model(out / "models" / A, preset=ns.preset, seed=ns.seed),
-              B: ensure_model(out / "models" / B, preset=ns.preset, seed=ns.seed + 1)}
+    try:
+        models = {A: ensure_model(out / "models" / A, preset=ns.preset, seed=ns.seed),
+                  B: ensure_model(out / "models" / B, preset=ns.preset, seed=ns.seed + 1)}
+    except (ValueError, FileExistsError) as exc:  # a model of other settings is there already
+        raise ConfigError(f"--out {out}: {exc} (--preset and --seed must match the run there)") from None
     prompts = addition_prompts(256, seed=ns.seed, max_operand=ns.max_operand)
     prompt_file = out / "prompts.jsonl"
     prompt_file.write_text("".join(json.dumps({"prompt": p, "label": lab}) + "\n" for p, lab in prompts))
@@ -111,19 +157,11 @@ def run_demo(ns: argparse.Namespace) -> dict[str, Any]:
     jobs: dict[str, subprocess.Popen] = {}
     peak_kib: dict[int, int] = {}
     with ExitStack() as stack:
-        def stop_all() -> None:
-            for job in jobs.values():
-                if job.poll() is None:
-                    job.terminate()
-            for job in jobs.values():
-                try:
-                    job.wait(20)
-                except subprocess.TimeoutExpired:
-                    job.kill()
-            for p in reversed(procs):
-                p.stop()
+        def stop_everything() -> None:  # also on an exception or a signal (see mrlx_plugin.cli)
+            stop_all(jobs.values(), timeout=20)  # the trainers first: they use the services
+            stop_all(procs, timeout=10)
 
-        stack.callback(stop_all)
+        stack.callback(stop_everything)
         coordinator = start_coordinator(out / "coordinator.sqlite", "demo", [A, B], log_dir=logs,
                                         token_env="MRLX_DEMO_TOKEN", env={"MRLX_DEMO_TOKEN": token})
         procs.append(coordinator)
@@ -148,8 +186,9 @@ def run_demo(ns: argparse.Namespace) -> dict[str, Any]:
                     "--n-samples-per-prompt", str(ns.samples_per_prompt), "--rollout-max-response-len", "24",
                     "--warmup-data", str(warmup[name]), "--out", str(out / name), "--seed", str(ns.seed)]
             argv += (["--freeze"] if freeze == name else []) + (["--resume"] if ns.resume else [])
-            jobs[name] = subprocess.Popen(argv, stdout=open(logs / f"trainer-{name}.log", "ab"),
-                                          stderr=subprocess.STDOUT, env=env)
+            with open(logs / f"trainer-{name}.log", "ab") as log:
+                jobs[name] = popen_tied(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                        start_new_session=True)
         _follow(ns, out, jobs, procs, peak_kib)
         for name, job in jobs.items():
             if job.returncode != 0:

@@ -4,6 +4,12 @@ Used by the CLI (`mrlx rollout --local`, `mrlx demo`), the benchmarks and the te
 service is its own process on 127.0.0.1, started with `--port 0 --port-file F` so it binds a free
 port and says which, then polled on its health URL until it answers. This is launcher code that
 runs before any event loop; it blocks on purpose.
+
+Every process started here is tied to its starter: on Linux, a process started from the main
+thread is SIGKILLed by the kernel when the starting process dies, however it dies (SIGKILL
+included; `prctl(PR_SET_PDEATHSIG)`, set by a small exec wrapper in the child, see `tied`). A
+clean stop is still the starter's job (`ManagedProcess.stop`, `stop_all`), which sends SIGTERM
+first.
 """
 
 from __future__ import annotations
@@ -13,17 +19,74 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ..netutil import free_port
 
 
 class ProcessStartError(RuntimeError):
     pass
+
+
+# Runs in the child, as its own short program, before it execs the real command: ask the kernel
+# for SIGKILL when the parent dies (PR_SET_PDEATHSIG = 1), then make sure the parent did not die
+# before that request (the child would have been reparented already). A separate program and not
+# `preexec_fn`: the starter has threads (torch's, tqdm's), and Python code between fork and exec
+# in a threaded process can deadlock. The setting survives exec (not for set-uid programs).
+_TIE = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    os._exit(1)\n"
+    "os.execvp(sys.argv[2], sys.argv[2:])\n"
+)
+
+
+def tied(argv: list[str]) -> list[str]:
+    """`argv` wrapped so that the kernel SIGKILLs the process when this process dies.
+
+    Linux only, and only from the main thread: the kernel ties the child to the *thread* that
+    started it, and a worker thread may end long before the process does. Elsewhere `argv` is
+    returned as it is (the starter's own stop on exit still applies)."""
+    if not sys.platform.startswith("linux") or threading.current_thread() is not threading.main_thread():
+        return list(argv)
+    return [sys.executable, "-I", "-S", "-c", _TIE, str(os.getpid()), *argv]
+
+
+def popen_tied(argv: list[str], **kwargs: Any) -> subprocess.Popen:
+    """`subprocess.Popen(argv, **kwargs)` for a process that must not outlive this one (`tied`)."""
+    return subprocess.Popen(tied(argv), **kwargs)
+
+
+def stop_all(procs: Iterable[ManagedProcess | subprocess.Popen], timeout: float = 10.0) -> None:
+    """Stop several processes at once: SIGTERM to each, one shared `timeout` for all of them to
+    exit, then SIGKILL to any still running."""
+    popens = []
+    for p in procs:
+        if isinstance(p, ManagedProcess):
+            p._stopped = True
+            p = p.proc
+        popens.append(p)
+    for p in popens:
+        if p.poll() is None:
+            try:
+                p.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + timeout
+    for p in popens:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(timeout)
 
 
 @dataclass
@@ -105,24 +168,29 @@ def start_service(
     port_file.unlink(missing_ok=True)
     full = list(argv) + (["--port", "0", "--port-file", str(port_file)] if port is None else [])
     penv = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+    # Its own session: a terminal's Ctrl-C or hang-up reaches the starter, which stops it.
     with open(log_path, "ab") as log:
-        proc = subprocess.Popen(full, stdout=log, stderr=subprocess.STDOUT, env=penv, start_new_session=True)
+        proc = popen_tied(full, stdout=log, stderr=subprocess.STDOUT, env=penv, start_new_session=True)
     deadline = time.monotonic() + timeout
-    if port is None:
-        while not (port_file.exists() and port_file.read_text().strip()):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                tail = log_path.read_text(errors="replace")[-3000:]
-                proc.kill()
-                raise ProcessStartError(f"{name} did not start ({' '.join(full)}):\n{tail}")
-            time.sleep(0.05)
-        port = int(port_file.read_text().strip())
-    url = f"http://127.0.0.1:{port}"
-    handle = ManagedProcess(name, full, proc, url, log_path)
     try:
-        wait_http_ok(url + health_path, max(1.0, deadline - time.monotonic()), proc)
-    except ProcessStartError as exc:
-        handle.kill()
-        raise ProcessStartError(f"{name}: {exc}\n{handle.log_tail()}") from None
+        if port is None:
+            while not (port_file.exists() and port_file.read_text().strip()):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    tail = log_path.read_text(errors="replace")[-3000:]
+                    raise ProcessStartError(f"{name} did not start ({' '.join(full)}):\n{tail}")
+                time.sleep(0.05)
+            port = int(port_file.read_text().strip())
+        url = f"http://127.0.0.1:{port}"
+        handle = ManagedProcess(name, full, proc, url, log_path)
+        try:
+            wait_http_ok(url + health_path, max(1.0, deadline - time.monotonic()), proc)
+        except ProcessStartError as exc:
+            raise ProcessStartError(f"{name}: {exc}\n{handle.log_tail()}") from None
+    except BaseException:  # a failed start, and also a signal or Ctrl-C while waiting: no handle escapes
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        raise
     return handle
 
 
