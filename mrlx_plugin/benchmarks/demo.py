@@ -24,7 +24,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     ns, rest = p.parse_known_args(argv)
     runs = {}
-    for label, extra in (("co-training", []), ("frozen B", ["--freeze", "B"])):
+    # A measurement starts from scratch: an earlier run in the work folder is replaced.
+    fresh = [] if {"--resume", "--overwrite"} & set(rest) else ["--overwrite"]
+    for label, extra in (("co-training", fresh), ("frozen B", ["--freeze", "B", *fresh])):
         out = Path(ns.workdir) / label.replace(" ", "-")
         args = build_parser().parse_args(["--out", str(out), "--seed", str(ns.seed), "--quiet", *extra, *rest])
         print(f"mrlx bench demo: running {label} in {out} ...", flush=True)
