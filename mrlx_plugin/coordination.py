@@ -5,29 +5,43 @@ back, and hands every other trainable agent's samples to the coordinator:
 - `PeerOutbox` holds those samples until the host's rollout returns, then commits, for each
   prompt group the host kept for this step, the group's samples for each agent in one request.
   A group reaches the peer whole (an ABORTED sample, with zero loss mask, stands in for an
-  episode that did not finish), so the peer's GRPO groups are the initiator's prompt groups and
-  each peer step trains on one initiator step. Evaluation sends nothing.
+  episode that did not finish, and for a sample the peer's model could not take: token ids
+  outside its vocabulary, longer than its context), so the peer's GRPO groups are the
+  initiator's prompt groups and each peer step trains on one initiator step. Evaluation sends
+  nothing.
 - `initiator_barrier` runs at the top of each of the initiator's rollouts (right after its
   trainer pushed new weights): it reports this job's version and waits until every other
   trainable agent is within `coordinator.max_staleness` versions.
 
-The job of a peer agent (a responder) never runs episodes: `responder_take` reports its version,
-acknowledges what it trained in the previous step, and leases whole groups for this step.
-Leases are renewed while the step trains, so a crash of the responder hands its groups back
-after one lease period, and a slow step keeps them.
+The job of a peer agent (a responder) never runs episodes. At the top of its step k,
+`responder_take` acknowledges, through a step watermark, every step its host has saved (so a
+resumed job never trains them again), reports this job's version, takes over the leases of a
+dead predecessor process (its first call only), and leases the groups of the initiator's step k,
+and only those (B's rollout ids and A's are one numbering): whatever restarts happen, B's step k
+trains A's step k. Leases are renewed while the step trains. A group the coordinator set aside
+(dead-lettered), or that this job's model cannot take, becomes a group of ABORTED fillers of the
+same size, so the step keeps the sample count the host's data-parallel split needs.
+
+Exactly once: an item is trained at B's step of its producer step; it is acknowledged once that
+step is saved (the embedded trainer: right after the save; a slime job: at the first rollout after
+a save that slime has made durable). A job resumed from the checkpoint of step s trains steps
+after s again, with the same groups: their first training was lost with the process, so each
+group is trained once in the model that survives.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from .config import ConfigError
 from .coordinator.client import CoordinatorClient, CoordinatorError, token_from_env_or_file
-from .coordinator.wire import item_from_sample, sample_from_item
+from .coordinator.wire import QueueItem, item_from_sample, sample_from_item
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +56,109 @@ def make_client(runtime: Any) -> CoordinatorClient:
         token = token_from_env_or_file(c.token_env, c.token_file)
     except ValueError as exc:
         raise ConfigError(f"{runtime.source}: mrlx.coordinator.token_file: {exc}") from None
+    outage = max(1.0, float(getattr(c, "outage_deadline_s", 600.0)))
     return CoordinatorClient(c.url, run_id=runtime.settings.run_id, agent=runtime.settings.self_agent, token=token,
-                             request_timeout_s=c.request_timeout_s, commit_deadline_s=c.wait_deadline_s)
+                             request_timeout_s=c.request_timeout_s, outage_deadline_s=outage,
+                             commit_deadline_s=max(c.wait_deadline_s, outage))
+
+
+# ----------------------------------------------------------------------------------------------
+# What a consumer's model can take
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """The token ids and the sequence length an agent's trainer can take (None: not known)."""
+
+    vocab_size: int | None
+    max_length: int | None
+    source: str  # where they were read, for messages
+
+    def problem(self, item_or_sample: Any, agent: str) -> str | None:
+        """Why this item (or sample) cannot be trained by `agent`'s model, or None."""
+        tokens = item_or_sample.tokens
+        if tokens is None or not len(tokens):
+            return None
+        if self.vocab_size is not None:
+            low, high = min(tokens), max(tokens)
+            if high >= self.vocab_size or low < 0:
+                bad = high if high >= self.vocab_size else low
+                return (f"token id {bad} is outside the vocabulary of {agent!r}'s model ({self.vocab_size} ids, "
+                        f"{self.source})")
+        if self.max_length is not None and len(tokens) > self.max_length:
+            return (f"{len(tokens)} tokens are more than {agent!r}'s model takes ({self.max_length}, "
+                    f"{self.source})")
+        return None
+
+
+def read_model_limits(args: Any | None, model_dir: str | None, fallback_vocab: int | None = None) -> ModelLimits:
+    """An agent's limits: from the host's own flags where it has them (`--vocab-size`/the padded
+    vocabulary, `--max-position-embeddings`), else from the model's `config.json` in `model_dir`
+    (vocab_size; max_position_embeddings, times a rope_scaling factor), else the tokenizer's
+    vocabulary (`fallback_vocab`). Blocking (reads a file): call it outside the event loop."""
+    vocab = max_len = None
+    where = []
+    if args is not None:
+        vocab = getattr(args, "padded_vocab_size", None) or getattr(args, "vocab_size", None)
+        max_len = getattr(args, "max_position_embeddings", None)
+        if vocab or max_len:
+            where.append("the host's flags")
+    config: dict[str, Any] = {}
+    if model_dir:
+        try:
+            with open(os.path.join(str(model_dir), "config.json"), encoding="utf-8") as handle:
+                config = json.load(handle)
+        except (OSError, ValueError):
+            config = {}
+        config = config.get("text_config", config) if isinstance(config.get("text_config"), dict) else config
+    if vocab is None and isinstance(config.get("vocab_size"), int):
+        vocab = config["vocab_size"]
+        where.append(f"{model_dir}/config.json")
+    if max_len is None and isinstance(config.get("max_position_embeddings"), int):
+        max_len = config["max_position_embeddings"]
+        scaling = config.get("rope_scaling") or {}
+        factor = scaling.get("factor") if isinstance(scaling, dict) else None
+        if isinstance(factor, (int, float)) and factor > 1:
+            max_len = int(max_len * factor)
+        if f"{model_dir}/config.json" not in where:
+            where.append(f"{model_dir}/config.json")
+    if vocab is None and fallback_vocab:
+        vocab = fallback_vocab
+        where.append("its tokenizer")
+    return ModelLimits(int(vocab) if vocab else None, int(max_len) if max_len else None,
+                       " and ".join(where) or "unknown")
+
+
+def filler_sample(agent: str, *, group_index: Any, index: Any, rollout_id: Any, reason: str,
+                  metadata: dict[str, Any] | None = None, pad_id: int = 0) -> Any:
+    """An ABORTED sample that trains nothing and that any model can take: reward 0.0, zero loss
+    mask, `remove_sample`, two token ids (`pad_id`), no weight version. It stands in for a sample
+    that cannot be trained, so that a step keeps its sample count."""
+    from .host import Sample, Status
+
+    sample = Sample()
+    for name, value in (("group_index", group_index), ("index", index), ("rollout_id", rollout_id),
+                        ("prompt", ""), ("response", ""), ("label", None)):
+        setattr(sample, name, value)
+    sample.tokens = [pad_id, pad_id]
+    sample.response_length = 1
+    sample.loss_mask = [0]
+    sample.rollout_log_probs = [0.0]
+    sample.weight_versions = []
+    sample.reward = 0.0
+    sample.status = Status.ABORTED
+    sample.remove_sample = True
+    meta = dict((metadata or {}).get("mrlx") or {})
+    meta.update(agent=agent, aborted=True)
+    meta.setdefault("filler", reason)
+    sample.metadata = {**(metadata or {}), "mrlx": meta}
+    return sample
+
+
+# ----------------------------------------------------------------------------------------------
+# The initiator
+# ----------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -59,17 +174,35 @@ class PeerOutbox:
     known. When the host's rollout returns, `drain` commits the groups the host kept for this
     job's step, each in one request, and drops the rest (groups the host over-sampled and then
     filtered out or aborted): so every peer gets exactly this step's prompt groups, one step's
-    worth per step, and its queue does not grow with the host's over-sampling.
+    worth per step, and its queue does not grow with the host's over-sampling. A sample the
+    peer's model could not take (`limits`, read once by the rollout function) is committed as an
+    ABORTED filler instead, and counted.
     """
 
     def __init__(self, runtime: Any):
         self.runtime = runtime
         self.groups: dict[Any, _Group] = {}
         self.stats = self._zero()
+        self.limits: dict[str, ModelLimits] = {}  # peer agent -> what its model takes
+        self.pad_ids: dict[str, int] = {}
+        self.depth_checked = False
 
     @staticmethod
     def _zero() -> dict[str, int]:
-        return {"groups_sent": 0, "samples_sent": 0, "groups_not_kept": 0, "groups_all_aborted": 0, "duplicates": 0}
+        return {"groups_sent": 0, "samples_sent": 0, "groups_not_kept": 0, "groups_all_aborted": 0, "duplicates": 0,
+                "items_refused": 0, "stale": 0}
+
+    def load_limits(self, args: Any) -> None:
+        """Read each peer's limits (blocking: from the rollout function, before its loop runs)."""
+        for agent in self.runtime.peer_agents():
+            if agent in self.limits:
+                continue
+            settings = self.runtime.settings.agents[agent]
+            tokenizer = self.runtime.tokenizers.get(agent)
+            path = settings.tokenizer or getattr(args, "hf_checkpoint", None)
+            self.limits[agent] = read_model_limits(None, path, getattr(tokenizer, "vocab_size", None))
+            eos = getattr(tokenizer, "eos_token_id", None)
+            self.pad_ids[agent] = eos if isinstance(eos, int) and eos >= 0 else 0
 
     def add(self, episode: Any, peer_samples: dict[str, list[Any]]) -> None:
         """Record one ended episode's samples for other agents (rewards are final by now)."""
@@ -80,13 +213,28 @@ class PeerOutbox:
             for i, s in enumerate(samples):
                 bucket.append((f"{episode.id}:{agent}:{i}", s))
 
+    def _checked(self, agent: str, sample: Any) -> Any:
+        limits = self.limits.get(agent)
+        problem = limits.problem(sample, agent) if limits is not None else None
+        if problem is None:
+            return sample
+        self.stats["items_refused"] += 1
+        logger.warning("a sample for %r cannot be trained by its model (%s); it is sent as an ABORTED filler",
+                       agent, problem)
+        metadata = dict(getattr(sample, "metadata", None) or {})
+        metadata["mrlx"] = {**(metadata.get("mrlx") or {}), "refused": problem}
+        return filler_sample(agent, group_index=sample.group_index, index=sample.index,
+                             rollout_id=getattr(sample, "rollout_id", None), reason=problem, metadata=metadata,
+                             pad_id=self.pad_ids.get(agent, 0))
+
     async def _send(self, group_index: Any, group: _Group, step: int) -> list[str]:
         producer = self.runtime.settings.self_agent
         failures = []
         for agent, keyed in group.samples.items():
+            keyed = [(k, self._checked(agent, s)) for k, s in keyed]
             if all(getattr(s, "remove_sample", False) for _, s in keyed):
                 # Sent all the same (zero loss masks train nothing): the peer leases one step's
-                # groups per step, and a missing group would pull the next step's into this one.
+                # groups per step, and a missing group would leave its step short.
                 self.stats["groups_all_aborted"] += 1
             name = f"{producer}:{group_index}"
             items = [item_from_sample(s, key=k, group=name, group_size=len(keyed), producer=producer, step=step)
@@ -99,6 +247,7 @@ class PeerOutbox:
             self.stats["groups_sent"] += 1
             self.stats["samples_sent"] += result.accepted
             self.stats["duplicates"] += result.duplicates
+            self.stats["stale"] += result.stale
         return failures
 
     async def drain(self, step: int, kept: set[Any] | None) -> dict[str, float]:
@@ -119,10 +268,41 @@ class PeerOutbox:
         return step_stats
 
 
+def items_per_step(args: Any, runtime: Any, agent: str) -> tuple[int, str]:
+    """How many items one step hands `agent`'s queue: (count, how it was counted)."""
+    groups = int(getattr(args, "rollout_batch_size", 1) or 1)
+    per_prompt = int(getattr(args, "n_samples_per_prompt", 1) or 1)
+    fan = (runtime.fan_out or {}).get(agent) or 1
+    how = f"{groups} groups (--rollout-batch-size) x {per_prompt} samples per prompt (--n-samples-per-prompt)"
+    if fan != 1:
+        how += f" x {fan} samples per episode for {agent!r}"
+    return groups * per_prompt * fan, how
+
+
+async def check_queue_depth(runtime: Any, agent: str, need: int, how: str, source: str) -> None:
+    """Refuse a coordinator whose queue for `agent` cannot hold `need` items: the producer would
+    block on a full queue that its consumer cannot drain before it has its whole step."""
+    info = await runtime.coordinator.queue_info(agent)
+    depth = info.get("max_depth")
+    if isinstance(depth, int) and depth < need:
+        raise ConfigError(
+            f"{source}: the coordinator's queue of {agent!r} holds at most {depth} items (--max-depth {depth}), "
+            f"but {how} makes {need}: the producer would wait for room that the consumer frees only once it "
+            f"has trained its step, and both jobs would stop. Restart the coordinator with --max-depth {need} "
+            "or more"
+        )
+
+
 async def initiator_barrier(runtime: Any, rollout_id: int) -> dict[str, float]:
     """Report this job's version; wait until every trainable peer is within the staleness bound."""
     c = runtime.settings.coordinator
     client = runtime.coordinator
+    outbox = runtime.outbox
+    if outbox is not None and not outbox.depth_checked:
+        for agent in runtime.peer_agents():
+            need, how = items_per_step(runtime.args, runtime, agent)
+            await check_queue_depth(runtime, agent, need, f"one step of this job: {how}", runtime.source)
+        outbox.depth_checked = True
     await client.heartbeat()
     await client.report_version(rollout_id)
     metrics: dict[str, float] = {}
@@ -136,81 +316,216 @@ async def initiator_barrier(runtime: Any, rollout_id: int) -> dict[str, float]:
     return metrics
 
 
+# ----------------------------------------------------------------------------------------------
+# The responder
+# ----------------------------------------------------------------------------------------------
+
+
 @dataclass
 class ResponderState:
     leases: list[str] = field(default_factory=list)
     renewer: asyncio.Task | None = None
+    took_over: bool = False  # this process has taken its dead predecessor's leases over
+    acked_through: int | None = None  # the step watermark this process has set
+    limits: ModelLimits | None = None  # what this job's model takes (read by the rollout function)
+    depth_checked: bool = False
 
 
-async def responder_take(runtime: Any, rollout_id: int, groups_needed: int) -> tuple[list[list[Any]], dict[str, float]]:
-    """Ack last step's groups, report this job's version, and lease `groups_needed` whole groups."""
+async def _ack_through(client: CoordinatorClient, state: ResponderState, step: int) -> bool:
+    """Acknowledge every group of the producer's steps up to `step` (they are trained and saved).
+
+    Never raises: a failed acknowledgement (the coordinator unreachable past its outage deadline,
+    its disk full) is logged and tried again at the next step, which acknowledges through at least
+    the same step (a watermark: repeating it is harmless)."""
+    if step < 0 or (state.acked_through is not None and step <= state.acked_through):
+        return True
+    try:
+        await client.ack_through(step)
+    except CoordinatorError as exc:
+        logger.warning("could not acknowledge the groups of steps up to %d (%s); trying again at the next step",
+                       step, exc)
+        return False
+    state.acked_through = step
+    return True
+
+
+def _filler_group(agent: str, dead: dict[str, Any], ordinal: int, first_rollout_id: int,
+                  per_episode: int) -> list[Any]:
+    """ABORTED fillers for a group set aside: as many as it had items, with rollout ids of their
+    own (one per episode of the producer, negative: never a real episode's), training nothing."""
+    reason = str(dead.get("reason") or "set aside")
+    out = []
+    for i in range(int(dead["size"])):
+        episode = i // max(1, per_episode)
+        metadata = {"mrlx": {"episode_id": f"dead-letter:{dead['group']}:{episode}", "turns": 0,
+                             "dead_letter": {"group": dead["group"], "step": dead.get("step"), "reason": reason}}}
+        out.append(filler_sample(agent, group_index=-(1 + ordinal), index=None,
+                                 rollout_id=-(first_rollout_id + episode), reason=reason, metadata=metadata))
+    return out
+
+
+async def responder_take(runtime: Any, rollout_id: int, groups_needed: int,
+                         ack_through: int | None = None) -> tuple[list[list[Any]], dict[str, float]]:
+    """Acknowledge through `ack_through`, report this job's version, and take the groups of the
+    producer's step `rollout_id`: `groups_needed` of them, ABORTED fillers standing in for groups
+    set aside (by the coordinator, or here because this job's model cannot take them)."""
     c = runtime.settings.coordinator
     client = runtime.coordinator
     state: ResponderState = runtime.responder
+    agent = runtime.settings.self_agent
     if state.renewer is not None:
         state.renewer.cancel()
         state.renewer = None
-    expired = await _ack_all(client, state)  # the previous step has trained: its groups are done for good
+    metrics: dict[str, float] = {}
+    if not state.depth_checked:
+        need, how = items_per_step(runtime.args, runtime, agent)
+        window, why = save_window(runtime.args)
+        what = f"one step ({how})" if window == 1 else f"{window} steps ({why}) of {need} items ({how})"
+        await check_queue_depth(runtime, agent, need * window, what, runtime.source)
+        state.depth_checked = True
+    if ack_through is not None:
+        acked = await _ack_through(client, state, ack_through)
+        metrics["coordinator/ack_failed"] = 0.0 if acked else 1.0
+    if state.acked_through is not None:
+        metrics["coordinator/acked_through"] = float(state.acked_through)
     await client.heartbeat()
     await client.report_version(rollout_id)
+    if not state.took_over:
+        # A fresh process: leases still held under this agent's name are a dead process's. Their
+        # groups are leasable at once (each lease counted as a delivery) instead of after lease_s.
+        released = await client.release()
+        state.took_over = True
+        metrics["coordinator/leases_taken_over"] = float(released)
+        if released:
+            logger.info("took over %d leased groups of a previous process of %r", released, agent)
     started = time.monotonic()
     deadline = started + c.wait_deadline_s
-    groups: list[list[Any]] = []
-    # This step's leases become the state's (to be acked once trained) only when the groups are
-    # handed to the host: leases of a step that fails here are never acked, so they come back.
+    groups: list[list[QueueItem]] = []
+    dead: dict[str, dict[str, Any]] = {}  # group name -> what the coordinator reported
+    rejected = 0
+    # This step's leases become the state's (to be renewed while it trains) only when the groups
+    # are handed to the host.
     leases: list[str] = []
     why = "the producer sent no more"
-    while len(groups) < groups_needed:
+    first = True
+    while len(groups) + len(dead) < groups_needed:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise CoordinatorError(
-                f"step {rollout_id}: got {len(groups)} of {groups_needed} groups in {c.wait_deadline_s:.0f}s; {why}"
+                f"step {rollout_id}: got {len(groups) + len(dead)} of {groups_needed} groups in "
+                f"{c.wait_deadline_s:.0f}s (those of the producer's step {rollout_id}); {why}"
             )
-        lease = await client.lease(groups_needed - len(groups), lease_s=c.lease_s, wait_s=min(30.0, remaining))
+        # The first call of a step asks without waiting: it learns every group of the step set
+        # aside so far (also those set aside while an earlier process of this job held them).
+        lease = await client.lease(groups_needed - len(groups) - len(dead), lease_s=c.lease_s,
+                                   wait_s=0.0 if first else min(30.0, remaining), step=rollout_id)
+        first = False
         why = lease.message or why
+        for info in lease.dead:
+            dead.setdefault(info["group"], info)
         if lease.lease_id and lease.groups:
             leases.append(lease.lease_id)
-            groups.extend(lease.groups)
+            for group in lease.groups:
+                problem = None
+                if state.limits is not None:
+                    problem = next((p for p in (state.limits.problem(item, agent) for item in group) if p), None)
+                if problem is None:
+                    groups.append(group)
+                    continue
+                # This job's model cannot take it: set it aside now rather than fail on it at every
+                # delivery. The group's other items are dropped with it.
+                name = group[0].group
+                reason = f"item {next(i.key for i in group if state.limits.problem(i, agent))}: {problem}"
+                logger.warning("group %r of step %d set aside: %s", name, rollout_id, reason)
+                try:
+                    await client.reject(name, reason)
+                except CoordinatorError as exc:
+                    logger.warning("could not report group %r as set aside (%s); it is skipped here all the same",
+                                   name, exc)
+                rejected += 1
+                dead.setdefault(name, {"group": name, "size": len(group), "step": rollout_id, "reason": reason})
         if lease.end:
             break
-    if not groups:
+    if not groups and not dead:
         raise CoordinatorError(f"step {rollout_id}: the producer ended the stream and no group is left to train on")
+    dead_list = list(dead.values())[: max(0, groups_needed - len(groups))]
     samples = [[sample_from_item(item) for item in g] for g in groups]
+    per_episode = (runtime.fan_out or {}).get(agent) or 1
+    next_id = 1
+    for ordinal, info in enumerate(dead_list):
+        fillers = _filler_group(agent, info, ordinal, next_id, per_episode)
+        next_id += -(-len(fillers) // per_episode)
+        samples.append(fillers)
     state.leases = leases
     state.renewer = asyncio.ensure_future(_renew(client, list(leases), c.lease_s))
-    metrics = {"coordinator/wait_seconds": time.monotonic() - started, "coordinator/groups": float(len(groups)),
-               "coordinator/acks_expired": float(expired)}
+    metrics.update({
+        "coordinator/wait_seconds": time.monotonic() - started,
+        "coordinator/groups": float(len(groups)),
+        "coordinator/dead_lettered_groups": float(len(dead_list)),
+        "coordinator/dead_lettered_items": float(sum(int(d["size"]) for d in dead_list)),
+        "coordinator/rejected_groups": float(rejected),
+    })
     versions = [_as_int(v) for g in samples for s in g for v in (s.weight_versions or [])]
     versions = [v for v in versions if v is not None]
     if versions:
-        metrics[f"staleness/{runtime.settings.self_agent}"] = float(rollout_id - min(versions))
+        metrics[f"staleness/{agent}"] = float(rollout_id - min(versions))
     return samples, metrics
 
 
-async def responder_finish(runtime: Any) -> None:
-    """Acknowledge the groups leased so far (their training is done and saved)."""
+async def responder_finish(runtime: Any, step: int | None = None) -> None:
+    """The host saved its step `step` (default: the step of the groups leased last): acknowledge
+    every group through it. Never raises (a failure is retried at the next step)."""
     state: ResponderState = runtime.responder
     if state.renewer is not None:
         state.renewer.cancel()
         state.renewer = None
-    await _ack_all(runtime.coordinator, state)
+    if step is not None:
+        await _ack_through(runtime.coordinator, state, step)
 
 
-async def _ack_all(client: CoordinatorClient, state: ResponderState) -> int:
-    """Ack the state's leases; returns how many had expired already (409: their groups were
-    handed out again and will be trained again, so delivery stays at least once)."""
-    expired = 0
-    for lease_id in state.leases:
-        try:
-            await client.ack(lease_id)
-        except CoordinatorError as exc:
-            if exc.status not in (404, 409):
-                raise
-            expired += 1
-            logger.warning("lease %s could not be acked (%s); its groups were leased again after it expired. "
-                           "Raise mrlx.coordinator.lease_s if training a step takes longer", lease_id, exc)
-    state.leases = []
-    return expired
+def save_window(args: Any) -> tuple[int, str]:
+    """How many of the producer's steps a responder may hold unacknowledged at once: the steps
+    since the last durable save, plus the one it waits for. (1, ...) without saves to wait for."""
+    interval = getattr(args, "save_interval", None)
+    if not getattr(args, "save", None) or not interval:
+        return 1, "no --save: every step is acknowledged when the next begins"
+    interval = int(interval)
+    if getattr(args, "async_save", False):
+        return 2 * interval, f"--save-interval {interval} with --async-save"
+    return interval, f"--save-interval {interval}"
+
+
+def _saves_at(args: Any, rollout_id: int) -> bool:
+    """slime's `should_run_periodic_action(rollout_id, args.save_interval, num_rollout_per_epoch,
+    args.num_rollout)`: whether its loop saves after training `rollout_id`."""
+    interval = getattr(args, "save_interval", None)
+    if interval is None:
+        return False
+    num_rollout = getattr(args, "num_rollout", None)
+    if num_rollout is not None and rollout_id == int(num_rollout) - 1:
+        return True
+    step = rollout_id + 1
+    per_epoch = getattr(args, "num_rollout_per_epoch", None)
+    return step % int(interval) == 0 or (per_epoch is not None and step % int(per_epoch) == 0)
+
+
+def durable_step_before(args: Any, rollout_id: int) -> int:
+    """The last step whose training a job resumed now would not repeat, seen from the top of its
+    step `rollout_id` (-1: none). slime's loop per step is rollout -> train -> save (every
+    `--save-interval` steps and the last) -> weight push, and a resumed job continues after the
+    checkpoint it loads:
+    - without `--save` (or `--save-interval`) nothing is ever resumed: every step before this one;
+    - otherwise the last step saved before this one;
+    - with `--async-save` that save may still be in flight: the save before it."""
+    if not getattr(args, "save", None) or not getattr(args, "save_interval", None):
+        return rollout_id - 1
+    skip = 1 if getattr(args, "async_save", False) else 0
+    for step in range(rollout_id - 1, -1, -1):
+        if _saves_at(args, step):
+            if not skip:
+                return step
+            skip -= 1
+    return -1
 
 
 async def _renew(client: CoordinatorClient, leases: list[str], lease_s: float) -> None:

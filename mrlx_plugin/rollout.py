@@ -23,7 +23,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from .coordination import initiator_barrier, responder_finish, responder_take
+from .coordination import durable_step_before, initiator_barrier, read_model_limits, responder_finish, responder_take
 from .episode import run_episode
 from .host import (
     RolloutFnTrainOutput,
@@ -91,6 +91,7 @@ def initiator_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: 
     runtime.current_step = rollout_id
     metrics: dict[str, float] = {}
     if runtime.outbox is not None:
+        runtime.outbox.load_limits(args)  # once; blocking file reads stay off the event loop
         metrics.update(run_in_host_loop(initiator_barrier(runtime, rollout_id)))
     output = host_default_rollout(args, rollout_id, data_source, evaluation=False)
     if runtime.outbox is not None:
@@ -112,29 +113,39 @@ def responder_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: 
     """`--rollout-function-path` of a job whose agent's turns another job's episodes produce.
 
     It runs no episodes and never aborts this job's engines (they serve the initiator's turns).
-    It acknowledges the groups trained in the previous step, reports this job's new weight
-    version, and leases `--rollout-batch-size` whole groups (each the episodes of one of the
-    initiator's prompt groups) from the coordinator, waiting up to `coordinator.wait_deadline_s`;
-    the leases are renewed while the step trains. Evaluation runs the host's default evaluation.
+    It acknowledges (a step watermark) every step that a resumed job would not train again: the
+    last one slime has saved durably before this step (`durable_step_before`: the step of the last
+    `--save-interval` save, the one before it with `--async-save`, every earlier step without
+    `--save`). It reports this job's new weight version and leases the `--rollout-batch-size` whole
+    groups of the initiator's step `rollout_id` (each the episodes of one of its prompt groups),
+    waiting up to `coordinator.wait_deadline_s`; the leases are renewed while the step trains. A
+    group the coordinator set aside, or with items this job's model cannot take (token ids outside
+    its vocabulary, longer than its context: `--vocab-size`/`--max-position-embeddings`, else the
+    `--hf-checkpoint` config), becomes as many ABORTED fillers. Evaluation runs the host's default
+    evaluation.
     """
     runtime = runtime_for(args, tokenizers=False)
     if evaluation:  # the host's evaluation runs whole episodes here: they need every agent's tokenizer
         runtime.load_tokenizers()
         return host_default_rollout(args, rollout_id, data_source, evaluation=True)
-    groups, metrics = run_in_host_loop(responder_take(runtime, rollout_id, int(args.rollout_batch_size)))
+    if runtime.responder.limits is None:  # once; a file read stays off the event loop
+        runtime.responder.limits = read_model_limits(args, getattr(args, "hf_checkpoint", None))
+    groups, metrics = run_in_host_loop(responder_take(runtime, rollout_id, int(args.rollout_batch_size),
+                                                      ack_through=durable_step_before(args, rollout_id)))
     metrics.update(compute_metrics([s for g in groups for s in g]))
     return RolloutFnTrainOutput(samples=groups, metrics=metrics)
 
 
-def ack_trained_groups(args: Any) -> None:
-    """Acknowledge the groups a responder has trained, once the trained weights are saved.
+def ack_trained_groups(args: Any, step: int) -> None:
+    """Acknowledge every group of the initiator's steps up to `step`, once this job's step `step`
+    is saved.
 
-    `responder_rollout` acknowledges each step's groups when the next step begins: slime has no
-    hook after a save, and a job that dies mid-training gets its groups again. A host that knows
-    when a step is saved (the embedded trainer does) calls this right after the save, so that a
-    job resumed from that save never trains those groups twice.
+    `responder_rollout` acknowledges at the top of each step what slime has saved by then (slime
+    has no hook after a save). A host that knows when a step is saved (the embedded trainer does)
+    calls this right after the save, so that the queue is emptied at once. Never raises: a failure
+    is logged and the next step acknowledges through this step again.
     """
-    run_in_host_loop(responder_finish(runtime_for(args, tokenizers=False)))
+    run_in_host_loop(responder_finish(runtime_for(args, tokenizers=False), step))
 
 
 initiator_rollout.add_arguments = add_arguments  # type: ignore[attr-defined]

@@ -38,6 +38,8 @@ class TwoJobs:
     per_prompt: int = 2
     coordinator_settings: str = "max_staleness: 1, wait_deadline_s: 120, lease_s: 30"
     b_trainer_settings: str = "lr: 0.001"
+    coordinator_extra: tuple[str, ...] = ()  # more flags of the coordinator (e.g. --max-depth)
+    b_groups: int | None = None  # B's --rollout-batch-size when it differs from A's
     procs: list[ManagedProcess] = field(default_factory=list)
     jobs: dict[str, subprocess.Popen] = field(default_factory=dict)
 
@@ -49,7 +51,8 @@ class TwoJobs:
         self.procs += [self.engine_a, self.engine_b]
 
     def start_coordinator(self) -> ManagedProcess:
-        proc = start_service("coordinator", coordinator_argv(self.root / "coord.sqlite", self.coord_port),
+        proc = start_service("coordinator", coordinator_argv(self.root / "coord.sqlite", self.coord_port,
+                                                             *self.coordinator_extra),
                              log_dir=self.root, port=self.coord_port, env=ENV)
         self.procs.append(proc)
         return proc
@@ -77,10 +80,11 @@ mrlx:
     def start_job(self, me: str, *extra: str) -> subprocess.Popen:
         engine = self.engine_a if me == "a" else self.engine_b
         fn = "initiator_rollout" if me == "a" else "responder_rollout"
+        groups = self.b_groups if me == "b" and self.b_groups is not None else self.groups
         argv = [sys.executable, "-m", "mrlx_plugin.local.trainer", "--config", str(self.yaml(me)),
                 "--model", str(self.model_a if me == "a" else self.model_b), "--engine-url", engine.url,
                 "--router-url", engine.url, "--rollout-function", f"mrlx_plugin.rollout.{fn}",
-                "--num-rollout", str(self.steps), "--rollout-batch-size", str(self.groups),
+                "--num-rollout", str(self.steps), "--rollout-batch-size", str(groups),
                 "--n-samples-per-prompt", str(self.per_prompt), "--rollout-max-response-len", "16",
                 "--out", str(self.root / f"out_{me}"), "--save-samples", *extra]
         log = open(self.root / f"job_{me}.log", "ab")
@@ -93,6 +97,12 @@ mrlx:
         if not path.exists():
             return []
         return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+    def latest_checkpoint(self, me: str) -> int | None:
+        """The step of the newest complete checkpoint of a job (None: none yet)."""
+        found = sorted(p.name for p in (self.root / f"out_{me}" / "checkpoints").glob("step_*")
+                       if not p.name.endswith(".tmp"))
+        return int(found[-1].split("_")[1]) if found else None
 
     def log(self, me: str) -> str:
         return (self.root / f"job_{me}.log").read_text(errors="replace")[-20000:]
@@ -121,9 +131,28 @@ mrlx:
         for proc in reversed(self.procs):
             proc.stop()
 
+    def metrics(self, url_path: str = "/metrics") -> str:
+        import urllib.request
+
+        req = urllib.request.Request(f"http://127.0.0.1:{self.coord_port}{url_path}",
+                                     headers={"Authorization": f"Bearer {TOKEN}"})
+        with urllib.request.urlopen(req, timeout=5) as resp:
+            return resp.read().decode()
+
+    def b_trained(self) -> list[dict[str, Any]]:
+        """B's trained samples that stand for one of A's episodes (not fillers of a group set aside)."""
+        return [s for s in self.rows("b", "samples.jsonl") if "dead_letter" not in s["metadata"]["mrlx"]]
+
+    def assert_b_steps_are_a_steps(self) -> None:
+        """Each of B's steps trained exactly the groups of A's step of the same number."""
+        a_step = {s["metadata"]["mrlx"]["episode_id"]: s["step"] for s in self.rows("a", "samples.jsonl")}
+        shifted = [(s["step"], a_step.get(s["metadata"]["mrlx"]["episode_id"])) for s in self.b_trained()
+                   if a_step.get(s["metadata"]["mrlx"]["episode_id"]) != s["step"]]
+        assert not shifted, f"B's steps trained other steps of A's (B step, A step): {sorted(set(shifted))}"
+
     def assert_b_trained_every_episode_once(self) -> None:
         a_ids = [s["metadata"]["mrlx"]["episode_id"] for s in self.rows("a", "samples.jsonl")]
-        b_ids = [s["metadata"]["mrlx"]["episode_id"] for s in self.rows("b", "samples.jsonl")]
+        b_ids = [s["metadata"]["mrlx"]["episode_id"] for s in self.b_trained()]
         assert len(a_ids) == len(set(a_ids)) == self.steps * self.groups * self.per_prompt
         assert len(b_ids) == len(set(b_ids)), "a B sample was trained twice"
         assert sorted(b_ids) == sorted(a_ids), "a B sample of A's episodes never reached B's trainer"

@@ -2,19 +2,23 @@
 
 Nothing here blocks the loop: HTTP goes through aiohttp (one session per event loop, connections
 reused), frames are encoded and decoded on a worker thread when they are large. Calls that fail
-for a passing reason (connection refused while the coordinator restarts, 429 backpressure, 502/503/
-504) are retried with exponential backoff and jitter until the call's deadline; errors the caller
-must fix (401, 404, 409, 413, 422, 507) are raised at once as `CoordinatorError` with the server's
-message. Every call names the caller (`X-Mrlx-Agent`, pid, host), which the coordinator records
+for a passing reason (connection refused while the coordinator restarts, a request that times out,
+429 backpressure, 502/503/504) are retried with exponential backoff and jitter until the call's
+deadline: by default `outage_deadline_s` (minutes), so that a coordinator outage costs waiting, not
+the job; while it waits, the client logs what it waits for every few seconds ("coordinator
+unreachable for N s"). Errors the caller must fix (401, 404, 409, 413, 422, 507) are raised at once
+as `CoordinatorError` with the server's message. Every call names the caller (`X-Mrlx-Agent`, pid, host), which the coordinator records
 as a heartbeat.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import random
 import socket
+import time
 import weakref
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -25,7 +29,11 @@ import orjson
 
 from mrlx_plugin.coordinator.wire import CONTENT_TYPE, BufferPool, QueueItem, decode_frame, encode_items_into
 
+log = logging.getLogger("mrlx.coordinator.client")
+
 RETRYABLE_STATUS = frozenset({429, 502, 503, 504})
+OUTAGE_DEADLINE_S = 600.0  # how long a call rides out an unreachable coordinator by default
+OUTAGE_LOG_EVERY_S = 5.0
 # Frames above this size are encoded/decoded on a worker thread so the loop keeps serving turns.
 THREAD_FRAME_BYTES = 256 << 10
 
@@ -51,6 +59,7 @@ class CommitResult:
     accepted: int
     duplicates: int
     duplicate_keys: list[str] = field(default_factory=list)
+    stale: int = 0  # new items of steps the consumer acknowledged through: kept by key, never delivered
 
 
 @dataclass
@@ -63,6 +72,9 @@ class Lease:
     end: bool
     message: str | None = None
     group_info: list[dict[str, Any]] = field(default_factory=list)
+    # Groups set aside (never delivered again): {"group", "size", "step", "producer", "reason"};
+    # with `step`, every one of that step, else those this call set aside.
+    dead: list[dict[str, Any]] = field(default_factory=list)
 
 
 def token_from_env_or_file(env: str | None = "MRLX_TOKEN", file: str | None = None) -> str | None:
@@ -100,9 +112,9 @@ class CoordinatorClient:
 
     `url` is the coordinator's base URL; `agent` is who this client speaks for (its own queue is the
     default `consumer` of `lease`/`ack`, its own version the default of `report_version`).
-    `request_timeout_s` bounds one HTTP exchange (long polls get their wait on top); calls other than
-    `commit` and `wait_version` give up after `max_retries` retries; `commit` retries until its
-    deadline. Commits are cut into requests of at most `max_commit_bytes` / `max_commit_items` and up
+    `request_timeout_s` bounds one HTTP exchange (long polls get their wait on top); a call that
+    fails for a passing reason is retried until `outage_deadline_s` (and at most `max_retries` times
+    when that is set); `commit` retries until its own deadline, `wait_version` until its wait's. Commits are cut into requests of at most `max_commit_bytes` / `max_commit_items` and up
     to `commit_concurrency` of them are in flight, so encoding overlaps the transfer.
     """
 
@@ -114,7 +126,8 @@ class CoordinatorClient:
         agent: str,
         token: str | None = None,
         request_timeout_s: float = 60.0,
-        max_retries: int = 8,
+        max_retries: int | None = None,
+        outage_deadline_s: float = OUTAGE_DEADLINE_S,
         backoff_base_s: float = 0.05,
         backoff_max_s: float = 2.0,
         commit_deadline_s: float = 600.0,
@@ -127,6 +140,9 @@ class CoordinatorClient:
         self.agent = agent
         self.request_timeout_s = request_timeout_s
         self.max_retries = max_retries
+        self.outage_deadline_s = outage_deadline_s
+        self._down_since: float | None = None  # monotonic time of the first failure of an outage
+        self._down_logged = 0.0
         self.backoff_base_s = backoff_base_s
         self.backoff_max_s = backoff_max_s
         self.commit_deadline_s = commit_deadline_s
@@ -191,14 +207,13 @@ class CoordinatorClient:
         extra_timeout_s: float = 0.0,
         reader: Callable[[aiohttp.ClientResponse], Awaitable[Any]] | None = None,
     ) -> tuple[int, Any, Any]:
-        """One logical call: retried for passing failures until `deadline_s` (seconds from now)
-        and at most `max_retries` retries (None: until the deadline). Returns (status, headers,
-        body), the body as `reader` returns it (default: bytes)."""
+        """One logical call: retried for passing failures until `deadline_s` (seconds from now;
+        default `outage_deadline_s`) and at most `max_retries` retries (default the client's; None:
+        until the deadline). Returns (status, headers, body), the body as `reader` returns it
+        (default: bytes)."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + (
-            deadline_s if deadline_s is not None else self.request_timeout_s * (self.max_retries + 1)
-        )
-        if max_retries is None and deadline_s is None:
+        deadline = loop.time() + (deadline_s if deadline_s is not None else self.outage_deadline_s)
+        if max_retries is None:
             max_retries = self.max_retries
         headers = {}
         payload: bytes | memoryview | None = data
@@ -216,10 +231,12 @@ class CoordinatorClient:
                     method, url, data=payload, headers=headers, timeout=timeout
                 ) as resp:
                     if resp.status < 400:
+                        self._reached()
                         return resp.status, resp.headers, await (reader or _read_all)(resp)
                     body = await resp.read()
                     problem = f"HTTP {resp.status}: {_error_text(body)}"
                     if resp.status not in RETRYABLE_STATUS:
+                        self._reached()
                         raise CoordinatorError(f"coordinator {method} {url} failed: {problem}", resp.status)
                     try:
                         retry_after = float(resp.headers.get("Retry-After", "0"))
@@ -235,9 +252,34 @@ class CoordinatorClient:
                 raise CoordinatorUnavailable(
                     f"coordinator {method} {url} did not succeed after {attempt} attempts: {problem}", status
                 )
+            self._waiting(method, url, problem, status, remaining)
             delay = min(self.backoff_max_s, self.backoff_base_s * (2 ** min(attempt - 1, 16)))
             delay = max(retry_after, delay * random.uniform(0.5, 1.0))
             await asyncio.sleep(min(delay, remaining))
+
+    def _waiting(self, method: str, url: str, problem: str, status: int | None, remaining: float) -> None:
+        """Say what the job waits for, at the first failure and every few seconds after."""
+        now = time.monotonic()
+        if status == 429:  # backpressure: the coordinator is up, the consumer has not caught up
+            self._reached()
+            if now - self._down_logged >= 6 * OUTAGE_LOG_EVERY_S:
+                self._down_logged = now
+                log.info("coordinator %s %s: %s; retrying for up to %.0f s more", method, url, problem, remaining)
+            return
+        if self._down_since is None:
+            self._down_since, self._down_logged = now, -OUTAGE_LOG_EVERY_S
+        if now - self._down_logged >= OUTAGE_LOG_EVERY_S:
+            self._down_logged = now
+            log.warning(
+                "coordinator unreachable for %.1f s (%s %s: %s); retrying for up to %.0f s more "
+                "(mrlx.coordinator.outage_deadline_s)",
+                now - self._down_since, method, url, problem, remaining,
+            )
+
+    def _reached(self) -> None:
+        if self._down_since is not None:
+            log.warning("coordinator reachable again after %.1f s", time.monotonic() - self._down_since)
+            self._down_since = None
 
     async def _json_call(self, method: str, url: str, body: Any = None, **kwargs: Any) -> Any:
         _, _, raw = await self._call(method, url, json=body, **kwargs)
@@ -358,6 +400,7 @@ class CoordinatorClient:
             data = orjson.loads(raw)
             result.accepted += data["accepted"]
             result.duplicates += data["duplicates"]
+            result.stale += data.get("stale", 0)
             result.duplicate_keys.extend(data.get("duplicate_keys", []))
 
         try:
@@ -422,8 +465,7 @@ class CoordinatorClient:
             "POST",
             self._path(f"/queues/{consumer}/lease"),
             json=body,
-            deadline_s=wait_s + self.request_timeout_s * (self.max_retries + 1),
-            max_retries=self.max_retries,
+            deadline_s=wait_s + self.outage_deadline_s,
             extra_timeout_s=wait_s,
             reader=self._read_frame,
         )
@@ -438,6 +480,7 @@ class CoordinatorClient:
             bool(header.get("end")),
             header.get("message"),
             header.get("groups", []),
+            header.get("dead", []),
         )
 
     async def extend(self, lease_id: str, lease_s: float, consumer: str | None = None) -> float:
@@ -455,6 +498,29 @@ class CoordinatorClient:
         lease expired and its groups were already delivered again."""
         return await self._json_call(
             "POST", self._path(f"/queues/{consumer or self.agent}/ack"), {"lease_id": lease_id}
+        )
+
+    async def ack_through(self, step: int, consumer: str | None = None) -> dict[str, Any]:
+        """Mark every group of producer step <= `step` done for good, leased or not (idempotent; a
+        lower step than one acked before changes nothing). Returns {"through_step", "acked_groups",
+        "acked_items"}. Items of those steps committed later are dropped (never delivered)."""
+        return await self._json_call(
+            "POST", self._path(f"/queues/{consumer or self.agent}/ack_through"), {"step": int(step)}
+        )
+
+    async def release(self, consumer: str | None = None) -> int:
+        """Hand back every lease of the queue now (a restarted consumer takes over the leases of its
+        dead predecessor instead of waiting them out); returns how many groups."""
+        data = await self._json_call("POST", self._path(f"/queues/{consumer or self.agent}/release"), {})
+        return int(data["released_groups"])
+
+    async def reject(self, group: str, reason: str, consumer: str | None = None) -> dict[str, Any]:
+        """Set a group aside now, with the reason (its consumer cannot train it): never delivered
+        again, counted. Returns {"group", "items", "step", "already"}."""
+        return await self._json_call(
+            "POST",
+            self._path(f"/queues/{consumer or self.agent}/reject"),
+            {"group": group, "reason": reason[:1000]},
         )
 
     async def _read_frame(self, resp: aiohttp.ClientResponse) -> tuple[dict[str, Any], list[QueueItem]]:

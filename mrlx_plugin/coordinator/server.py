@@ -11,6 +11,11 @@ all under /v1 except health, metrics and the OpenAPI document:
     POST /v1/runs/{run}/queues/{consumer}/commit       body: a wire frame of items (see `wire`)
     POST /v1/runs/{run}/queues/{consumer}/lease        JSON in, wire frame out (lease id in its header)
     POST /v1/runs/{run}/queues/{consumer}/ack          {"lease_id"}
+    POST /v1/runs/{run}/queues/{consumer}/ack_through  {"step"}: every group of that producer step or an
+                                                       earlier one is done (a durable watermark)
+    POST /v1/runs/{run}/queues/{consumer}/release      {}: hand back the consumer's leases now (its
+                                                       restarted process takes a dead one's over)
+    POST /v1/runs/{run}/queues/{consumer}/reject       {"group", "reason"}: set a group aside now
     POST /v1/runs/{run}/queues/{consumer}/extend       {"lease_id", "lease_s"}
     POST /v1/runs/{run}/queues/{consumer}/seal         {"group", "size"}
     POST /v1/runs/{run}/queues/{consumer}/end          {}
@@ -19,6 +24,10 @@ all under /v1 except health, metrics and the OpenAPI document:
     POST /v1/runs/{run}/agents/{agent}/version         {"version"}
     GET  /v1/runs/{run}/agents/{agent}/version
     POST /v1/runs/{run}/agents/{agent}/wait_version    {"min_version", "timeout_s"?} (long poll)
+
+A group leased `--max-deliveries` times and never acknowledged, or rejected by its consumer, is set
+aside (dead-lettered): kept in the database, never delivered again, reported in lease answers
+(`dead`) so that the consumer can keep its step's shape, and counted in /metrics.
 
 Every call but /health and /openapi.json needs `Authorization: Bearer TOKEN`. Clients name
 themselves with `X-Mrlx-Agent`, `X-Mrlx-Pid`, `X-Mrlx-Host`; any such call counts as a heartbeat.
@@ -34,6 +43,7 @@ import hmac
 import logging
 import math
 import re
+import resource
 import signal
 import sys
 import time
@@ -73,6 +83,12 @@ HEARTBEAT_FLUSH_S = 2.0
 RETRY_AFTER_S = 1
 AGENT_HEADER, PID_HEADER, HOST_HEADER = "X-Mrlx-Agent", "X-Mrlx-Pid", "X-Mrlx-Host"
 LEASE_HEADER = "X-Mrlx-Lease-Id"
+IDLE_TIMEOUT_S = 30.0  # longer than the client's own keep-alive (15 s), so the client closes first
+MAX_CONNECTIONS = 1000
+LISTEN_BACKLOG = 128
+# Descriptors kept free of connections: the database's files, the log, the listening socket, and
+# up to a backlog of sockets the event loop accepts before their connections are counted.
+FD_RESERVE = 64 + LISTEN_BACKLOG
 
 
 # --------------------------------------------------------------------------- request bodies
@@ -111,6 +127,15 @@ LEASE_BODY = {
     "step": BodyField("int", False, 0, None, nullable=True, doc="only groups of this producer step"),
 }
 ACK_BODY = {"lease_id": BodyField("str", max_length=64, doc="the lease to ack")}
+ACK_THROUGH_BODY = {
+    "step": BodyField("int", minimum=0, doc="every group of this producer step or an earlier one is done"),
+}
+RELEASE_BODY: dict[str, BodyField] = {}
+REJECT_BODY = {
+    "group": BodyField("str", max_length=MAX_KEY_CHARS, doc="the group to set aside"),
+    "reason": BodyField("str", max_length=1000, doc="why its consumer cannot train it"),
+}
+MAX_DELIVERIES = 3
 EXTEND_BODY = {
     "lease_id": BodyField("str", max_length=64, doc="the lease to keep"),
     "lease_s": BodyField(
@@ -216,6 +241,9 @@ class CoordinatorConfig:
     port_file: str | None = None
     synchronous: str = "full"
     max_db_mb: float | None = None
+    max_deliveries: int = MAX_DELIVERIES
+    idle_timeout_s: float = IDLE_TIMEOUT_S
+    max_connections: int = MAX_CONNECTIONS
 
 
 class OneLineBadRequests(logging.Filter):
@@ -281,6 +309,9 @@ COUNTER_HELP = {
     "mrlx_coordinator_items_leased_total": "items handed out under a lease (redeliveries included)",
     "mrlx_coordinator_items_redelivered_total": "items handed out again after a lease expired",
     "mrlx_coordinator_items_acked_total": "items acked (done for good)",
+    "mrlx_coordinator_items_dead_lettered_total": (
+        "items set aside, never delivered again (reason: deliveries, or rejected by the consumer)"
+    ),
     "mrlx_coordinator_wait_timeouts_total": "long polls that ended without their condition",
     "mrlx_coordinator_requests_total": "HTTP requests by endpoint and status",
 }
@@ -326,6 +357,9 @@ class Coordinator:
         route("POST", queue + "/commit", self.commit, name="commit")
         route("POST", queue + "/lease", self.lease, name="lease")
         route("POST", queue + "/ack", self.ack, name="ack")
+        route("POST", queue + "/ack_through", self.ack_through, name="ack_through")
+        route("POST", queue + "/release", self.release, name="release")
+        route("POST", queue + "/reject", self.reject, name="reject")
         route("POST", queue + "/extend", self.extend, name="extend")
         route("POST", queue + "/seal", self.seal, name="seal")
         route("POST", queue + "/end", self.end, name="end")
@@ -530,12 +564,15 @@ class Coordinator:
     # ----------------------------------------------------------------- queues
 
     async def _read_body(self, request: web.Request) -> tuple[memoryview, bytearray | None]:
-        """The request body, read into a reused buffer when its length is known (give it back after)."""
+        """The request body (give the buffer back after): into a reused buffer when one of its
+        Content-Length is at hand, else into one grown as the bytes arrive. Memory follows the bytes
+        received, never the length a client declares (which costs it nothing to send)."""
         length = request.content_length
         if length is None:
             return memoryview(await request.read()), None
-        buf = self._buffers.take(length)
-        view = memoryview(buf)
+        kept = self._buffers.take_existing(length)
+        buf = bytearray() if kept is None else kept
+        view = None if kept is None else memoryview(kept)
         position = 0
         try:
             while position < length:
@@ -545,12 +582,15 @@ class Coordinator:
                 end = position + len(chunk)
                 if end > length:
                     raise HttpProblem(400, f"the request body is longer than its Content-Length {length}")
-                view[position:end] = chunk
+                if view is None:
+                    buf += chunk  # amortised growth (bytearray over-allocates)
+                else:
+                    view[position:end] = chunk
                 position = end
         except BaseException:
             self._buffers.give(buf)
             raise
-        return view[:length], buf
+        return (memoryview(buf) if view is None else view)[:length], buf
 
     def _scan(self, body: memoryview, consumer: str) -> FrameView:
         frame = scan_frame(body)
@@ -598,6 +638,8 @@ class Coordinator:
                 "accepted": outcome.accepted,
                 "duplicates": len(outcome.duplicates),
                 "duplicate_keys": outcome.duplicates,
+                # items of steps the consumer acknowledged through: kept by key, never delivered
+                **({"stale": outcome.stale} if outcome.stale else {}),
             }
         )
 
@@ -616,13 +658,20 @@ class Coordinator:
                         {"lease_id": None, "end": False, "groups": [], "message": "client gone"}
                     )
                 grant = await self.store.lease(
-                    consumer, body["max_groups"], body["lease_s"], body["step"], time.time()
+                    consumer,
+                    body["max_groups"],
+                    body["lease_s"],
+                    body["step"],
+                    time.time(),
+                    self.config.max_deliveries,
                 )
+                self._count_dead(consumer, grant.dead, "deliveries")
                 if grant.groups:
                     return await self._lease_response(consumer, grant, request)
-                if grant.end:
+                if grant.end or grant.dead:
                     return self._frame_response(
-                        {"lease_id": None, "end": True, "groups": [], "message": None}
+                        {"lease_id": None, "end": grant.end, "groups": [], "message": None,
+                         "dead": self._dead_json(grant)}
                     )
                 remaining = deadline - loop.time()
                 if remaining <= 0:
@@ -631,7 +680,8 @@ class Coordinator:
                         self._wait_ended("lease", True)
                         waiting = False
                     return self._frame_response(
-                        {"lease_id": None, "end": False, "groups": [], "message": message}
+                        {"lease_id": None, "end": False, "groups": [], "message": message,
+                         "dead": self._dead_json(grant)}
                     )
                 timeout = remaining
                 if grant.next_expiry is not None:  # another lease may expire first: look again then
@@ -665,7 +715,9 @@ class Coordinator:
             flat.extend(group_records)
             if granted.redelivered:
                 redelivered += len(group_records)
-        header = {"lease_id": grant.lease_id, "end": False, "groups": groups, "message": None}
+        header = {
+            "lease_id": grant.lease_id, "end": False, "groups": groups, "message": None, "dead": self._dead_json(grant),
+        }
         head = frame_head(len(flat), header)
         self.metrics.inc("mrlx_coordinator_items_leased_total", len(flat), consumer=consumer)
         if redelivered:
@@ -683,6 +735,30 @@ class Coordinator:
             # The consumer went away; its lease expires and the groups are delivered again.
             log.info("lease %s of %r: the consumer disconnected during the answer", grant.lease_id, consumer)
         return response
+
+    @staticmethod
+    def _dead_json(grant: Any) -> list[dict[str, Any]]:
+        """The groups set aside that a lease answer reports: those of the step asked for (every one,
+        so that a consumer restarted after an earlier report learns them too), else this attempt's."""
+        seen: dict[str, Any] = {}
+        for dead in [*grant.step_dead, *grant.dead]:
+            seen.setdefault(dead.group, dead)
+        return [
+            {"group": d.group, "size": d.n_items, "step": d.step, "producer": d.producer, "reason": d.reason}
+            for d in seen.values()
+        ]
+
+    def _count_dead(self, consumer: str, dead: list[Any], reason: str) -> None:
+        if not dead:
+            return
+        items = sum(d.n_items for d in dead)
+        self.metrics.inc("mrlx_coordinator_items_dead_lettered_total", items, consumer=consumer, reason=reason)
+        for d in dead:
+            log.warning(
+                "group %r of step %s (%d items) for %r set aside, never delivered again: %s",
+                d.group, d.step, d.n_items, consumer, d.reason,
+            )
+        _pulse(self._queue_events, consumer)  # room for blocked producers
 
     def _frame_response(self, header: dict[str, Any]) -> web.Response:
         return web.Response(body=encode_frame([], header), content_type=CONTENT_TYPE)
@@ -714,6 +790,34 @@ class Coordinator:
                 "already_acked": outcome.already_acked,
             }
         )
+
+    async def ack_through(self, request: web.Request) -> web.Response:
+        consumer = self._known_agent(request.match_info["consumer"], "consumer")
+        body = await self._read_json(request, ACK_THROUGH_BODY)
+        outcome = await self.store.ack_through(consumer, body["step"], time.time())
+        if outcome.items:
+            self.metrics.inc("mrlx_coordinator_items_acked_total", outcome.items, consumer=consumer)
+            _pulse(self._queue_events, consumer)
+        return self._json(
+            {"through_step": outcome.through_step, "acked_groups": outcome.groups, "acked_items": outcome.items}
+        )
+
+    async def release(self, request: web.Request) -> web.Response:
+        consumer = self._known_agent(request.match_info["consumer"], "consumer")
+        await self._read_json(request, RELEASE_BODY)
+        released = await self.store.release(consumer, time.time())
+        if released:
+            log.info("%d leased groups of %r handed back by its consumer (a restarted process)", released, consumer)
+            _pulse(self._queue_events, consumer)
+        return self._json({"released_groups": released})
+
+    async def reject(self, request: web.Request) -> web.Response:
+        consumer = self._known_agent(request.match_info["consumer"], "consumer")
+        body = await self._read_json(request, REJECT_BODY)
+        dead, already = await self.store.reject(consumer, body["group"], body["reason"], time.time())
+        if not already:
+            self._count_dead(consumer, [dead], "rejected")
+        return self._json({"group": dead.group, "items": dead.n_items, "step": dead.step, "already": already})
 
     async def extend(self, request: web.Request) -> web.Response:
         consumer = self._known_agent(request.match_info["consumer"], "consumer")
@@ -757,6 +861,9 @@ class Coordinator:
             else round(now - stats.oldest_created, 3),
             "ended": consumer in self.ended,
             "max_depth": self.config.max_depth,
+            "dead_groups": stats.dead_groups,
+            "dead_items": stats.dead_items,
+            "acked_through": self.store.watermark(consumer),
         }
 
     # ----------------------------------------------------------------- agents
@@ -889,6 +996,11 @@ class Coordinator:
             [({"consumer": c}, stats.get(c, QueueStats()).ready_groups) for c in self.agents],
         )
         gauge(
+            "mrlx_coordinator_queue_dead_items",
+            "items set aside per consumer queue (dead-lettered: never delivered again)",
+            [({"consumer": c}, stats.get(c, QueueStats()).dead_items) for c in self.agents],
+        )
+        gauge(
             "mrlx_coordinator_queue_incomplete_groups",
             "groups still waiting for items or a seal",
             [({"consumer": c}, stats.get(c, QueueStats()).incomplete_groups) for c in self.agents],
@@ -981,7 +1093,8 @@ def openapi_document(run_id: str | None = None, agents: list[str] | None = None)
     }
     json_ok = {"description": "ok", "content": {"application/json": {"schema": {"type": "object"}}}}
     frame_ok = {
-        "description": "a wire frame (see mrlx_plugin.coordinator.wire); its JSON header holds lease_id, end, groups, message",
+        "description": "a wire frame (see mrlx_plugin.coordinator.wire); its JSON header holds lease_id, end, "
+        "groups, message, dead (groups set aside)",
         "content": {CONTENT_TYPE: {"schema": {"type": "string", "format": "binary"}}},
     }
     run_schema: dict[str, Any] = {"type": "string", **({"enum": [run_id]} if run_id else {})}
@@ -1084,6 +1197,18 @@ def openapi_document(run_id: str | None = None, agents: list[str] | None = None)
                 }
             },
             queue + "/ack": json_post("ack a lease", ACK_BODY, [run, consumer], json_ok, 409, 503, 507),
+            queue + "/ack_through": json_post(
+                "ack every group of a producer step or an earlier one (a durable watermark; idempotent)",
+                ACK_THROUGH_BODY, [run, consumer], json_ok, 503, 507,
+            ),
+            queue + "/release": json_post(
+                "hand back every lease of the consumer now (its restarted process takes them over)",
+                RELEASE_BODY, [run, consumer], json_ok, 503, 507,
+            ),
+            queue + "/reject": json_post(
+                "set a group aside now (its consumer cannot train it): never delivered again",
+                REJECT_BODY, [run, consumer], json_ok, 409, 503, 507,
+            ),
             queue + "/extend": json_post(
                 "keep a lease longer", EXTEND_BODY, [run, consumer], json_ok, 409, 503, 507
             ),
@@ -1121,7 +1246,12 @@ def openapi_document(run_id: str | None = None, agents: list[str] | None = None)
 
 def add_coordinator_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The coordinator's options, for `mrlx coordinator` and `python -m mrlx_plugin.coordinator.server`."""
-    parser.add_argument("--db", required=True, help="SQLite file on a local disk (created if missing)")
+    parser.add_argument(
+        "--db",
+        required=True,
+        help="SQLite file on a local disk (created if missing); it and its -wal and -shm files are "
+        "owner-only (0600): looser modes found at start are tightened, and the log says so",
+    )
     parser.add_argument("--run-id", required=True, help="the run this coordinator serves")
     parser.add_argument("--agents", required=True, help="comma-separated agent names, e.g. doctor,patient")
     parser.add_argument(
@@ -1150,6 +1280,27 @@ def add_coordinator_arguments(parser: argparse.ArgumentParser) -> argparse.Argum
     parser.add_argument(
         "--max-db-mb", type=float, default=None, help="cap on the database size; commits past it get 507"
     )
+    parser.add_argument(
+        "--max-deliveries",
+        type=int,
+        default=MAX_DELIVERIES,
+        help="a group leased this many times and never acknowledged is set aside (dead-lettered: kept, "
+        f"counted, never delivered again) (default {MAX_DELIVERIES})",
+    )
+    parser.add_argument(
+        "--idle-timeout-s",
+        type=float,
+        default=IDLE_TIMEOUT_S,
+        help="close a connection that has not sent a complete request header for this long, counted "
+        f"from its start or from its last answer (default {IDLE_TIMEOUT_S:g})",
+    )
+    parser.add_argument(
+        "--max-connections",
+        type=int,
+        default=MAX_CONNECTIONS,
+        help="most open connections; past it the connection idle the longest is closed (default "
+        f"{MAX_CONNECTIONS}, lowered to fit the open-file limit RLIMIT_NOFILE)",
+    )
     return parser
 
 
@@ -1169,10 +1320,16 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
         raise ValueError(f"--run-id: {args.run_id!r} is not valid (letters, digits, _ . -; at most 64)")
     if args.max_depth < 1:
         raise ValueError("--max-depth must be at least 1")
+    if args.max_deliveries < 1:
+        raise ValueError("--max-deliveries must be at least 1")
     if args.max_request_mb <= 0:
         raise ValueError("--max-request-mb must be positive")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port {args.port} is not a port number")
+    if not (math.isfinite(args.idle_timeout_s) and args.idle_timeout_s > 0):
+        raise ValueError("--idle-timeout-s must be a positive number of seconds")
+    if args.max_connections < 1:
+        raise ValueError("--max-connections must be at least 1")
     token = token_from_env_or_file(args.token_env, args.token_file)
     if token is None and not is_loopback(args.host):
         raise ValueError(
@@ -1191,7 +1348,129 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
         port_file=args.port_file,
         synchronous=args.synchronous,
         max_db_mb=args.max_db_mb,
+        max_deliveries=args.max_deliveries,
+        idle_timeout_s=args.idle_timeout_s,
+        max_connections=args.max_connections,
     )
+
+
+def connection_cap(wanted: int) -> int:
+    """How many connections may be open at once: `wanted`, with the soft RLIMIT_NOFILE raised (up
+    to the hard limit) to hold them and FD_RESERVE more, or lowered to fit the limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = wanted + FD_RESERVE
+    if soft != resource.RLIM_INFINITY and soft < need:
+        target = need if hard == resource.RLIM_INFINITY else min(need, hard)
+        if target > soft:
+            try:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+                soft = target
+            except (ValueError, OSError) as exc:
+                log.warning("could not raise the open-file limit from %d to %d: %s", soft, target, exc)
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return wanted
+    cap = max(1, soft - FD_RESERVE)
+    log.warning(
+        "the open-file limit (RLIMIT_NOFILE %d, hard %s) holds %d connections, not %d: serving at most %d",
+        soft, "unlimited" if hard == resource.RLIM_INFINITY else hard, cap, wanted, cap,
+    )
+    return cap
+
+
+class ConnectionGuard:
+    """Bounds what connections that send nothing can hold (file descriptors above all):
+
+    - at most `cap` connections are open; past it, the one idle the longest (no request in
+      progress, least recently active) is closed, so that a call coming in is still served (the
+      new connection itself is closed only when every other one has a request in progress);
+    - a connection that has not sent a complete first request header within `header_timeout_s`
+      is closed. (Between requests aiohttp's `keepalive_timeout` does the same; older aiohttp
+      versions did not time out a connection's first request.)
+
+    It hooks an aiohttp `web.Server` through the calls that server's connections make to it:
+    `connection_made`, `connection_lost` and `request_handler` (wrap it before the site starts).
+    """
+
+    REPORT_EVERY_S = 10.0
+
+    def __init__(self, server: web.Server, cap: int, header_timeout_s: float) -> None:
+        self.cap = cap
+        self.header_timeout_s = header_timeout_s
+        self._loop = asyncio.get_running_loop()
+        # Open connections, least recently active first -> the timer of their first header (None
+        # once a request has started); and the requests in progress per connection.
+        self._conns: dict[Any, asyncio.TimerHandle | None] = {}
+        self._busy: dict[Any, int] = {}
+        self._closed = {"cap": 0, "header": 0}
+        self._reported = 0.0
+        made, lost, handle = server.connection_made, server.connection_lost, server.request_handler
+
+        def connection_made(protocol: Any, transport: asyncio.Transport) -> None:
+            made(protocol, transport)
+            self._opened(protocol)
+
+        def connection_lost(protocol: Any, exc: BaseException | None = None) -> None:
+            self._forget(protocol)
+            lost(protocol, exc)
+
+        async def request_handler(request: Any) -> web.StreamResponse:
+            protocol = request.protocol
+            self._started(protocol)
+            try:
+                return await handle(request)
+            finally:
+                self._finished(protocol)
+
+        server.connection_made = connection_made  # type: ignore[method-assign]
+        server.connection_lost = connection_lost  # type: ignore[method-assign]
+        server.request_handler = request_handler
+        log.info(
+            "at most %d connections; one without a complete request header for %g s is closed",
+            cap, header_timeout_s,
+        )
+
+    def _opened(self, protocol: Any) -> None:
+        self._conns[protocol] = self._loop.call_later(self.header_timeout_s, self._header_due, protocol)
+        if len(self._conns) > self.cap:
+            # The oldest idle one; the new one (last, never busy yet) when all others are busy.
+            self._close(next(p for p in self._conns if p not in self._busy), "cap")
+
+    def _header_due(self, protocol: Any) -> None:
+        if self._conns.get(protocol) is not None and protocol not in self._busy:
+            self._close(protocol, "header")
+
+    def _started(self, protocol: Any) -> None:
+        if protocol in self._conns:
+            timer = self._conns.pop(protocol)
+            if timer is not None:
+                timer.cancel()
+            self._conns[protocol] = None  # now the most recently active
+        self._busy[protocol] = self._busy.get(protocol, 0) + 1
+
+    def _finished(self, protocol: Any) -> None:
+        count = self._busy.pop(protocol, 0) - 1
+        if count > 0:
+            self._busy[protocol] = count
+        if protocol in self._conns:
+            self._conns[protocol] = self._conns.pop(protocol)
+
+    def _forget(self, protocol: Any) -> None:
+        timer = self._conns.pop(protocol, None)
+        if timer is not None:
+            timer.cancel()
+
+    def _close(self, protocol: Any, reason: str) -> None:
+        self._forget(protocol)
+        protocol.force_close()
+        self._closed[reason] += 1
+        now = time.monotonic()
+        if now - self._reported >= self.REPORT_EVERY_S:
+            self._reported = now
+            log.warning(
+                "closed idle connections (so far: %d past the cap of %d open "
+                "connections, the longest idle first; %d without a request header within %g s)",
+                self._closed["cap"], self.cap, self._closed["header"], self.header_timeout_s,
+            )
 
 
 async def serve(config: CoordinatorConfig, *, stop: asyncio.Event | None = None) -> None:
@@ -1201,11 +1480,19 @@ async def serve(config: CoordinatorConfig, *, stop: asyncio.Event | None = None)
     )
     coordinator = Coordinator(config, store, state)
     runner = web.AppRunner(
-        coordinator.build_app(), access_log=None, handle_signals=False, auto_decompress=False
+        coordinator.build_app(),
+        access_log=None,
+        handle_signals=False,
+        auto_decompress=False,
+        keepalive_timeout=config.idle_timeout_s,
     )
     try:
         await runner.setup()
-        site = web.TCPSite(runner, config.host, config.port, reuse_address=True)
+        assert runner.server is not None
+        ConnectionGuard(runner.server, connection_cap(config.max_connections), config.idle_timeout_s)
+        site = web.TCPSite(
+            runner, config.host, config.port, reuse_address=True, backlog=LISTEN_BACKLOG
+        )
         await site.start()
         port = config.port
         for sock in getattr(site._server, "sockets", None) or []:  # the port actually bound (for --port 0)

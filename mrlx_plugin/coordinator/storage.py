@@ -19,6 +19,13 @@ of an acked key is recognised as a duplicate); `records` holds the item's wire r
 until the item is acked, when it is deleted; `groups` is the unit of delivery; `leases` remembers
 which groups each lease took. Lease expiry is wall-clock time, so leased-but-unacked groups come back
 after their expiry across a restart too.
+
+Delivery by step: `watermarks` holds, per consumer, the producer step through which the consumer has
+acknowledged everything (`ack_through`: every group of that step or an earlier one is done, leased or
+not; an item of such a step committed later is remembered by key and dropped, never delivered). A
+group leased `max_deliveries` times without an ack, or rejected by its consumer, is set aside
+(`groups.dead`, with its reason): kept in the file with its records, never delivered again, not
+counted in the queue's depth.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import logging
 import os
 import secrets
 import sqlite3
+import stat
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -41,7 +49,7 @@ from mrlx_plugin.coordinator.wire import RecordView
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: groups.dead/dead_reason and the watermarks table
 # Large pages keep a ~50 KB sample in two overflow pages instead of a dozen (about 2x faster
 # inserts and reads than the 4 KB default); small rows only cost a little more WAL per write.
 PAGE_SIZE = 32768
@@ -87,6 +95,8 @@ CREATE TABLE IF NOT EXISTS groups (
     lease_expires REAL,
     deliveries INTEGER NOT NULL DEFAULT 0,
     acked REAL,
+    dead REAL,
+    dead_reason TEXT,
     PRIMARY KEY (consumer, grp)
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS groups_open ON groups (consumer, first_seq) WHERE acked IS NULL;
@@ -101,6 +111,7 @@ CREATE TABLE IF NOT EXISTS leases (
 CREATE TABLE IF NOT EXISTS versions (agent TEXT PRIMARY KEY, version INTEGER NOT NULL, updated REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS agents (agent TEXT PRIMARY KEY, last_seen REAL NOT NULL, pid INTEGER, host TEXT);
 CREATE TABLE IF NOT EXISTS ended (consumer TEXT PRIMARY KEY, ended REAL NOT NULL, by_agent TEXT);
+CREATE TABLE IF NOT EXISTS watermarks (consumer TEXT PRIMARY KEY, step INTEGER NOT NULL, updated REAL NOT NULL);
 """
 
 
@@ -143,6 +154,7 @@ class CommitOutcome:
     accepted: int
     duplicates: list[str]
     completed_groups: int
+    stale: int = 0  # new items of steps the consumer acked through: remembered by key, not queued
 
 
 @dataclass
@@ -155,6 +167,17 @@ class GrantedGroup:
 
 
 @dataclass
+class DeadGroup:
+    """A group set aside (dead-lettered): never delivered again, kept in the file."""
+
+    group: str
+    n_items: int
+    step: int
+    producer: str
+    reason: str
+
+
+@dataclass
 class LeaseGrant:
     """The answer of one lease attempt: groups under a new lease, or none (and maybe end-of-stream)."""
 
@@ -162,6 +185,15 @@ class LeaseGrant:
     groups: list[GrantedGroup]
     end: bool
     next_expiry: float | None  # earliest expiry of another lease of this queue, to wake a waiter
+    dead: list[DeadGroup] = field(default_factory=list)  # set aside by this attempt
+    step_dead: list[DeadGroup] = field(default_factory=list)  # every group set aside of the step asked for
+
+
+@dataclass
+class AckThroughOutcome:
+    through_step: int
+    groups: int
+    items: int
 
 
 @dataclass
@@ -178,6 +210,8 @@ class QueueStats:
     ready_groups: int = 0
     incomplete_groups: int = 0
     oldest_created: float | None = None
+    dead_groups: int = 0
+    dead_items: int = 0
 
 
 @dataclass
@@ -189,6 +223,7 @@ class LoadedState:
     ended: set[str] = field(default_factory=set)
     producers: dict[str, set[str]] = field(default_factory=dict)
     unacked: dict[str, int] = field(default_factory=dict)
+    watermarks: dict[str, int] = field(default_factory=dict)
 
 
 def _storage_failure(exc: sqlite3.Error) -> StorageFailure:
@@ -200,6 +235,44 @@ def _storage_failure(exc: sqlite3.Error) -> StorageFailure:
         "--db and writes resume without a restart",
         status,
     )
+
+
+DB_FILE_MODE = 0o600  # queued samples are training data: no other local user reads them
+
+
+def make_owner_only(path: str) -> None:
+    """Create the database file owner-only (0600) if it is missing, and tighten it, its -wal and
+    its -shm to 0600 where they exist with group or other bits (logged). SQLite creates a missing
+    -wal, -shm or journal with the mode of the database file, so they follow."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, DB_FILE_MODE)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise StoreOpenError(f"cannot create the coordinator database {path!r}: {exc}") from None
+    else:
+        try:
+            os.fchmod(fd, DB_FILE_MODE)  # whatever the umask
+        finally:
+            os.close(fd)
+    for name in (path, path + "-wal", path + "-shm"):
+        try:
+            mode = stat.S_IMODE(os.stat(name).st_mode)
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            raise StoreOpenError(f"cannot read the mode of {name!r}: {exc}") from None
+        if mode & 0o077:
+            try:
+                os.chmod(name, DB_FILE_MODE)
+            except OSError as exc:
+                log.warning(
+                    "%s is readable or writable by other users (mode %04o) and could not be made "
+                    "owner-only: %s; fix its mode or owner",
+                    name, mode, exc,
+                )
+            else:
+                log.warning("%s had mode %04o; made it owner-only (0600)", name, mode)
 
 
 class CoordinatorStore:
@@ -224,6 +297,7 @@ class CoordinatorStore:
         # Owned by the writer thread: unacked items per consumer (depth), ended queues.
         self._unacked: dict[str, int] = {}
         self._ended: set[str] = set()
+        self._watermarks: dict[str, int] = {}  # consumer -> step acked through (read by any thread)
         self._checkpoint_wanted = threading.Event()
         self._wal_dirty = False
         self._last_write = time.monotonic()
@@ -276,6 +350,7 @@ class CoordinatorStore:
         directory = os.path.dirname(os.path.abspath(self.path))
         if not os.path.isdir(directory):
             raise StoreOpenError(f"the directory of --db {self.path!r} does not exist; create it first")
+        make_owner_only(self.path)
         try:
             setup = self._connect()
             setup.execute(f"PRAGMA page_size={PAGE_SIZE}")  # only takes effect on a new file
@@ -309,6 +384,7 @@ class CoordinatorStore:
                 )
             if int(rows.get("schema_version", "0")) > SCHEMA_VERSION:
                 raise StoreOpenError(f"database {self.path!r} has a newer schema; upgrade mrlx_plugin")
+        self._migrate(conn, int(rows.get("schema_version", SCHEMA_VERSION)))
         state = LoadedState()
         for agent, version, updated in conn.execute("SELECT agent, version, updated FROM versions"):
             state.versions[agent] = (version, updated)
@@ -318,13 +394,38 @@ class CoordinatorStore:
         for consumer, producer in conn.execute("SELECT DISTINCT consumer, producer FROM groups"):
             state.producers.setdefault(consumer, set()).add(producer)
         for consumer, count in conn.execute(
-            "SELECT consumer, SUM(n_items) FROM groups WHERE acked IS NULL GROUP BY consumer"
+            "SELECT consumer, SUM(n_items) FROM groups WHERE acked IS NULL AND dead IS NULL GROUP BY consumer"
         ):
             state.unacked[consumer] = int(count or 0)
+        state.watermarks = {c: int(s) for c, s in conn.execute("SELECT consumer, step FROM watermarks")}
         self._unacked = dict(state.unacked)
         self._ended = set(state.ended)
+        self._watermarks = dict(state.watermarks)
         self._next_seq = (conn.execute("SELECT MAX(seq) FROM items").fetchone()[0] or 0) + 1
         return state
+
+    def _migrate(self, conn: sqlite3.Connection, version: int) -> None:
+        """Bring a file of an older schema up to this one (columns added; nothing is rewritten)."""
+        try:
+            columns = {row[1] for row in conn.execute("PRAGMA table_info(groups)")}
+            indexed = conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'index' AND name = 'groups_dead'").fetchone()
+            if "dead" in columns and indexed and version >= SCHEMA_VERSION:
+                return
+            with self._transaction():
+                if "dead" not in columns:
+                    conn.execute("ALTER TABLE groups ADD COLUMN dead REAL")
+                    conn.execute("ALTER TABLE groups ADD COLUMN dead_reason TEXT")
+                conn.execute("CREATE INDEX IF NOT EXISTS groups_dead ON groups (consumer, first_seq) WHERE dead IS NOT NULL")
+                if version < SCHEMA_VERSION:
+                    conn.execute(
+                        "UPDATE run_info SET value = ? WHERE name = 'schema_version'", (str(SCHEMA_VERSION),)
+                    )
+        except (sqlite3.Error, StoreError) as exc:
+            raise StoreOpenError(f"cannot bring the coordinator database {self.path!r} to schema {SCHEMA_VERSION}: {exc}") from None
+
+    def watermark(self, consumer: str) -> int | None:
+        """The step `consumer` has acknowledged everything through (None: none yet)."""
+        return self._watermarks.get(consumer)
 
     async def close(self) -> None:
         """Checkpoint, close every connection and stop the threads."""
@@ -443,8 +544,17 @@ class CoordinatorStore:
                             "keys are unique per run (episode id + agent)",
                             409,
                         )
+                mark = self._watermarks.get(consumer)
+                stale = [] if mark is None else [r for r in fresh if r.meta["step"] <= mark]
+                if stale:
+                    # The consumer acknowledged these steps through (trained and saved them); it never
+                    # asks for them again. Kept by key (a re-commit is a duplicate), never queued.
+                    fresh = [r for r in fresh if r.meta["step"] > mark]
+                    self._insert_stale(conn, consumer, stale, now)
                 if not fresh:
-                    return CommitOutcome(0, duplicates, 0)
+                    if stale:
+                        self._after_write()
+                    return CommitOutcome(0, duplicates, 0, len(stale))
                 if consumer in self._ended:
                     raise Rejected(
                         f"the queue of {consumer!r} was ended by its producer; no new items are accepted "
@@ -558,7 +668,23 @@ class CoordinatorStore:
             raise
         self._unacked[consumer] = self._unacked.get(consumer, 0) + len(fresh)
         self._after_write()
-        return CommitOutcome(len(fresh), duplicates, completed)
+        return CommitOutcome(len(fresh), duplicates, completed, len(stale))
+
+    def _insert_stale(self, conn: sqlite3.Connection, consumer: str, stale: Sequence[RecordView], now: float) -> None:
+        """Remember the keys of items of already-acknowledged steps, as acked items with no record."""
+        seq = self._next_seq
+        rows = []
+        for record in stale:
+            meta = record.meta
+            rows.append((seq, meta["key"], consumer, meta["group"], meta["producer"], meta["step"], meta["n_tokens"],
+                         now, now))
+            seq += 1
+        conn.executemany(
+            "INSERT INTO items (seq, key, consumer, grp, producer, step, n_tokens, created, acked) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            rows,
+        )
+        self._next_seq = seq
 
     async def seal(self, consumer: str, group: str, size: int) -> bool:
         """Fix the final size of a group that came up short; True when the group is now complete."""
@@ -616,7 +742,7 @@ class CoordinatorStore:
             )
             sealed = conn.execute(
                 "UPDATE groups SET sealed_size = n_items, complete = 1 "
-                "WHERE consumer = ? AND complete = 0 AND acked IS NULL",
+                "WHERE consumer = ? AND complete = 0 AND acked IS NULL AND dead IS NULL",
                 (consumer,),
             ).rowcount
         self._ended.add(consumer)
@@ -624,19 +750,33 @@ class CoordinatorStore:
         return sealed
 
     async def lease(
-        self, consumer: str, max_groups: int, lease_s: float, step: int | None, now: float
+        self,
+        consumer: str,
+        max_groups: int,
+        lease_s: float,
+        step: int | None,
+        now: float,
+        max_deliveries: int | None = None,
     ) -> LeaseGrant:
-        """Lease up to `max_groups` complete groups, oldest first, until `now + lease_s`."""
-        return await self._in_writer(self._lease_sync, consumer, max_groups, lease_s, step, now)
+        """Lease up to `max_groups` complete groups, oldest first, until `now + lease_s`; a group
+        already delivered `max_deliveries` times (and never acked) is set aside instead."""
+        return await self._in_writer(self._lease_sync, consumer, max_groups, lease_s, step, now, max_deliveries)
 
     def _lease_sync(
-        self, consumer: str, max_groups: int, lease_s: float, step: int | None, now: float
+        self,
+        consumer: str,
+        max_groups: int,
+        lease_s: float,
+        step: int | None,
+        now: float,
+        max_deliveries: int | None = None,
     ) -> LeaseGrant:
         conn = self._writer
         assert conn is not None
         query = (
             "SELECT grp, n_items, step, producer, deliveries FROM groups "
-            "WHERE consumer = ? AND acked IS NULL AND complete = 1 AND (lease_expires IS NULL OR lease_expires <= ?)"
+            "WHERE consumer = ? AND acked IS NULL AND dead IS NULL AND complete = 1 "
+            "AND (lease_expires IS NULL OR lease_expires <= ?)"
         )
         params: list[Any] = [consumer, now]
         if step is not None:
@@ -644,8 +784,20 @@ class CoordinatorStore:
             params.append(step)
         query += " ORDER BY first_seq LIMIT ?"
         params.append(max_groups)
+        dead: list[DeadGroup] = []
         with self._transaction():
             rows = conn.execute(query, params).fetchall()
+            if max_deliveries is not None:
+                for row in rows:
+                    if row[4] >= max_deliveries:
+                        dead.append(DeadGroup(row[0], row[1], row[2], row[3], (
+                            f"delivered {row[4]} times and never acknowledged (its consumer failed or died "
+                            f"on it each time; --max-deliveries {max_deliveries})")))
+                rows = [row for row in rows if row[4] < max_deliveries]
+                conn.executemany(
+                    "UPDATE groups SET dead = ?, dead_reason = ?, lease_expires = NULL WHERE consumer = ? AND grp = ?",
+                    [(now, d.reason, consumer, d.group) for d in dead],
+                )
             lease_id = None
             if rows:
                 lease_id = secrets.token_hex(12)
@@ -659,22 +811,122 @@ class CoordinatorStore:
                     "INSERT INTO leases (lease_id, consumer, groups, created, expires) VALUES (?, ?, ?, ?, ?)",
                     (lease_id, consumer, orjson.dumps([row[0] for row in rows]).decode(), now, expires),
                 )
-        if rows:
+        if dead:
+            self._unacked[consumer] = self._unacked.get(consumer, 0) - sum(d.n_items for d in dead)
+        if rows or dead:
             self._after_write()
         end = False
         if not rows and consumer in self._ended:
             end = (
                 conn.execute(
-                    "SELECT 1 FROM groups WHERE consumer = ? AND acked IS NULL LIMIT 1", (consumer,)
+                    "SELECT 1 FROM groups WHERE consumer = ? AND acked IS NULL AND dead IS NULL LIMIT 1", (consumer,)
                 ).fetchone()
                 is None
             )
         next_expiry = conn.execute(
-            "SELECT MIN(lease_expires) FROM groups WHERE consumer = ? AND acked IS NULL AND lease_expires > ?",
+            "SELECT MIN(lease_expires) FROM groups WHERE consumer = ? AND acked IS NULL AND dead IS NULL "
+            "AND lease_expires > ?",
             (consumer, now),
         ).fetchone()[0]
+        step_dead = []
+        if step is not None:
+            step_dead = [
+                DeadGroup(*row)
+                for row in conn.execute(
+                    "SELECT grp, n_items, step, producer, dead_reason FROM groups "
+                    "WHERE consumer = ? AND dead IS NOT NULL AND step = ? ORDER BY first_seq",
+                    (consumer, step),
+                )
+            ]
         groups = [GrantedGroup(row[0], row[1], row[2], row[3], row[4] > 0) for row in rows]
-        return LeaseGrant(lease_id, groups, end, next_expiry)
+        return LeaseGrant(lease_id, groups, end, next_expiry, dead, step_dead)
+
+    async def release(self, consumer: str, now: float) -> int:
+        """Hand back every lease of `consumer` now (its new process takes over a dead one's leases:
+        their groups are leasable at once, as after an expiry). Returns how many groups."""
+        return await self._in_writer(self._release_sync, consumer, now)
+
+    def _release_sync(self, consumer: str, now: float) -> int:
+        conn = self._writer
+        assert conn is not None
+        with self._transaction():
+            released = conn.execute(
+                "UPDATE groups SET lease_expires = ? WHERE consumer = ? AND acked IS NULL AND dead IS NULL "
+                "AND lease_expires > ?",
+                (now, consumer, now),
+            ).rowcount
+            conn.execute(
+                "UPDATE leases SET expires = ? WHERE consumer = ? AND acked IS NULL AND expires > ?",
+                (now, consumer, now),
+            )
+        if released:
+            self._after_write()
+        return released
+
+    async def reject(self, consumer: str, group: str, reason: str, now: float) -> tuple[DeadGroup, bool]:
+        """Set a group aside now (its consumer cannot train it): (the group, whether it was already)."""
+        return await self._in_writer(self._reject_sync, consumer, group, reason, now)
+
+    def _reject_sync(self, consumer: str, group: str, reason: str, now: float) -> tuple[DeadGroup, bool]:
+        conn = self._writer
+        assert conn is not None
+        with self._transaction():
+            row = conn.execute(
+                "SELECT n_items, step, producer, acked, dead, dead_reason FROM groups WHERE consumer = ? AND grp = ?",
+                (consumer, group),
+            ).fetchone()
+            if row is None:
+                raise Rejected(f"group {group!r} has no items in the queue of {consumer!r}", 404)
+            n_items, step, producer, acked, dead, old_reason = row
+            if dead is not None:
+                return DeadGroup(group, n_items, step, producer, old_reason), True
+            if acked is not None:
+                raise Rejected(f"group {group!r} was acknowledged already; there is nothing left to set aside", 409)
+            conn.execute(
+                "UPDATE groups SET dead = ?, dead_reason = ?, lease_expires = NULL WHERE consumer = ? AND grp = ?",
+                (now, reason, consumer, group),
+            )
+        self._unacked[consumer] = self._unacked.get(consumer, 0) - n_items
+        self._after_write()
+        return DeadGroup(group, n_items, step, producer, reason), False
+
+    async def ack_through(self, consumer: str, step: int, now: float) -> AckThroughOutcome:
+        """Mark every group of `consumer` of producer step <= `step` done for good (leased or not)
+        and remember the step: idempotent, and a lower step than the one remembered changes nothing."""
+        return await self._in_writer(self._ack_through_sync, consumer, step, now)
+
+    def _ack_through_sync(self, consumer: str, step: int, now: float) -> AckThroughOutcome:
+        conn = self._writer
+        assert conn is not None
+        mark = self._watermarks.get(consumer)
+        if mark is not None and step <= mark:
+            return AckThroughOutcome(mark, 0, 0)
+        with self._transaction():
+            rows = conn.execute(
+                "SELECT grp, n_items FROM groups WHERE consumer = ? AND acked IS NULL AND dead IS NULL AND step <= ?",
+                (consumer, step),
+            ).fetchall()
+            conn.executemany(
+                "UPDATE groups SET acked = ? WHERE consumer = ? AND grp = ?", [(now, consumer, g) for g, _ in rows]
+            )
+            conn.executemany(
+                "DELETE FROM records WHERE seq IN (SELECT seq FROM items WHERE consumer = ? AND grp = ?)",
+                [(consumer, g) for g, _ in rows],
+            )
+            conn.executemany(
+                "UPDATE items SET acked = ? WHERE consumer = ? AND grp = ? AND acked IS NULL",
+                [(now, consumer, g) for g, _ in rows],
+            )
+            conn.execute(
+                "INSERT INTO watermarks (consumer, step, updated) VALUES (?, ?, ?) ON CONFLICT (consumer) "
+                "DO UPDATE SET step = excluded.step, updated = excluded.updated WHERE excluded.step > watermarks.step",
+                (consumer, step, now),
+            )
+        n_items = sum(n for _, n in rows)
+        self._watermarks[consumer] = step
+        self._unacked[consumer] = self._unacked.get(consumer, 0) - n_items
+        self._after_write()
+        return AckThroughOutcome(step, len(rows), n_items)
 
     async def read_groups(self, consumer: str, groups: Sequence[str]) -> list[list[bytes]]:
         """The stored wire records of each group, in commit order (on a reader thread)."""
@@ -708,16 +960,20 @@ class CoordinatorStore:
             if acked is not None:
                 return AckOutcome(0, 0, True)
             owned = []
+            lost = 0
             for group in groups:
                 state = conn.execute(
-                    "SELECT n_items FROM groups WHERE consumer = ? AND grp = ? AND lease_id = ? AND acked IS NULL",
-                    (consumer, group, lease_id),
+                    "SELECT n_items, lease_id, acked, dead FROM groups WHERE consumer = ? AND grp = ?",
+                    (consumer, group),
                 ).fetchone()
-                if state is not None:
+                if state is None or (state[1] != lease_id and state[2] is None and state[3] is None):
+                    lost += 1  # open under another lease
+                elif state[2] is None and state[3] is None:
                     owned.append((group, state[0]))
-            if len(owned) != len(groups):
+                # else: done already (acked through its step) or set aside: nothing left to do
+            if lost:
                 raise Rejected(
-                    f"lease {lease_id!r} expired {now - expires:.1f} s ago and {len(groups) - len(owned)} of its "
+                    f"lease {lease_id!r} expired {now - expires:.1f} s ago and {lost} of its "
                     f"{len(groups)} groups were delivered again under another lease; nothing was acked "
                     "(ack the newer lease instead, or lease with a longer lease_s)",
                     409,
@@ -738,7 +994,7 @@ class CoordinatorStore:
         n_items = sum(n for _, n in owned)
         self._unacked[consumer] = self._unacked.get(consumer, 0) - n_items
         self._after_write()
-        return AckOutcome(len(owned), n_items, False)
+        return AckOutcome(len(owned), n_items, not owned)
 
     async def extend(self, consumer: str, lease_id: str, lease_s: float, now: float) -> tuple[int, float]:
         """Keep a lease's groups until `now + lease_s` (a trainer still working on them); returns
@@ -754,9 +1010,15 @@ class CoordinatorStore:
                 raise Rejected(f"lease {lease_id!r} was acked already; there is nothing left to keep", 409)
             new_expiry = now + lease_s
             held = conn.execute(
-                "UPDATE groups SET lease_expires = ? WHERE consumer = ? AND lease_id = ? AND acked IS NULL",
+                "UPDATE groups SET lease_expires = ? WHERE consumer = ? AND lease_id = ? AND acked IS NULL "
+                "AND dead IS NULL",
                 (new_expiry, consumer, lease_id),
             ).rowcount
+            held += conn.execute(  # done through its step, or set aside: nothing to keep, nothing lost
+                "SELECT COUNT(*) FROM groups WHERE consumer = ? AND lease_id = ? "
+                "AND (acked IS NOT NULL OR dead IS NOT NULL)",
+                (consumer, lease_id),
+            ).fetchone()[0]
             if held != len(groups):
                 raise Rejected(
                     f"lease {lease_id!r} expired {now - expires:.1f} s ago and {len(groups) - held} of its "
@@ -781,12 +1043,17 @@ class CoordinatorStore:
             "SUM(CASE WHEN complete = 1 AND (lease_expires IS NULL OR lease_expires <= :now) THEN 1 ELSE 0 END), "
             "SUM(CASE WHEN complete = 0 THEN 1 ELSE 0 END), "
             "MIN(created) "
-            "FROM groups WHERE acked IS NULL GROUP BY consumer",
+            "FROM groups WHERE acked IS NULL AND dead IS NULL GROUP BY consumer",
             {"now": now},
         ):
             stats[consumer] = QueueStats(
                 int(queued or 0), int(leased or 0), int(ready or 0), int(incomplete or 0), oldest
             )
+        for consumer, groups, items in conn.execute(
+            "SELECT consumer, COUNT(*), SUM(n_items) FROM groups WHERE dead IS NOT NULL GROUP BY consumer"
+        ):
+            entry = stats.setdefault(consumer, QueueStats())
+            entry.dead_groups, entry.dead_items = int(groups), int(items or 0)
         return stats
 
     # ----------------------------------------------------------------- agents

@@ -266,13 +266,19 @@ class BufferPool:
 
     def take(self, size: int) -> bytearray:
         """A buffer of at least `size` bytes (its content is garbage)."""
+        buf = self.take_existing(size)
+        return bytearray(size) if buf is None else buf
+
+    def take_existing(self, size: int) -> bytearray | None:
+        """A kept buffer of at least `size` bytes, or None: allocates nothing (for a size that a
+        peer declared but whose bytes have not arrived)."""
         with self._lock:
             fitting = [buf for buf in self._free if len(buf) >= size]
-            if fitting:
-                buf = min(fitting, key=len)
-                self._free.remove(buf)
-                return buf
-        return bytearray(size)
+            if not fitting:
+                return None
+            buf = min(fitting, key=len)
+            self._free.remove(buf)
+            return buf
 
     def give(self, buf: bytearray) -> None:
         """Hand a buffer back once nothing reads it any more."""

@@ -323,6 +323,10 @@ def main(argv: list[str] | None = None) -> int:
     args = host_args(ns, ns.config)
     args.custom_generate_function_path = ns.custom_generate_function_path
     args.rollout_function_path = ns.rollout_function
+    # Its checkpoint schedule, under slime's flag names: every step is saved, synchronously (the
+    # responder's rollout reads these to know which steps a resumed job would not train again).
+    args.save, args.save_interval, args.async_save = str(out / "checkpoints"), 1, False
+    args.num_rollout = ns.num_rollout
     try:
         cfg = runtime_for(args, tokenizers=ns.rollout_function.endswith("initiator_rollout") or
                           ns.rollout_function.endswith("default_rollout")).settings.trainer
@@ -389,8 +393,8 @@ def main(argv: list[str] | None = None) -> int:
                     for s, adv in zip(samples, advantages):
                         f.write(json.dumps({"step": rollout_id, "advantage": adv, **s.to_dict()}, default=str) + "\n")
             checkpoint = save_checkpoint(out, rollout_id, model, tokenizer, optimizer, data_source, ns.keep_checkpoints)
-            if responder:
-                ack_trained_groups(args)  # trained and saved: a resumed job must not train them again
+            if responder:  # trained and saved (the checkpoint holds the step): never trained again
+                ack_trained_groups(args, rollout_id)
             push_weights(ns.engine_url, checkpoint, version=rollout_id + 1)
             row = {"step": rollout_id, "samples": len(samples), "rollout_s": rollout_s,
                    "train_s": time.monotonic() - t1, "raw_reward_mean": sum(raw) / max(1, len(raw)),
@@ -400,6 +404,9 @@ def main(argv: list[str] | None = None) -> int:
             _append(out / "metrics.jsonl", row)
             log.info("step %d: %d samples, reward %.3f, rollout %.1fs, train %.1fs", rollout_id, len(samples),
                      row["raw_reward_mean"], rollout_s, row["train_s"])
+    except ConfigError as exc:  # a setting found wrong at the first step (say, the coordinator's queue)
+        print(f"trainer: {exc}", file=sys.stderr)
+        return 2
     finally:  # also on errors: close the rollout loop's connections (no "unclosed session" noise)
         run_in_host_loop(runtime_for(args).aclose())
     return 0
