@@ -437,6 +437,11 @@ def _check(settings: Settings, path: str, errors: list[str], known_systems: set[
         errors.append(
             f"{path}.coordinator.max_staleness: got {settings.coordinator.max_staleness}; expected 0 or more"
         )
+    for key in ("wait_deadline_s", "lease_s", "request_timeout_s", "outage_deadline_s"):
+        if getattr(settings.coordinator, key) <= 0:
+            errors.append(
+                f"{path}.coordinator.{key}: got {getattr(settings.coordinator, key)}; expected a positive number of seconds"
+            )
     e = settings.engine
     for key in ("request_timeout_s", "connect_timeout_s", "peer_deadline_s"):
         if getattr(e, key) <= 0:
