@@ -22,11 +22,11 @@ import time
 import uuid
 import zlib
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, NoReturn
 
 from .config import AgentSettings, ConfigError
-from .engine_client import EngineError
-from .transcript import Transcript, Turn
+from .engine_client import EngineError, MalformedAnswer
+from .transcript import MalformedTurn, Transcript, Turn
 
 logger = logging.getLogger(__name__)
 
@@ -140,6 +140,9 @@ class Episode:
         retries, and `abort` answers from an engine this job owns, end the episode
         (EpisodeAborted). A peer engine's `abort` (it is updating its weights) is retried after
         `engine.abort_retry_wait_s`, until `engine.peer_deadline_s`; its partial text is dropped.
+        A malformed answer (values no engine can have sampled, or ids outside the agent's
+        vocabulary) is not retried: it ends the episode, recorded as `malformed_answer`. The
+        turn's text is what its ids spell in the agent's tokenizer, special tokens left out.
         """
         self._check_alive()
         agent = self.settings.agents[transcript.agent]
@@ -160,6 +163,8 @@ class Episode:
         while True:
             try:
                 result = await client.generate(transcript.tokens, params, deadline=deadline)
+            except MalformedAnswer as exc:
+                self._malformed(f"{exc.url}: {exc.detail}")
             except EngineError as exc:
                 self.aborted_turns += 1
                 # A peer's engines come and go (restarts, weight updates): keep trying until the
@@ -185,18 +190,23 @@ class Episode:
             self._check_alive()
         if retried:
             self.retried_turns += 1
-        turn = Turn(
-            agent=transcript.agent,
-            token_ids=result.token_ids,
-            logprobs=result.logprobs,
-            text=result.text,
-            finish_reason=result.finish_reason,
-            weight_version=result.weight_version,
-            retries=result.retries,
-        )
+        try:  # the ids against the agent's vocabulary; the text is what they spell, not the engine's
+            turn = transcript.turn_from(
+                result.token_ids, result.logprobs, result.finish_reason, result.weight_version, result.retries
+            )
+        except MalformedTurn as exc:
+            self._malformed(f"{client.url}/generate: {exc}")
         transcript.append_generated(turn)
         self.turns += 1
         return turn
+
+    def _malformed(self, reason: str) -> NoReturn:
+        """An engine answer no one may train on: the episode ends, its samples ABORTED, the reason
+        kept in the samples' metadata (`episode.malformed_answer`, counted in the metrics)."""
+        self.aborted_turns += 1
+        self.metadata.setdefault("malformed_answer", reason)
+        self.abort(f"malformed answer from {reason}")
+        raise EpisodeAborted(self.abort_reason)
 
     async def grade(self, transcript: Transcript) -> float:
         """The transcript's raw reward from the mrlx_grade hook (also stored on the transcript).

@@ -92,10 +92,13 @@ def fit_solutions(episode: Episode, agent: str, build: Callable[[list[str]], str
 
 
 def _tail(tok, text: str, max_tokens: int) -> str:
-    ids = tok.encode(text)
+    """The end of a quoted solution, at most `max_tokens` tokens of it. A solution is another
+    agent's text: it is counted and cut as plain text (a special token's string in it stays the
+    characters it is made of, here and in the prompt it is quoted in)."""
+    ids = tok.encode_text(text)
     if len(ids) <= max_tokens:
         return text
-    return "..." + tok.decode(ids[-max_tokens:])
+    return "..." + tok.decode(ids[-max_tokens:], skip_special_tokens=False)
 
 
 def make_pipeline(prompts: PipelinePrompts = PipelinePrompts()):

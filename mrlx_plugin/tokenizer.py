@@ -4,11 +4,19 @@ A slime rollout process makes thousands of model calls per step; the host's own 
 example reloaded the tokenizer on every call. Here a tokenizer is loaded once per (path, chat
 template), prompts are rendered through the agent's own chat template, and rendered prompts
 are cached, so the eight episodes of one prompt group tokenize their shared prompt once.
+
+Message content is text, never markup. What one agent wrote, a tool returned or a dataset holds
+may contain the strings of the reader's special tokens (`<|im_end|>`, `<|im_start|>system`); a
+conversation is therefore rendered with every message's content between two markers that only
+this process knows, and the template's own text (its markup) is encoded with special tokens
+recognised while the content between the markers is encoded with them split into ordinary
+text (as `split_special_tokens=True` does). A message cannot open or close a turn.
 """
 
 from __future__ import annotations
 
 import re
+import secrets
 import threading
 from collections import OrderedDict
 from typing import Any
@@ -36,6 +44,17 @@ class TemplateError(ValueError):
     """A chat template that cannot render a conversation incrementally."""
 
 
+def _plain_backend(backend: Any) -> Any:
+    """A copy of a Rust tokenizer that encodes special-token strings as ordinary text."""
+    if backend is None or not hasattr(backend, "encode_special_tokens"):
+        return None
+    from tokenizers import Tokenizer
+
+    plain = Tokenizer.from_str(backend.to_str())
+    plain.encode_special_tokens = True
+    return plain
+
+
 class AgentTokenizer:
     """A Hugging Face tokenizer with the rendering the transcripts need."""
 
@@ -46,8 +65,10 @@ class AgentTokenizer:
         self.hf = hf_tokenizer
         self.name = name
         self._cache: OrderedDict[tuple, tuple[str, tuple[int, ...]]] = OrderedDict()
-        self._pieces: OrderedDict[str, list[int]] = OrderedDict()
+        self._pieces: OrderedDict[str, list[int]] = OrderedDict()  # markup: special tokens live
+        self._text_pieces: OrderedDict[str, list[int]] = OrderedDict()  # content: special tokens as text
         self._piecewise: bool | None = None  # decided on first use
+        self._text_piecewise: bool | None = None
         self._cache_size = cache_size
         self._piece_cache_size = piece_cache_size
         self._lock = threading.Lock()
@@ -57,9 +78,102 @@ class AgentTokenizer:
         self._backend = backend if type(backend).__module__.startswith("tokenizers") else None
         # tokenizers >= 0.20: the same ids without computing character offsets (a quarter faster).
         self._fast_encode = getattr(self._backend, "encode_batch_fast", None)
+        # A second Rust tokenizer for content, with special-token matching off (a per-object
+        # setting: flipping it on the shared one would race with other threads' encodes).
+        self._text_backend = _plain_backend(self._backend)
+        self._text_fast_encode = getattr(self._text_backend, "encode_batch_fast", None)
         self.eos_token_id: int | None = hf_tokenizer.eos_token_id
         if self.eos_token_id is None and hf_tokenizer.pad_token_id is not None:
             self.eos_token_id = hf_tokenizer.pad_token_id
+        # Every id this tokenizer can decode (added tokens included); a model's embedding may
+        # have padding rows above it, but an id there spells nothing another agent could read.
+        self.vocab_size: int = len(hf_tokenizer)
+        # Content markers: private-use characters around a per-process random nonce, so no
+        # message (whatever an agent writes) can contain or forge one.
+        self._text_table: list[bytes] | None | bool = False  # built on first use (answer_text)
+        nonce = secrets.token_hex(8)
+        self._open = f"\ue000{nonce}\ue001"
+        self._close = f"\ue000{nonce}\ue002"
+        self._marker = re.compile(f"\ue000{nonce}([\ue001\ue002])")
+        self._nonce = nonce
+
+    # --- encoding ------------------------------------------------------------------------
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of template text (no special tokens added; special-token strings ARE the
+        special tokens), paragraph by paragraph when that is exact. Never use it for content."""
+        if self._piecewise is None:
+            self._piecewise = all(self._encode_whole(p) == self._encode_pieces(p) for p in _PROBES)
+        if self._piecewise and len(text) >= _PIECEWISE_MIN_CHARS:
+            return self._encode_pieces(text)
+        return self._encode_whole(text)
+
+    def encode_text(self, text: str) -> list[int]:
+        """Token ids of `text` as plain text: a special token's string in it (`<|im_end|>`) is
+        encoded as the characters it is made of, never as the special token."""
+        if self._text_piecewise is None:
+            self._text_piecewise = all(
+                self._encode_whole(p, plain=True) == self._encode_pieces(p, plain=True) for p in _PROBES
+            )
+        if self._text_piecewise and len(text) >= _PIECEWISE_MIN_CHARS:
+            return self._encode_pieces(text, plain=True)
+        return self._encode_whole(text, plain=True)
+
+    def _encode_whole(self, text: str, plain: bool = False) -> list[int]:
+        if plain:
+            if self._text_fast_encode is not None:
+                return self._text_fast_encode([text], add_special_tokens=False)[0].ids
+            if self._text_backend is not None:
+                return self._text_backend.encode(text, add_special_tokens=False).ids
+            return list(self.hf.encode(text, add_special_tokens=False, split_special_tokens=True))
+        if self._fast_encode is not None:
+            return self._fast_encode([text], add_special_tokens=False)[0].ids
+        if self._backend is not None:
+            return self._backend.encode(text, add_special_tokens=False).ids
+        return list(self.hf.encode(text, add_special_tokens=False))
+
+    def _encode_pieces(self, text: str, plain: bool = False) -> list[int]:
+        ids: list[int] = []
+        cache = self._text_pieces if plain else self._pieces
+        for piece in _PARAGRAPH.split(text):
+            hit = cache.get(piece)
+            if hit is None:
+                hit = self._encode_whole(piece, plain)
+                with self._lock:
+                    cache[piece] = hit
+                    if len(cache) > self._piece_cache_size:
+                        cache.popitem(last=False)
+            ids.extend(hit)
+        return ids
+
+    def _encode_markup(self, text: str) -> list[int]:
+        """Template text between contents: short and repeated, so cached whole."""
+        hit = self._pieces.get(text)
+        if hit is None:
+            hit = self._encode_whole(text)
+            with self._lock:
+                self._pieces[text] = hit
+                if len(self._pieces) > self._piece_cache_size:
+                    self._pieces.popitem(last=False)
+        return hit
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        if self._backend is not None:
+            return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
+        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
+
+    def answer_text(self, ids: list[int]) -> str:
+        """What generated ids spell, special tokens left out (ids must be in the vocabulary).
+
+        The same text as `decode(ids)`; for byte-level BPE tokenizers (GPT-2, Llama 3, Qwen)
+        from a table of each id's bytes, a tenth of the Rust decoder's time on a 256-token
+        answer (it runs on every engine answer)."""
+        table = self._text_table
+        if table is False:
+            table = self._text_table = _byte_table(self)
+        if table is None or not ids:
+            return self.decode(ids, skip_special_tokens=True)
+        return b"".join(map(table.__getitem__, ids)).decode("utf-8", "replace")  # type: ignore[union-attr]
 
     # --- rendering -----------------------------------------------------------------------
 
@@ -70,45 +184,59 @@ class AgentTokenizer:
             )
         return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of `text` (no special tokens added), paragraph by paragraph when that is exact."""
-        if self._piecewise is None:
-            self._piecewise = all(self._encode_whole(p) == self._encode_pieces(p) for p in _PROBES)
-        if self._piecewise and len(text) >= _PIECEWISE_MIN_CHARS:
-            return self._encode_pieces(text)
-        return self._encode_whole(text)
+    def _wrapped(self, messages: list[dict[str, str]]) -> list[dict[str, str]]:
+        """The messages with each string content between the content markers."""
+        out = []
+        for m in messages:
+            content = m.get("content")
+            if isinstance(content, str):
+                if self._nonce in content:  # cannot happen by chance (64 random bits); refuse a forgery
+                    raise TemplateError("a message holds this process's content marker; refusing to render it")
+                m = {**m, "content": self._open + content + self._close}
+            out.append(m)
+        return out
 
-    def _encode_whole(self, text: str) -> list[int]:
-        if self._fast_encode is not None:
-            return self._fast_encode([text], add_special_tokens=False)[0].ids
-        if self._backend is not None:
-            return self._backend.encode(text, add_special_tokens=False).ids
-        return list(self.hf.encode(text, add_special_tokens=False))
-
-    def _encode_pieces(self, text: str) -> list[int]:
+    def _segments(self, rendered: str, prefix_markup: str = "") -> tuple[str, list[int]]:
+        """Text and ids of a rendering with marked contents: markup encoded with special tokens,
+        content as plain text."""
+        parts = self._marker.split(rendered)
+        # parts: markup, kind, text, kind, text, ...; kinds alternate open (\ue001), close (\ue002)
+        # A marker cut apart (the template sliced a content) leaves its first character in markup.
+        if any("\ue000" in parts[k] for k in range(0, len(parts), 4)):
+            raise TemplateError(
+                f"the chat template of {self.name} changes message content (it cuts a message apart); "
+                "set a `chat_template` for this agent that writes each message's content as it is"
+            )
+        texts: list[str] = []
         ids: list[int] = []
-        cache = self._pieces
-        for piece in _PARAGRAPH.split(text):
-            hit = cache.get(piece)
-            if hit is None:
-                hit = self._encode_whole(piece)
-                with self._lock:
-                    cache[piece] = hit
-                    if len(cache) > self._piece_cache_size:
-                        cache.popitem(last=False)
-            ids.extend(hit)
-        return ids
+        markup = prefix_markup + parts[0]
+        if markup:
+            texts.append(markup)
+            ids.extend(self._encode_markup(markup))
+        for k in range(1, len(parts), 4):
+            if k + 3 >= len(parts) or parts[k] != "\ue001" or parts[k + 2] != "\ue002":
+                raise TemplateError(
+                    f"the chat template of {self.name} changes message content (it cuts a message apart); "
+                    "set a `chat_template` for this agent that writes each message's content as it is"
+                )
+            content, markup = parts[k + 1], parts[k + 3]
+            if content:
+                texts.append(content)
+                ids.extend(self.encode_text(content))
+            if markup:
+                texts.append(markup)
+                ids.extend(self._encode_markup(markup))
+        return "".join(texts), ids
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        if self._backend is not None:
-            return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
-        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
+    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> tuple[str, list[int]]:
+        """The rendered text of a conversation and its ids, every message's content as plain text."""
+        return self._segments(self.render_text(self._wrapped(messages), add_generation_prompt))
 
     def prompt_ids(self, messages: list[dict[str, str]]) -> tuple[str, tuple[int, ...]]:
         """The rendered text and token ids of a conversation that the agent answers next.
 
         Cached, and shared by every transcript that starts from the same messages (the ids are a
-        tuple, so no one can change them under the others).
+        tuple, so no one can change them under the others). Contents are plain text.
         """
         key = tuple((m["role"], m["content"]) for m in messages)
         with self._lock:
@@ -116,8 +244,8 @@ class AgentTokenizer:
             if hit is not None:
                 self._cache.move_to_end(key)
                 return hit
-        text = self.render_text(messages, add_generation_prompt=True)
-        value = (text, tuple(self.encode(text)))
+        text, ids = self.render_chat(messages, add_generation_prompt=True)
+        value = (text, tuple(ids))
         with self._lock:
             self._cache[key] = value
             if len(self._cache) > self._cache_size:
@@ -126,26 +254,77 @@ class AgentTokenizer:
 
     def continuation(
         self, held_text: str, history: list[dict[str, str]], new: list[dict[str, str]], add_generation_prompt: bool
-    ) -> str:
-        """The text to append to a transcript that holds `held_text` so it shows `new` messages.
+    ) -> tuple[str, list[int]]:
+        """The text and ids to append to a transcript that holds `held_text` so it shows `new`.
 
-        `history` is the conversation the transcript shows so far (the agent's own turns as
-        generated text). The template renders history and history+new; their difference is the
-        new part. When the held text stops short of what the template expects after the last
-        turn (a turn cut at its token cap has no end-of-turn marker), the missing closing text is
-        added first, so the agent sees a well-formed conversation.
+        `history` is the conversation the transcript shows so far (the agent's own turns as the
+        text their ids spell). The template renders history and history+new; their difference is
+        the new part, whose message contents are encoded as plain text. When the held text stops
+        short of what the template expects after the last turn (a turn cut at its token cap has
+        no end-of-turn marker), the missing closing markup is added first, so the agent sees a
+        well-formed conversation.
         """
         base = self.render_text(history, add_generation_prompt=False)
-        full = self.render_text(history + new, add_generation_prompt=add_generation_prompt)
+        full = self.render_text(history + self._wrapped(new), add_generation_prompt=add_generation_prompt)
         if not full.startswith(base):
             raise TemplateError(
                 f"the chat template of {self.name} renders earlier messages differently once a message is "
                 "added; set a `chat_template` for this agent that only appends"
             )
-        suffix = full[len(base) :]
-        if base.startswith(held_text):
-            return base[len(held_text) :] + suffix
-        return suffix
+        closing = base[len(held_text) :] if base.startswith(held_text) else ""
+        return self._segments(full[len(base) :], prefix_markup=closing)
+
+
+def gpt2_byte_chars() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: the character that stands for each byte, to that byte."""
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), ord("\xff") + 1)]
+    cs = list(bs)
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+def _byte_table(tok: AgentTokenizer) -> list[bytes] | None:
+    """Each id's bytes, for a tokenizer whose decoder is GPT-2's byte-level one; None otherwise.
+
+    Special tokens spell nothing (they are skipped), other added tokens their content. Checked
+    against the Rust decoder on probe texts, on the whole vocabulary in one sequence and on
+    added tokens alone; any difference: None (the Rust decoder is then used).
+    """
+    import json
+
+    backend = tok._backend
+    if backend is None:
+        return None
+    try:
+        decoder = json.loads(backend.to_str()).get("decoder") or {}
+    except ValueError:
+        return None
+    if decoder.get("type") != "ByteLevel":
+        return None
+    chars = gpt2_byte_chars()
+    table: list[bytes] = [b""] * tok.vocab_size
+    for token, i in backend.get_vocab(with_added_tokens=False).items():
+        if not 0 <= i < len(table) or any(c not in chars for c in token):
+            return None
+        table[i] = bytes(chars[c] for c in token)
+    for i, added in backend.get_added_tokens_decoder().items():
+        if not 0 <= i < len(table):
+            return None
+        table[i] = b"" if added.special else backend.decode([i], skip_special_tokens=True).encode()
+
+    def fast(ids: list[int]) -> str:
+        return b"".join(table[i] for i in ids).decode("utf-8", "replace")
+
+    samples = [tok._encode_whole(p) for p in _PROBES] + [list(range(tok.vocab_size))]
+    samples += [[i] for i in backend.get_added_tokens_decoder()] + [[i] for i in range(min(tok.vocab_size, 512))]
+    if any(fast(ids) != backend.decode(ids, skip_special_tokens=True) for ids in samples):
+        return None
+    return table
 
 
 def load_tokenizer(path: str, chat_template: str | None = None, key_hint: str = "") -> AgentTokenizer:
@@ -170,5 +349,6 @@ def load_tokenizer(path: str, chat_template: str | None = None, key_hint: str = 
         if chat_template is not None:
             hf.chat_template = chat_template
         tok = AgentTokenizer(hf, name=path)
+        tok.answer_text([])  # build the byte table now, not on the first answer (in the event loop)
         _LOADED[cache_key] = tok
         return tok

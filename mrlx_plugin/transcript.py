@@ -5,7 +5,12 @@ rendered with its own chat template and tokenizer) and grows by two kinds of app
 - `append_generated(...)`: ids the agent's engine sampled, kept exactly as returned, with their
   log-probs and the engine's weight version; loss mask 1 (when the agent trains);
 - `append_messages(...)`: messages the agent only reads (another agent's turn, feedback),
-  rendered through the template; loss mask 0, log-prob 0.0.
+  rendered through the template, their content encoded as plain text (a special token's string
+  in it is text, never the token); loss mask 0, log-prob 0.0.
+
+A turn's text is what its ids spell in the agent's tokenizer, special tokens left out
+(`turn_from`): the engine's own `text` is not used, so graders and other agents read exactly
+what is trained, never the writer's end-of-turn token or a text the ids do not spell.
 
 `to_sample()` turns it into the host's Sample: `tokens` = prompt ids + every later id,
 `response_length` = len(later ids), `loss_mask` and `rollout_log_probs` with one entry per
@@ -21,6 +26,10 @@ from .host import Status, copy_sample
 from .tokenizer import AgentTokenizer
 
 THINK_END = "</think>"
+
+
+class MalformedTurn(ValueError):
+    """Generated ids this agent's tokenizer cannot hold (an id outside its vocabulary)."""
 
 
 @dataclass
@@ -100,6 +109,31 @@ class Transcript:
 
     # --- appends -------------------------------------------------------------------------
 
+    def turn_from(
+        self,
+        token_ids: list[int],
+        logprobs: list[float],
+        finish_reason: str,
+        weight_version: str | None,
+        retries: int = 0,
+    ) -> Turn:
+        """The turn for ids an engine sampled for this agent, with the text they spell.
+
+        Raises MalformedTurn when an id is outside the agent's vocabulary (the trainer would
+        index past its embedding; no text can show it to a reader). The text is decoded from the
+        ids without special tokens: the writer's end-of-turn token, or any special token it
+        sampled, never reaches a grader or another agent as text.
+        """
+        if token_ids:
+            low, top = min(token_ids), max(token_ids)
+            if low < 0 or top >= self.tokenizer.vocab_size:
+                raise MalformedTurn(
+                    f"token id {low if low < 0 else top} is outside the vocabulary of agent {self.agent!r} "
+                    f"(ids 0 to {self.tokenizer.vocab_size - 1})"
+                )
+        text = self.tokenizer.answer_text(token_ids) if token_ids else ""
+        return Turn(self.agent, token_ids, logprobs, text, finish_reason, weight_version, retries)
+
     def append_generated(self, turn: Turn) -> None:
         """Record what the engine sampled: the ids exactly as returned, with their log-probs."""
         if len(turn.token_ids) != len(turn.logprobs):
@@ -122,8 +156,7 @@ class Transcript:
         marked truncated; the caller should then end this agent's part of the episode.
         """
         history = self.messages
-        text = self.tokenizer.continuation(self.held_text(), history, new, add_generation_prompt)
-        ids = self.tokenizer.encode(text)
+        text, ids = self.tokenizer.continuation(self.held_text(), history, new, add_generation_prompt)
         room = self.room()
         fits = room is None or len(ids) <= room
         if not fits:

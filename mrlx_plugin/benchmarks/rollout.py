@@ -218,7 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer, problems, mean_prompt = prepare(workdir, ns.prompt_tokens, ns.seed)
     response_words = max(8, ns.response_tokens // 2)
     text = stub_text(response_words)
-    common = ["--response-tokens", str(ns.response_tokens), "--vocab-size", "8192", "--text", text]
+    # The stub's answer ids spell its text in the agents' tokenizer, so peers read real answers.
+    common = ["--response-tokens", str(ns.response_tokens), "--vocab-size", "8192", "--text", text,
+              "--tokenizer", str(tokenizer)]
     cpus = sorted(os.sched_getaffinity(0))
     pin = len(cpus) >= 2
     instant = start_stub_engine(log_dir=workdir / "logs", name="stub-instant", extra=common)
