@@ -232,6 +232,8 @@ def test_an_answer_that_is_not_http_fails_at_once_with_bounded_memory(answer, re
     assert server.requests == 2  # retried once, as any passing fault
     assert elapsed < timeout / 2, "the client's own parse ended the call, not its deadline"
     # the body is cut at the limit: what was sent is about two limits (two attempts), and what
-    # the process held at its peak is far below what an endless answer would have made it hold
+    # the process held at its peak is far below what an endless answer would have made it hold.
+    # The peak counts the whole test process (the raw server's chunk copies and send buffers
+    # too), so it is bounded by a few limits, not one; an unbounded client grows without end.
     assert server.sent < 2 * MAX_BODY_BYTES + (16 << 20)
-    assert grew_mib is None or grew_mib < 1.5 * MAX_BODY_BYTES / 2**20, f"peak RSS grew {grew_mib:.0f} MiB"
+    assert grew_mib is None or grew_mib < 2.5 * MAX_BODY_BYTES / 2**20, f"peak RSS grew {grew_mib:.0f} MiB"
