@@ -118,6 +118,14 @@ def copy_sample(sample: Any, **changes: Any) -> Any:
     return new
 
 
+def load_function(path: str) -> Any:
+    """The object a `--*-path` flag names (`package.module.attr`), loaded as the host loads it."""
+    import importlib
+
+    module, _, attr = str(path).rpartition(".")
+    return getattr(importlib.import_module(module), attr)
+
+
 def router_url(args: argparse.Namespace) -> str | None:
     """The job's own router (`url: self` in the config), or None when the host set none."""
     ip = getattr(args, "sglang_router_ip", None)

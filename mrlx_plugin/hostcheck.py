@@ -125,7 +125,7 @@ def check_step_split(args: Any, per_episode: int | None, system: str, source: st
 
 def check_rollout_mode(args: Any, runtime: Any) -> None:
     """Refuse host rollout modes the plugin cannot run under (README: "Host modes")."""
-    from .host import HOST
+    from .host import HOST, load_function
 
     path = getattr(args, "rollout_function_path", None)
     if HOST == "slime" and path and str(path).endswith("fully_async_rollout.generate_rollout_fully_async"):
@@ -155,20 +155,13 @@ def check_rollout_mode(args: Any, runtime: Any) -> None:
         return  # no host rollout loop (the `mrlx rollout` command runs episodes itself)
     from .rollout import initiator_rollout, responder_rollout
 
-    fn = _load(path) if path else None
+    try:
+        fn = load_function(path) if path else None
+    except (ImportError, AttributeError):
+        fn = None
     if fn is not initiator_rollout and fn is not responder_rollout:
         raise ConfigError(
             f"{what}, but --rollout-function-path is {path or 'the host default'!s}. Set "
             "--rollout-function-path mrlx_plugin.rollout.initiator_rollout in the job that runs the episodes and "
             "mrlx_plugin.rollout.responder_rollout in each other agent's job"
         )
-
-
-def _load(path: str) -> Any:
-    import importlib
-
-    module, _, attr = str(path).rpartition(".")
-    try:
-        return getattr(importlib.import_module(module), attr, None)
-    except ImportError:
-        return None

@@ -13,12 +13,14 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import numpy as np
 
+from mrlx_plugin.coordinator.client import CoordinatorClient
 from mrlx_plugin.coordinator.wire import QueueItem
 
 REPO = Path(__file__).resolve().parent.parent
@@ -212,3 +214,18 @@ def make_items(
             )
         )
     return items
+
+
+def attempts_of(c: CoordinatorClient) -> Callable[[], int]:
+    """How many HTTP requests `c` has started so far (each attempt of a call takes the session
+    once): to wait until a call has really met a dead coordinator."""
+    count = 0
+    session = c._session
+
+    def counted() -> aiohttp.ClientSession:
+        nonlocal count
+        count += 1
+        return session()
+
+    c._session = counted  # type: ignore[method-assign]
+    return lambda: count

@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable
 
-import aiohttp
 import pytest
-from _coord_procs import CoordinatorProcess, make_items, waits_in_progress
+from _coord_procs import CoordinatorProcess, attempts_of, make_items, waits_in_progress
 from _wait import async_wait_until
 
 from mrlx_plugin.coordinator.client import (
@@ -38,21 +36,6 @@ def requests_seen(coord: CoordinatorProcess, endpoint: str, status: int) -> int:
     text = coord.http("GET", "/metrics")[2].decode()
     prefix = f'mrlx_coordinator_requests_total{{endpoint="{endpoint}",status="{status}"}} '
     return sum(int(float(line[len(prefix) :])) for line in text.splitlines() if line.startswith(prefix))
-
-
-def attempts_of(c: CoordinatorClient) -> Callable[[], int]:
-    """How many HTTP requests `c` has started so far (each attempt of a call takes the session
-    once): to wait until a call has really met a dead coordinator."""
-    count = 0
-    session = c._session
-
-    def counted() -> aiohttp.ClientSession:
-        nonlocal count
-        count += 1
-        return session()
-
-    c._session = counted  # type: ignore[method-assign]
-    return lambda: count
 
 
 def test_commit_during_downtime_succeeds_once_the_coordinator_is_back(coord):

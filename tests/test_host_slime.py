@@ -13,7 +13,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 import urllib.request
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -21,6 +20,7 @@ from typing import Any
 
 import pytest
 import yaml
+from _wait import wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 HOSTS = REPO / "tests" / "hosts"
@@ -252,14 +252,14 @@ def test_fully_async_rollout_is_refused_by_name(tmp_path, tiny_model_dir, stub_e
     log_path = tmp_path / "driver.log"
     with open(log_path, "wb") as out:
         proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+        def refused() -> bool:
+            text = log_path.read_text(errors="replace")
+            assert "slime#2344" in text or proc.poll() is None, text[-4000:]  # the job died without it
+            return "slime#2344" in text
+
         try:
-            deadline = time.monotonic() + 90
-            while "slime#2344" not in log_path.read_text(errors="replace"):
-                assert proc.poll() is None or "slime#2344" in log_path.read_text(errors="replace"), \
-                    log_path.read_text(errors="replace")[-4000:]
-                assert time.monotonic() < deadline, "no refusal in the job's log:\n" + \
-                    log_path.read_text(errors="replace")[-4000:]
-                time.sleep(0.1)
+            wait_until(refused, 90, what="the refusal in the job's log",
+                       details=lambda: log_path.read_text(errors="replace")[-4000:])
         finally:
             proc.kill()
             proc.wait(10)

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import importlib
 import random
 from typing import Any
 
-from ..host import RolloutFnEvalOutput, RolloutFnTrainOutput, Sample, Status, run_in_host_loop
+from ..host import RolloutFnEvalOutput, RolloutFnTrainOutput, Sample, Status, load_function, run_in_host_loop
 from ..hostargs import sampling_params
 from ..runtime import cached_runtime
 
@@ -75,13 +74,8 @@ class LocalDataSource:
         self._order = list(state["order"])
 
 
-def _load_function(path: str) -> Any:
-    module, _, attr = path.rpartition(".")
-    return getattr(importlib.import_module(module), attr)
-
-
 async def _generate_groups(args: Any, groups: list[list[Sample]], evaluation: bool) -> list[list[Any]]:
-    generate = _load_function(getattr(args, "custom_generate_function_path", None) or "mrlx_plugin.rollout.generate")
+    generate = load_function(getattr(args, "custom_generate_function_path", None) or "mrlx_plugin.rollout.generate")
     semaphore = asyncio.Semaphore(getattr(args, "sglang_server_concurrency", None) or 512)
     params = sampling_params(args)
 

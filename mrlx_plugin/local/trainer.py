@@ -24,7 +24,6 @@ over every trainable token of the step. Settings come from `mrlx.trainer` in the
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import logging
 import math
@@ -68,11 +67,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-samples", action="store_true", help="write every trained sample to samples.jsonl")
     add_host_arguments(p)
     return p
-
-
-def load_function(path: str) -> Any:
-    module, _, attr = path.rpartition(".")
-    return getattr(importlib.import_module(module), attr)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -303,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from ..config import ConfigError
-    from ..host import run_in_host_loop
+    from ..host import load_function, run_in_host_loop
     from ..hostargs import host_args, read_prompts
     from ..metrics import log_rollout
     from ..rewards import normalize

@@ -8,9 +8,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import aiohttp
 import pytest
-from _coord_procs import CoordinatorProcess, make_items
+from _coord_procs import CoordinatorProcess, attempts_of, make_items
 from _wait import async_wait_until
 
 from mrlx_plugin.coordinator.client import CoordinatorClient, CoordinatorError
@@ -158,19 +157,6 @@ def test_ack_through_a_step_is_durable_idempotent_and_drops_late_items_of_acked_
             await consumer.close()
 
     asyncio.run(second_life())
-
-
-def attempts_of(c: CoordinatorClient):
-    count = 0
-    session = c._session
-
-    def counted() -> aiohttp.ClientSession:
-        nonlocal count
-        count += 1
-        return session()
-
-    c._session = counted  # type: ignore[method-assign]
-    return lambda: count
 
 
 def test_a_client_call_rides_out_an_outage_longer_than_its_old_retries(coord, caplog):
