@@ -31,11 +31,11 @@ run() {
 
 # 1. Both jobs' settings, checked against each other (imports the hook modules; no GPU used),
 #    then what this job will call: the coordinator, and for A, B's router.
-run "$PYTHON" -m mrlx_plugin.cli check --offline --config "$AGENT_A_CONFIG" --config "$AGENT_B_CONFIG"
+run "$PYTHON" -m mrlx_plugin.cli.main check --offline --config "$AGENT_A_CONFIG" --config "$AGENT_B_CONFIG"
 if [ "$role" = A ]; then
-  run "$PYTHON" -m mrlx_plugin.cli check --config "$config" --skip-tokenizers
+  run "$PYTHON" -m mrlx_plugin.cli.main check --config "$config" --skip-tokenizers
 else
-  run "$PYTHON" -m mrlx_plugin.cli check --config "$config" --skip-tokenizers --responder
+  run "$PYTHON" -m mrlx_plugin.cli.main check --config "$config" --skip-tokenizers --responder
 fi
 
 # Where the job's GPUs go. A's engines are only called by A's own rollouts, so A colocates them
@@ -84,8 +84,8 @@ common=(
   --sglang-router-ip "$host" --sglang-router-port "$router_port"
   --rollout-function-path "$rollout_fn"
   --custom-generate-function-path mrlx_plugin.rollout.generate
-  --custom-reward-post-process-path mrlx_plugin.rewards.normalize
-  --custom-rollout-log-function-path mrlx_plugin.metrics.log_rollout
+  --custom-reward-post-process-path mrlx_plugin.rollout.normalize
+  --custom-rollout-log-function-path mrlx_plugin.rollout.log_rollout
   --custom-config-path "$config"
   --prompt-data "$MRLX_PROMPT_DATA" --input-key prompt --label-key label --rollout-shuffle
   --num-rollout "$MRLX_NUM_ROLLOUT"

@@ -4,11 +4,11 @@ Start with `mrlx_plugin.hookspecs` (the extension surface) and `mrlx_plugin.roll
 functions the host's flags name).
 """
 
-from .config import ConfigError
-from .episode import Episode, EpisodeAborted
-from .hookspecs import hookimpl
-from .host import HOST, Sample
-from .transcript import Transcript, Turn
+from mrlx_plugin.core.config import ConfigError
+from mrlx_plugin.core.episode import Episode, EpisodeAborted
+from mrlx_plugin.hookspecs import hookimpl
+from mrlx_plugin.core.host import HOST, Sample
+from mrlx_plugin.core.transcript import Transcript, Turn
 
 __version__ = "0.1.0"
 

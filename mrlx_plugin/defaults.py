@@ -6,15 +6,15 @@ import re
 from functools import lru_cache
 from typing import Any
 
-from .grading import grade_math, quick_grade
-from .hookspecs import hookimpl
-from .rewards import coupling_matrix, shared_verifier, team_weighting
+from mrlx_plugin.rewards.grading import grade_math, quick_grade
+from mrlx_plugin.hookspecs import hookimpl
+from mrlx_plugin.rewards.shaping import coupling_matrix, shared_verifier, team_weighting
 
 
 @hookimpl(trylast=True)
 def mrlx_register_systems() -> dict[str, Any]:
-    from .dialogue import run_dialogue
-    from .pipeline import run_pipeline
+    from mrlx_plugin.systems.dialogue import run_dialogue
+    from mrlx_plugin.systems.pipeline import run_pipeline
 
     return {"pipeline": run_pipeline, "dialogue": run_dialogue}
 
@@ -22,8 +22,8 @@ def mrlx_register_systems() -> dict[str, Any]:
 @hookimpl(trylast=True)
 def mrlx_grade(agent: str, transcript: Any, episode: Any) -> Any:
     if episode.settings.rewards.grader == "host":
-        from .host import host_reward
-        from .rewards import _WithoutCustomRm
+        from mrlx_plugin.core.host import host_reward
+        from mrlx_plugin.rewards.shaping import _WithoutCustomRm
 
         sample = transcript.to_sample(episode.sample, episode.rollout_id, aborted=False, meta={})
         sample.response = transcript.answer_text

@@ -38,9 +38,9 @@ hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
 
 if TYPE_CHECKING:
-    from .config import Settings
-    from .episode import Episode
-    from .transcript import Transcript
+    from mrlx_plugin.core.config import Settings
+    from mrlx_plugin.core.episode import Episode
+    from mrlx_plugin.core.transcript import Transcript
 
 
 @hookspec
@@ -91,7 +91,7 @@ def mrlx_shape_rewards(episode: Episode, settings: Settings) -> bool | None:
     Called once per finished (not aborted) episode, after grading and before the samples are
     built. The default applies the pipeline's team weighting (`mrlx.pipeline.weighting`) or,
     for other systems, `mrlx.rewards.shaping` (independent, cooperative, zero_sum, bilateral,
-    asymmetric); see `mrlx_plugin.rewards`.
+    asymmetric); see `mrlx_plugin.rewards.shaping`.
     """
 
 

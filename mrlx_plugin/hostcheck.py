@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from .config import ConfigError
+from mrlx_plugin.core.config import ConfigError
 
 
 @dataclass(frozen=True)
@@ -123,9 +123,12 @@ def check_step_split(args: Any, per_episode: int | None, system: str, source: st
     )
 
 
+_PLUGIN_ROLLOUTS = {("mrlx_plugin.rollout", "initiator_rollout"), ("mrlx_plugin.rollout", "responder_rollout")}
+
+
 def check_rollout_mode(args: Any, runtime: Any) -> None:
     """Refuse host rollout modes the plugin cannot run under (README: "Host modes")."""
-    from .host import HOST, load_function
+    from mrlx_plugin.core.host import HOST, load_function
 
     path = getattr(args, "rollout_function_path", None)
     if HOST == "slime" and path and str(path).endswith("fully_async_rollout.generate_rollout_fully_async"):
@@ -153,13 +156,12 @@ def check_rollout_mode(args: Any, runtime: Any) -> None:
         )
     if not hasattr(args, "rollout_function_path"):
         return  # no host rollout loop (the `mrlx rollout` command runs episodes itself)
-    from .rollout import initiator_rollout, responder_rollout
-
     try:
         fn = load_function(path) if path else None
     except (ImportError, AttributeError):
         fn = None
-    if fn is not initiator_rollout and fn is not responder_rollout:
+    # by name, not identity: this module sits below `mrlx_plugin.rollout`, which calls it
+    if (getattr(fn, "__module__", None), getattr(fn, "__name__", None)) not in _PLUGIN_ROLLOUTS:
         raise ConfigError(
             f"{what}, but --rollout-function-path is {path or 'the host default'!s}. Set "
             "--rollout-function-path mrlx_plugin.rollout.initiator_rollout in the job that runs the episodes and "

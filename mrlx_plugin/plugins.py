@@ -10,8 +10,8 @@ from typing import Any
 
 import pluggy
 
-from . import hookspecs
-from .config import ConfigError
+from mrlx_plugin import hookspecs
+from mrlx_plugin.core.config import ConfigError
 
 ENTRY_POINT_GROUP = hookspecs.PROJECT  # [project.entry-points.mrlx_plugin] in a user's package
 
@@ -24,7 +24,7 @@ def make_plugin_manager(modules: list[str], source: str = "mrlx.plugins") -> plu
     Each entry of `modules` is a dotted module name importable in the rollout process (your
     repository on PYTHONPATH, or pip-installed). Errors name the entry and what to do.
     """
-    from . import defaults
+    from mrlx_plugin import defaults
 
     pm = pluggy.PluginManager(hookspecs.PROJECT)
     pm.add_hookspecs(hookspecs)

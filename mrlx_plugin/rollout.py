@@ -1,9 +1,9 @@
 """The functions the host's flags name.
 
     --custom-generate-function-path     mrlx_plugin.rollout.generate
-    --custom-reward-post-process-path   mrlx_plugin.rewards.normalize
-    --custom-rollout-log-function-path  mrlx_plugin.metrics.log_rollout
-    --custom-rm-path                    mrlx_plugin.rewards.reward      (optional)
+    --custom-reward-post-process-path   mrlx_plugin.rollout.normalize
+    --custom-rollout-log-function-path  mrlx_plugin.rollout.log_rollout
+    --custom-rm-path                    mrlx_plugin.rollout.reward      (optional)
     --custom-config-path                your.yaml                       (an `mrlx:` key)
 
 A multi-model run adds one rollout function per job:
@@ -23,9 +23,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from .coordination import durable_step_before, initiator_barrier, read_model_limits, responder_finish, responder_take
-from .episode import run_episode
-from .host import (
+from mrlx_plugin.link.peers import durable_step_before, initiator_barrier, read_model_limits, responder_finish, responder_take
+from mrlx_plugin.core.episode import run_episode
+from mrlx_plugin.core.host import (
     RolloutFnTrainOutput,
     host_abort_flag,
     host_default_rollout,
@@ -33,8 +33,14 @@ from .host import (
     unpack_generate_call,
     wrap_generate_output,
 )
-from .metrics import compute_metrics
-from .runtime import get_runtime, runtime_for
+from mrlx_plugin.core.metrics import compute_metrics, log_eval_rollout, log_rollout
+from mrlx_plugin.rewards.shaping import normalize, reward
+from mrlx_plugin.runtime import get_runtime, runtime_for
+
+# Every function a host flag names is reachable here (the reward, normalisation and logging
+# functions live with their kind and are named through this module).
+__all__ = ["generate", "initiator_rollout", "responder_rollout", "normalize", "reward", "log_rollout",
+           "log_eval_rollout", "ack_trained_groups", "add_arguments"]
 
 
 async def generate(input: Any, sample: Any = None, sampling_params: Any = None, evaluation: bool = False) -> Any:

@@ -18,7 +18,7 @@ from typing import Any
 
 import pluggy
 
-from .config import (
+from mrlx_plugin.core.config import (
     AgentSettings,
     ConfigError,
     Settings,
@@ -26,12 +26,12 @@ from .config import (
     raw_settings_from_args,
     read_text_setting,
 )
-from .coordination import PeerOutbox, ResponderState, make_client
-from .engine_client import EngineClient
-from .host import router_url
-from .hostcheck import check_rollout_mode, check_step_split
-from .plugins import SystemFn, collect_systems, make_plugin_manager
-from .tokenizer import AgentTokenizer, load_tokenizer
+from mrlx_plugin.link.peers import PeerOutbox, ResponderState, make_client
+from mrlx_plugin.core.engine_client import EngineClient
+from mrlx_plugin.core.host import router_url
+from mrlx_plugin.hostcheck import check_rollout_mode, check_step_split
+from mrlx_plugin.plugins import SystemFn, collect_systems, make_plugin_manager
+from mrlx_plugin.core.tokenizer import AgentTokenizer, load_tokenizer
 
 
 @dataclass
@@ -168,7 +168,7 @@ class Runtime:
     async def aclose(self) -> None:
         """Close this event loop's connections and the grading worker (CLI and tests; slime's
         rollout loop lives as long as the process)."""
-        from .rewards import shared_verifier
+        from mrlx_plugin.rewards.shaping import shared_verifier
 
         for client in set(self.clients.values()):
             await client.close()

@@ -20,8 +20,8 @@ from typing import Any
 import aiohttp
 import numpy as np
 
-from mrlx_plugin.coordinator.client import CoordinatorClient
-from mrlx_plugin.coordinator.wire import QueueItem
+from mrlx_plugin.link.client import CoordinatorClient
+from mrlx_plugin.link.wire import QueueItem
 
 REPO = Path(__file__).resolve().parent.parent
 TOKEN_ENV = "MRLX_TEST_COORDINATOR_TOKEN"

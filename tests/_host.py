@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from mrlx_plugin.host import Sample
-from mrlx_plugin.hostargs import add_host_arguments, host_args, sampling_params, set_router
+from mrlx_plugin.core.host import Sample
+from mrlx_plugin.local.fake_host import add_host_arguments, host_args, sampling_params, set_router
 
 
 def slime_args(router_url: str | None, tokenizer: str, mrlx: dict[str, Any], **flags: Any) -> argparse.Namespace:

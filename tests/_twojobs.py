@@ -17,7 +17,7 @@ from typing import Any
 from _wait import wait_until
 
 from mrlx_plugin.local.processes import ManagedProcess, start_engine, start_service
-from mrlx_plugin.netutil import free_port
+from mrlx_plugin.core.netutil import free_port
 
 TOKEN = "two-jobs-test-token"
 ENV = {"MRLX_TEST_TOKEN": TOKEN}

@@ -13,7 +13,7 @@ import sys
 def test_a_small_coordinator_bench_moves_every_sample_intact_on_both_paths(tmp_path):
     out = tmp_path / "coordinator.json"
     done = subprocess.run(
-        [sys.executable, "-m", "mrlx_plugin.cli", "bench", "coordinator", "--samples", "64", "--tokens", "256",
+        [sys.executable, "-m", "mrlx_plugin.cli.main", "bench", "coordinator", "--samples", "64", "--tokens", "256",
          "--steps", "2", "--step-gap-s", "0", "--wake-trials", "5", "--workdir", str(tmp_path), "--out", str(out)],
         capture_output=True, text=True, timeout=300, check=False,
     )

@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 
 from mrlx_plugin.local.processes import router_available
-from mrlx_plugin.netutil import free_port
+from mrlx_plugin.core.netutil import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def mrlx(*argv: str, cwd: Path = REPO, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mrlx_plugin.cli", *argv], cwd=cwd, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "mrlx_plugin.cli.main", *argv], cwd=cwd, capture_output=True, text=True,
                           timeout=timeout)
 
 

@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 
-from mrlx_plugin.config import ConfigError, parse_settings, settings_from_yaml
+from mrlx_plugin.core.config import ConfigError, parse_settings, settings_from_yaml
 from mrlx_plugin.runtime import build_runtime
 
 
@@ -142,7 +142,7 @@ def test_apply_chat_template_is_refused_with_the_fix(tmp_path, tiny_tokenizer_di
 def test_base64_config_as_miles_passes_it(tmp_path):
     import base64
 
-    from mrlx_plugin.config import raw_settings_from_args
+    from mrlx_plugin.core.config import raw_settings_from_args
 
     payload = base64.b64encode(b"mrlx: {run_id: inline-run}\n").decode()
     raw, source, base = raw_settings_from_args(argparse.Namespace(custom_config_path="base64:" + payload))
@@ -170,7 +170,7 @@ def test_inline_config_longer_than_a_file_name_builds_a_runtime(tiny_tokenizer_d
 
 
 def test_broken_inline_config_is_one_message():
-    from mrlx_plugin.config import raw_settings_from_args
+    from mrlx_plugin.core.config import raw_settings_from_args
 
     with pytest.raises(ConfigError, match=r"base64:\.\.\.: the payload is not base64"):
         raw_settings_from_args(argparse.Namespace(custom_config_path="base64:not base64 at all!"))

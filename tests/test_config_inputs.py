@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from mrlx_plugin.config import ConfigError, looks_like_a_path, parse_settings, settings_from_yaml
-from mrlx_plugin.netutil import free_port
+from mrlx_plugin.core.config import ConfigError, looks_like_a_path, parse_settings, settings_from_yaml
+from mrlx_plugin.core.netutil import free_port
 from mrlx_plugin.runtime import build_runtime
 
 REPO = Path(__file__).resolve().parent.parent
@@ -22,7 +22,7 @@ SECRET = "s3cr3t-v4lue"
 
 
 def check(*argv: str, cwd: Path = REPO, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mrlx_plugin.cli", "check", *argv], cwd=cwd, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "mrlx_plugin.cli.main", "check", *argv], cwd=cwd, capture_output=True,
                           text=True, timeout=300, env=dict(os.environ, **(env or {})))
 
 

@@ -115,8 +115,8 @@ def run_miles(
     argv += ["--sglang-router-ip", host, "--sglang-router-port", port]
     argv += ["--prompt-data", str(prompts), *"--input-key prompt --label-key label".split()]
     argv += ["--custom-generate-function-path", "mrlx_plugin.rollout.generate"]
-    argv += ["--custom-reward-post-process-path", "mrlx_plugin.rewards.normalize"]
-    argv += ["--custom-rollout-log-function-path", "mrlx_plugin.metrics.log_rollout"]
+    argv += ["--custom-reward-post-process-path", "mrlx_plugin.rollout.normalize"]
+    argv += ["--custom-rollout-log-function-path", "mrlx_plugin.rollout.log_rollout"]
     argv += ["--custom-config-path", config, "--rollout-max-response-len", "64"]
     argv += ["--num-rollout", str(num_rollout), "--fake-dp-size", str(dp), "--fake-result", str(result)]
     argv += ["--fake-step-timeout", str(STEP_TIMEOUT_S)]
@@ -178,7 +178,7 @@ def test_eval_log_function_reaches_tracking(tmp_path, stub_engine, tiny_model_di
     metrics must reach Miles' tracking logger on `eval/step` (Miles' logging_utils has no `log`)."""
     prompts = tmp_path / "eval.jsonl"
     prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS[:3]))
-    eval_flags = ["--custom-eval-rollout-log-function-path", "mrlx_plugin.metrics.log_eval_rollout"]
+    eval_flags = ["--custom-eval-rollout-log-function-path", "mrlx_plugin.rollout.log_eval_rollout"]
     eval_flags += ["--eval-prompt-data", "arith", str(prompts), "--eval-interval", "1"]
     run = run_miles(tmp_path, stub_engine.url, tiny_model_dir, PIPELINE, *BATCH, *eval_flags)
     run.assert_ok()

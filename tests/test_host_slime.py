@@ -89,8 +89,8 @@ def slime_command(tmp_path: Path, tokenizer: Path, router_url: str, mrlx: dict[s
         "--rollout-max-response-len", "512",
         "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "2", "--fake-dp-size", "2",
         "--custom-generate-function-path", "mrlx_plugin.rollout.generate",
-        "--custom-reward-post-process-path", "mrlx_plugin.rewards.normalize",
-        "--custom-rollout-log-function-path", "mrlx_plugin.metrics.log_rollout",
+        "--custom-reward-post-process-path", "mrlx_plugin.rollout.normalize",
+        "--custom-rollout-log-function-path", "mrlx_plugin.rollout.log_rollout",
         "--custom-config-path", str(config),
         "--fake-result", str(result_file), *flags,
     ]
@@ -150,7 +150,7 @@ def test_unsplittable_batch_settings_are_refused_at_start_up(tmp_path, tiny_mode
     assert run.proc.returncode != 0 and not run.steps, run.explain()
     assert len(run.errors) == 1, run.explain()
     error = run.errors[0]
-    assert error["type"] == "mrlx_plugin.config.ConfigError", run.explain()
+    assert error["type"] == "mrlx_plugin.core.config.ConfigError", run.explain()
     assert "--micro-batch-size" in error["message"] and "--use-dynamic-batch-size" in error["message"], error
     assert _stats(stub_engine.url)["generate"] == 0, "refused only after episodes had run"
 
@@ -170,7 +170,7 @@ def test_eval_and_rollout_metrics_reach_the_hosts_logger_under_its_step_keys(tmp
                     "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--global-batch-size", "4",
                     "--micro-batch-size", "1", "--num-rollout", "1",
                     "--eval-interval", "1", "--eval-prompt-data", "arith", str(eval_prompts),
-                    "--custom-eval-rollout-log-function-path", "mrlx_plugin.metrics.log_eval_rollout")
+                    "--custom-eval-rollout-log-function-path", "mrlx_plugin.rollout.log_eval_rollout")
     assert not run.errors and run.proc.returncode == 0, run.explain()
     assert [e["rollout_id"] for e in run.result["evals"]] == [0, 0]  # before training, and after step 0
     assert {line["step_key"] for line in run.log} <= {"eval/step", "rollout/step"}, \
@@ -232,7 +232,7 @@ def test_no_turn_starts_after_the_host_aborts_the_rollout(tmp_path, tiny_model_d
 def _refused(run: Run, stub_url: str, *words: str) -> None:
     """The job stopped at its first plugin call with one ConfigError naming `words`, before any episode."""
     assert run.proc.returncode != 0 and not run.steps, run.explain()
-    assert [e["type"] for e in run.errors] == ["mrlx_plugin.config.ConfigError"], run.explain()
+    assert [e["type"] for e in run.errors] == ["mrlx_plugin.core.config.ConfigError"], run.explain()
     for word in words:
         assert word in run.errors[0]["message"], run.errors[0]
     assert _stats(stub_url)["generate"] == 0, "refused only after episodes had run"

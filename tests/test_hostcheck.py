@@ -11,7 +11,7 @@ from hosts.dp_split import split_by_dp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mrlx_plugin.config import ConfigError
+from mrlx_plugin.core.config import ConfigError
 from mrlx_plugin.hostcheck import check_step_split, host_split
 
 

@@ -15,10 +15,10 @@ from _host import group, params, slime_args
 from _recorder import RecordingProxy
 from aiohttp import ClientSession
 
-from mrlx_plugin.config import ConfigError
-from mrlx_plugin.host import Sample, Status
-from mrlx_plugin.metrics import compute_metrics
-from mrlx_plugin.rewards import group_key, normalize
+from mrlx_plugin.core.config import ConfigError
+from mrlx_plugin.core.host import Sample, Status
+from mrlx_plugin.core.metrics import compute_metrics
+from mrlx_plugin.rewards.shaping import group_key, normalize
 from mrlx_plugin.rollout import generate
 from mrlx_plugin.runtime import get_runtime
 
@@ -268,7 +268,7 @@ def miles_sample_class() -> type:
     """A Sample shaped like Miles': slime's fields without `rollout_id` (extra attributes allowed)."""
     import dataclasses
 
-    from mrlx_plugin import host
+    from mrlx_plugin.core import host
 
     own = [(f.name, f.type, f) for f in dataclasses.fields(host.Sample) if f.name != "rollout_id"]
     cls = dataclasses.make_dataclass("MilesSample", own)
@@ -277,7 +277,7 @@ def miles_sample_class() -> type:
 
 
 def test_miles_input_form_is_accepted(stub_engine, tiny_model_dir, monkeypatch):
-    from mrlx_plugin import host
+    from mrlx_plugin.core import host
 
     monkeypatch.setattr(host, "Sample", miles_sample_class())
 

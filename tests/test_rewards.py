@@ -8,10 +8,10 @@ import math
 
 import pytest
 
-from mrlx_plugin.config import PipelineSettings
-from mrlx_plugin.grading import MathVerifier, extract_answer, grade_math, quick_grade
-from mrlx_plugin.host import Sample, Status
-from mrlx_plugin.rewards import coupling_matrix, normalize, reward, team_weighting
+from mrlx_plugin.core.config import PipelineSettings
+from mrlx_plugin.rewards.grading import MathVerifier, extract_answer, grade_math, quick_grade
+from mrlx_plugin.core.host import Sample, Status
+from mrlx_plugin.rewards.shaping import coupling_matrix, normalize, reward, team_weighting
 
 
 def sample(group, agent, r, status=Status.COMPLETED, removed=False, index=0):

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from mrlx_plugin.host import Sample, Status
-from mrlx_plugin.tokenizer import load_tokenizer
-from mrlx_plugin.transcript import Transcript, Turn, strip_reasoning
+from mrlx_plugin.core.host import Sample, Status
+from mrlx_plugin.core.tokenizer import load_tokenizer
+from mrlx_plugin.core.transcript import Transcript, Turn, strip_reasoning
 
 
 @pytest.fixture(scope="module")

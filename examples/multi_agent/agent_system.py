@@ -9,7 +9,7 @@ format rule to grading.
 from __future__ import annotations
 
 from mrlx_plugin import hookimpl
-from mrlx_plugin.pipeline import PipelinePrompts, make_pipeline
+from mrlx_plugin.systems.pipeline import PipelinePrompts, make_pipeline
 
 from . import prompts
 

@@ -1,7 +1,7 @@
 """Prompts of the example math team: what each role is asked.
 
 Plain functions from the problem (and the team's earlier answers) to a user message, handed to
-`mrlx_plugin.pipeline.make_pipeline` in agent_system.py. Change the wording here; the pipeline
+`mrlx_plugin.systems.pipeline.make_pipeline` in agent_system.py. Change the wording here; the pipeline
 takes care of tokenising, context limits and rewards.
 """
 

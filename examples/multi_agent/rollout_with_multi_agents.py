@@ -10,8 +10,8 @@ example used, so an existing launch script keeps working:
 Settings come from the YAML given with --custom-config-path (see math_team.yaml).
 """
 
-from mrlx_plugin.metrics import log_rollout
-from mrlx_plugin.rewards import normalize as normalize_rewards
+from mrlx_plugin.core.metrics import log_rollout
+from mrlx_plugin.rewards.shaping import normalize as normalize_rewards
 from mrlx_plugin.rollout import generate as generate_with_multi_agents
 
 __all__ = ["generate_with_multi_agents", "normalize_rewards", "log_rollout"]

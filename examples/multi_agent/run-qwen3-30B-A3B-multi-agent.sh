@@ -20,7 +20,7 @@ MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
 export PYTHONUNBUFFERED=1
 
 # Validate the plugin settings (and import the hook modules) before any GPU is touched.
-PYTHONPATH="$MRLX_REPO:${PYTHONPATH:-}" python3 -m mrlx_plugin.cli check --config "$MRLX_CONFIG" --skip-tokenizers
+PYTHONPATH="$MRLX_REPO:${PYTHONPATH:-}" python3 -m mrlx_plugin.cli.main check --config "$MRLX_CONFIG" --skip-tokenizers
 
 source "$SLIME_DIR/scripts/models/qwen3-30B-A3B.sh"   # defines MODEL_ARGS
 
@@ -35,9 +35,9 @@ CKPT_ARGS=(
 ROLLOUT_ARGS=(
   # mrlx_plugin: one function per flag, settings in the YAML.
   --custom-generate-function-path mrlx_plugin.rollout.generate
-  --custom-reward-post-process-path mrlx_plugin.rewards.normalize
-  --custom-rollout-log-function-path mrlx_plugin.metrics.log_rollout
-  --custom-eval-rollout-log-function-path mrlx_plugin.metrics.log_eval_rollout
+  --custom-reward-post-process-path mrlx_plugin.rollout.normalize
+  --custom-rollout-log-function-path mrlx_plugin.rollout.log_rollout
+  --custom-eval-rollout-log-function-path mrlx_plugin.rollout.log_eval_rollout
   --custom-config-path "$MRLX_CONFIG"
 
   # dapo-math-17k: prompts are chat messages; mrlx renders each role's own template, so no

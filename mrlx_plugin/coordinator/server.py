@@ -57,9 +57,9 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
-from mrlx_plugin.coordinator.client import token_from_env_or_file
 from mrlx_plugin.coordinator.storage import CoordinatorStore, QueueStats, StoreError, StoreOpenError
-from mrlx_plugin.coordinator.wire import (
+from mrlx_plugin.link.wire import (
+    token_from_env_or_file,
     CONTENT_TYPE,
     MAX_GROUP_SIZE,
     MAX_KEY_CHARS,
@@ -71,7 +71,7 @@ from mrlx_plugin.coordinator.wire import (
     scan_frame,
     validate_record,
 )
-from mrlx_plugin.netutil import is_loopback, write_port_file
+from mrlx_plugin.core.netutil import is_loopback, write_port_file
 
 log = logging.getLogger("mrlx.coordinator")
 
@@ -1093,7 +1093,7 @@ def openapi_document(run_id: str | None = None, agents: list[str] | None = None)
     }
     json_ok = {"description": "ok", "content": {"application/json": {"schema": {"type": "object"}}}}
     frame_ok = {
-        "description": "a wire frame (see mrlx_plugin.coordinator.wire); its JSON header holds lease_id, end, "
+        "description": "a wire frame (see mrlx_plugin.link.wire); its JSON header holds lease_id, end, "
         "groups, message, dead (groups set aside)",
         "content": {CONTENT_TYPE: {"schema": {"type": "string", "format": "binary"}}},
     }

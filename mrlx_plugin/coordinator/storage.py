@@ -45,7 +45,7 @@ from typing import Any, TypeVar
 
 import orjson
 
-from mrlx_plugin.coordinator.wire import RecordView
+from mrlx_plugin.link.wire import RecordView
 
 log = logging.getLogger(__name__)
 

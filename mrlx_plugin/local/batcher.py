@@ -749,7 +749,7 @@ class BatchWorker:
     # --- weights ---------------------------------------------------------------------------
 
     def _apply_weight_update(self, update: WeightUpdate) -> None:
-        from .model import load_model
+        from mrlx_plugin.local.model import load_model
 
         try:
             model = load_model(update.model_path)

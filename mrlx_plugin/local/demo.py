@@ -27,7 +27,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from ..procstat import memory_mib
+from mrlx_plugin.local.procstat import memory_mib
 
 A, B = "proposer", "decider"
 
@@ -106,7 +106,7 @@ def _previous_run(out: Path, ns: argparse.Namespace) -> None:
     if not found or getattr(ns, "resume", False):
         return
     if not getattr(ns, "overwrite", False):
-        from ..config import ConfigError
+        from mrlx_plugin.core.config import ConfigError
 
         raise ConfigError(
             f"--out {out} already holds a run ({found[0]}); pass --resume to continue it, --overwrite to "
@@ -120,9 +120,9 @@ def _previous_run(out: Path, ns: argparse.Namespace) -> None:
 
 
 def run_demo(ns: argparse.Namespace) -> dict[str, Any]:
-    from ..config import ConfigError
-    from .model import ensure_model
-    from .processes import (
+    from mrlx_plugin.core.config import ConfigError
+    from mrlx_plugin.local.model import ensure_model
+    from mrlx_plugin.local.processes import (
         popen_tied,
         router_available,
         start_coordinator,
@@ -130,7 +130,7 @@ def run_demo(ns: argparse.Namespace) -> dict[str, Any]:
         start_router,
         stop_all,
     )
-    from .tasks import addition_prompts, format_examples
+    from mrlx_plugin.local.tasks import addition_prompts, format_examples
 
     freeze = {"A": A, "B": B}.get(ns.freeze, ns.freeze)
     out = Path(ns.out)
@@ -157,7 +157,7 @@ def run_demo(ns: argparse.Namespace) -> dict[str, Any]:
     jobs: dict[str, subprocess.Popen] = {}
     peak_kib: dict[int, int] = {}
     with ExitStack() as stack:
-        def stop_everything() -> None:  # also on an exception or a signal (see mrlx_plugin.cli)
+        def stop_everything() -> None:  # also on an exception or a signal (see mrlx_plugin.cli.main)
             stop_all(jobs.values(), timeout=20)  # the trainers first: they use the services
             stop_all(procs, timeout=10)
 

@@ -39,8 +39,8 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from ..netutil import free_port, public_bind_refusal, write_port_file
-from .batcher import (
+from mrlx_plugin.core.netutil import free_port, public_bind_refusal, write_port_file
+from mrlx_plugin.local.batcher import (
     DEFAULT_MAX_NEW_TOKENS,
     PREFILL_TOKEN_BUDGET,
     BatchWorker,
@@ -681,7 +681,7 @@ class _QuietProbes(logging.Filter):
 
 
 async def _serve(args: argparse.Namespace) -> int:
-    from .model import load_model, load_tokenizer
+    from mrlx_plugin.local.model import load_model, load_tokenizer
 
     refusal = public_bind_refusal(args.host, args.allow_remote, "the embedded engine")
     if refusal:

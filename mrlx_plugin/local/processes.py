@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..netutil import free_port
+from mrlx_plugin.core.netutil import free_port
 
 
 class ProcessStartError(RuntimeError):
@@ -217,7 +217,7 @@ def router_available() -> bool:
 
 def start_router(worker_urls: list[str], *, log_dir=None, name: str = "router") -> ManagedProcess:
     """The real sglang-router in front of `worker_urls` (requires the sglang-router package)."""
-    from .engine import router_command
+    from mrlx_plugin.local.engine import router_command
 
     port = free_port()
     argv = router_command("127.0.0.1", port, worker_urls)

@@ -57,7 +57,7 @@ from typing import Any
 
 import orjson
 
-from ..netutil import public_bind_refusal, write_port_file
+from mrlx_plugin.core.netutil import public_bind_refusal, write_port_file
 
 log = logging.getLogger("mrlx.stub_engine")
 
@@ -117,7 +117,7 @@ def _byte_ids() -> list[int]:
     """The id of each byte in the locally built byte-level tokenizers: 3 + the rank of the byte's
     GPT-2 character in the sorted byte alphabet (mrlx_plugin.local.model trains its BPE with
     special tokens 0..2 first, then `sorted(ByteLevel.alphabet())`)."""
-    from ..tokenizer import gpt2_byte_chars
+    from mrlx_plugin.core.tokenizer import gpt2_byte_chars
 
     ids = [0] * 256
     for rank, (_, b) in enumerate(sorted(gpt2_byte_chars().items())):
@@ -826,12 +826,12 @@ async def _serve(args: argparse.Namespace) -> int:
     register = None
     url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::', '') else args.host}:{port}"
     if args.router_url:
-        from .engine import register_with_router
+        from mrlx_plugin.local.engine import register_with_router
 
         register = asyncio.create_task(register_with_router(args.router_url.rstrip("/"), url, stop))
     await stop.wait()
     if register is not None and await register:
-        from .engine import deregister_from_router
+        from mrlx_plugin.local.engine import deregister_from_router
 
         await deregister_from_router(args.router_url.rstrip("/"), url)
     srv.close()

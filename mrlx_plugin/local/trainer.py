@@ -46,13 +46,13 @@ log = logging.getLogger("mrlx.trainer")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ..hostargs import add_host_arguments
+    from mrlx_plugin.local.fake_host import add_host_arguments
 
     p = argparse.ArgumentParser(prog="python -m mrlx_plugin.local.trainer", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", required=True, help="the job's YAML (mrlx: ..., with mrlx.trainer)")
     p.add_argument("--model", required=True, help="the agent's initial model directory")
     p.add_argument("--engine-url", action="append", default=[], help="this agent's engine(s), for weight pushes")
-    p.add_argument("--rollout-function", default="mrlx_plugin.local.host_rollout.default_rollout",
+    p.add_argument("--rollout-function", default="mrlx_plugin.local.fake_host.default_rollout",
                    help="what slime's --rollout-function-path would name")
     p.add_argument("--custom-generate-function-path", default="mrlx_plugin.rollout.generate")
     p.add_argument("--num-rollout", type=int, default=10)
@@ -296,16 +296,16 @@ def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     import torch
 
-    from ..config import ConfigError
-    from ..host import load_function, run_in_host_loop
-    from ..hostargs import host_args, read_prompts
-    from ..metrics import log_rollout
-    from ..rewards import normalize
-    from ..rollout import ack_trained_groups
-    from ..runtime import runtime_for
-    from .host_rollout import LocalDataSource
-    from .model import load_model, load_tokenizer
-    from .tasks import task_prompts
+    from mrlx_plugin.core.config import ConfigError
+    from mrlx_plugin.core.host import load_function, run_in_host_loop
+    from mrlx_plugin.local.fake_host import host_args, read_prompts
+    from mrlx_plugin.core.metrics import log_rollout
+    from mrlx_plugin.rewards.shaping import normalize
+    from mrlx_plugin.rollout import ack_trained_groups
+    from mrlx_plugin.runtime import runtime_for
+    from mrlx_plugin.local.fake_host import LocalDataSource
+    from mrlx_plugin.local.model import load_model, load_tokenizer
+    from mrlx_plugin.local.tasks import task_prompts
 
     out = Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -12,7 +12,7 @@ import pytest
 from _coord_procs import CoordinatorProcess, attempts_of, make_items
 from _wait import async_wait_until
 
-from mrlx_plugin.coordinator.client import CoordinatorClient, CoordinatorError
+from mrlx_plugin.link.client import CoordinatorClient, CoordinatorError
 
 
 @pytest.fixture

@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 from _coord_procs import CoordinatorProcess, http, make_items
 
-from mrlx_plugin.coordinator.client import CoordinatorClient, CoordinatorError
+from mrlx_plugin.link.client import CoordinatorClient, CoordinatorError
 
 # The system calls SQLite writes files with; sockets (send/sendto) and pipes (write) keep working.
 FILE_WRITES = "pwrite64,pwritev,pwritev2,ftruncate,fallocate"

@@ -41,7 +41,7 @@ from _coord_procs import CoordinatorProcess
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mrlx_plugin.coordinator.wire import (
+from mrlx_plugin.link.wire import (
     CONTENT_TYPE,
     FRAME_HEAD,
     MAGIC,

@@ -32,8 +32,8 @@ import pytest
 from _coord_procs import REPO, CoordinatorProcess, http, make_items
 from _wait import wait_until
 
-from mrlx_plugin.coordinator.wire import CONTENT_TYPE, encode_items
-from mrlx_plugin.procstat import memory_mib
+from mrlx_plugin.link.wire import CONTENT_TYPE, encode_items
+from mrlx_plugin.local.procstat import memory_mib
 
 IDLE_CONNECTIONS = 1100
 COORDINATOR_NOFILE = 1024
@@ -122,7 +122,7 @@ def test_database_files_found_with_loose_modes_are_tightened_and_logged(tmp_path
 
 def test_coordinator_help_says_the_database_is_owner_only():
     done = subprocess.run(
-        [sys.executable, "-m", "mrlx_plugin.cli", "coordinator", "--help"],
+        [sys.executable, "-m", "mrlx_plugin.cli.main", "coordinator", "--help"],
         cwd=REPO, capture_output=True, text=True, timeout=120,
     )
     assert done.returncode == 0, done.stderr

@@ -17,8 +17,8 @@ import socket
 import pytest
 from _twojobs import TOKEN, TwoJobs
 
-from mrlx_plugin.coordinator.client import CoordinatorClient
-from mrlx_plugin.coordinator.wire import QueueItem
+from mrlx_plugin.link.client import CoordinatorClient
+from mrlx_plugin.link.wire import QueueItem
 from mrlx_plugin.local.model import ensure_model
 
 B_VOCAB = 384
@@ -230,8 +230,8 @@ def test_the_initiator_sends_fillers_for_samples_its_peer_model_cannot_take(engi
 
     from _host import slime_args
 
-    from mrlx_plugin.host import run_in_host_loop
-    from mrlx_plugin.local.host_rollout import LocalDataSource
+    from mrlx_plugin.core.host import run_in_host_loop
+    from mrlx_plugin.local.fake_host import LocalDataSource
     from mrlx_plugin.local.processes import start_coordinator
     from mrlx_plugin.rollout import initiator_rollout
     from mrlx_plugin.runtime import runtime_for
@@ -288,7 +288,7 @@ def test_a_slime_responder_acknowledges_through_the_last_durable_save(tiny_model
     acknowledges exactly the steps that a job resumed now would not train again."""
     from _host import slime_args
 
-    from mrlx_plugin.host import run_in_host_loop
+    from mrlx_plugin.core.host import run_in_host_loop
     from mrlx_plugin.local.processes import start_coordinator
     from mrlx_plugin.rollout import responder_rollout
     from mrlx_plugin.runtime import runtime_for

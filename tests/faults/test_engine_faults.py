@@ -9,10 +9,10 @@ import urllib.request
 import pytest
 from _host import slime_args
 
-from mrlx_plugin.host import Status, run_in_host_loop
-from mrlx_plugin.local.host_rollout import LocalDataSource, default_rollout
-from mrlx_plugin.metrics import compute_metrics
-from mrlx_plugin.rewards import normalize
+from mrlx_plugin.core.host import Status, run_in_host_loop
+from mrlx_plugin.local.fake_host import LocalDataSource, default_rollout
+from mrlx_plugin.core.metrics import compute_metrics
+from mrlx_plugin.rewards.shaping import normalize
 from mrlx_plugin.runtime import runtime_for
 
 

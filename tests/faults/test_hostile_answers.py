@@ -23,14 +23,14 @@ from pathlib import Path
 import pytest
 from _host import group, params, slime_args
 
-from mrlx_plugin.config import EngineSettings
-from mrlx_plugin.engine_client import EngineClient, EngineError, MalformedAnswer
-from mrlx_plugin.host import Status, run_in_host_loop
-from mrlx_plugin.http import MAX_BODY_BYTES
-from mrlx_plugin.local.host_rollout import LocalDataSource, default_rollout
+from mrlx_plugin.core.config import EngineSettings
+from mrlx_plugin.core.engine_client import EngineClient, EngineError, MalformedAnswer
+from mrlx_plugin.core.host import Status, run_in_host_loop
+from mrlx_plugin.core.http import MAX_BODY_BYTES
+from mrlx_plugin.local.fake_host import LocalDataSource, default_rollout
 from mrlx_plugin.local.stub_engine import DEFAULT_TEXT, MALFORMED_MODES, WRONG_TEXT
-from mrlx_plugin.metrics import compute_metrics
-from mrlx_plugin.rewards import normalize
+from mrlx_plugin.core.metrics import compute_metrics
+from mrlx_plugin.rewards.shaping import normalize
 from mrlx_plugin.rollout import generate
 from mrlx_plugin.runtime import get_runtime, runtime_for
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 
 from mrlx_plugin import hookimpl
-from mrlx_plugin.grading import quick_grade
+from mrlx_plugin.rewards.grading import quick_grade
 
 _VERDICT = re.compile(r"VERDICT:\s*(correct|incorrect)", re.IGNORECASE)
 

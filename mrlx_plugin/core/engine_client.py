@@ -1,7 +1,7 @@
 """Token-in/token-out calls to an SGLang engine (or router) over HTTP.
 
 One `EngineClient` per URL per process, holding a pool of keep-alive connections per event loop
-(see `mrlx_plugin.http`), so a rollout reuses its connections across thousands of calls. Every
+(see `mrlx_plugin.core.http`), so a rollout reuses its connections across thousands of calls. Every
 call has a deadline and a cap on the size of the answer. Faults that may pass (connection
 resets, timeouts, HTTP 5xx/429, an answer that is not valid HTTP, not the protocol's JSON or
 larger than the cap) are retried a bounded number of times with exponential backoff and jitter;
@@ -27,8 +27,8 @@ from typing import Any
 
 import orjson
 
-from .config import EngineSettings
-from .http import MAX_BODY_BYTES, HTTPError, HTTPPool
+from mrlx_plugin.core.config import EngineSettings
+from mrlx_plugin.core.http import MAX_BODY_BYTES, HTTPError, HTTPPool
 
 RETRYABLE_STATUS = {429, 500, 502, 503, 504}
 # Log-probs must be <= 0; a sampler's float arithmetic can land a hair above zero for a token of

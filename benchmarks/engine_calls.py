@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import write_report
+from benchmarks.report import write_report
 
 WORDS = ["let", "the", "number", "of", "integers", "between", "positive", "real", "triangle", "sum", "product", "prime", "divisor", "coefficient", "sequence", "function", "polynomial", "probability", "circle", "radius", "angle", "area", "perimeter", "digit", "remainder", "modulo", "consider", "find", "compute", "show", "that", "such", "where", "each", "every", "value", "maximum", "minimum", "expected", "ordered", "pair"]
 MATH = ["x^2+y^2=25", "\\frac{a}{b}", "n!", "2^{10}", "\\sqrt{3}", "a_{n+1}=2a_n+1", "f(x)=x^3-3x", "\\binom{12}{4}"]
@@ -62,7 +62,7 @@ def stub_text(response_words: int) -> str:
 
 
 def _host_args(url: str, tokenizer_dir: str, response_tokens: int, num_parallel: int) -> argparse.Namespace:
-    from ..hostargs import set_router
+    from mrlx_plugin.local.fake_host import set_router
 
     args = argparse.Namespace(
         hf_checkpoint=tokenizer_dir,
@@ -87,9 +87,9 @@ def _host_args(url: str, tokenizer_dir: str, response_tokens: int, num_parallel:
 
 
 async def _drive(args: argparse.Namespace, problems: list[str], episodes: int, concurrency: int, start: int) -> int:
-    from ..host import Sample
-    from ..hostargs import sampling_params
-    from ..rollout import generate
+    from mrlx_plugin.core.host import Sample
+    from mrlx_plugin.local.fake_host import sampling_params
+    from mrlx_plugin.rollout import generate
 
     semaphore = asyncio.Semaphore(concurrency)
     params = sampling_params(args)
@@ -117,7 +117,7 @@ def worker(ns: argparse.Namespace) -> dict[str, Any]:
     args = _host_args(ns.url, ns.tokenizer, ns.response_tokens, ns.num_parallel)
 
     async def run() -> dict[str, Any]:
-        from ..runtime import get_runtime
+        from mrlx_plugin.runtime import get_runtime
 
         await get_runtime(args)  # load plugins and the tokenizer before the clock starts
         await _drive(args, problems, ns.warmup, min(ns.concurrency, max(ns.warmup, 1)), start=10**6)
@@ -149,7 +149,7 @@ def _run_worker(mode: str, url: str, tokenizer: str, problems: str, *, episodes:
                 num_parallel: int, response_tokens: int, cpu: int | None, warmup: int) -> dict[str, Any]:
     with tempfile.NamedTemporaryFile("r", suffix=".json", delete=False) as f:
         out = f.name
-    argv = [sys.executable, "-m", "mrlx_plugin.benchmarks.rollout", "--worker", "--url", url, "--tokenizer", tokenizer,
+    argv = [sys.executable, "-m", "benchmarks.engine_calls", "--worker", "--url", url, "--tokenizer", tokenizer,
             "--problems", problems, "--episodes", str(episodes), "--concurrency", str(concurrency),
             "--num-parallel", str(num_parallel), "--response-tokens", str(response_tokens), "--warmup", str(warmup),
             "--result", out] + (["--cpu", str(cpu)] if cpu is not None else [])
@@ -162,8 +162,8 @@ def _run_worker(mode: str, url: str, tokenizer: str, problems: str, *, episodes:
 
 def prepare(workdir: Path, prompt_tokens: int, seed: int) -> tuple[str, str, float]:
     """A realistic byte-level BPE tokenizer (8k vocab) and ~prompt_tokens-token problems."""
-    from ..local.model import build_tokenizer
-    from ..tokenizer import load_tokenizer
+    from mrlx_plugin.local.model import build_tokenizer
+    from mrlx_plugin.core.tokenizer import load_tokenizer
 
     tok_dir = workdir / "tokenizer-8k"
     if not (tok_dir / "tokenizer.json").exists():
@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(ns.result).write_text(json.dumps(worker(ns)))
         return 0
 
-    from ..local.processes import start_stub_engine
+    from mrlx_plugin.local.processes import start_stub_engine
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))

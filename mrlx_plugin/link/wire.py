@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import array
 import math
+import os
 import struct
 import sys
 import threading
@@ -578,61 +579,29 @@ def decode_items(buf: bytes | bytearray | memoryview) -> list[QueueItem]:
     return decode_frame(buf)[1]
 
 
-def item_from_sample(
-    sample: Any, *, key: str, group: str, group_size: int, producer: str, step: int
-) -> QueueItem:
-    """A `QueueItem` carrying `sample` (the host's Sample or ours) to the consumer's queue.
-
-    The arrays are taken as they are (no copy); the scalar and JSON attributes named in
-    `SAMPLE_FIELDS` go into `fields` (status as its string value).
-    """
-    fields: dict[str, Any] = {}
-    for name in SAMPLE_FIELDS:
-        value = getattr(sample, name, None)
-        if value is None:
-            continue
-        if name == "status":
-            value = getattr(value, "value", value)
-        fields[name] = value
-    return QueueItem(
-        key=key,
-        group=group,
-        group_size=group_size,
-        producer=producer,
-        step=step,
-        tokens=sample.tokens,
-        response_length=sample.response_length,
-        loss_mask=sample.loss_mask if sample.loss_mask is not None else (),
-        rollout_log_probs=sample.rollout_log_probs if sample.rollout_log_probs is not None else (),
-        fields=fields,
-    )
-
-
-def sample_from_item(item: QueueItem) -> Any:
-    """The host's Sample (or our stand-in) for a decoded item, ready for the consumer's trainer.
-
-    Fields the Sample class does not declare are set as attributes, so nothing the producer sent
-    is dropped. Lists are handed over without a copy.
-    """
-    from mrlx_plugin.host import Sample
-
-    sample = Sample()
-    for name, value in item.fields.items():
-        if name == "status":
-            value = Sample.Status(value)
-        elif name == "metadata":
-            value = dict(value)
-        setattr(sample, name, value)
-    sample.tokens = _as_list(item.tokens)
-    sample.response_length = item.response_length
-    sample.loss_mask = _as_list(item.loss_mask)
-    sample.rollout_log_probs = _as_list(item.rollout_log_probs)
-    return sample
-
-
-def _as_list(values: Sequence[Any]) -> list[Any]:
+def as_list(values: Sequence[Any]) -> list[Any]:
     if isinstance(values, list):
         return values
     if isinstance(values, np.ndarray):
         return values.tolist()
     return list(values)
+
+
+def token_from_env_or_file(env: str | None = "MRLX_TOKEN", file: str | None = None) -> str | None:
+    """The bearer token from `file` when given, else from the environment variable `env`; None if neither.
+
+    Raises ValueError when the file is given but missing or empty (a silent fallback to no token
+    would turn auth off without anyone noticing).
+    """
+    if file:
+        try:
+            with open(file, encoding="utf-8") as handle:
+                token = handle.read().strip()
+        except OSError as exc:
+            raise ValueError(f"cannot read the token file {file!r}: {exc.strerror}") from None
+        if not token:
+            raise ValueError(f"the token file {file!r} is empty")
+        return token
+    if env:
+        return os.environ.get(env, "").strip() or None
+    return None

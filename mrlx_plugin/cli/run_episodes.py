@@ -2,8 +2,8 @@
 
 Each input sample goes through `mrlx_plugin.rollout.generate` exactly as slime calls it (same
 args object, same sampling parameters, at most `--concurrency` at once, like the host's
-semaphore); the returned samples are normalised with `mrlx_plugin.rewards.normalize`, summarised
-with `mrlx_plugin.metrics.compute_metrics`, and written as JSONL. With `--local` the command first
+semaphore); the returned samples are normalised with `mrlx_plugin.rollout.normalize`, summarised
+with `mrlx_plugin.core.metrics.compute_metrics`, and written as JSONL. With `--local` the command first
 starts an embedded engine on a small model built on this machine (and the real sglang-router in
 front of it when that is installed), so it runs anywhere with no GPU.
 """
@@ -19,7 +19,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from .hostargs import add_host_arguments, host_args, make_groups, read_prompts, sampling_params, set_router
+from mrlx_plugin.local.fake_host import add_host_arguments, host_args, make_groups, read_prompts, sampling_params, set_router
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 async def run_episodes(args: Any, groups: list[list[Any]], concurrency: int, evaluation: bool = False) -> list[Any]:
     """Call the plugin's generate function on every sample, `concurrency` at a time."""
-    from .rollout import generate
+    from mrlx_plugin.rollout import generate
 
     semaphore = asyncio.Semaphore(concurrency)
     params = sampling_params(args)
@@ -67,8 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     with ExitStack() as stack:
         if ns.local:
-            from .local.model import ensure_model
-            from .local.processes import router_available, start_engine, start_router
+            from mrlx_plugin.local.model import ensure_model
+            from mrlx_plugin.local.processes import router_available, start_engine, start_router
 
             model_dir = ensure_model(ns.model_dir, preset=ns.preset, seed=ns.seed)
             log_dir = Path("runs/logs")
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         if ns.prompt_data:
             prompts = read_prompts(ns.prompt_data, ns.input_key, ns.label_key)
         else:
-            from .local.tasks import arithmetic_prompts
+            from mrlx_plugin.local.tasks import arithmetic_prompts
 
             prompts = arithmetic_prompts(max(ns.rollout_batch_size, 1), seed=ns.seed)
         groups = list(make_groups(prompts, ns.rollout_batch_size, ns.n_samples_per_prompt))
@@ -97,8 +97,8 @@ def main(argv: list[str] | None = None) -> int:
         samples = asyncio.run(_run_and_close(args, groups, ns.concurrency, ns.evaluation))
         wall = time.monotonic() - started
 
-    from .metrics import compute_metrics
-    from .rewards import normalize
+    from mrlx_plugin.core.metrics import compute_metrics
+    from mrlx_plugin.rewards.shaping import normalize
 
     metrics = compute_metrics(samples)
     advantages = normalize(args, samples)[1] if not ns.evaluation else [0.0] * len(samples)
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 async def _run_and_close(args: Any, groups: list[list[Any]], concurrency: int, evaluation: bool) -> list[Any]:
-    from .runtime import get_runtime
+    from mrlx_plugin.runtime import get_runtime
 
     try:
         return await run_episodes(args, groups, concurrency, evaluation)

@@ -13,8 +13,8 @@ episode after any turn; a stop before `max_turns` counts as an early termination
 
 from __future__ import annotations
 
-from .episode import Episode
-from .transcript import Transcript
+from mrlx_plugin.core.episode import Episode
+from mrlx_plugin.core.transcript import Transcript
 
 
 def speaking_order(settings) -> list[str]:

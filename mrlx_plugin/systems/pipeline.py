@@ -20,8 +20,8 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .episode import Episode
-from .transcript import Transcript
+from mrlx_plugin.core.episode import Episode
+from mrlx_plugin.core.transcript import Transcript
 
 _JUDGMENT = re.compile(r"Judgment\s*:\s*\**\s*\[?(\d+)")
 

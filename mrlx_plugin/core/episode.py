@@ -24,9 +24,9 @@ import zlib
 from collections.abc import Awaitable, Callable
 from typing import Any, NoReturn
 
-from .config import AgentSettings, ConfigError
-from .engine_client import EngineError, MalformedAnswer
-from .transcript import MalformedTurn, Transcript, Turn
+from mrlx_plugin.core.config import AgentSettings, ConfigError
+from mrlx_plugin.core.engine_client import EngineError, MalformedAnswer
+from mrlx_plugin.core.transcript import MalformedTurn, Transcript, Turn
 
 logger = logging.getLogger(__name__)
 

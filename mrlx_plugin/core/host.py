@@ -272,9 +272,15 @@ def host_default_rollout(args: Any, rollout_id: int, data_source: Any, evaluatio
         return generate_rollout(args, rollout_id, data_source, evaluation=evaluation)
     if HOST == "miles":
         return _miles_default_rollout(args, rollout_id, data_source, evaluation)
-    from .local.host_rollout import default_rollout
-
-    return default_rollout(args, rollout_id, data_source, evaluation=evaluation)
+    # No host: the stand-in host that built `args` names its default rollout there
+    # (`mrlx_plugin.local.fake_host.host_args`), as slime's own module would be importable.
+    stand_in = getattr(args, "host_default_rollout", None)
+    if stand_in is None:
+        raise RuntimeError(
+            "neither slime nor Miles is importable and `args` names no stand-in default rollout; "
+            "run inside the host, or build args with mrlx_plugin.local.fake_host.host_args"
+        )
+    return stand_in(args, rollout_id, data_source, evaluation=evaluation)
 
 
 def miles_uses_legacy_rollout() -> bool:

@@ -44,8 +44,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from ..procstat import cpu_seconds, memory_mib, open_fds
-from . import write_report
+from mrlx_plugin.local.procstat import cpu_seconds, memory_mib, open_fds
+from benchmarks.report import write_report
 
 RUN_ID = "load"
 PRODUCER, CONSUMER = "a", "b"
@@ -74,7 +74,7 @@ class _Flight:
 async def counted_generate(args: Any, sample: Any, sampling_params: Any = None, evaluation: bool = False) -> Any:
     """`mrlx_plugin.rollout.generate`, counting the episodes in flight (the benchmark's
     `--custom-generate-function-path`; the count costs two integer updates per episode)."""
-    from ..rollout import generate
+    from mrlx_plugin.rollout import generate
 
     _Flight.now += 1
     _Flight.peak = max(_Flight.peak, _Flight.now)
@@ -108,8 +108,8 @@ def job_settings(engine_url: str, coordinator_url: str, response_tokens: int, ma
 def host_args(engine_url: str, tokenizer: str, mrlx: dict[str, Any], response_tokens: int,
               n_samples_per_prompt: int) -> argparse.Namespace:
     """What slime hands the rollout function: its flags (slime's names) plus the `mrlx` key."""
-    from ..hostargs import add_host_arguments, set_router
-    from ..hostargs import host_args as build
+    from mrlx_plugin.local.fake_host import add_host_arguments, set_router
+    from mrlx_plugin.local.fake_host import host_args as build
 
     parser = argparse.ArgumentParser()
     add_host_arguments(parser)
@@ -120,7 +120,7 @@ def host_args(engine_url: str, tokenizer: str, mrlx: dict[str, Any], response_to
     args.mrlx = mrlx
     args.n_samples_per_prompt = n_samples_per_prompt
     args.rollout_max_response_len = 4 * response_tokens
-    args.custom_generate_function_path = "mrlx_plugin.benchmarks.load.counted_generate"
+    args.custom_generate_function_path = "benchmarks.load.counted_generate"
     return args
 
 
@@ -143,10 +143,10 @@ def _count(output: Any) -> dict[str, int]:
 
 def rollout_worker(ns: argparse.Namespace) -> int:
     """Job a: a warm-up round, the load round, then soak rounds until the soak time is up."""
-    from ..host import run_in_host_loop
-    from ..local.host_rollout import LocalDataSource
-    from ..rollout import initiator_rollout
-    from ..runtime import runtime_for
+    from mrlx_plugin.core.host import run_in_host_loop
+    from mrlx_plugin.local.fake_host import LocalDataSource
+    from mrlx_plugin.rollout import initiator_rollout
+    from mrlx_plugin.runtime import runtime_for
 
     n = ns.n_samples_per_prompt
     problems = json.loads(Path(ns.problems).read_text())
@@ -207,8 +207,8 @@ def rollout_worker(ns: argparse.Namespace) -> int:
 
 
 async def _consume(ns: argparse.Namespace) -> dict[str, Any]:
-    from ..coordinator.client import CoordinatorClient
-    from ..coordinator.wire import sample_from_item
+    from mrlx_plugin.link.client import CoordinatorClient
+    from mrlx_plugin.link.peers import sample_from_item
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -343,14 +343,14 @@ class _Worker:
 def _worker_argv(*args: str) -> list[str]:
     # `-c` rather than `-m`: the rollout imports this module by name (the generate function's
     # path), and must find the same module object that counts episodes, not a second copy.
-    return [sys.executable, "-c", "import sys; from mrlx_plugin.benchmarks.load import main; sys.exit(main(sys.argv[1:]))",
+    return [sys.executable, "-c", "import sys; from benchmarks.load import main; sys.exit(main(sys.argv[1:]))",
             *args]
 
 
 def run_load_bench(ns: argparse.Namespace) -> dict[str, Any]:
     """Start every process, run the load round and the soak, sample, stop everything; the report."""
-    from ..local.processes import start_coordinator, start_stub_engine
-    from .rollout import prepare, stub_text
+    from mrlx_plugin.local.processes import start_coordinator, start_stub_engine
+    from benchmarks.engine_calls import prepare, stub_text
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     need = max(ns.episodes, ns.soak_episodes) + FD_HEADROOM

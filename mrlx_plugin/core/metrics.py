@@ -130,7 +130,7 @@ _HOST_LOGGING = {
 def log_through_host(args: Any, metrics: dict[str, float], rollout_id: int, evaluation: bool) -> None:
     """Log `metrics` with the host's own logger, on the step axis the host uses for that kind of
     rollout (`rollout/step` or `eval/step`), so they line up with the host's metrics."""
-    from .host import HOST
+    from mrlx_plugin.core.host import HOST
 
     modules = _HOST_LOGGING.get(HOST or "")
     if modules is None:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .config import (
+from mrlx_plugin.core.config import (
     ConfigError,
     Settings,
     config_dir,
@@ -31,8 +31,8 @@ from .config import (
     public_text,
     read_text_setting,
 )
-from .engine_client import EngineClient, EngineError
-from .plugins import collect_systems, make_plugin_manager
+from mrlx_plugin.core.engine_client import EngineClient, EngineError
+from mrlx_plugin.plugins import collect_systems, make_plugin_manager
 
 
 @dataclass
@@ -174,7 +174,7 @@ async def run_checks(paths: list[str], router_urls: list[str], timeout: float, t
         await asyncio.gather(*jobs)
         await check_coordinator(path, settings, timeout, report)
         if tokenizers:
-            from .tokenizer import load_tokenizer
+            from mrlx_plugin.core.tokenizer import load_tokenizer
 
             for name, agent in settings.agents.items():
                 if agent.tokenizer:

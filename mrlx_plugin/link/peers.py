@@ -39,9 +39,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from .config import ConfigError
-from .coordinator.client import CoordinatorClient, CoordinatorError, token_from_env_or_file
-from .coordinator.wire import QueueItem, item_from_sample, sample_from_item
+from mrlx_plugin.core.config import ConfigError
+from mrlx_plugin.core.host import Sample, Status
+from mrlx_plugin.link.client import CoordinatorClient, CoordinatorError
+from mrlx_plugin.link.wire import QueueItem, as_list, token_from_env_or_file
 
 logger = logging.getLogger(__name__)
 
@@ -135,7 +136,7 @@ def filler_sample(agent: str, *, group_index: Any, index: Any, rollout_id: Any, 
     """An ABORTED sample that trains nothing and that any model can take: reward 0.0, zero loss
     mask, `remove_sample`, two token ids (`pad_id`), no weight version. It stands in for a sample
     that cannot be trained, so that a step keeps its sample count."""
-    from .host import Sample, Status
+    from mrlx_plugin.core.host import Sample, Status
 
     sample = Sample()
     for name, value in (("group_index", group_index), ("index", index), ("rollout_id", rollout_id),
@@ -544,3 +545,53 @@ def _as_int(value: Any) -> int | None:
         return int(value)
     except (TypeError, ValueError):
         return None
+
+
+def item_from_sample(
+    sample: Any, *, key: str, group: str, group_size: int, producer: str, step: int
+) -> QueueItem:
+    """A `QueueItem` carrying `sample` (the host's Sample or ours) to the consumer's queue.
+
+    The arrays are taken as they are (no copy); the scalar and JSON attributes named in
+    `SAMPLE_FIELDS` go into `fields` (status as its string value).
+    """
+    fields: dict[str, Any] = {}
+    for name in SAMPLE_FIELDS:
+        value = getattr(sample, name, None)
+        if value is None:
+            continue
+        if name == "status":
+            value = getattr(value, "value", value)
+        fields[name] = value
+    return QueueItem(
+        key=key,
+        group=group,
+        group_size=group_size,
+        producer=producer,
+        step=step,
+        tokens=sample.tokens,
+        response_length=sample.response_length,
+        loss_mask=sample.loss_mask if sample.loss_mask is not None else (),
+        rollout_log_probs=sample.rollout_log_probs if sample.rollout_log_probs is not None else (),
+        fields=fields,
+    )
+
+
+def sample_from_item(item: QueueItem) -> Any:
+    """The host's Sample (or our stand-in) for a decoded item, ready for the consumer's trainer.
+
+    Fields the Sample class does not declare are set as attributes, so nothing the producer sent
+    is dropped. Lists are handed over without a copy.
+    """
+    sample = Sample()
+    for name, value in item.fields.items():
+        if name == "status":
+            value = Sample.Status(value)
+        elif name == "metadata":
+            value = dict(value)
+        setattr(sample, name, value)
+    sample.tokens = as_list(item.tokens)
+    sample.response_length = item.response_length
+    sample.loss_mask = as_list(item.loss_mask)
+    sample.rollout_log_probs = as_list(item.rollout_log_probs)
+    return sample

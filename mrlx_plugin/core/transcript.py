@@ -22,8 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .host import Status, copy_sample
-from .tokenizer import AgentTokenizer
+from mrlx_plugin.core.host import Status, copy_sample
+from mrlx_plugin.core.tokenizer import AgentTokenizer
 
 THINK_END = "</think>"
 

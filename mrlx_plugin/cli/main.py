@@ -20,48 +20,60 @@ import os
 import signal
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
-from .config import ConfigError
+from mrlx_plugin.core.config import ConfigError
 
 
 def _engine(argv: list[str]) -> int:
-    from .local.engine import main
+    from mrlx_plugin.local.engine import main
 
     return main(argv)
 
 
 def _stub_engine(argv: list[str]) -> int:
-    from .local.stub_engine import main
+    from mrlx_plugin.local.stub_engine import main
 
     return main(argv)
 
 
 def _coordinator(argv: list[str]) -> int:
-    from .coordinator.server import main
+    from mrlx_plugin.coordinator.server import main
 
     return main(argv)
 
 
 def _rollout(argv: list[str]) -> int:
-    from .run_rollout import main
+    from mrlx_plugin.cli.run_episodes import main
 
     return main(argv)
 
 
 def _check(argv: list[str]) -> int:
-    from .check import main
+    from mrlx_plugin.cli.check import main
 
     return main(argv)
 
 
 def _demo(argv: list[str]) -> int:
-    from .local.demo import main
+    from mrlx_plugin.local.demo import main
 
     return main(argv)
 
 
 def _bench(argv: list[str]) -> int:
-    from .benchmarks import main
+    # The benchmarks live in the repository checkout (`benchmarks/` beside the package), not in
+    # the installed package: users' images do not carry them.
+    checkout = Path(__file__).resolve().parents[2]
+    if not (checkout / "benchmarks" / "__init__.py").is_file():
+        print("mrlx bench: the benchmarks live in the repository checkout (benchmarks/); run `mrlx bench` "
+              "from a clone installed with `pip install -e .`", file=sys.stderr)
+        return 2
+    if str(checkout) not in sys.path:
+        sys.path.insert(0, str(checkout))
+    # their helper processes import them too
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(checkout), os.environ.get("PYTHONPATH")) if p)
+    from benchmarks import main
 
     return main(argv)
 
@@ -115,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {name:<13} {help_text}")
         return 0 if argv else 2
     if argv[0] in ("-V", "--version"):
-        from . import __version__
+        from mrlx_plugin import __version__
 
         print(__version__)
         return 0

@@ -27,7 +27,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from mrlx_plugin.coordinator.wire import CONTENT_TYPE, BufferPool, QueueItem, decode_frame, encode_items_into
+from mrlx_plugin.link.wire import CONTENT_TYPE, token_from_env_or_file, BufferPool, QueueItem, decode_frame, encode_items_into
 
 log = logging.getLogger("mrlx.coordinator.client")
 
@@ -75,26 +75,6 @@ class Lease:
     # Groups set aside (never delivered again): {"group", "size", "step", "producer", "reason"};
     # with `step`, every one of that step, else those this call set aside.
     dead: list[dict[str, Any]] = field(default_factory=list)
-
-
-def token_from_env_or_file(env: str | None = "MRLX_TOKEN", file: str | None = None) -> str | None:
-    """The bearer token from `file` when given, else from the environment variable `env`; None if neither.
-
-    Raises ValueError when the file is given but missing or empty (a silent fallback to no token
-    would turn auth off without anyone noticing).
-    """
-    if file:
-        try:
-            with open(file, encoding="utf-8") as handle:
-                token = handle.read().strip()
-        except OSError as exc:
-            raise ValueError(f"cannot read the token file {file!r}: {exc.strerror}") from None
-        if not token:
-            raise ValueError(f"the token file {file!r} is empty")
-        return token
-    if env:
-        return os.environ.get(env, "").strip() or None
-    return None
 
 
 def _error_text(body: bytes) -> str:

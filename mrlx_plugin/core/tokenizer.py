@@ -21,7 +21,7 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
-from .config import ConfigError
+from mrlx_plugin.core.config import ConfigError
 
 _LOADED: dict[tuple[str, str | None], AgentTokenizer] = {}
 _LOCK = threading.Lock()

@@ -12,11 +12,11 @@ import argparse
 import sys
 from pathlib import Path
 
-from . import write_report
+from benchmarks.report import write_report
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..local.demo import A, B, build_parser, run_demo
+    from mrlx_plugin.local.demo import A, B, build_parser, run_demo
 
     p = argparse.ArgumentParser(prog="mrlx bench demo", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="runs/bench/demo.json")

@@ -19,7 +19,7 @@ Three measurements, side by side in one run (every party in its own process):
    would use). The baseline server keeps request bodies as bytes and returns them unchanged, the
    most favourable plain queue. Same steps, clock and checksum.
 
-`python -m mrlx_plugin.coordinator.bench` (or the `mrlx` CLI) prints a table and writes JSON.
+`python -m benchmarks.coordinator` (or the `mrlx` CLI) prints a table and writes JSON.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from mrlx_plugin.procstat import cpu_seconds
+from mrlx_plugin.local.procstat import cpu_seconds
 
 AGENTS = ("producer", "consumer")
 RUN_ID = "bench"
@@ -160,8 +160,8 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 def _producer_main(
     url: str, token: str, samples: int, tokens: int, group_size: int, steps: int, link: _StepLink
 ) -> None:
-    from mrlx_plugin.coordinator.client import CoordinatorClient
-    from mrlx_plugin.coordinator.wire import QueueItem
+    from mrlx_plugin.link.client import CoordinatorClient
+    from mrlx_plugin.link.wire import QueueItem
 
     response_length = max(1, tokens // 2)
     tail = samples // group_size * group_size  # a last group of fewer samples is sealed short
@@ -223,7 +223,7 @@ def _producer_main(
 def _consumer_main(
     url: str, token: str, samples: int, lease_groups: int, workers: int, steps: int, link: _StepLink
 ) -> None:
-    from mrlx_plugin.coordinator.client import CoordinatorClient
+    from mrlx_plugin.link.client import CoordinatorClient
 
     async def run() -> None:
         client = CoordinatorClient(url, run_id=RUN_ID, agent="consumer", token=token)
@@ -278,7 +278,7 @@ async def _lease_step(
 
 
 def _waiter_main(url: str, token: str, trials: int, pipe: Any, results: Any) -> None:
-    from mrlx_plugin.coordinator.client import CoordinatorClient
+    from mrlx_plugin.link.client import CoordinatorClient
 
     async def run() -> list[float]:
         client = CoordinatorClient(url, run_id=RUN_ID, agent="consumer", token=token)
@@ -294,7 +294,7 @@ def _waiter_main(url: str, token: str, trials: int, pipe: Any, results: Any) -> 
 
 
 def _reporter_main(url: str, token: str, trials: int, pipe: Any, results: Any) -> None:
-    from mrlx_plugin.coordinator.client import CoordinatorClient
+    from mrlx_plugin.link.client import CoordinatorClient
 
     async def run() -> list[float]:
         client = CoordinatorClient(url, run_id=RUN_ID, agent="producer", token=token)
@@ -669,7 +669,7 @@ def run_coordinator_bench(
             )
     print(format_table(report))
     if out_json:
-        from mrlx_plugin.benchmarks import write_report
+        from benchmarks.report import write_report
 
         write_report(out_json, report)
     return report
@@ -714,7 +714,7 @@ def format_table(report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m mrlx_plugin.coordinator.bench [--samples N --tokens N ...]`."""
+    """`python -m benchmarks.coordinator [--samples N --tokens N ...]`."""
     parser = argparse.ArgumentParser(
         prog="mrlx bench coordinator", description=(__doc__ or "").split("\n")[0]
     )

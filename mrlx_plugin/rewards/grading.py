@@ -164,7 +164,7 @@ class MathVerifier:
                 self._proc = await asyncio.create_subprocess_exec(
                     sys.executable,
                     "-c",
-                    "from mrlx_plugin.grading import _worker_main; _worker_main()",
+                    "from mrlx_plugin.rewards.grading import _worker_main; _worker_main()",
                     stdin=asyncio.subprocess.PIPE,
                     stdout=asyncio.subprocess.PIPE,
                     stderr=asyncio.subprocess.DEVNULL,
