@@ -687,7 +687,7 @@ def format_table(report: dict[str, Any]) -> str:
         f"{'path':<48} {'step':>5} {'seconds':>8} {'Mtok/s':>7} {'samples/s':>9} {'first':>6} {'cpu p/s/c':>16} {'ok':>3}",
     ]
     for name, label in (
-        ("coordinator_steps", "coordinator (binary frames, SQLite, lease/ack)"),
+        ("coordinator_steps", "coordinator (Arrow frames, SQLite, lease/ack)"),
         ("baseline_steps", "baseline (1 JSON item/request, in memory)"),
     ):
         for step, row in enumerate(report.get(name, [])):

@@ -31,11 +31,11 @@ run() {
 
 # 1. Both jobs' settings, checked against each other (imports the hook modules; no GPU used),
 #    then what this job will call: the coordinator, and for A, B's router.
-run "$PYTHON" -m mrlx_plugin.cli.main check --offline --config "$AGENT_A_CONFIG" --config "$AGENT_B_CONFIG"
+run "$PYTHON" -m mrlx_plugin.cli check --offline --config "$AGENT_A_CONFIG" --config "$AGENT_B_CONFIG"
 if [ "$role" = A ]; then
-  run "$PYTHON" -m mrlx_plugin.cli.main check --config "$config" --skip-tokenizers
+  run "$PYTHON" -m mrlx_plugin.cli check --config "$config" --skip-tokenizers
 else
-  run "$PYTHON" -m mrlx_plugin.cli.main check --config "$config" --skip-tokenizers --responder
+  run "$PYTHON" -m mrlx_plugin.cli check --config "$config" --skip-tokenizers --responder
 fi
 
 # Where the job's GPUs go. A's engines are only called by A's own rollouts, so A colocates them

@@ -16,7 +16,7 @@ bash "$here/start_coordinator.sh" "$env_file"
 # B: submitted without waiting for the job to end; healthy once its router serves an engine.
 MRLX_WAIT=0 bash "$here/run_agent.sh" B "$env_file"
 if [ "$dry" != 1 ]; then
-  "$PYTHON" -m mrlx_plugin.cli.main check --config "$AGENT_B_CONFIG" --router-url "$MRLX_URL_B" --responder \
+  "$PYTHON" -m mrlx_plugin.cli check --config "$AGENT_B_CONFIG" --router-url "$MRLX_URL_B" --responder \
     --skip-tokenizers --wait "${MRLX_START_TIMEOUT:-3600}"
 fi
 

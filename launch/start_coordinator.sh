@@ -19,7 +19,7 @@ if [ -s "$pidfile" ] && kill -0 "$(cat "$pidfile")" 2>/dev/null; then
   exit 0
 fi
 
-nohup "$PYTHON" -m mrlx_plugin.cli.main coordinator \
+nohup "$PYTHON" -m mrlx_plugin.cli coordinator \
   --db "$MRLX_COORDINATOR_DB" \
   --host "$MRLX_COORDINATOR_HOST" --port "$MRLX_COORDINATOR_PORT" \
   --run-id "$MRLX_RUN_ID" --agents "$AGENT_A,$AGENT_B" \

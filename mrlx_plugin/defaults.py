@@ -8,7 +8,7 @@ from typing import Any
 
 from mrlx_plugin.rewards.grading import grade_math, quick_grade
 from mrlx_plugin.hookspecs import hookimpl
-from mrlx_plugin.rewards.shaping import coupling_matrix, shared_verifier, team_weighting
+from mrlx_plugin.rewards.shaping import coupling_matrix, team_weighting
 
 
 @hookimpl(trylast=True)
@@ -31,7 +31,7 @@ def mrlx_grade(agent: str, transcript: Any, episode: Any) -> Any:
     quick = quick_grade(transcript.answer_text, episode.label)
     if quick is not None:  # settled without algebra: no coroutine, no worker round trip
         return quick
-    return grade_math(transcript.answer_text, episode.label, shared_verifier())
+    return grade_math(transcript.answer_text, episode.label, episode.runtime.verifier)
 
 
 async def _as_float(awaitable: Any, args: Any) -> float:
@@ -45,20 +45,18 @@ async def _as_float(awaitable: Any, args: Any) -> float:
 
 
 @hookimpl(trylast=True)
-def mrlx_shape_rewards(episode: Any, settings: Any) -> bool:
-    graded = [t for t in episode.transcripts if t.raw_reward is not None]
-    if episode.shaping == "team":
-        for t in graded:
-            t.reward = team_weighting(t.raw_reward, episode.team_reward, settings.pipeline)
-        return True
-    agents = list(dict.fromkeys(t.agent for t in graded))
+def mrlx_shape_rewards(episode: Any, settings: Any, team_shaping: bool) -> dict[int, float]:
+    graded = [(i, t) for i, t in enumerate(episode.transcripts) if t.raw_reward is not None]
+    if team_shaping:
+        return {i: team_weighting(t.raw_reward, episode.team_reward, settings.pipeline) for i, t in graded}
+    agents = list(dict.fromkeys(t.agent for _, t in graded))
     matrix = coupling_matrix(settings.rewards.shaping, agents, settings.rewards.coupling)
-    own = {a: sum(t.raw_reward for t in graded if t.agent == a) / sum(1 for t in graded if t.agent == a) for a in agents}
-    for t in graded:
-        row = matrix[t.agent]
-        t.reward = sum(w * (t.raw_reward if other == t.agent else own[other]) for other, w in row.items())
-    episode.metadata["coupling"] = matrix
-    return True
+    own = {a: sum(t.raw_reward for _, t in graded if t.agent == a) / sum(1 for _, t in graded if t.agent == a)
+           for a in agents}
+    episode.metadata["coupling"] = matrix  # recorded in every sample's metadata
+    return {i: sum(w * (t.raw_reward if other == t.agent else own[other])
+                   for other, w in matrix[t.agent].items())
+            for i, t in graded}
 
 
 @lru_cache(maxsize=64)

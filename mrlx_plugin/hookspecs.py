@@ -17,8 +17,9 @@ your YAML or publish it through the `mrlx_plugin` entry-point group:
 
 Hooks marked *first result wins* stop at the first implementation that returns something other
 than None; yours run before the package's defaults (which are registered `trylast`), so returning
-None from yours falls through to the default. Hooks are called with keyword arguments; an
-implementation may accept any subset of the arguments listed.
+None from yours falls through to the default (for `mrlx_grade`, an awaitable of None does too).
+Hooks are called with keyword arguments; an implementation may accept any subset of the
+arguments listed.
 
 Every hook runs in the rollout process (slime's rollout manager), inside its asyncio event loop:
 keep implementations quick, and return an awaitable where you must wait on something (the
@@ -63,6 +64,10 @@ def mrlx_register_systems() -> dict[str, Callable[[Episode], Awaitable[None]]]:
     did not open), so a host step has a fixed sample count, and the plugin checks the host's
     micro-batch flags against it at start-up. A system without `fan_out` returns a varying
     count and needs the host's `--use-dynamic-batch-size`.
+
+    A run function whose samples are weighted by the team's outcome declares it:
+    `run.team_shaping = True` (the pipeline does); `mrlx_shape_rewards` receives it as its
+    `team_shaping` argument.
     """
 
 
@@ -72,7 +77,8 @@ def mrlx_grade(agent: str, transcript: Transcript, episode: Episode) -> float | 
 
     `transcript.answer_text` is the agent's last message with any reasoning (`...</think>`)
     removed; `episode.label` is the ground truth the host loaded. Return a float, an awaitable
-    of a float (for a remote reward model), or None to defer to the next implementation.
+    of a float (for a remote reward model; an `async def` implementation returns one), or None
+    to defer to the next implementation. An awaitable whose result is None defers too.
 
     Called by systems through `episode.grade(...)`, and at the end of every episode for each
     trainable transcript that has no reward yet. The default grades math answers with
@@ -81,16 +87,26 @@ def mrlx_grade(agent: str, transcript: Transcript, episode: Episode) -> float | 
 
 
 @hookspec(firstresult=True)
-def mrlx_shape_rewards(episode: Episode, settings: Settings) -> bool | None:
-    """Turn the graded rewards of one episode into the rewards each agent trains on.
+def mrlx_shape_rewards(episode: Episode, settings: Settings, team_shaping: bool) -> dict[int, float] | None:
+    """Decide the rewards each agent trains on, from the graded rewards of one episode.
+    *First result wins.*
 
-    Read and rewrite `transcript.reward` for the transcripts in `episode.transcripts`, using
-    `episode.final_answer`, `episode.team_reward` and anything your system stored in
-    `episode.metadata`. Return True when you have shaped the rewards. *First result wins.*
+    Return a dict that maps the position of every graded transcript in `episode.transcripts`
+    (those whose `raw_reward` is not None) to its trained reward, a finite float: one entry per
+    graded transcript, no other. Read `transcript.raw_reward`, `episode.final_answer`,
+    `episode.team_reward` and anything your system stored in `episode.metadata`; do not write
+    `transcript.reward` yourself: the episode checks your answer and applies it. Return None to
+    defer (with every implementation deferring, each sample trains on its raw reward). A return
+    of another shape, a missing or extra position, or a reward that is not a finite number is an
+    error naming your plugin.
+
+    `team_shaping` is True when the system declares that its samples are weighted by the team
+    outcome (`run.team_shaping = True` on its run function, as the pipeline does; see
+    `mrlx_register_systems`).
 
     Called once per finished (not aborted) episode, after grading and before the samples are
-    built. The default applies the pipeline's team weighting (`mrlx.pipeline.weighting`) or,
-    for other systems, `mrlx.rewards.shaping` (independent, cooperative, zero_sum, bilateral,
+    built. The default applies the pipeline's team weighting (`mrlx.pipeline.weighting`) when
+    `team_shaping`, else `mrlx.rewards.shaping` (independent, cooperative, zero_sum, bilateral,
     asymmetric); see `mrlx_plugin.rewards.shaping`.
     """
 

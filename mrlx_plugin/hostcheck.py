@@ -18,6 +18,7 @@ rollout) unless they are caught when the plugin is first called:
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -126,8 +127,9 @@ def check_step_split(args: Any, per_episode: int | None, system: str, source: st
 _PLUGIN_ROLLOUTS = {("mrlx_plugin.rollout", "initiator_rollout"), ("mrlx_plugin.rollout", "responder_rollout")}
 
 
-def check_rollout_mode(args: Any, runtime: Any) -> None:
-    """Refuse host rollout modes the plugin cannot run under (README: "Host modes")."""
+def check_rollout_mode(args: Any, source: str, peer_agents: Sequence[str]) -> None:
+    """Refuse host rollout modes the plugin cannot run under (docs/host-contract.md section 11).
+    `source` names the settings in messages; `peer_agents` are the trainable agents other jobs train."""
     from mrlx_plugin.core.host import HOST, load_function
 
     path = getattr(args, "rollout_function_path", None)
@@ -135,20 +137,20 @@ def check_rollout_mode(args: Any, runtime: Any) -> None:
         # It orders finished groups by `getattr(item, "index")`, which for a list is the list's
         # own method: every generate function that returns several samples fails there.
         raise ConfigError(
-            f"{runtime.source}: --rollout-function-path {path}: slime's fully asynchronous rollout cannot take "
+            f"{source}: --rollout-function-path {path}: slime's fully asynchronous rollout cannot take "
             "generate functions that return several samples per input (it sorts groups by sample.index and fails "
             "on lists; THUDM/slime#2344), and every mrlx episode does; use slime's default rollout"
         )
     if HOST == "slime" and float(getattr(args, "rollout_top_p", 1.0) or 1.0) != 1.0:
         raise ConfigError(
-            f"{runtime.source}: --rollout-top-p {args.rollout_top_p}: with top-p below 1 slime's training expects the "
+            f"{source}: --rollout-top-p {args.rollout_top_p}: with top-p below 1 slime's training expects the "
             "sampled top-p token sets on every sample (rollout_top_p_token_ids), which mrlx episodes do not record; "
             "remove --rollout-top-p (an agent's own mrlx.agents.NAME.sampling.top_p is sent to its engine only)"
         )
-    peers = runtime.peer_agents()
+    peers = list(peer_agents)
     if not peers:
         return  # a shared-model job: the host's rollout calls `generate` per sample, which is all it needs
-    what = f"{runtime.source}: agent {peers[0]!r} is trained by another job (a multi-model run)"
+    what = f"{source}: agent {peers[0]!r} is trained by another job (a multi-model run)"
     if getattr(args, "fully_async", False):
         raise ConfigError(
             f"{what}, which needs --rollout-function-path mrlx_plugin.rollout.initiator_rollout (or responder_rollout); "

@@ -60,7 +60,14 @@ async def generate(input: Any, sample: Any = None, sampling_params: Any = None, 
         input, sample, sampling_params, evaluation
     )
     runtime = await get_runtime(args)
-    result = await run_episode(runtime, sample, sampling_params, evaluation, host_aborted=host_abort_flag(miles_input))
+    outbox = None if evaluation else runtime.outbox  # evaluation sends nothing to other jobs
+    if outbox is not None:
+        outbox.require_step()  # before the episode: its peers' samples need a step to go to
+    episode, result = await run_episode(runtime, sample, sampling_params, evaluation,
+                                        host_aborted=host_abort_flag(miles_input))
+    if outbox is not None:  # other jobs' agents: their samples go through the coordinator
+        outbox.add(episode.sample.group_index, episode.id,
+                   {a: episode.samples_of([a], every_agent=True) for a in outbox.peer_agents})
     return wrap_generate_output(result, miles_input)
 
 
@@ -94,15 +101,17 @@ def initiator_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: 
     runtime = runtime_for(args)
     if evaluation:
         return host_default_rollout(args, rollout_id, data_source, evaluation=True)
-    runtime.current_step = rollout_id
+    outbox = runtime.outbox
     metrics: dict[str, float] = {}
-    if runtime.outbox is not None:
-        runtime.outbox.load_limits(args)  # once; blocking file reads stay off the event loop
-        metrics.update(run_in_host_loop(initiator_barrier(runtime, rollout_id)))
+    if outbox is not None:
+        outbox.open_step(rollout_id)
+        outbox.load_limits(args, runtime.tokenizers)  # once; blocking file reads stay off the event loop
+        metrics.update(run_in_host_loop(initiator_barrier(runtime.coordinator, outbox, args, rollout_id,
+                                                          runtime.fan_out)))
     output = host_default_rollout(args, rollout_id, data_source, evaluation=False)
-    if runtime.outbox is not None:
+    if outbox is not None:
         kept = {_group_index(group) for group in output.samples}
-        metrics.update(run_in_host_loop(runtime.outbox.drain(rollout_id, kept)))
+        metrics.update(run_in_host_loop(outbox.drain(runtime.coordinator, rollout_id, kept)))
     output.metrics = {**(output.metrics or {}), **metrics}
     return output
 
@@ -136,8 +145,11 @@ def responder_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: 
         return host_default_rollout(args, rollout_id, data_source, evaluation=True)
     if runtime.responder.limits is None:  # once; a file read stays off the event loop
         runtime.responder.limits = read_model_limits(args, getattr(args, "hf_checkpoint", None))
-    groups, metrics = run_in_host_loop(responder_take(runtime, rollout_id, int(args.rollout_batch_size),
-                                                      ack_through=durable_step_before(args, rollout_id)))
+    settings = runtime.settings
+    groups, metrics = run_in_host_loop(responder_take(
+        runtime.coordinator, runtime.responder, args, rollout_id, int(args.rollout_batch_size),
+        agent=settings.self_agent, coordinator=settings.coordinator, fan_out=runtime.fan_out,
+        source=runtime.source, ack_through=durable_step_before(args, rollout_id)))
     metrics.update(compute_metrics([s for g in groups for s in g]))
     return RolloutFnTrainOutput(samples=groups, metrics=metrics)
 
@@ -151,7 +163,8 @@ def ack_trained_groups(args: Any, step: int) -> None:
     calls this right after the save, so that the queue is emptied at once. Never raises: a failure
     is logged and the next step acknowledges through this step again.
     """
-    run_in_host_loop(responder_finish(runtime_for(args, tokenizers=False), step))
+    runtime = runtime_for(args, tokenizers=False)
+    run_in_host_loop(responder_finish(runtime.coordinator, runtime.responder, step))
 
 
 initiator_rollout.add_arguments = add_arguments  # type: ignore[attr-defined]

@@ -3,15 +3,14 @@
 The host calls the generate function thousands of times per step with the same `args`. The
 `Runtime` for those args is built on the first call (off the event loop: loading tokenizers and
 plugins blocks) and reused: settings, hooks, each agent's tokenizer and engine client, and the
-host's limits. The host's `args` is only ever read.
+host's limits. The host's `args` is only ever read. The Runtime of an `args` is kept by the
+process registry (`core.host.HOST_PROCESS`), the one place flat host calls can find it again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
-import threading
-import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,12 +25,16 @@ from mrlx_plugin.core.config import (
     raw_settings_from_args,
     read_text_setting,
 )
-from mrlx_plugin.link.peers import PeerOutbox, ResponderState, make_client
 from mrlx_plugin.core.engine_client import EngineClient
-from mrlx_plugin.core.host import router_url
+from mrlx_plugin.core.episode import GradeFailures
+from mrlx_plugin.core.host import HOST_PROCESS, router_url
+from mrlx_plugin.core.tokenizer import AgentTokenizer, TokenizerCache
 from mrlx_plugin.hostcheck import check_rollout_mode, check_step_split
-from mrlx_plugin.plugins import SystemFn, collect_systems, make_plugin_manager
-from mrlx_plugin.core.tokenizer import AgentTokenizer, load_tokenizer
+from mrlx_plugin.link.client import CoordinatorClient
+from mrlx_plugin.link.peers import PeerOutbox, ResponderState, make_client
+from mrlx_plugin.plugins import FirstResult, SystemFn, collect_systems, make_plugin_manager
+from mrlx_plugin.rewards.grading import MathVerifier
+from mrlx_plugin.rewards.shaping import math_verifier
 
 
 @dataclass
@@ -66,20 +69,38 @@ class HostLimits:
 
 
 class Runtime:
-    """Settings, hooks, tokenizers and engine clients of one rollout process."""
+    """Settings, hooks, tokenizers and engine clients of one rollout process.
+
+    It owns what its episodes share: the agents' tokenizers (one per model and chat template),
+    engine clients, the coordinator client, the peer outbox and responder state of a multi-model
+    job, and the count of failed grades. The math verifier is the process's (`math_verifier`),
+    shared with the `reward` function.
+    """
 
     def __init__(self, args: Any, settings: Settings, pm: pluggy.PluginManager, source: str,
-                 base: Path | None = None, tokenizers: bool = True):
+                 base: Path | None = None, tokenizers: bool = True,
+                 systems: dict[str, SystemFn] | None = None, verifier: MathVerifier | None = None):
         self.args = args
         self.settings = settings
         self.pm = pm
         self.hooks = pm.hook
+        # First-result hooks asked one plugin at a time: an awaited None defers, and the plugin
+        # that answered is known (see plugins.FirstResult).
+        self.grade_hook = FirstResult(pm, "mrlx_grade")
+        self.shape_hook = FirstResult(pm, "mrlx_shape_rewards")
+        for first_result in (self.grade_hook, self.shape_hook):
+            first_result.callers()  # built now: a plugin they cannot reach fails at start-up
         self.source = source
         self.limits = HostLimits.from_args(args)
-        self.systems: dict[str, SystemFn] = collect_systems(pm)
+        self.systems: dict[str, SystemFn] = systems if systems is not None else collect_systems(pm)
         self.system: SystemFn = self.systems[settings.system]
         self.fan_out: dict[str, int] | None = declared_fan_out(self.system, settings, source)
+        # Declared by the system (`run.team_shaping`), passed to the mrlx_shape_rewards hook.
+        self.team_shaping = bool(getattr(self.system, "team_shaping", False))
+        self.verifier = verifier if verifier is not None else MathVerifier()
+        self.grade_failures = GradeFailures()
         self.system_prompts: dict[str, str | None] = {}
+        self._tokenizer_cache = TokenizerCache()
         self.tokenizers: dict[str, AgentTokenizer] = {}
         self.clients: dict[str, EngineClient] = {}
         self.urls: dict[str, str] = {}
@@ -103,9 +124,10 @@ class Runtime:
                 f"{settings.self_agent!r}); set mrlx.coordinator.url so its samples reach its trainer, or set "
                 f"mrlx.agents.{peers[0]}.trainable: false"
             )
-        self._coordinator: Any = None
-        self.current_step: int | None = None  # the initiator's rollout id, set by its rollout function
-        self.outbox = PeerOutbox(self) if peers else None
+        self._coordinator: CoordinatorClient | None = None
+        # Other jobs' agents' samples of this job's episodes; the initiator's rollout function
+        # opens each step on it.
+        self.outbox = PeerOutbox(settings, source, peers) if peers else None
         self.responder = ResponderState()
 
     def samples_per_episode(self) -> int | None:
@@ -122,10 +144,10 @@ class Runtime:
                 self.tokenizers[name] = self._load_tokenizer(name, agent, self._base)
 
     @property
-    def coordinator(self) -> Any:
+    def coordinator(self) -> CoordinatorClient:
         """This job's coordinator client (created on first use)."""
         if self._coordinator is None:
-            self._coordinator = make_client(self)
+            self._coordinator = make_client(self.settings, self.source)
         return self._coordinator
 
     def peer_agents(self) -> list[str]:
@@ -163,18 +185,20 @@ class Runtime:
             )
         template = read_text_setting(agent.chat_template, base,
                                      key=f"{self.source}: mrlx.agents.{name}.chat_template")
-        return load_tokenizer(str(path), template, key_hint=f"{self.source}: mrlx.agents.{name}.tokenizer")
+        return self._tokenizer_cache.load(str(path), template,
+                                          key_hint=f"{self.source}: mrlx.agents.{name}.tokenizer")
 
     async def aclose(self) -> None:
         """Close this event loop's connections and the grading worker (CLI and tests; slime's
-        rollout loop lives as long as the process)."""
-        from mrlx_plugin.rewards.shaping import shared_verifier
-
+        rollout loop lives as long as the process). The worker starts again on the next grade."""
+        if self.responder.renewer is not None:  # it would keep renewing leases through a closed client
+            self.responder.renewer.cancel()
+            self.responder.renewer = None
         for client in set(self.clients.values()):
             await client.close()
         if self._coordinator is not None:
             await self._coordinator.close()
-        await shared_verifier().aclose()
+        await self.verifier.aclose()
 
     def trains_here(self, agent: str) -> bool:
         """Whether this job's trainer trains `agent` (its samples go back to the host)."""
@@ -190,7 +214,8 @@ def build_runtime(args: Any, tokenizers: bool = True) -> Runtime:
     if not isinstance(plugins, list):
         raise ConfigError(f"{source}: mrlx.plugins: expected a list of module names, got {plugins!r}")
     pm = make_plugin_manager(plugins, source=f"{source}: mrlx.plugins")
-    settings = parse_settings(raw, source=source, known_systems=set(collect_systems(pm)))
+    systems = collect_systems(pm)
+    settings = parse_settings(raw, source=source, known_systems=set(systems))
     if getattr(args, "apply_chat_template", False):
         raise ConfigError(
             f"{source}: the host was started with --apply-chat-template, so prompts arrive already templated; "
@@ -201,8 +226,9 @@ def build_runtime(args: Any, tokenizers: bool = True) -> Runtime:
             f"{source}: --partial-rollout resumes one half-generated sample, but a multi-agent episode is many "
             "samples; remove --partial-rollout (aborted episodes are returned as ABORTED samples instead)"
         )
-    runtime = Runtime(args, settings, pm, source, base, tokenizers=tokenizers)
-    check_rollout_mode(args, runtime)
+    runtime = Runtime(args, settings, pm, source, base, tokenizers=tokenizers, systems=systems,
+                      verifier=math_verifier(args))
+    check_rollout_mode(args, source, runtime.peer_agents())
     check_step_split(args, runtime.samples_per_episode(), settings.system, source)
     return runtime
 
@@ -224,36 +250,16 @@ def declared_fan_out(system: SystemFn, settings: Settings, source: str) -> dict[
     return counts
 
 
-# One Runtime per host args object. `argparse.Namespace` is unhashable, so the cache is keyed by
-# id() and guarded by a weak reference against id reuse.
-_RUNTIMES: dict[int, tuple[weakref.ref, Runtime]] = {}
-_BUILD_LOCK = threading.Lock()
-
-
 def cached_runtime(args: Any) -> Runtime | None:
-    entry = _RUNTIMES.get(id(args))
-    if entry is not None and entry[0]() is args:
-        return entry[1]
-    return None
+    """The Runtime of `args` if it was built, else None (never blocks)."""
+    return HOST_PROCESS.cached(args, "runtime")
 
 
 def runtime_for(args: Any, tokenizers: bool = True) -> Runtime:
     """The Runtime of `args`, built on first use (blocking: call from a thread or at start-up).
 
     `tokenizers=False` (a responder job) skips loading the agents' tokenizers."""
-    rt = cached_runtime(args)
-    if rt is not None:
-        return rt
-    with _BUILD_LOCK:
-        rt = cached_runtime(args)
-        if rt is None:
-            rt = build_runtime(args, tokenizers=tokenizers)
-            try:
-                ref = weakref.ref(args)
-            except TypeError:  # an args object without weakref support: keep it alive instead
-                ref = (lambda a: (lambda: a))(args)  # type: ignore[assignment]
-            _RUNTIMES[id(args)] = (ref, rt)  # type: ignore[assignment]
-        return rt
+    return HOST_PROCESS.for_args(args, "runtime", lambda: build_runtime(args, tokenizers=tokenizers))
 
 
 async def get_runtime(args: Any) -> Runtime:

@@ -1,7 +1,9 @@
-"""Coordinator processes for the coordinator tests: a real `python -m mrlx_plugin.coordinator.server`
-on 127.0.0.1, started on a free port (or a given one, to come back on the same address after a
-kill), with its log in the test's directory. Also a raw HTTP helper for requests the client would
-never send, and a factory of queue items."""
+"""The one way tests start a coordinator: a real `python -m mrlx_plugin.coordinator.server` on
+127.0.0.1, started on a free port (or the previous one, to come back on the same address after a
+kill), with its database and log in the test's directory (`CoordinatorProcess`; the `coordinator`
+fixture of conftest.py starts them and stops them after the test). Tests that need a special start
+(a shim before the server, other flags) subclass it or pass `extra`. Also a raw HTTP helper for
+requests the client would never send, and a factory of queue items."""
 
 from __future__ import annotations
 
@@ -10,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
@@ -19,9 +20,11 @@ from typing import Any
 
 import aiohttp
 import numpy as np
+from _wait import wait_until
 
 from mrlx_plugin.link.client import CoordinatorClient
 from mrlx_plugin.link.wire import QueueItem
+from mrlx_plugin.local.processes import popen_tied
 
 REPO = Path(__file__).resolve().parent.parent
 TOKEN_ENV = "MRLX_TEST_COORDINATOR_TOKEN"
@@ -54,6 +57,12 @@ class CoordinatorProcess:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    @property
+    def env(self) -> dict[str, str]:
+        """What a process talking to this coordinator needs in its environment (the token, under
+        TOKEN_ENV: the name a config's `coordinator.token_env` gives)."""
+        return {} if self.token is None else {TOKEN_ENV: self.token}
+
     def argv(self, port: int, port_file: Path) -> list[str]:
         return [
             sys.executable,
@@ -85,7 +94,8 @@ class CoordinatorProcess:
             env[TOKEN_ENV] = self.token
         self.starts += 1
         log = open(self.workdir / f"coordinator-{self.starts}.log", "wb")  # noqa: SIM115 (the child keeps it)
-        self.proc = subprocess.Popen(
+        # Tied to this process: a test run killed halfway leaves no coordinator behind.
+        self.proc = popen_tied(
             self.argv(self.port if same_port else 0, port_file),
             env=env,
             stdout=log,
@@ -93,12 +103,19 @@ class CoordinatorProcess:
             cwd=REPO,
         )
         log.close()
-        deadline = time.monotonic() + timeout
-        while not port_file.exists():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.kill()
-                raise RuntimeError(f"the coordinator did not start:\n{self.log_tail()}")
-            time.sleep(0.02)
+        proc = self.proc
+
+        def listening() -> bool:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the coordinator did not start (exit code {proc.returncode}):\n{self.log_tail()}")
+            return bool(port_file.exists() and port_file.read_text().strip())
+
+        try:
+            wait_until(listening, timeout, every=0.02, what=f"the coordinator in {self.workdir} to listen",
+                       details=self.log_tail)
+        except BaseException:
+            self.kill()
+            raise
         self.port = int(port_file.read_text())
         return self
 

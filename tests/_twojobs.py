@@ -2,6 +2,8 @@
 the embedded trainer per agent (which calls the plugin's rollout functions as slime's loop does).
 
 Job A runs every episode (initiator_rollout); job B trains on B's turns (responder_rollout).
+`two_job_config` is the one builder of such a run's `mrlx` settings, for these jobs and for the
+tests that call a job's rollout function in their own process.
 """
 
 from __future__ import annotations
@@ -10,22 +12,64 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
+from _coord_procs import TOKEN_ENV, CoordinatorProcess
 from _wait import wait_until
 
-from mrlx_plugin.local.processes import ManagedProcess, start_engine, start_service
-from mrlx_plugin.core.netutil import free_port
+from mrlx_plugin.local.processes import ManagedProcess, start_engine
 
 TOKEN = "two-jobs-test-token"
-ENV = {"MRLX_TEST_TOKEN": TOKEN}
+ENV = {TOKEN_ENV: TOKEN}
+AGENTS = ("a", "b")
 
 
-def coordinator_argv(db: Path, port: int, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "mrlx_plugin.coordinator.server", "--db", str(db), "--run-id", "jobs",
-            "--agents", "a,b", "--port", str(port), "--token-env", "MRLX_TEST_TOKEN", *extra]
+def two_job_config(
+    me: str,
+    *,
+    run_id: str,
+    urls: Mapping[str, str],
+    coordinator: str,
+    tokenizers: Mapping[str, str | os.PathLike] | None = None,
+    max_new_tokens: int | None = None,
+    system_prompts: Mapping[str, str] | None = None,
+    coordinator_settings: Mapping[str, Any] | None = None,
+    **sections: Any,
+) -> dict[str, Any]:
+    """The `mrlx` settings of agent `me`'s job in a dialogue run of agents a and b, both trained.
+
+    `urls` names the other agent's engine (an agent's own is "self"); `tokenizers`, where given,
+    an agent's tokenizer directory (else the host's); `coordinator` is the
+    coordinator's URL, its token read from TOKEN_ENV; `sections` are further top-level sections
+    (dialogue, engine, trainer, ...)."""
+    agents: dict[str, dict[str, Any]] = {}
+    for name in AGENTS:
+        agent: dict[str, Any] = {"url": "self" if name == me else urls[name], "trainable": True}
+        if tokenizers is not None and name in tokenizers:
+            agent["tokenizer"] = str(tokenizers[name])
+        if system_prompts is not None:
+            agent["system_prompt"] = system_prompts[name]
+        if max_new_tokens is not None:
+            agent["sampling"] = {"max_new_tokens": max_new_tokens}
+        agents[name] = agent
+    return {"run_id": run_id, "system": "dialogue", "self": me, "agents": agents,
+            "coordinator": {"url": coordinator, "token_env": TOKEN_ENV, **(coordinator_settings or {})},
+            **sections}
+
+
+def write_config(path: Path, mrlx: Mapping[str, Any]) -> Path:
+    """A job's YAML file (`--config`): the settings under `mrlx`."""
+    path.write_text(yaml.safe_dump({"mrlx": dict(mrlx)}, sort_keys=False))
+    return path
+
+
+def flow(settings: str) -> dict[str, Any]:
+    """'k: v, k2: v2' (a YAML flow mapping's inside) as a dict."""
+    return yaml.safe_load("{" + settings + "}") or {}
 
 
 @dataclass
@@ -42,40 +86,38 @@ class TwoJobs:
     b_groups: int | None = None  # B's --rollout-batch-size when it differs from A's
     procs: list[ManagedProcess] = field(default_factory=list)
     jobs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    coordinator: CoordinatorProcess | None = None  # one process across restarts: same database, same port
+
+    @property
+    def coord_port(self) -> int:
+        assert self.coordinator is not None, "start_services() first"
+        return self.coordinator.port
 
     def start_services(self) -> None:
-        self.coord_port = free_port()
         self.coordinator = self.start_coordinator()
         self.engine_a = start_engine(self.model_a, log_dir=self.root, name="engine-a", threads=1)
         self.engine_b = start_engine(self.model_b, log_dir=self.root, name="engine-b", threads=1)
         self.procs += [self.engine_a, self.engine_b]
 
-    def start_coordinator(self) -> ManagedProcess:
-        proc = start_service("coordinator", coordinator_argv(self.root / "coord.sqlite", self.coord_port,
-                                                             *self.coordinator_extra),
-                             log_dir=self.root, port=self.coord_port, env=ENV)
-        self.procs.append(proc)
-        return proc
+    def start_coordinator(self) -> CoordinatorProcess:
+        """The run's coordinator; started again (after a kill) on the same database and port."""
+        if self.coordinator is None:
+            self.coordinator = CoordinatorProcess(self.root / "coordinator", run_id="jobs", agents=AGENTS,
+                                                  token=TOKEN, extra=self.coordinator_extra)
+            return self.coordinator.start()
+        self.coordinator.extra = list(self.coordinator_extra)
+        return self.coordinator.start(same_port=True)
 
     def yaml(self, me: str) -> Path:
-        path = self.root / f"{me}.yaml"
         trainer = "lr: 0.001" if me == "a" else self.b_trainer_settings
-        path.write_text(f"""
-mrlx:
-  run_id: jobs
-  system: dialogue
-  self: {me}
-  agents:
-    a: {{url: {'self' if me == 'a' else self.engine_a.url}, tokenizer: '{self.model_a}', trainable: true,
-        sampling: {{max_new_tokens: 5}}}}
-    b: {{url: {'self' if me == 'b' else self.engine_b.url}, tokenizer: '{self.model_b}', trainable: true,
-        sampling: {{max_new_tokens: 5}}}}
-  dialogue: {{first: a, max_turns: 2}}
-  engine: {{abort_retry_wait_s: 0.2, peer_deadline_s: 60, request_timeout_s: 10}}
-  coordinator: {{url: 'http://127.0.0.1:{self.coord_port}', token_env: MRLX_TEST_TOKEN, {self.coordinator_settings}}}
-  trainer: {{{trainer}}}
-""")
-        return path
+        mrlx = two_job_config(
+            me, run_id="jobs", urls={"a": self.engine_a.url, "b": self.engine_b.url}, coordinator=self.coordinator.url,
+            tokenizers={"a": self.model_a, "b": self.model_b}, max_new_tokens=5,
+            coordinator_settings=flow(self.coordinator_settings),
+            dialogue={"first": "a", "max_turns": 2},
+            engine={"abort_retry_wait_s": 0.2, "peer_deadline_s": 60, "request_timeout_s": 10},
+            trainer=flow(trainer))
+        return write_config(self.root / f"{me}.yaml", mrlx)
 
     def start_job(self, me: str, *extra: str) -> subprocess.Popen:
         engine = self.engine_a if me == "a" else self.engine_b
@@ -130,6 +172,8 @@ mrlx:
                 job.wait(10)
         for proc in reversed(self.procs):
             proc.stop()
+        if self.coordinator is not None:
+            self.coordinator.stop()
 
     def metrics(self, url_path: str = "/metrics") -> str:
         import urllib.request

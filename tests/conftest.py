@@ -1,22 +1,19 @@
 """Shared fixtures: a small model built on this machine, and the processes that serve it.
 
 Everything runs as real processes on 127.0.0.1 (engine, stub engine, router, coordinator); the
-fixtures stop them at the end of the session.
+fixtures stop them at the end of their scope.
 """
 
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
 
-TESTS = Path(__file__).resolve().parent
-REPO = TESTS.parent
-for path in (REPO, TESTS):  # the examples package; the tests' helper modules (_host, _recorder, ...)
-    if str(path) not in sys.path:
-        sys.path.insert(0, str(path))
+# The repository (benchmarks, examples) and tests/ (the helper modules _coord_procs, _twojobs, ...)
+# are importable through pytest's `pythonpath` setting in pyproject.toml. The stand-in hosts under
+# tests/hosts/ are not: they are `slime`/`miles` only in the subprocesses that put them on PYTHONPATH.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -57,3 +54,22 @@ def stub_engine(logs_dir, request):
     proc = start_stub_engine(log_dir=logs_dir, name=f"stub-{request.node.name[:40]}")
     yield proc
     proc.stop()
+
+
+@pytest.fixture
+def start_coordinator(tmp_path):
+    """Start coordinators: `start_coordinator(**options)` is a started `_coord_procs.CoordinatorProcess`
+    (the options its constructor takes; `start=False` for one the test starts itself). Each has its
+    own directory under the test's tmp_path; all are stopped when the test ends."""
+    from _coord_procs import CoordinatorProcess
+
+    started: list[CoordinatorProcess] = []
+
+    def start(*, start: bool = True, cls: type[CoordinatorProcess] = CoordinatorProcess, **options):
+        proc = cls(tmp_path / f"coordinator{len(started)}", **options)
+        started.append(proc)
+        return proc.start() if start else proc
+
+    yield start
+    for proc in started:
+        proc.stop()

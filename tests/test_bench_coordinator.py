@@ -9,11 +9,15 @@ import json
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow  # runs the coordinator benchmark end to end
+
 
 def test_a_small_coordinator_bench_moves_every_sample_intact_on_both_paths(tmp_path):
     out = tmp_path / "coordinator.json"
     done = subprocess.run(
-        [sys.executable, "-m", "mrlx_plugin.cli.main", "bench", "coordinator", "--samples", "64", "--tokens", "256",
+        [sys.executable, "-m", "mrlx_plugin.cli", "bench", "coordinator", "--samples", "64", "--tokens", "256",
          "--steps", "2", "--step-gap-s", "0", "--wake-trials", "5", "--workdir", str(tmp_path), "--out", str(out)],
         capture_output=True, text=True, timeout=300, check=False,
     )

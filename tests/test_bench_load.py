@@ -16,11 +16,13 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # runs the load benchmark end to end (about a minute)
+
 EPISODES, PER_PROMPT, MAX_DEPTH = 64, 4, 16
 
 
 def tiny_run(workdir: Path, out: Path, soak_minutes: float = 0.1) -> list[str]:
-    return [sys.executable, "-m", "mrlx_plugin.cli.main", "bench", "load",
+    return [sys.executable, "-m", "mrlx_plugin.cli", "bench", "load",
             "--episodes", str(EPISODES), "--n-samples-per-prompt", str(PER_PROMPT), "--warmup-episodes", "8",
             "--soak-episodes", "32", "--soak-minutes", str(soak_minutes), "--latency", "1.0",
             "--prompt-tokens", "64", "--response-tokens", "16", "--max-depth", str(MAX_DEPTH),

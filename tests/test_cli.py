@@ -16,10 +16,11 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def mrlx(*argv: str, cwd: Path = REPO, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mrlx_plugin.cli.main", *argv], cwd=cwd, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "mrlx_plugin.cli", *argv], cwd=cwd, capture_output=True, text=True,
                           timeout=timeout)
 
 
+@pytest.mark.slow
 def test_rollout_local_runs_the_example_team_and_writes_samples(tmp_path, tiny_model_dir):
     out = tmp_path / "samples.jsonl"
     r = mrlx("rollout", "--local", "--config", "examples/multi_agent/local.yaml", "--model-dir", str(tiny_model_dir),
@@ -39,6 +40,7 @@ def test_rollout_local_runs_the_example_team_and_writes_samples(tmp_path, tiny_m
         assert row["rollout_id"] == row["index"]
 
 
+@pytest.mark.slow
 def test_check_passes_on_reachable_agents_and_names_an_unreachable_url(tmp_path, stub_engine, tiny_model_dir):
     dead = f"http://127.0.0.1:{free_port()}"
     good = tmp_path / "good.yaml"

@@ -189,3 +189,115 @@ def test_two_agents_with_one_name_are_refused_not_merged(tmp_path):
                               hf_checkpoint=None)
     with pytest.raises(ConfigError, match="appears twice"):
         build_runtime(args)
+
+
+# --------------------------------------------------------------------------------------------
+# The schema as pydantic models: its reference, and the messages built from pydantic's errors
+# --------------------------------------------------------------------------------------------
+
+
+def _sections():
+    """Every settings model, reached from Settings through its fields."""
+    import typing
+
+    from pydantic import BaseModel
+
+    from mrlx_plugin.core.config import Settings
+
+    seen, todo = [], [Settings]
+    while todo:
+        model = todo.pop()
+        if model in seen:
+            continue
+        seen.append(model)
+        for f in model.model_fields.values():
+            for tp in (f.annotation, *typing.get_args(f.annotation)):
+                if isinstance(tp, type) and issubclass(tp, BaseModel):
+                    todo.append(tp)
+    return seen
+
+
+def test_every_setting_has_a_description():
+    sections = _sections()
+    assert {m.__name__ for m in sections} >= {"Settings", "AgentSettings", "SamplingSettings", "EngineSettings",
+                                             "PipelineSettings", "RewardSettings", "DialogueSettings",
+                                             "CoordinatorSettings", "TrainerSettings"}
+    missing = [f"{m.__name__}.{name}" for m in sections for name, f in m.model_fields.items()
+               if not (f.description or "").strip()]
+    assert not missing, f"settings without a description: {missing}"
+
+
+def test_the_reference_table_lists_every_key_with_type_default_and_description():
+    from mrlx_plugin.core.config import settings_reference_markdown
+
+    table = settings_reference_markdown()
+    lines = table.splitlines()
+    assert lines[0] == "| key | type | default | meaning |"
+    rows = {line.split(" | ")[0].strip("| `"): line for line in lines[2:]}
+    fields = sum(len(m.model_fields) for m in _sections())
+    assert len(rows) == fields, sorted(rows)
+    assert "| `mrlx.agents.NAME.sampling.top_p` | a number or null | `null` | nucleus sampling mass" in table
+    assert "| `mrlx.engine.max_retries` | an integer | `3` |" in table
+    assert "mrlx.self" in rows and "`mrlx.extra`" not in table and "mrlx.<system name>" in rows
+    assert "'offset' \\| 'multiplicative' \\| 'none'" in rows["mrlx.pipeline.weighting"]  # no stray column
+    assert all(line.replace("\\|", "").count("|") == 5 for line in lines), table  # four columns on every line
+
+
+def test_the_json_schema_names_the_yaml_keys():
+    from mrlx_plugin.core.config import Settings
+
+    schema = Settings.model_json_schema()
+    assert "self" in schema["properties"] and "extra" not in schema["properties"]
+    assert schema["additionalProperties"]["type"] == "object"  # the sections of plugin systems
+    engine = schema["$defs"]["EngineSettings"]["properties"]
+    assert engine["request_timeout_s"]["exclusiveMinimum"] == 0 and engine["max_retries"]["minimum"] == 0
+    top_p = schema["$defs"]["SamplingSettings"]["properties"]["top_p"]["anyOf"][0]
+    assert top_p == {"exclusiveMinimum": 0, "maximum": 1, "type": "number"}
+
+
+def test_a_bad_value_and_a_problem_between_sections_are_reported_together():
+    msg = errors_of({"system": "dialogue", "self": "nurse", "agents": {"a": {"trainable": "yes"}, "b": {}},
+                     "engine": {"request_timeout_s": 0}, "rewards": {"shaping": "selfish"}})
+    assert "4 problem(s)" in msg
+    assert "mrlx.agents.a.trainable: got 'yes'; expected true or false" in msg
+    assert "mrlx.engine.request_timeout_s: got 0; expected a positive number of seconds" in msg
+    assert "mrlx.rewards.shaping: got 'selfish'; expected 'independent' | 'cooperative'" in msg
+    assert "mrlx.self: agent 'nurse' is not under mrlx.agents (agents: a, b)" in msg
+
+
+def test_a_bad_value_shared_by_a_yaml_alias_is_named_at_each_place(tmp_path):
+    path = tmp_path / "alias.yaml"
+    path.write_text("base: &agent {url: 'ftp://host', sampling: {top_p: 2}}\n"
+                    "mrlx: {system: dialogue, agents: {doctor: *agent, patient: *agent}}\n")
+    with pytest.raises(ConfigError) as info:
+        settings_from_yaml(path)
+    msg = str(info.value)
+    assert msg.startswith(f"{path}: 4 problem(s):"), msg
+    for who in ("doctor", "patient"):
+        assert f"mrlx.agents.{who}.url: got 'ftp://host'; expected 'self' or an http://host:port URL" in msg
+        assert f"mrlx.agents.{who}.sampling.top_p: got 2; expected at most 1" in msg
+
+
+def test_numbers_as_yaml_writes_them_and_strict_types(tmp_path):
+    path = tmp_path / "n.yaml"
+    path.write_text("mrlx: {trainer: {lr: 3e-4, threads: 2}, engine: {backoff_s: 1}}\n")  # YAML 1.1: 3e-4 is a string
+    s = settings_from_yaml(path)
+    assert s.trainer.lr == 3e-4 and s.engine.backoff_s == 1.0 and isinstance(s.engine.backoff_s, float)
+    msg = errors_of({"trainer": {"threads": 1.5, "lr": "fast"}, "plugins": ["a", 3]})
+    assert "mrlx.trainer.threads: got float 1.5; expected an integer" in msg
+    assert "mrlx.trainer.lr: got str 'fast'; expected a number" in msg
+    assert "mrlx.plugins[1]: got int 3; expected a string" in msg
+
+
+def test_keys_that_are_not_strings_are_one_message():
+    msg = errors_of({1: {}, "agents": {2: {}}})
+    assert "mrlx: key 1 must be a string" in msg and "mrlx.agents: key 2 must be a string" in msg
+
+
+def test_sections_built_in_python_fill_in_what_follows_from_the_url():
+    from mrlx_plugin.core.config import AgentSettings, EngineSettings
+
+    peer = AgentSettings(url="http://127.0.0.1:9")
+    assert peer.trainable is False and peer.retry_on_abort is True
+    assert AgentSettings().trainable is True and AgentSettings().retry_on_abort is False
+    assert EngineSettings(max_retries=1, backoff_s=0.01).request_timeout_s == 900.0

@@ -22,7 +22,7 @@ SECRET = "s3cr3t-v4lue"
 
 
 def check(*argv: str, cwd: Path = REPO, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mrlx_plugin.cli.main", "check", *argv], cwd=cwd, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "mrlx_plugin.cli", "check", *argv], cwd=cwd, capture_output=True,
                           text=True, timeout=300, env=dict(os.environ, **(env or {})))
 
 

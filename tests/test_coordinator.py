@@ -20,21 +20,6 @@ from mrlx_plugin.core.host import Sample
 COMMIT = "/v1/runs/run1/queues/patient/commit"
 
 
-@pytest.fixture
-def start_coordinator(tmp_path):
-    """Start coordinators (each in its own directory); all are stopped at the end of the test."""
-    started: list[CoordinatorProcess] = []
-
-    def start(**kwargs) -> CoordinatorProcess:
-        proc = CoordinatorProcess(tmp_path / f"coordinator{len(started)}", **kwargs)
-        started.append(proc)
-        return proc.start()
-
-    yield start
-    for proc in started:
-        proc.stop()
-
-
 def clients(coord: CoordinatorProcess) -> tuple[CoordinatorClient, CoordinatorClient]:
     """(producer doctor, consumer patient)."""
     return tuple(  # type: ignore[return-value]
@@ -436,7 +421,7 @@ def test_database_full_is_507_and_recovers(start_coordinator):
     run(scenario())
 
 
-def test_refuses_public_address_without_token_and_other_runs_database(tmp_path):
+def test_refuses_public_address_without_token_and_other_runs_database(tmp_path, start_coordinator):
     import subprocess
     import sys
 
@@ -454,7 +439,7 @@ def test_refuses_public_address_without_token_and_other_runs_database(tmp_path):
         check=False,
     )
     assert out.returncode == 2 and "without a token" in out.stderr
-    coord = CoordinatorProcess(tmp_path / "own", run_id="r1", agents=("a", "b"), token=None).start()
+    coord = start_coordinator(run_id="r1", agents=("a", "b"), token=None)
     coord.stop()
     out = subprocess.run(
         [*argv[:4], str(coord.db), *argv[5:], "--run-id", "r2"],

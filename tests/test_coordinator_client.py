@@ -15,16 +15,15 @@ from mrlx_plugin.link.client import (
     CoordinatorError,
     CoordinatorUnavailable,
     CoordinatorWaitTimeout,
-    token_from_env_or_file,
 )
 from mrlx_plugin.core.netutil import free_port
+from mrlx_plugin.link.wire import token_from_env_or_file
 
 
 @pytest.fixture
-def coord(tmp_path):
-    proc = CoordinatorProcess(tmp_path / "coordinator")
-    yield proc
-    proc.stop()
+def coord(start_coordinator):
+    """A coordinator the test starts (and restarts) itself."""
+    return start_coordinator(start=False)
 
 
 def client(coord: CoordinatorProcess, agent: str, **kwargs) -> CoordinatorClient:
@@ -89,8 +88,8 @@ def test_wait_version_rides_out_a_restart(coord):
     asyncio.run(scenario())
 
 
-def test_commit_retries_backpressure_until_the_consumer_acks(tmp_path):
-    coord = CoordinatorProcess(tmp_path / "coordinator", extra=["--max-depth", "4"]).start()
+def test_commit_retries_backpressure_until_the_consumer_acks(start_coordinator):
+    coord = start_coordinator(extra=["--max-depth", "4"])
     try:
 
         async def scenario():

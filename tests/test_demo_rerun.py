@@ -15,7 +15,7 @@ SHORT = ["--preset", "tiny", "--prompts-per-step", "2", "--samples-per-prompt", 
 
 
 def demo(out: Path, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mrlx_plugin.cli.main", "demo", "--out", str(out), *SHORT, *extra],
+    return subprocess.run([sys.executable, "-m", "mrlx_plugin.cli", "demo", "--out", str(out), *SHORT, *extra],
                           cwd=REPO, capture_output=True, text=True, timeout=600)
 
 

@@ -153,6 +153,7 @@ def _assert_pipeline_steps(run: Run, steps: int) -> None:
 # --- 1. --custom-config-path base64:<payload> ------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_inline_base64_custom_config(tmp_path, stub_engine, tiny_model_dir):
     """Miles accepts the YAML inline as `base64:<payload>` and sets its keys on args; the plugin
     must not treat that value as a file name (a long one made Path.is_file() raise ENAMETOOLONG)."""
@@ -172,6 +173,7 @@ def test_inline_base64_custom_config(tmp_path, stub_engine, tiny_model_dir):
 # --- 2. the eval log function ------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_eval_log_function_reaches_tracking(tmp_path, stub_engine, tiny_model_dir):
     """With `--custom-eval-rollout-log-function-path`, Miles passes the eval data and
     `extra_metrics=None` (its own rollouts return no eval metrics); the plugin's per-dataset
@@ -211,6 +213,7 @@ def slow_engine(logs_dir, request):
     proc.stop()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("retry_on_abort", "legacy"),
     [(False, False), (True, False), (True, True)],
@@ -258,6 +261,7 @@ def test_abort_stops_dialogues_between_turns(tmp_path, slow_engine, tiny_model_d
 # --- 4. the data-parallel split of a step with an aborted episode ---------------------------------
 
 
+@pytest.mark.slow
 def test_aborted_episode_keeps_fan_out_and_dp_split(tmp_path, stub_engine, tiny_model_dir):
     """One episode of 4 aborted by an engine fault (no retries): the step still holds 4 x 5
     samples, so static micro-batches of 1 split evenly over 2 ranks (Miles' schedule asserts that
@@ -274,6 +278,7 @@ def test_aborted_episode_keeps_fan_out_and_dp_split(tmp_path, stub_engine, tiny_
 # --- 5. the rollout modes -----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_class_based_default_rollout(tmp_path, stub_engine, tiny_model_dir):
     """Miles' default rollout (class-based InferenceRolloutFn) runs the shared-model pipeline; the
     plugin's rollout metrics are merged into Miles' rollout log; its add_arguments was called."""
@@ -298,6 +303,7 @@ def test_legacy_v1_rollout(tmp_path, stub_engine, tiny_model_dir):
     assert [m["multi_agent/episodes"] for m in run.logged("rollout/step")] == [4, 4]
 
 
+@pytest.mark.slow
 def test_fully_async_rollout(tmp_path, stub_engine, tiny_model_dir):
     """`--fully-async`: generation runs on across steps; each step drains finished groups."""
     run = run_miles(tmp_path, stub_engine.url, tiny_model_dir, PIPELINE, *BATCH, "--fully-async", num_rollout=2)
@@ -306,6 +312,7 @@ def test_fully_async_rollout(tmp_path, stub_engine, tiny_model_dir):
     _assert_pipeline_steps(run, 2)
 
 
+@pytest.mark.slow
 def test_multi_model_refuses_fully_async(tmp_path, stub_engine, tiny_model_dir):
     """A job whose agent `b` is trained by another job (its samples go through a coordinator) cannot
     run Miles' fully-async rollout; it is refused at start-up, by name, before any engine call."""
@@ -326,26 +333,25 @@ def test_multi_model_refuses_fully_async(tmp_path, stub_engine, tiny_model_dir):
     assert _stats(stub_engine.url)["generate"] == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("legacy", [False, True], ids=["class-based", "legacy-v1"])
 def test_initiator_rollout_runs_miles_default_rollout_and_hands_b_its_groups(tmp_path, tiny_model_dir, logs_dir,
-                                                                             legacy):
+                                                                             start_coordinator, legacy):
     """A multi-model job A on Miles: `initiator_rollout` (behind Miles' legacy rollout adapter) runs
     Miles' current default rollout (class-based InferenceRolloutFn, or the v1 function under
     MILES_USE_LEGACY_ROLLOUT_V1=1); A's step splits, and B's samples of the groups A kept reach a
     real coordinator, one whole group per prompt group."""
-    from _coord_procs import TOKEN_ENV, CoordinatorProcess
+    from _twojobs import two_job_config
 
     from mrlx_plugin.local.processes import start_stub_engine
 
     engine_a = start_stub_engine(log_dir=logs_dir, name="stub-miles-a")
     engine_b = start_stub_engine(log_dir=logs_dir, name="stub-miles-b")
-    coord = CoordinatorProcess(tmp_path / "coord", run_id="miles-mm", agents=("a", "b")).start()
+    coord = start_coordinator(run_id="miles-mm", agents=("a", "b"))
     try:
-        config = {"run_id": "miles-mm", "system": "dialogue", "self": "a",
-                  "agents": {"a": {"url": "self"}, "b": {"url": engine_b.url, "trainable": True}},
-                  "dialogue": {"first": "a", "max_turns": 2},
-                  "coordinator": {"url": coord.url, "token_env": TOKEN_ENV, "max_staleness": 1}}
-        env = {TOKEN_ENV: coord.token, **({"MILES_USE_LEGACY_ROLLOUT_V1": "1"} if legacy else {})}
+        config = two_job_config("a", run_id="miles-mm", urls={"b": engine_b.url}, coordinator=coord.url,
+                                coordinator_settings={"max_staleness": 1}, dialogue={"first": "a", "max_turns": 2})
+        env = {**coord.env, **({"MILES_USE_LEGACY_ROLLOUT_V1": "1"} if legacy else {})}
         run = run_miles(tmp_path, engine_a.url, tiny_model_dir, config, *BATCH,
                         "--rollout-function-path", "mrlx_plugin.rollout.initiator_rollout",
                         "--rollout-max-response-len", "512", env=env)  # room for B's turn after A's

@@ -14,7 +14,7 @@ import os
 import subprocess
 import sys
 import urllib.request
-from collections import Counter, defaultdict
+from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -142,6 +142,7 @@ def test_aborted_episode_keeps_its_fan_out_and_the_step_splits(tmp_path, tiny_mo
     assert masks == [0] * FAN_OUT  # nothing of the failed episode is trained
 
 
+@pytest.mark.slow
 def test_unsplittable_batch_settings_are_refused_at_start_up(tmp_path, tiny_model_dir, stub_engine):
     """Fan-out 5, one episode per step, fixed micro-batches of 1, dp 2: no step can ever split."""
     flags = ["--rollout-batch-size", "1", "--n-samples-per-prompt", "1", "--global-batch-size", "1",
@@ -162,6 +163,7 @@ def test_unsplittable_batch_settings_are_refused_at_start_up(tmp_path, tiny_mode
     assert min(step["rank_sizes"]) > 0, step  # the dynamic path splits bins until every rank has one
 
 
+@pytest.mark.slow
 def test_eval_and_rollout_metrics_reach_the_hosts_logger_under_its_step_keys(tmp_path, tiny_model_dir,
                                                                              stub_engine):
     eval_prompts = tmp_path / "eval.jsonl"
@@ -191,6 +193,7 @@ def test_eval_and_rollout_metrics_reach_the_hosts_logger_under_its_step_keys(tmp
     assert "rollout/response_len/mean" in rollouts[0] and "reward/solver/mean" in rollouts[0]
 
 
+@pytest.mark.slow
 def test_no_turn_starts_after_the_host_aborts_the_rollout(tmp_path, tiny_model_dir, logs_dir):
     """slime's default rollout keeps the first 2 of 6 over-sampled dialogues and aborts the rest.
 
@@ -238,6 +241,7 @@ def _refused(run: Run, stub_url: str, *words: str) -> None:
     assert _stats(stub_url)["generate"] == 0, "refused only after episodes had run"
 
 
+@pytest.mark.slow
 def test_fully_async_rollout_is_refused_by_name(tmp_path, tiny_model_dir, stub_engine):
     """slime's fully asynchronous rollout orders finished groups by `getattr(item, 'index')`, which
     for a group of lists (a generate function returning several samples) is `list.index`: a
@@ -268,6 +272,7 @@ def test_fully_async_rollout_is_refused_by_name(tmp_path, tiny_model_dir, stub_e
     assert _stats(stub_engine.url)["generate"] == 0, "episodes ran before the refusal"
 
 
+@pytest.mark.slow
 def test_top_p_training_path_is_refused_by_name(tmp_path, tiny_model_dir, stub_engine):
     """With --rollout-top-p below 1 slime's train-data conversion asserts that every sample carries
     its sampled top-p token sets, which mrlx episodes do not record."""
@@ -277,24 +282,25 @@ def test_top_p_training_path_is_refused_by_name(tmp_path, tiny_model_dir, stub_e
     _refused(run, stub_engine.url, "--rollout-top-p 0.9", "rollout_top_p_token_ids")
 
 
-def test_initiator_rollout_runs_slimes_default_rollout_and_hands_b_its_groups(tmp_path, tiny_model_dir, logs_dir):
+@pytest.mark.slow
+def test_initiator_rollout_runs_slimes_default_rollout_and_hands_b_its_groups(tmp_path, tiny_model_dir, logs_dir,
+                                                                              start_coordinator):
     """A multi-model job A in slime's synchronous loop: its rollout function wraps slime's default
     rollout; A's step (one sample per dialogue episode) splits, and B's samples of the groups A
     kept reach a real coordinator, one group per prompt group, whole."""
     import json as _json
 
-    from _coord_procs import TOKEN_ENV, CoordinatorProcess
+    from _coord_procs import TOKEN_ENV
+    from _twojobs import two_job_config
 
     from mrlx_plugin.local.processes import start_stub_engine
 
     engine_a = start_stub_engine(log_dir=logs_dir, name="stub-slime-a")
     engine_b = start_stub_engine(log_dir=logs_dir, name="stub-slime-b")
-    coord = CoordinatorProcess(tmp_path / "coord", run_id="slime-mm", agents=("a", "b")).start()
+    coord = start_coordinator(run_id="slime-mm", agents=("a", "b"))
     try:
-        mrlx = {"run_id": "slime-mm", "system": "dialogue", "self": "a",
-                "agents": {"a": {"url": "self"}, "b": {"url": engine_b.url, "trainable": True}},
-                "dialogue": {"first": "a", "max_turns": 2},
-                "coordinator": {"url": coord.url, "token_env": TOKEN_ENV, "max_staleness": 1}}
+        mrlx = two_job_config("a", run_id="slime-mm", urls={"b": engine_b.url}, coordinator=coord.url,
+                              coordinator_settings={"max_staleness": 1}, dialogue={"first": "a", "max_turns": 2})
         os.environ[TOKEN_ENV] = coord.token
         try:
             run = run_slime(tmp_path, tiny_model_dir, engine_a.url, mrlx,

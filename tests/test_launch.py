@@ -70,7 +70,7 @@ def test_run_agent_builds_one_slime_job_per_agent(tmp_path):
         assert f"--sglang-router-ip 127.0.0.1 --sglang-router-port {port}" in out  # engines register there
         assert f"sglang_router.launch_router --host 127.0.0.1 --port {port}" in out
         assert "ray start --head" in out and "ray job submit" in out
-        assert "mrlx_plugin.cli.main check --offline" in out
+        assert "mrlx_plugin.cli check --offline" in out
     assert "--responder" in b and "--responder" not in a
     # B's engines answer A's episodes while B trains: never offloaded by colocation.
     assert "--colocate" in a and "--colocate" not in b and "--rollout-num-gpus 4" in b
@@ -83,7 +83,7 @@ def test_run_agent_builds_one_slime_job_per_agent(tmp_path):
 
 
 def test_the_two_jobs_example_configs_agree(tmp_path):
-    script = f"source {LAUNCH / 'mrlx.env'} && {sys.executable} -m mrlx_plugin.cli.main check --offline " \
+    script = f"source {LAUNCH / 'mrlx.env'} && {sys.executable} -m mrlx_plugin.cli check --offline " \
              "--config $AGENT_A_CONFIG --config $AGENT_B_CONFIG"
     r = subprocess.run(["bash", "-c", script], env=env(tmp_path), capture_output=True, text=True, cwd=REPO, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr

@@ -8,8 +8,8 @@ the real `sglang-router` when it is installed.
 from __future__ import annotations
 
 import json
+import sys
 import threading
-import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -17,9 +17,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _wait import wait_until
 
+from mrlx_plugin.core.netutil import free_port
+from mrlx_plugin.local.engine import router_command
 from mrlx_plugin.local.model import CHATML_TEMPLATE, build_model, ensure_model, load_tokenizer
-from mrlx_plugin.local.processes import router_available, start_engine, start_router
+from mrlx_plugin.local.processes import router_available, start_engine, start_router, start_service
+from mrlx_plugin.local.trainer import push_weights
 
 # --- helpers -----------------------------------------------------------------------------------
 
@@ -58,14 +62,12 @@ def out_logprobs(resp: dict[str, Any]) -> list[float]:
     return [e[0] for e in resp["meta_info"]["output_token_logprobs"]]
 
 
+def loads(base: str) -> dict[str, Any]:
+    return call(base + "/v1/loads")[1]["loads"][0]
+
+
 def wait_running(base: str, n: int = 1, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        _, loads = call(base + "/v1/loads")
-        if loads["loads"][0]["num_running_reqs"] >= n:
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"fewer than {n} requests running after {timeout}s")
+    wait_until(lambda: loads(base)["num_running_reqs"] >= n, timeout, what=f"{n} requests running on {base}")
 
 
 PROMPT = [1, 74, 75, 20, 21, 9]
@@ -330,7 +332,7 @@ def test_pause_aborts_inflight_and_holds_new_requests_until_continue(eng):
         assert call(eng.url + "/pause_generation", {"mode": "abort"})[0] == 200
         assert inflight.result(timeout=30)["meta_info"]["finish_reason"]["type"] == "abort"
         held = pool.submit(generate, eng.url, PROMPT, max_new_tokens=2, temperature=0)
-        time.sleep(0.3)
+        wait_until(lambda: loads(eng.url)["num_waiting_reqs"] >= 1, 30, what="the engine to hold the new request")
         assert not held.done()
         assert call(eng.url + "/continue_generation", {})[0] == 200
         assert held.result(timeout=30)["meta_info"]["finish_reason"]["type"] == "length"
@@ -429,6 +431,86 @@ def test_non_json_body_gets_400(eng):
     assert info.value.code == 400 and b"JSON" in info.value.read()
 
 
+def test_nulls_mean_defaults_and_unknown_top_level_keys_are_ignored(eng):
+    # As in SGLang: slime sends `stop_token_ids: null`; a top-level key the engine does not know
+    # is ignored, an unknown sampling parameter is refused (test above).
+    body = {"input_ids": PROMPT, "return_logprob": True, "rid": None, "some_future_field": {"x": 1},
+            "sampling_params": {"max_new_tokens": 3, "temperature": 0, "stop_token_ids": None, "top_k": None}}
+    status, resp = call(eng.url + "/generate", body)
+    assert status == 200, resp
+    assert out_ids(resp) == out_ids(generate(eng.url, PROMPT, max_new_tokens=3, temperature=0))
+    status, resp = call(eng.url + "/generate", {"input_ids": PROMPT, "sampling_params": None})
+    assert status == 200 and resp["meta_info"]["finish_reason"]["type"] in ("length", "stop")
+
+
+@pytest.mark.parametrize(
+    "body, field",
+    [
+        ({"input_ids": [[1, 2], [3]], "rid": ["only-one"]}, "rid"),
+        ({"input_ids": [[1, 2], [3, 10**6]]}, "input_ids[1][1]"),
+        ({"input_ids": [[1, 2], [3]], "sampling_params": [{}, {"top_p": 0}]}, "sampling_params[1].top_p"),
+        ({"input_ids": [1, True]}, "input_ids[1]"),
+        ({"input_ids": [1, 2], "return_logprob": 1}, "return_logprob"),
+        ({"input_ids": [1, 2], "return_text_in_logprobs": True}, "return_text_in_logprobs"),
+        ({"input_ids": [1, 2], "logprob_start_len": 2}, "logprob_start_len"),
+        ({"input_ids": [1, 2], "sampling_params": {"temperature": True}}, "sampling_params.temperature"),
+        ({"input_ids": [1, 2], "sampling_params": [{}]}, "sampling_params"),
+        ([1, 2], "body"),
+    ],
+)
+def test_more_bad_requests_get_400_naming_the_field(eng, body, field):
+    status, resp = call(eng.url + "/generate", body)
+    assert status == 400, resp
+    assert resp["error"]["field"] == field and resp["error"]["message"].startswith(field + ": ")
+
+
+@pytest.mark.parametrize(
+    "body, field",
+    [
+        ({}, "model_path"),
+        ({"model_path": ""}, "model_path"),
+        ({"model_path": "/x", "abort_all_requests": "yes"}, "abort_all_requests"),
+        ({"model_path": "/x", "load_format": "dummy"}, "load_format"),
+        ({"model_path": "/x", "weight_version": [1]}, "weight_version"),
+    ],
+)
+def test_bad_weight_updates_get_400_and_keep_the_weights(eng, body, field):
+    before = call(eng.url + "/get_weight_version")[1]
+    status, resp = call(eng.url + "/update_weights_from_disk", body)
+    assert status == 400 and resp["success"] is False and resp["message"].startswith(field + ": ")
+    assert call(eng.url + "/get_weight_version")[1] == before
+
+
+# --- weight pushes from the trainer ------------------------------------------------------------
+
+
+def test_push_weights_sets_the_version_and_reports_a_refusal(eng, tiny_model_dir, tmp_path):
+    push_weights([eng.url], tiny_model_dir, version=41)
+    assert call(eng.url + "/get_weight_version")[1] == {"weight_version": "41"}
+    with pytest.raises(RuntimeError, match="refused the weights at .*HTTP 400"):
+        push_weights([eng.url], tmp_path / "not-a-model", version=42)
+    assert call(eng.url + "/get_weight_version")[1] == {"weight_version": "41"}
+
+
+def test_push_weights_waits_for_an_engine_that_comes_up(tmp_path, logs_dir):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with pytest.raises(RuntimeError, match="did not take the weights"):
+        push_weights([url], tmp_path, version=1, deadline_s=0.5)
+    outcome: list[Any] = []
+    pusher = threading.Thread(target=lambda: outcome.append(push_weights([url], tmp_path, version=5, deadline_s=120)))
+    pusher.start()
+    stub = start_service("stub-late", [sys.executable, "-m", "mrlx_plugin.local.stub_engine", "--port", str(port)],
+                         log_dir=logs_dir, port=port)
+    try:
+        pusher.join(120)
+        assert outcome == [None]
+        _, stats = call(url + "/_stub/stats")
+        assert stats["weight_updates"] == 1 and stats["weight_version"] == "5"
+    finally:
+        stub.stop()
+
+
 def test_info_and_health_endpoints(eng, tiny_model_dir):
     assert call(eng.url + "/health")[0] == 200
     assert call(eng.url + "/health_generate")[0] == 200
@@ -465,9 +547,7 @@ def _router_workers(router_url: str) -> list[str]:
 def test_engine_behind_router_with_worker_urls(eng, logs_dir):
     router = start_router([eng.url], log_dir=logs_dir, name="router-worker-urls")
     try:
-        deadline = time.monotonic() + 30
-        while eng.url not in _router_workers(router.url) and time.monotonic() < deadline:
-            time.sleep(0.1)
+        wait_until(lambda: eng.url in _router_workers(router.url), 30, what="the engine in the router's /workers")
         direct = generate(eng.url, PROMPT, max_new_tokens=5, temperature=0)
         status, via = call(
             router.url + "/generate",
@@ -488,6 +568,7 @@ def test_engine_behind_router_with_worker_urls(eng, logs_dir):
         router.stop()
 
 
+@pytest.mark.slow
 @needs_router
 @pytest.mark.router
 def test_engine_registers_with_router_and_leaves_on_shutdown(tiny_model_dir, logs_dir):
@@ -501,21 +582,38 @@ def test_engine_registers_with_router_and_leaves_on_shutdown(tiny_model_dir, log
             extra=["--router-url", router.url],
             threads=1,
         )
-        deadline = time.monotonic() + 30
-        while engine.url not in _router_workers(router.url):
-            assert time.monotonic() < deadline, "the engine never appeared in the router's /workers"
-            time.sleep(0.1)
+        wait_until(lambda: engine.url in _router_workers(router.url), 30,
+                   what="the engine to appear in the router's /workers")
         status, via = call(
             router.url + "/generate",
             {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 3}, "return_logprob": True},
         )
         assert status == 200 and len(out_ids(via)) == 3
         engine.stop()
-        deadline = time.monotonic() + 15
-        while engine.url in _router_workers(router.url):
-            assert time.monotonic() < deadline, "the engine did not leave the router on shutdown"
-            time.sleep(0.1)
+        wait_until(lambda: engine.url not in _router_workers(router.url), 15,
+                   what="the engine to leave the router on shutdown")
     finally:
         if engine is not None:
             engine.stop()
         router.stop()
+
+
+@pytest.mark.slow
+@needs_router
+@pytest.mark.router
+def test_engine_registers_with_a_router_that_starts_after_it(tiny_model_dir, logs_dir):
+    port = free_port()
+    router_url = f"http://127.0.0.1:{port}"
+    engine = start_engine(tiny_model_dir, log_dir=logs_dir, name="engine-early", extra=["--router-url", router_url],
+                          threads=1)
+    router = None
+    try:
+        router = start_service("router-late", router_command("127.0.0.1", port), log_dir=logs_dir, port=port,
+                               timeout=60)
+        wait_until(lambda: engine.url in _router_workers(router_url), 60,
+                   what="the engine, retrying, to register with the router once it is up")
+        assert engine.alive()
+    finally:
+        engine.stop()
+        if router is not None:
+            router.stop()

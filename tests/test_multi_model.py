@@ -16,34 +16,29 @@ import sys
 from pathlib import Path
 
 import pytest
+from _coord_procs import TOKEN_ENV
 from _recorder import RecordingProxy
+from _twojobs import ENV, TOKEN, two_job_config, write_config
 from _wait import wait_until
 
 from mrlx_plugin.local.model import ensure_model
-from mrlx_plugin.local.processes import start_coordinator, start_engine, start_service
+from mrlx_plugin.local.processes import start_engine, start_service
 
-TOKEN = "multi-model-test-token"
+pytestmark = pytest.mark.slow  # two trainer jobs, or a rollout of each job's, end to end
+
 STEPS, GROUPS, PER_PROMPT, STALENESS = 3, 2, 2, 1
 
 
 def job_yaml(path: Path, *, me: str, a_url: str, b_url: str, a_tok: Path, b_tok: Path, coordinator: str) -> Path:
-    path.write_text(f"""
-mrlx:
-  run_id: mm-test
-  system: dialogue
-  self: {me}
-  agents:
-    a: {{url: {'self' if me == 'a' else a_url}, tokenizer: '{a_tok}', trainable: true,
-        system_prompt: 'You answer.', sampling: {{max_new_tokens: 6}}}}
-    b: {{url: {'self' if me == 'b' else b_url}, tokenizer: '{b_tok}', trainable: true,
-        system_prompt: 'You check.', sampling: {{max_new_tokens: 6}}}}
-  dialogue: {{first: a, max_turns: 4}}
-  engine: {{abort_retry_wait_s: 0.2, peer_deadline_s: 90, request_timeout_s: 10, max_retries: 1, backoff_s: 0.05}}
-  coordinator: {{url: '{coordinator}', token_env: MRLX_TEST_TOKEN, max_staleness: {STALENESS},
-                 wait_deadline_s: 120, lease_s: 30}}
-  trainer: {{lr: 0.001}}
-""")
-    return path
+    return write_config(path, two_job_config(
+        me, run_id="mm-test", urls={"a": a_url, "b": b_url}, coordinator=coordinator,
+        tokenizers={"a": a_tok, "b": b_tok}, max_new_tokens=6,
+        system_prompts={"a": "You answer.", "b": "You check."},
+        coordinator_settings={"max_staleness": STALENESS, "wait_deadline_s": 120, "lease_s": 30},
+        dialogue={"first": "a", "max_turns": 4},
+        engine={"abort_retry_wait_s": 0.2, "peer_deadline_s": 90, "request_timeout_s": 10, "max_retries": 1,
+                "backoff_s": 0.05},
+        trainer={"lr": 0.001}))
 
 
 def trainer(config: Path, model: Path, engine: str, rollout_fn: str, out: Path, log: Path) -> subprocess.Popen:
@@ -51,7 +46,7 @@ def trainer(config: Path, model: Path, engine: str, rollout_fn: str, out: Path, 
             "--engine-url", engine, "--router-url", engine, "--rollout-function", rollout_fn,
             "--num-rollout", str(STEPS), "--rollout-batch-size", str(GROUPS), "--n-samples-per-prompt", str(PER_PROMPT),
             "--rollout-max-response-len", "24", "--out", str(out), "--save-samples"]
-    env = dict(os.environ, MRLX_TEST_TOKEN=TOKEN)
+    env = dict(os.environ, **ENV)
     return subprocess.Popen(argv, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env)
 
 
@@ -66,11 +61,9 @@ def two_models(tmp_path_factory) -> tuple[Path, Path]:
     return ensure_model(root / "a", preset="tiny", seed=1), ensure_model(root / "b", preset="tiny", seed=2, vocab_size=384)
 
 
-def test_two_jobs_co_train_through_the_coordinator(two_models, tmp_path, logs_dir):
+def test_two_jobs_co_train_through_the_coordinator(two_models, tmp_path, logs_dir, start_coordinator):
     model_a, model_b = two_models
-    env = {"MRLX_TEST_TOKEN": TOKEN}
-    coordinator = start_coordinator(tmp_path / "coord.sqlite", "mm-test", ["a", "b"], log_dir=tmp_path,
-                                    token_env="MRLX_TEST_TOKEN", env=env)
+    coordinator = start_coordinator(run_id="mm-test", agents=("a", "b"), token=TOKEN)
     engine_a = start_engine(model_a, log_dir=tmp_path, name="engine-a", threads=1)
     engine_b = start_engine(model_b, log_dir=tmp_path, name="engine-b", threads=1)
     proxy = RecordingProxy(engine_b.url).start()
@@ -176,17 +169,14 @@ def test_two_jobs_co_train_through_the_coordinator(two_models, tmp_path, logs_di
 def _in_process_initiator(engine_url: str, tokenizer: Path, coordinator_url: str):
     from _host import slime_args
 
-    mrlx = {"run_id": "mm-eval", "system": "dialogue", "self": "a",
-            "agents": {"a": {"url": "self", "sampling": {"max_new_tokens": 4}},
-                       "b": {"url": engine_url, "trainable": True, "sampling": {"max_new_tokens": 4}}},
-            "dialogue": {"max_turns": 2},
-            "coordinator": {"url": coordinator_url, "token_env": "MRLX_TEST_TOKEN", "wait_deadline_s": 20}}
+    mrlx = two_job_config("a", run_id="mm-eval", urls={"b": engine_url}, coordinator=coordinator_url,
+                          max_new_tokens=4, coordinator_settings={"wait_deadline_s": 20}, dialogue={"max_turns": 2})
     return slime_args(engine_url, str(tokenizer), mrlx, rollout_batch_size=1, n_samples_per_prompt=2,
                       n_samples_per_eval_prompt=1)
 
 
-def test_evaluation_queues_nothing_and_a_missing_rollout_function_is_named(engine, tiny_model_dir, tmp_path,
-                                                                          monkeypatch):
+def test_evaluation_queues_nothing_and_a_missing_rollout_function_is_named(engine, tiny_model_dir, monkeypatch,
+                                                                          start_coordinator):
     import asyncio
 
     from _host import slime_args
@@ -198,9 +188,8 @@ def test_evaluation_queues_nothing_and_a_missing_rollout_function_is_named(engin
     from mrlx_plugin.rollout import generate, initiator_rollout, responder_rollout
     from mrlx_plugin.runtime import runtime_for
 
-    monkeypatch.setenv("MRLX_TEST_TOKEN", TOKEN)
-    coordinator = start_coordinator(tmp_path / "c.sqlite", "mm-eval", ["a", "b"], log_dir=tmp_path,
-                                    token_env="MRLX_TEST_TOKEN", env={"MRLX_TEST_TOKEN": TOKEN})
+    coordinator = start_coordinator(run_id="mm-eval", agents=("a", "b"), token=TOKEN)
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)
     try:
         args = _in_process_initiator(engine.url, tiny_model_dir, coordinator.url)
         # generate() alone, as if --rollout-function-path had not been set: refused, with the fix named
@@ -231,9 +220,9 @@ def test_evaluation_queues_nothing_and_a_missing_rollout_function_is_named(engin
         run_in_host_loop(runtime_for(args).aclose())
 
         # B's job evaluates too (slime evaluates at rollout 0): whole episodes, nothing queued.
-        mrlx_b = {**args.mrlx, "self": "b", "agents": {
-            "a": {"url": engine.url, "trainable": True, "sampling": {"max_new_tokens": 4}},
-            "b": {"url": "self", "sampling": {"max_new_tokens": 4}}}}
+        mrlx_b = two_job_config("b", run_id="mm-eval", urls={"a": engine.url}, coordinator=coordinator.url,
+                                max_new_tokens=4, coordinator_settings={"wait_deadline_s": 20},
+                                dialogue={"max_turns": 2})
         args_b = slime_args(engine.url, str(tiny_model_dir), mrlx_b, rollout_batch_size=1, n_samples_per_prompt=2,
                             n_samples_per_eval_prompt=1)
         out_b = responder_rollout(args_b, 0, source, evaluation=True)

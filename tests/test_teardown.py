@@ -126,7 +126,7 @@ def kill_left(mark: str, seen: dict[int, int]) -> None:
             pass
 
 
-DEMO = ["-m", "mrlx_plugin.cli.main", "demo", "--preset", "tiny", "--prompts-per-step", "2", "--samples-per-prompt", "2",
+DEMO = ["-m", "mrlx_plugin.cli", "demo", "--preset", "tiny", "--prompts-per-step", "2", "--samples-per-prompt", "2",
         "--warmup-steps", "2", "--quiet", "--steps", "100"]
 
 
@@ -166,11 +166,12 @@ def test_a_signalled_demo_leaves_no_process_behind(tmp_path, sig):
         kill_left(mark, seen)
 
 
+@pytest.mark.slow
 def test_a_signalled_rollout_stops_its_engine(tmp_path, tiny_model_dir):
     """`mrlx rollout --local` on SIGTERM while its episodes run: the engine (and router) go too."""
     mark = uuid.uuid4().hex
     log = tmp_path / "rollout.log"
-    proc = start(["-m", "mrlx_plugin.cli.main", "rollout", "--local", "--config",
+    proc = start(["-m", "mrlx_plugin.cli", "rollout", "--local", "--config",
                   str(REPO / "examples" / "multi_agent" / "local.yaml"), "--model-dir", str(tiny_model_dir),
                   "--rollout-batch-size", "64", "--n-samples-per-prompt", "8", "--rollout-max-response-len", "64",
                   "--output", str(tmp_path / "samples.jsonl")], log, mark, cwd=tmp_path)
@@ -222,6 +223,7 @@ def test_a_sigkilled_parent_takes_its_services_with_it(tmp_path):
         kill_left(mark, seen)
 
 
+@pytest.mark.slow
 def test_a_crashing_rollout_stops_the_engine_it_started(tmp_path, tiny_model_dir):
     """`mrlx rollout --local` starts its engine (and router) before it reads the config: a bad
     config is its crash after the engine runs."""
@@ -229,7 +231,7 @@ def test_a_crashing_rollout_stops_the_engine_it_started(tmp_path, tiny_model_dir
     cfg = tmp_path / "bad.yaml"
     cfg.write_text("mrlx:\n  pipeline: {num_parallel: 'x'}\n")
     log = tmp_path / "rollout.log"
-    proc = start(["-m", "mrlx_plugin.cli.main", "rollout", "--local", "--config", str(cfg), "--model-dir",
+    proc = start(["-m", "mrlx_plugin.cli", "rollout", "--local", "--config", str(cfg), "--model-dir",
                   str(tiny_model_dir), "--rollout-batch-size", "1", "--quiet"], log, mark, cwd=tmp_path)
     seen: dict[int, int] = {}
     commands: set[str] = set()

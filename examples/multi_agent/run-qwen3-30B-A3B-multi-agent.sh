@@ -20,7 +20,7 @@ MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
 export PYTHONUNBUFFERED=1
 
 # Validate the plugin settings (and import the hook modules) before any GPU is touched.
-PYTHONPATH="$MRLX_REPO:${PYTHONPATH:-}" python3 -m mrlx_plugin.cli.main check --config "$MRLX_CONFIG" --skip-tokenizers
+PYTHONPATH="$MRLX_REPO:${PYTHONPATH:-}" python3 -m mrlx_plugin.cli check --config "$MRLX_CONFIG" --skip-tokenizers
 
 source "$SLIME_DIR/scripts/models/qwen3-30B-A3B.sh"   # defines MODEL_ARGS
 

@@ -50,17 +50,26 @@ import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any, TypeVar, get_args
 
 import orjson
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    disable_created_metrics,
+    generate_latest,
+)
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from mrlx_plugin.coordinator.storage import CoordinatorStore, QueueStats, StoreError, StoreOpenError
 from mrlx_plugin.link.wire import (
-    token_from_env_or_file,
     CONTENT_TYPE,
+    END_OF_STREAM,
     MAX_GROUP_SIZE,
     MAX_KEY_CHARS,
     BufferPool,
@@ -69,7 +78,8 @@ from mrlx_plugin.link.wire import (
     encode_frame,
     frame_head,
     scan_frame,
-    validate_record,
+    token_from_env_or_file,
+    validate_frame,
 )
 from mrlx_plugin.core.netutil import is_loopback, write_port_file
 
@@ -94,70 +104,71 @@ FD_RESERVE = 64 + LISTEN_BACKLOG
 # --------------------------------------------------------------------------- request bodies
 
 
-@dataclass(frozen=True)
-class BodyField:
-    """One field of a JSON request body: its kind, bounds and default (also feeds /openapi.json)."""
+class Body(BaseModel):
+    """A JSON request body: strict types (no "1" for 1, no true for 1), no unknown keys, finite
+    numbers. Every integer is bounded by SQLite's 64-bit range, so a value that validates is one
+    the database can store; the bounds are published in /openapi.json like any other."""
 
-    kind: str  # "int" | "number" | "str"
-    required: bool = True
-    minimum: float | None = None
-    maximum: float | None = None
-    nullable: bool = False
-    default: Any = None
-    max_length: int | None = None
-    doc: str = ""
-
-    def __post_init__(self) -> None:
-        # SQLite stores 64-bit integers: an unbounded int field would pass validation and then
-        # fail in the database; the bound is published in /openapi.json like any other.
-        if self.kind == "int" and self.maximum is None:
-            object.__setattr__(self, "maximum", INT64_MAX)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, frozen=True)
 
 
-LEASE_BODY = {
-    "max_groups": BodyField(
-        "int", False, 1, MAX_LEASE_GROUPS, default=1, doc="most complete groups to lease"
-    ),
-    "lease_s": BodyField(
-        "number", False, 0.05, 7 * 86400.0, default=600.0, doc="seconds until the lease expires"
-    ),
-    "wait_s": BodyField(
-        "number", False, 0.0, MAX_WAIT_S, default=0.0, doc="long-poll for up to this many seconds"
-    ),
-    "step": BodyField("int", False, 0, None, nullable=True, doc="only groups of this producer step"),
-}
-ACK_BODY = {"lease_id": BodyField("str", max_length=64, doc="the lease to ack")}
-ACK_THROUGH_BODY = {
-    "step": BodyField("int", minimum=0, doc="every group of this producer step or an earlier one is done"),
-}
-RELEASE_BODY: dict[str, BodyField] = {}
-REJECT_BODY = {
-    "group": BodyField("str", max_length=MAX_KEY_CHARS, doc="the group to set aside"),
-    "reason": BodyField("str", max_length=1000, doc="why its consumer cannot train it"),
-}
+Int64 = Annotated[int, Field(le=INT64_MAX)]
+
+
+class LeaseBody(Body):
+    max_groups: int = Field(1, ge=1, le=MAX_LEASE_GROUPS, description="most complete groups to lease")
+    lease_s: float = Field(600.0, ge=0.05, le=7 * 86400.0, description="seconds until the lease expires")
+    wait_s: float = Field(0.0, ge=0.0, le=MAX_WAIT_S, description="long-poll for up to this many seconds")
+    step: Int64 | None = Field(None, ge=0, description="only groups of this producer step")
+
+
+class AckBody(Body):
+    lease_id: str = Field(min_length=1, max_length=64, description="the lease to ack")
+
+
+class AckThroughBody(Body):
+    step: Int64 = Field(ge=0, description="every group of this producer step or an earlier one is done")
+
+
+class ReleaseBody(Body):
+    pass
+
+
+class RejectBody(Body):
+    group: str = Field(min_length=1, max_length=MAX_KEY_CHARS, description="the group to set aside")
+    reason: str = Field(min_length=1, max_length=1000, description="why its consumer cannot train it")
+
+
+class ExtendBody(Body):
+    lease_id: str = Field(min_length=1, max_length=64, description="the lease to keep")
+    lease_s: float = Field(ge=0.05, le=7 * 86400.0, description="seconds from now until it expires")
+
+
+class SealBody(Body):
+    group: str = Field(min_length=1, max_length=MAX_KEY_CHARS, description="the group id")
+    size: int = Field(ge=1, le=MAX_GROUP_SIZE, description="the group's final size")
+
+
+class EndBody(Body):
+    pass
+
+
+class HeartbeatBody(Body):
+    pid: Int64 | None = Field(None, ge=0, description="process id of the agent")
+    host: str | None = Field(None, min_length=1, max_length=256, description="host name of the agent")
+
+
+class VersionBody(Body):
+    version: Int64 = Field(ge=0, description="the agent's weight version (monotonic)")
+
+
+class WaitBody(Body):
+    min_version: Int64 = Field(ge=0, description="wait until the agent has at least this version")
+    timeout_s: float = Field(30.0, ge=0.0, le=MAX_WAIT_S, description="long-poll for up to this many seconds")
+
+
 MAX_DELIVERIES = 3
-EXTEND_BODY = {
-    "lease_id": BodyField("str", max_length=64, doc="the lease to keep"),
-    "lease_s": BodyField(
-        "number", minimum=0.05, maximum=7 * 86400.0, doc="seconds from now until it expires"
-    ),
-}
-SEAL_BODY = {
-    "group": BodyField("str", max_length=MAX_KEY_CHARS, doc="the group id"),
-    "size": BodyField("int", minimum=1, maximum=MAX_GROUP_SIZE, doc="the group's final size"),
-}
-END_BODY: dict[str, BodyField] = {}
-HEARTBEAT_BODY = {
-    "pid": BodyField("int", False, 0, None, nullable=True, doc="process id of the agent"),
-    "host": BodyField("str", False, nullable=True, max_length=256, doc="host name of the agent"),
-}
-VERSION_BODY = {"version": BodyField("int", minimum=0, doc="the agent's weight version (monotonic)")}
-WAIT_BODY = {
-    "min_version": BodyField("int", minimum=0, doc="wait until the agent has at least this version"),
-    "timeout_s": BodyField(
-        "number", False, 0.0, MAX_WAIT_S, default=30.0, doc="long-poll for up to this many seconds"
-    ),
-}
+B = TypeVar("B", bound=Body)
 
 
 class HttpProblem(Exception):
@@ -170,59 +181,51 @@ class HttpProblem(Exception):
         self.headers = headers or {}
 
 
-def parse_body(raw: bytes, spec: dict[str, BodyField], where: str) -> dict[str, Any]:
-    """Strictly parse a JSON object body: unknown fields, missing fields and wrong types are 422."""
-    if not raw.strip():
-        data: Any = {}
-    else:
-        try:
-            data = orjson.loads(raw)
-        except orjson.JSONDecodeError as exc:
-            raise HttpProblem(422, f"{where}: the body is not valid JSON ({exc})") from None
-    if not isinstance(data, dict):
-        raise HttpProblem(422, f"{where}: the body must be a JSON object")
-    unknown = sorted(set(data) - set(spec))
+_KINDS = {int: "an integer", float: "a number", str: "a string"}
+
+
+def _problem_text(model: type[Body], error: Any) -> str:
+    """One validation error of `model` as a sentence naming the field."""
+    name = str(error["loc"][0]) if error["loc"] else ""
+    value, kind, ctx = error.get("input"), error["type"], error.get("ctx") or {}
+    if kind == "missing":
+        return f"field {name!r} is required"
+    if value is None:
+        return f"field {name!r} must not be null"
+    if kind.endswith("_type") or kind.endswith("_parsing"):
+        annotation = model.model_fields[name].annotation
+        base = next((t for t in get_args(annotation) if t is not type(None)), annotation)
+        base = get_args(base)[0] if get_args(base) else base  # Annotated[int, ...] -> int
+        return f"field {name!r} must be {_KINDS.get(base, 'of another type')}, got {value!r}"
+    if kind == "greater_than_equal":
+        return f"field {name!r} must be >= {ctx['ge']}, got {value}"
+    if kind == "less_than_equal":
+        return f"field {name!r} must be <= {ctx['le']}, got {value}"
+    if kind in ("string_too_short", "string_too_long"):
+        longest = model.model_fields[name].metadata
+        limit = next((m.max_length for m in longest if getattr(m, "max_length", None) is not None), None)
+        return f"field {name!r} must be a non-empty string of at most {limit} characters"
+    return f"field {name!r}: {error['msg'].lower()}, got {value!r}"
+
+
+def parse_body(raw: bytes, model: type[B], where: str) -> B:
+    """Strictly parse a JSON object body into `model`: unknown fields, missing fields and wrong
+    types are 422, with a message naming `where` and the field."""
+    try:
+        return model.model_validate_json(raw if raw.strip() else b"{}")
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False)
+    first = errors[0]
+    if first["type"] == "json_invalid":
+        raise HttpProblem(422, f"{where}: the body is not valid JSON ({first['msg']})") from None
+    if not first["loc"]:
+        raise HttpProblem(422, f"{where}: the body must be a JSON object") from None
+    unknown = sorted(str(e["loc"][0]) for e in errors if e["type"] == "extra_forbidden")
     if unknown:
-        raise HttpProblem(422, f"{where}: unknown fields {unknown}; allowed are {sorted(spec)}")
-    out: dict[str, Any] = {}
-    for name, rule in spec.items():
-        if name not in data:
-            if rule.required:
-                raise HttpProblem(422, f"{where}: field {name!r} is required")
-            out[name] = rule.default
-            continue
-        value = data[name]
-        if value is None:
-            if not rule.nullable:
-                raise HttpProblem(422, f"{where}: field {name!r} must not be null")
-            out[name] = None
-            continue
-        if rule.kind == "int":
-            ok = isinstance(value, int) and not isinstance(value, bool)
-        elif rule.kind == "number":
-            ok = (isinstance(value, int) and not isinstance(value, bool)) or (
-                isinstance(value, float) and math.isfinite(value)
-            )
-        else:
-            ok = isinstance(value, str)
-        if not ok:
-            raise HttpProblem(
-                422,
-                f"{where}: field {name!r} must be a{'n' if rule.kind == 'int' else ''} {rule.kind}, got {value!r}",
-            )
-        if rule.kind == "str":
-            if not value or (rule.max_length is not None and len(value) > rule.max_length):
-                raise HttpProblem(
-                    422,
-                    f"{where}: field {name!r} must be a non-empty string of at most {rule.max_length} characters",
-                )
-        else:
-            if rule.minimum is not None and value < rule.minimum:
-                raise HttpProblem(422, f"{where}: field {name!r} must be >= {rule.minimum}, got {value}")
-            if rule.maximum is not None and value > rule.maximum:
-                raise HttpProblem(422, f"{where}: field {name!r} must be <= {rule.maximum}, got {value}")
-        out[name] = value
-    return out
+        raise HttpProblem(
+            422, f"{where}: unknown fields {unknown}; allowed are {sorted(model.model_fields)}"
+        ) from None
+    raise HttpProblem(422, f"{where}: {_problem_text(model, first)}") from None
 
 
 # --------------------------------------------------------------------------- configuration
@@ -282,39 +285,144 @@ def _pulse(events: dict[str, asyncio.Event], name: str) -> None:
         event.set()
 
 
+# --------------------------------------------------------------------------- routes
+
+
+@dataclass(frozen=True)
+class Route:
+    """One route: what it serves (`handler`, a `Coordinator` method) and what /openapi.json says of it.
+
+    `body` is the JSON request body model (None: no body, or `frame_in`: a wire frame);
+    `frame_out` answers a wire frame instead of JSON; `errors` are the statuses it may answer
+    besides 200; `open` routes need no token."""
+
+    method: str
+    path: str
+    handler: str
+    summary: str
+    body: type[Body] | None = None
+    frame_in: bool = False
+    frame_out: bool = False
+    errors: tuple[int, ...] = (401, 404)
+    open: bool = False
+
+
+QUEUE = "/v1/runs/{run}/queues/{consumer}"
+AGENT = "/v1/runs/{run}/agents/{agent}"
+JSON_ERRORS = (400, 401, 404, 413, 415, 422)
+WRITE_ERRORS = (503, 507)
+ROUTES = (
+    Route("GET", "/health", "health", "liveness", errors=(), open=True),
+    Route("GET", "/metrics", "metrics_text", "Prometheus text exposition", errors=(401,)),
+    Route("GET", "/openapi.json", "openapi", "this document", errors=(), open=True),
+    Route("GET", "/v1/runs/{run}", "run_info", "agents and queues"),
+    Route(
+        "POST", QUEUE + "/commit", "commit", "commit items (all or nothing); duplicates by key are no-ops",
+        frame_in=True, errors=(400, 401, 404, 409, 413, 422, 429, *WRITE_ERRORS),
+    ),
+    Route(
+        "POST", QUEUE + "/lease", "lease", "lease complete groups (long poll up to wait_s)", LeaseBody,
+        frame_out=True, errors=(*JSON_ERRORS, *WRITE_ERRORS),
+    ),
+    Route("POST", QUEUE + "/ack", "ack", "ack a lease", AckBody, errors=(*JSON_ERRORS, 409, *WRITE_ERRORS)),
+    Route(
+        "POST", QUEUE + "/ack_through", "ack_through",
+        "ack every group of a producer step or an earlier one (a durable watermark; idempotent)",
+        AckThroughBody, errors=(*JSON_ERRORS, *WRITE_ERRORS),
+    ),
+    Route(
+        "POST", QUEUE + "/release", "release",
+        "hand back every lease of the consumer now (its restarted process takes them over)",
+        ReleaseBody, errors=(*JSON_ERRORS, *WRITE_ERRORS),
+    ),
+    Route(
+        "POST", QUEUE + "/reject", "reject", "set a group aside now (its consumer cannot train it): never delivered again",
+        RejectBody, errors=(*JSON_ERRORS, 409, *WRITE_ERRORS),
+    ),
+    Route("POST", QUEUE + "/extend", "extend", "keep a lease longer", ExtendBody, errors=(*JSON_ERRORS, 409, *WRITE_ERRORS)),
+    Route(
+        "POST", QUEUE + "/seal", "seal", "seal a group at its final size", SealBody,
+        errors=(*JSON_ERRORS, 409, *WRITE_ERRORS),
+    ),
+    Route("POST", QUEUE + "/end", "end", "end the queue (no more items)", EndBody, errors=(*JSON_ERRORS, *WRITE_ERRORS)),
+    Route("GET", QUEUE, "queue_info", "queue depth"),
+    Route("POST", AGENT + "/heartbeat", "heartbeat", "record the agent as alive", HeartbeatBody, errors=JSON_ERRORS),
+    Route(
+        "POST", AGENT + "/version", "report_version", "report the agent's weight version", VersionBody,
+        errors=(*JSON_ERRORS, *WRITE_ERRORS),
+    ),
+    Route("GET", AGENT + "/version", "get_version", "the agent's version and last seen"),
+    Route(
+        "POST", AGENT + "/wait_version", "wait_version",
+        "long-poll until the agent reaches min_version (reached=false and a message on timeout)",
+        WaitBody, errors=JSON_ERRORS,
+    ),
+)
+# Names the request counter uses for the endpoints (mrlx_coordinator_requests_total{endpoint=...}).
+ENDPOINT_NAMES = {"metrics_text": "metrics", "run_info": "run", "queue_info": "queue"}
+
+
 class Metrics:
-    """Counters and gauges, rendered as Prometheus text."""
+    """The service's Prometheus metrics, in a registry of its own (one per server)."""
+
+    COUNTERS = {
+        "mrlx_coordinator_items_enqueued_total": ("items accepted into a queue", ("consumer",)),
+        "mrlx_coordinator_items_duplicate_total": ("items re-committed under a known key (no-op)", ("consumer",)),
+        "mrlx_coordinator_items_leased_total": (
+            "items handed out under a lease (redeliveries included)", ("consumer",)
+        ),
+        "mrlx_coordinator_items_redelivered_total": (
+            "items handed out again after a lease expired", ("consumer",)
+        ),
+        "mrlx_coordinator_items_acked_total": ("items acked (done for good)", ("consumer",)),
+        "mrlx_coordinator_items_dead_lettered_total": (
+            "items set aside, never delivered again (reason: deliveries, or rejected by the consumer)",
+            ("consumer", "reason"),
+        ),
+        "mrlx_coordinator_wait_timeouts_total": ("long polls that ended without their condition", ("kind",)),
+        "mrlx_coordinator_requests_total": ("HTTP requests by endpoint and status", ("endpoint", "status")),
+    }
+    GAUGES = {
+        "mrlx_coordinator_uptime_seconds": ("seconds since the coordinator started", ()),
+        "mrlx_coordinator_queue_items": (
+            "unacked items per consumer queue: queued (incl. incomplete groups and expired leases) or leased",
+            ("consumer", "state"),
+        ),
+        "mrlx_coordinator_queue_ready_groups": ("complete groups waiting for a lease", ("consumer",)),
+        "mrlx_coordinator_queue_dead_items": (
+            "items set aside per consumer queue (dead-lettered: never delivered again)", ("consumer",)
+        ),
+        "mrlx_coordinator_queue_incomplete_groups": ("groups still waiting for items or a seal", ("consumer",)),
+        "mrlx_coordinator_queue_oldest_item_age_seconds": (
+            "age of the oldest unacked item (0 when empty)", ("consumer",)
+        ),
+        "mrlx_coordinator_queue_ended": ("1 once the producer ended the queue", ("consumer",)),
+        "mrlx_coordinator_agent_version": ("last weight version reported per agent (-1: none yet)", ("agent",)),
+        "mrlx_coordinator_agent_last_seen_seconds": (
+            "seconds since the agent's last call (-1: never seen)", ("agent",)
+        ),
+        "mrlx_coordinator_waits_in_progress": ("long polls in progress", ("kind",)),
+    }
 
     def __init__(self) -> None:
-        self.counters: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.counters = {
+            name: Counter(name, doc, labels, registry=self.registry) for name, (doc, labels) in self.COUNTERS.items()
+        }
+        self.gauges = {
+            name: Gauge(name, doc, labels, registry=self.registry) for name, (doc, labels) in self.GAUGES.items()
+        }
 
     def inc(self, name: str, amount: float = 1.0, **labels: str) -> None:
-        key = (name, tuple(sorted(labels.items())))
-        self.counters[key] = self.counters.get(key, 0.0) + amount
+        counter = self.counters[name]
+        (counter.labels(**labels) if labels else counter).inc(amount)
 
-    @staticmethod
-    def line(name: str, value: float, labels: dict[str, str] | tuple[tuple[str, str], ...] = ()) -> str:
-        items = labels.items() if isinstance(labels, dict) else labels
-        rendered = ",".join(f'{k}="{_escape_label(str(v))}"' for k, v in items)
-        return f"{name}{{{rendered}}} {value:g}" if rendered else f"{name} {value:g}"
+    def set(self, name: str, value: float, **labels: str) -> None:
+        gauge = self.gauges[name]
+        (gauge.labels(**labels) if labels else gauge).set(value)
 
-
-def _escape_label(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-COUNTER_HELP = {
-    "mrlx_coordinator_items_enqueued_total": "items accepted into a queue",
-    "mrlx_coordinator_items_duplicate_total": "items re-committed under a known key (no-op)",
-    "mrlx_coordinator_items_leased_total": "items handed out under a lease (redeliveries included)",
-    "mrlx_coordinator_items_redelivered_total": "items handed out again after a lease expired",
-    "mrlx_coordinator_items_acked_total": "items acked (done for good)",
-    "mrlx_coordinator_items_dead_lettered_total": (
-        "items set aside, never delivered again (reason: deliveries, or rejected by the consumer)"
-    ),
-    "mrlx_coordinator_wait_timeouts_total": "long polls that ended without their condition",
-    "mrlx_coordinator_requests_total": "HTTP requests by endpoint and status",
-}
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
 
 
 # --------------------------------------------------------------------------- the service
@@ -347,28 +455,9 @@ class Coordinator:
     def build_app(self) -> web.Application:
         max_bytes = int(self.config.max_request_mb * (1 << 20))
         app = web.Application(client_max_size=max_bytes, middlewares=[self._errors, self._auth])
-        route = app.router.add_route
-        route("GET", "/health", self.health, name="health")
-        route("GET", "/metrics", self.metrics_text, name="metrics")
-        route("GET", "/openapi.json", self.openapi, name="openapi")
-        base = "/v1/runs/{run}"
-        route("GET", base, self.run_info, name="run")
-        queue = base + "/queues/{consumer}"
-        route("POST", queue + "/commit", self.commit, name="commit")
-        route("POST", queue + "/lease", self.lease, name="lease")
-        route("POST", queue + "/ack", self.ack, name="ack")
-        route("POST", queue + "/ack_through", self.ack_through, name="ack_through")
-        route("POST", queue + "/release", self.release, name="release")
-        route("POST", queue + "/reject", self.reject, name="reject")
-        route("POST", queue + "/extend", self.extend, name="extend")
-        route("POST", queue + "/seal", self.seal, name="seal")
-        route("POST", queue + "/end", self.end, name="end")
-        route("GET", queue, self.queue_info, name="queue")
-        agent = base + "/agents/{agent}"
-        route("POST", agent + "/heartbeat", self.heartbeat, name="heartbeat")
-        route("POST", agent + "/version", self.report_version, name="report_version")
-        route("GET", agent + "/version", self.get_version, name="get_version")
-        route("POST", agent + "/wait_version", self.wait_version, name="wait_version")
+        for route in ROUTES:
+            name = ENDPOINT_NAMES.get(route.handler, route.handler)
+            app.router.add_route(route.method, route.path, getattr(self, route.handler), name=name)
         app.on_startup.append(self._on_startup)
         app.on_cleanup.append(self._on_cleanup)
         return app
@@ -454,6 +543,11 @@ class Coordinator:
                     "missing or wrong bearer token: send 'Authorization: Bearer <token>' with the run's token",
                     {"WWW-Authenticate": 'Bearer realm="mrlx-coordinator"'},
                 )
+        for param, what in (("consumer", "consumer"), ("agent", "agent")):
+            # an unknown path is 404 whatever the body (checked again by the handler)
+            if param in request.match_info and "run" in request.match_info:
+                self._check_run(request.match_info["run"])
+                self._known_agent(request.match_info[param], what)
         encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
         if encoding not in ("", "identity"):
             # Bodies are taken as sent (the server does not decompress): a compressed body could
@@ -531,8 +625,8 @@ class Coordinator:
             await asyncio.sleep(HEARTBEAT_FLUSH_S)
             await self._flush_heartbeats()
 
-    async def _read_json(self, request: web.Request, spec: dict[str, BodyField]) -> dict[str, Any]:
-        return parse_body(await request.read(), spec, f"{request.method} {request.path}")
+    async def _read_json(self, request: web.Request, model: type[B]) -> B:
+        return parse_body(await request.read(), model, f"{request.method} {request.path}")
 
     @staticmethod
     def _json(data: Any, status: int = 200) -> web.Response:
@@ -593,6 +687,8 @@ class Coordinator:
         return (memoryview(buf) if view is None else view)[:length], buf
 
     def _scan(self, body: memoryview, consumer: str) -> FrameView:
+        """Read and check a commit's frame, and cut it into the records the store keeps (on a
+        worker thread: the arrays are checked and copied here, not on the event loop)."""
         frame = scan_frame(body)
         for record in frame.records:
             producer = record.meta["producer"]
@@ -601,7 +697,9 @@ class Coordinator:
                     f"item {record.meta['key']!r}: producer {producer!r} is not an agent of run "
                     f"{self.config.run_id!r} ({', '.join(self.agents)})"
                 )
-            validate_record(body, record)
+        validate_frame(frame)
+        for record in frame.records:
+            record.record()  # the copy SQLite stores; the body's buffer is reused after the commit
         return frame
 
     async def commit(self, request: web.Request) -> web.Response:
@@ -615,9 +713,7 @@ class Coordinator:
                 )
             except WireError as exc:
                 raise HttpProblem(422, f"commit to {consumer!r} rejected, nothing written: {exc}") from None
-            outcome = await self.store.commit(
-                consumer, body, frame.records, time.time(), self.config.max_depth
-            )
+            outcome = await self.store.commit(consumer, frame.records, time.time(), self.config.max_depth)
         except asyncio.CancelledError:
             reusable = False  # a worker thread may still be reading the buffer
             raise
@@ -645,9 +741,9 @@ class Coordinator:
 
     async def lease(self, request: web.Request) -> web.Response:
         consumer = self._known_agent(request.match_info["consumer"], "consumer")
-        body = await self._read_json(request, LEASE_BODY)
+        body = await self._read_json(request, LeaseBody)
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + body["wait_s"]
+        deadline = loop.time() + body.wait_s
         waiting = False
         try:
             while True:
@@ -659,9 +755,9 @@ class Coordinator:
                     )
                 grant = await self.store.lease(
                     consumer,
-                    body["max_groups"],
-                    body["lease_s"],
-                    body["step"],
+                    body.max_groups,
+                    body.lease_s,
+                    body.step,
                     time.time(),
                     self.config.max_deliveries,
                 )
@@ -675,7 +771,7 @@ class Coordinator:
                     )
                 remaining = deadline - loop.time()
                 if remaining <= 0:
-                    message = await self._no_groups_message(consumer, body["wait_s"])
+                    message = await self._no_groups_message(consumer, body.wait_s)
                     if waiting:
                         self._wait_ended("lease", True)
                         waiting = False
@@ -718,18 +814,19 @@ class Coordinator:
         header = {
             "lease_id": grant.lease_id, "end": False, "groups": groups, "message": None, "dead": self._dead_json(grant),
         }
-        head = frame_head(len(flat), header)
+        head = frame_head(header)
         self.metrics.inc("mrlx_coordinator_items_leased_total", len(flat), consumer=consumer)
         if redelivered:
             self.metrics.inc("mrlx_coordinator_items_redelivered_total", redelivered, consumer=consumer)
         # The stored records go out as they are, one write each: no frame is assembled in memory.
         response = web.StreamResponse(headers={LEASE_HEADER: grant.lease_id, "Content-Type": CONTENT_TYPE})
-        response.content_length = len(head) + sum(len(record) for record in flat)
+        response.content_length = len(head) + sum(len(record) for record in flat) + len(END_OF_STREAM)
         try:
             await response.prepare(request)
             await response.write(head)
             for record in flat:
                 await response.write(record)
+            await response.write(END_OF_STREAM)
             await response.write_eof()
         except ConnectionError:
             # The consumer went away; its lease expires and the groups are delivered again.
@@ -778,8 +875,8 @@ class Coordinator:
 
     async def ack(self, request: web.Request) -> web.Response:
         consumer = self._known_agent(request.match_info["consumer"], "consumer")
-        body = await self._read_json(request, ACK_BODY)
-        outcome = await self.store.ack(consumer, body["lease_id"], time.time())
+        body = await self._read_json(request, AckBody)
+        outcome = await self.store.ack(consumer, body.lease_id, time.time())
         if outcome.items:
             self.metrics.inc("mrlx_coordinator_items_acked_total", outcome.items, consumer=consumer)
             _pulse(self._queue_events, consumer)  # room for blocked producers; maybe end-of-stream now
@@ -793,8 +890,8 @@ class Coordinator:
 
     async def ack_through(self, request: web.Request) -> web.Response:
         consumer = self._known_agent(request.match_info["consumer"], "consumer")
-        body = await self._read_json(request, ACK_THROUGH_BODY)
-        outcome = await self.store.ack_through(consumer, body["step"], time.time())
+        body = await self._read_json(request, AckThroughBody)
+        outcome = await self.store.ack_through(consumer, body.step, time.time())
         if outcome.items:
             self.metrics.inc("mrlx_coordinator_items_acked_total", outcome.items, consumer=consumer)
             _pulse(self._queue_events, consumer)
@@ -804,7 +901,7 @@ class Coordinator:
 
     async def release(self, request: web.Request) -> web.Response:
         consumer = self._known_agent(request.match_info["consumer"], "consumer")
-        await self._read_json(request, RELEASE_BODY)
+        await self._read_json(request, ReleaseBody)
         released = await self.store.release(consumer, time.time())
         if released:
             log.info("%d leased groups of %r handed back by its consumer (a restarted process)", released, consumer)
@@ -813,31 +910,31 @@ class Coordinator:
 
     async def reject(self, request: web.Request) -> web.Response:
         consumer = self._known_agent(request.match_info["consumer"], "consumer")
-        body = await self._read_json(request, REJECT_BODY)
-        dead, already = await self.store.reject(consumer, body["group"], body["reason"], time.time())
+        body = await self._read_json(request, RejectBody)
+        dead, already = await self.store.reject(consumer, body.group, body.reason, time.time())
         if not already:
             self._count_dead(consumer, [dead], "rejected")
         return self._json({"group": dead.group, "items": dead.n_items, "step": dead.step, "already": already})
 
     async def extend(self, request: web.Request) -> web.Response:
         consumer = self._known_agent(request.match_info["consumer"], "consumer")
-        body = await self._read_json(request, EXTEND_BODY)
-        groups, expires = await self.store.extend(consumer, body["lease_id"], body["lease_s"], time.time())
+        body = await self._read_json(request, ExtendBody)
+        groups, expires = await self.store.extend(consumer, body.lease_id, body.lease_s, time.time())
         return self._json(
-            {"lease_id": body["lease_id"], "groups": groups, "expires_in_s": round(expires - time.time(), 3)}
+            {"lease_id": body.lease_id, "groups": groups, "expires_in_s": round(expires - time.time(), 3)}
         )
 
     async def seal(self, request: web.Request) -> web.Response:
         consumer = self._known_agent(request.match_info["consumer"], "consumer")
-        body = await self._read_json(request, SEAL_BODY)
-        complete = await self.store.seal(consumer, body["group"], body["size"])
+        body = await self._read_json(request, SealBody)
+        complete = await self.store.seal(consumer, body.group, body.size)
         if complete:
             _pulse(self._queue_events, consumer)
-        return self._json({"group": body["group"], "size": body["size"], "complete": complete})
+        return self._json({"group": body.group, "size": body.size, "complete": complete})
 
     async def end(self, request: web.Request) -> web.Response:
         consumer = self._known_agent(request.match_info["consumer"], "consumer")
-        await self._read_json(request, END_BODY)
+        await self._read_json(request, EndBody)
         sealed = await self.store.end(consumer, request.headers.get(AGENT_HEADER), time.time())
         self.ended.add(consumer)
         _pulse(self._queue_events, consumer)
@@ -895,14 +992,14 @@ class Coordinator:
 
     async def heartbeat(self, request: web.Request) -> web.Response:
         agent = self._known_agent(request.match_info["agent"], "agent")
-        body = await self._read_json(request, HEARTBEAT_BODY)
-        self._beat(agent, body["pid"], body["host"])
+        body = await self._read_json(request, HeartbeatBody)
+        self._beat(agent, body.pid, body.host)
         return self._json(self._agent_json(agent))
 
     async def report_version(self, request: web.Request) -> web.Response:
         agent = self._known_agent(request.match_info["agent"], "agent")
-        body = await self._read_json(request, VERSION_BODY)
-        version = body["version"]
+        body = await self._read_json(request, VersionBody)
+        version = body.version
         current = self.versions.get(agent)
         if current is not None and version <= current[0]:
             # Monotonic: an older (or repeated) report is not an error, it just changes nothing.
@@ -919,10 +1016,10 @@ class Coordinator:
 
     async def wait_version(self, request: web.Request) -> web.Response:
         agent = self._known_agent(request.match_info["agent"], "agent")
-        body = await self._read_json(request, WAIT_BODY)
-        wanted = body["min_version"]
+        body = await self._read_json(request, WaitBody)
+        wanted = body.min_version
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + body["timeout_s"]
+        deadline = loop.time() + body.timeout_s
         self._wait_started("version")
         timed_out = False
         try:
@@ -965,125 +1062,61 @@ class Coordinator:
     async def metrics_text(self, request: web.Request) -> web.Response:
         now = time.time()
         stats = await self.store.queue_stats(now)
-        line = Metrics.line
-        out: list[str] = []
-
-        def gauge(name: str, help_text: str, rows: list[tuple[dict[str, str], float]]) -> None:
-            out.append(f"# HELP {name} {help_text}")
-            out.append(f"# TYPE {name} gauge")
-            out.extend(line(name, value, labels) for labels, value in rows)
-
-        gauge(
-            "mrlx_coordinator_uptime_seconds",
-            "seconds since the coordinator started",
-            [({}, now - self.started)],
-        )
-        gauge(
-            "mrlx_coordinator_queue_items",
-            "unacked items per consumer queue: queued (incl. incomplete groups and expired leases) or leased",
-            [
-                ({"consumer": c, "state": "queued"}, stats.get(c, QueueStats()).queued_items)
-                for c in self.agents
-            ]
-            + [
-                ({"consumer": c, "state": "leased"}, stats.get(c, QueueStats()).leased_items)
-                for c in self.agents
-            ],
-        )
-        gauge(
-            "mrlx_coordinator_queue_ready_groups",
-            "complete groups waiting for a lease",
-            [({"consumer": c}, stats.get(c, QueueStats()).ready_groups) for c in self.agents],
-        )
-        gauge(
-            "mrlx_coordinator_queue_dead_items",
-            "items set aside per consumer queue (dead-lettered: never delivered again)",
-            [({"consumer": c}, stats.get(c, QueueStats()).dead_items) for c in self.agents],
-        )
-        gauge(
-            "mrlx_coordinator_queue_incomplete_groups",
-            "groups still waiting for items or a seal",
-            [({"consumer": c}, stats.get(c, QueueStats()).incomplete_groups) for c in self.agents],
-        )
-        ages = []
+        put = self.metrics.set
+        put("mrlx_coordinator_uptime_seconds", now - self.started)
         for consumer in self.agents:
-            oldest = stats.get(consumer, QueueStats()).oldest_created
-            ages.append(({"consumer": consumer}, 0.0 if oldest is None else max(0.0, now - oldest)))
-        gauge(
-            "mrlx_coordinator_queue_oldest_item_age_seconds",
-            "age of the oldest unacked item (0 when empty)",
-            ages,
-        )
-        gauge(
-            "mrlx_coordinator_queue_ended",
-            "1 once the producer ended the queue",
-            [({"consumer": c}, 1.0 if c in self.ended else 0.0) for c in self.agents],
-        )
-        gauge(
-            "mrlx_coordinator_agent_version",
-            "last weight version reported per agent (-1: none yet)",
-            [({"agent": a}, float(self.versions[a][0]) if a in self.versions else -1.0) for a in self.agents],
-        )
-        gauge(
-            "mrlx_coordinator_agent_last_seen_seconds",
-            "seconds since the agent's last call (-1: never seen)",
-            [
-                ({"agent": a}, now - self.heartbeats[a][0] if a in self.heartbeats else -1.0)
-                for a in self.agents
-            ],
-        )
-        gauge(
-            "mrlx_coordinator_waits_in_progress",
-            "long polls in progress",
-            [({"kind": kind}, float(count)) for kind, count in sorted(self._waits.items())],
-        )
-        by_name: dict[str, list[str]] = {name: [] for name in COUNTER_HELP}
-        for (name, labels), value in sorted(self.metrics.counters.items()):
-            by_name.setdefault(name, []).append(line(name, value, labels))
-        for name, lines in by_name.items():
-            out.append(f"# HELP {name} {COUNTER_HELP.get(name, name)}")
-            out.append(f"# TYPE {name} counter")
-            out.extend(lines)
+            queue = stats.get(consumer, QueueStats())
+            put("mrlx_coordinator_queue_items", queue.queued_items, consumer=consumer, state="queued")
+            put("mrlx_coordinator_queue_items", queue.leased_items, consumer=consumer, state="leased")
+            put("mrlx_coordinator_queue_ready_groups", queue.ready_groups, consumer=consumer)
+            put("mrlx_coordinator_queue_dead_items", queue.dead_items, consumer=consumer)
+            put("mrlx_coordinator_queue_incomplete_groups", queue.incomplete_groups, consumer=consumer)
+            oldest = 0.0 if queue.oldest_created is None else max(0.0, now - queue.oldest_created)
+            put("mrlx_coordinator_queue_oldest_item_age_seconds", oldest, consumer=consumer)
+            put("mrlx_coordinator_queue_ended", 1.0 if consumer in self.ended else 0.0, consumer=consumer)
+        for agent in self.agents:
+            version = float(self.versions[agent][0]) if agent in self.versions else -1.0
+            put("mrlx_coordinator_agent_version", version, agent=agent)
+            seen = now - self.heartbeats[agent][0] if agent in self.heartbeats else -1.0
+            put("mrlx_coordinator_agent_last_seen_seconds", seen, agent=agent)
+        for kind, count in self._waits.items():
+            put("mrlx_coordinator_waits_in_progress", float(count), kind=kind)
         return web.Response(
-            text="\n".join(out) + "\n",
-            content_type="text/plain",
-            charset="utf-8",
-            headers={"X-Content-Type-Options": "nosniff"},
+            body=self.metrics.render(),
+            headers={"Content-Type": CONTENT_TYPE_LATEST, "X-Content-Type-Options": "nosniff"},
         )
 
 
 # --------------------------------------------------------------------------- OpenAPI
 
 
-def _schema(spec: dict[str, BodyField]) -> dict[str, Any]:
-    properties: dict[str, Any] = {}
-    for name, rule in spec.items():
-        kind = {"int": "integer", "number": "number", "str": "string"}[rule.kind]
-        prop: dict[str, Any] = {"type": kind}
-        if rule.nullable:  # the OpenAPI 3.0 spelling of "or null"
-            prop["nullable"] = True
-        if rule.minimum is not None:
-            prop["minimum"] = rule.minimum
-        if rule.maximum is not None:
-            prop["maximum"] = rule.maximum
-        if rule.kind == "str":
-            prop["minLength"] = 1
-            if rule.max_length is not None:
-                prop["maxLength"] = rule.max_length
-        if rule.default is not None:
-            prop["default"] = rule.default
-        if rule.doc:
-            prop["description"] = rule.doc
-        properties[name] = prop
-    schema: dict[str, Any] = {"type": "object", "properties": properties, "additionalProperties": False}
-    required = [n for n, r in spec.items() if r.required]
-    if required:  # OpenAPI 3.0 (JSON Schema draft 4) wants a non-empty list or none
-        schema["required"] = required
-    return schema
+def _openapi30(schema: Any) -> Any:
+    """A pydantic (JSON Schema 2020-12) schema in OpenAPI 3.0's dialect: `X | None` as `nullable`,
+    no titles, no null defaults."""
+    if isinstance(schema, list):
+        return [_openapi30(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: _openapi30(value) for key, value in schema.items() if key != "title"}
+    options = out.get("anyOf")
+    if options is not None and {"type": "null"} in options:
+        rest = [option for option in options if option != {"type": "null"}]
+        del out["anyOf"]
+        out.update(rest[0] if len(rest) == 1 else {"anyOf": rest})
+        out["nullable"] = True
+    if "default" in out and out["default"] is None:
+        del out["default"]
+    return out
+
+
+def body_schema(model: type[Body]) -> dict[str, Any]:
+    """The published JSON schema of a request body model."""
+    return _openapi30(model.model_json_schema())
 
 
 def openapi_document(run_id: str | None = None, agents: list[str] | None = None) -> dict[str, Any]:
-    """An OpenAPI 3.0 description of every route (served auth-free at /openapi.json).
+    """The OpenAPI 3.0 description of every route in `ROUTES` (served auth-free at /openapi.json),
+    request bodies from their models.
 
     Given the run id and agents, path parameters list them as their only valid values, so that a
     schema-driven fuzzer reaches the handlers instead of the 404 for an unknown run or agent."""
@@ -1092,152 +1125,49 @@ def openapi_document(run_id: str | None = None, agents: list[str] | None = None)
         "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
     }
     json_ok = {"description": "ok", "content": {"application/json": {"schema": {"type": "object"}}}}
-    frame_ok = {
-        "description": "a wire frame (see mrlx_plugin.link.wire); its JSON header holds lease_id, end, "
-        "groups, message, dead (groups set aside)",
-        "content": {CONTENT_TYPE: {"schema": {"type": "string", "format": "binary"}}},
-    }
-    run_schema: dict[str, Any] = {"type": "string", **({"enum": [run_id]} if run_id else {})}
-    agent_schema: dict[str, Any] = {"type": "string", **({"enum": list(agents)} if agents else {})}
-    run = {"name": "run", "in": "path", "required": True, "schema": run_schema}
-    consumer = {"name": "consumer", "in": "path", "required": True, "schema": agent_schema}
-    agent = {"name": "agent", "in": "path", "required": True, "schema": agent_schema}
     binary = {"schema": {"type": "string", "format": "binary"}}
-
-    def errors(*codes: int) -> dict[str, Any]:
-        return {str(code): error for code in codes}
-
-    def json_post(
-        summary: str,
-        spec: dict[str, BodyField],
-        params: list[dict[str, Any]],
-        ok: dict[str, Any],
-        *codes: int,
-    ) -> dict[str, Any]:
-        return {
-            "post": {
-                "summary": summary,
-                "parameters": params,
-                "requestBody": {
-                    "required": bool(spec),
-                    "content": {"application/json": {"schema": _schema(spec)}},
-                },
-                "responses": {"200": ok, **errors(400, 401, 404, 413, 415, 422, *codes)},
+    frame_ok = {
+        "description": "a wire frame: an Arrow IPC stream (see mrlx_plugin.link.wire); the JSON header in "
+        "its schema metadata holds lease_id, end, groups, message, dead (groups set aside)",
+        "content": {CONTENT_TYPE: binary},
+    }
+    metrics_ok = {"description": "metrics", "content": {"text/plain": {"schema": {"type": "string"}}}}
+    names = {"run": [run_id] if run_id else None, "consumer": agents, "agent": agents}
+    paths: dict[str, Any] = {}
+    for route in ROUTES:
+        op: dict[str, Any] = {"summary": route.summary}
+        if route.open:
+            op["security"] = []
+        params = re.findall(r"{(\w+)}", route.path)
+        if params:
+            op["parameters"] = [
+                {"name": p, "in": "path", "required": True,
+                 "schema": {"type": "string", **({"enum": list(names[p])} if names[p] else {})}}
+                for p in params
+            ]
+        if route.frame_in:
+            # the server reads the body as a frame whatever its declared type
+            op["requestBody"] = {"required": True, "content": {CONTENT_TYPE: binary, "application/octet-stream": binary}}
+        elif route.body is not None:
+            schema = body_schema(route.body)
+            op["requestBody"] = {
+                "required": bool(schema.get("required")),
+                "content": {"application/json": {"schema": schema}},
             }
-        }
-
-    queue = "/v1/runs/{run}/queues/{consumer}"
-    agent_path = "/v1/runs/{run}/agents/{agent}"
+        ok = frame_ok if route.frame_out else metrics_ok if route.handler == "metrics_text" else json_ok
+        op["responses"] = {"200": ok, **{str(code): error for code in route.errors}}
+        paths.setdefault(route.path, {})[route.method.lower()] = op
     return {
         "openapi": "3.0.3",
         "info": {"title": "mrlx coordinator", "version": "1"},
         "components": {
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
             "schemas": {
-                "Error": {
-                    "type": "object",
-                    "properties": {"error": {"type": "string"}},
-                    "required": ["error"],
-                }
+                "Error": {"type": "object", "properties": {"error": {"type": "string"}}, "required": ["error"]}
             },
         },
         "security": [{"bearer": []}],
-        "paths": {
-            "/health": {"get": {"summary": "liveness", "security": [], "responses": {"200": json_ok}}},
-            "/openapi.json": {
-                "get": {"summary": "this document", "security": [], "responses": {"200": json_ok}}
-            },
-            "/metrics": {
-                "get": {
-                    "summary": "Prometheus text exposition",
-                    "responses": {
-                        "200": {
-                            "description": "metrics",
-                            "content": {"text/plain": {"schema": {"type": "string"}}},
-                        },
-                        **errors(401),
-                    },
-                }
-            },
-            "/v1/runs/{run}": {
-                "get": {
-                    "summary": "agents and queues",
-                    "parameters": [run],
-                    "responses": {"200": json_ok, **errors(401, 404)},
-                }
-            },
-            queue: {
-                "get": {
-                    "summary": "queue depth",
-                    "parameters": [run, consumer],
-                    "responses": {"200": json_ok, **errors(401, 404)},
-                }
-            },
-            queue + "/commit": {
-                "post": {
-                    "summary": "commit items (all or nothing); duplicates by key are no-ops",
-                    "parameters": [run, consumer],
-                    "requestBody": {
-                        "required": True,
-                        # the server reads the body as a frame whatever its declared type
-                        "content": {CONTENT_TYPE: binary, "application/octet-stream": binary},
-                    },
-                    "responses": {"200": json_ok, **errors(400, 401, 404, 409, 413, 422, 429, 503, 507)},
-                }
-            },
-            queue + "/lease": {
-                "post": {
-                    "summary": "lease complete groups (long poll up to wait_s)",
-                    "parameters": [run, consumer],
-                    "requestBody": {
-                        "required": False,
-                        "content": {"application/json": {"schema": _schema(LEASE_BODY)}},
-                    },
-                    "responses": {"200": frame_ok, **errors(400, 401, 404, 413, 415, 422, 503, 507)},
-                }
-            },
-            queue + "/ack": json_post("ack a lease", ACK_BODY, [run, consumer], json_ok, 409, 503, 507),
-            queue + "/ack_through": json_post(
-                "ack every group of a producer step or an earlier one (a durable watermark; idempotent)",
-                ACK_THROUGH_BODY, [run, consumer], json_ok, 503, 507,
-            ),
-            queue + "/release": json_post(
-                "hand back every lease of the consumer now (its restarted process takes them over)",
-                RELEASE_BODY, [run, consumer], json_ok, 503, 507,
-            ),
-            queue + "/reject": json_post(
-                "set a group aside now (its consumer cannot train it): never delivered again",
-                REJECT_BODY, [run, consumer], json_ok, 409, 503, 507,
-            ),
-            queue + "/extend": json_post(
-                "keep a lease longer", EXTEND_BODY, [run, consumer], json_ok, 409, 503, 507
-            ),
-            queue + "/seal": json_post(
-                "seal a group at its final size", SEAL_BODY, [run, consumer], json_ok, 409, 503, 507
-            ),
-            queue + "/end": json_post(
-                "end the queue (no more items)", END_BODY, [run, consumer], json_ok, 503, 507
-            ),
-            agent_path + "/heartbeat": json_post(
-                "record the agent as alive", HEARTBEAT_BODY, [run, agent], json_ok
-            ),
-            agent_path + "/version": {
-                **json_post(
-                    "report the agent's weight version", VERSION_BODY, [run, agent], json_ok, 503, 507
-                ),
-                "get": {
-                    "summary": "the agent's version and last seen",
-                    "parameters": [run, agent],
-                    "responses": {"200": json_ok, **errors(401, 404)},
-                },
-            },
-            agent_path + "/wait_version": json_post(
-                "long-poll until the agent reaches min_version (reached=false and a message on timeout)",
-                WAIT_BODY,
-                [run, agent],
-                json_ok,
-            ),
-        },
+        "paths": paths,
     }
 
 
@@ -1527,6 +1457,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     args = parser.parse_args(argv)
+    # Counters as Prometheus' text format has them (no `_created` twin per series); this process
+    # is the coordinator's own, so the switch reaches no other registry.
+    disable_created_metrics()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("aiohttp.server").addFilter(OneLineBadRequests())
     try:

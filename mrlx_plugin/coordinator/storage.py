@@ -15,8 +15,8 @@ before the commit returns and SQLite replays them on the next open; it only risk
 on a power loss or kernel crash.
 
 Layout: `items` holds one small row per item ever committed (its key stays forever, so a re-commit
-of an acked key is recognised as a duplicate); `records` holds the item's wire record (see `wire`)
-until the item is acked, when it is deleted; `groups` is the unit of delivery; `leases` remembers
+of an acked key is recognised as a duplicate); `records` holds the item's wire record (a one-row Arrow
+record batch message, see `wire`) until the item is acked, when it is deleted; `groups` is the unit of delivery; `leases` remembers
 which groups each lease took. Lease expiry is wall-clock time, so leased-but-unacked groups come back
 after their expiry across a restart too.
 
@@ -49,7 +49,7 @@ from mrlx_plugin.link.wire import RecordView
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 2  # 2: groups.dead/dead_reason and the watermarks table
+SCHEMA_VERSION = 3  # 2: groups.dead/dead_reason and the watermarks table; 3: records are Arrow messages
 # Large pages keep a ~50 KB sample in two overflow pages instead of a dozen (about 2x faster
 # inserts and reads than the 4 KB default); small rows only cost a little more WAL per write.
 PAGE_SIZE = 32768
@@ -405,7 +405,21 @@ class CoordinatorStore:
         return state
 
     def _migrate(self, conn: sqlite3.Connection, version: int) -> None:
-        """Bring a file of an older schema up to this one (columns added; nothing is rewritten)."""
+        """Bring a file of an older schema up to this one (columns added; nothing is rewritten).
+
+        Files before schema 3 store records in the earlier binary frame format, which this version
+        cannot send; such a file is taken over only when no record is still to be delivered."""
+        if version < 3:
+            has_dead = any(row[1] == "dead" for row in conn.execute("PRAGMA table_info(groups)"))
+            waiting = conn.execute(
+                "SELECT COUNT(*) FROM groups WHERE acked IS NULL" + (" AND dead IS NULL" if has_dead else "")
+            ).fetchone()[0]
+            if waiting:
+                raise StoreOpenError(
+                    f"database {self.path!r} holds {waiting} undelivered groups stored in the wire format of "
+                    f"an older mrlx_plugin (schema {version}); let that version's consumers drain them, or "
+                    "start this run on a fresh --db file"
+                )
         try:
             columns = {row[1] for row in conn.execute("PRAGMA table_info(groups)")}
             indexed = conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'index' AND name = 'groups_dead'").fetchone()
@@ -511,13 +525,13 @@ class CoordinatorStore:
     # ----------------------------------------------------------------- queues
 
     async def commit(
-        self, consumer: str, buf: memoryview, records: Sequence[RecordView], now: float, max_depth: int
+        self, consumer: str, records: Sequence[RecordView], now: float, max_depth: int
     ) -> CommitOutcome:
         """Store validated records for `consumer`, all or nothing (see `_commit_sync`)."""
-        return await self._in_writer(self._commit_sync, consumer, buf, records, now, max_depth)
+        return await self._in_writer(self._commit_sync, consumer, records, now, max_depth)
 
     def _commit_sync(
-        self, consumer: str, buf: memoryview, records: Sequence[RecordView], now: float, max_depth: int
+        self, consumer: str, records: Sequence[RecordView], now: float, max_depth: int
     ) -> CommitOutcome:
         conn = self._writer
         assert conn is not None
@@ -625,7 +639,7 @@ class CoordinatorStore:
                                 now,
                             )
                         )
-                        record_rows.append((seq, buf[record.start : record.end]))
+                        record_rows.append((seq, record.record()))
                         seq += 1
                     n_items = had + len(members)
                     complete = int(n_items >= limit)

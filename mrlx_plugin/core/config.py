@@ -2,26 +2,41 @@
 
 slime sets every top-level key of the `--custom-config-path` YAML on `args`, so the plugin reads
 `args.mrlx` (a dict). Miles does the same and also accepts `--mrlx-config PATH` (see
-`rollout.add_arguments`). Every error names the key it is about and says what is expected; all
-errors of one file are reported together in one `ConfigError`.
+`rollout.add_arguments`). The schema is the pydantic models below; each field's description is
+the reference documentation of its key (`settings_reference_markdown()` renders them as the
+docs' table; `Settings.model_json_schema()` is the JSON Schema). Every error names the key it is
+about and says what is expected; all errors of one file are reported together in one
+`ConfigError`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
+import json
 import os
 import re
 import reprlib
 import types
 import typing
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 import yaml
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 TOP_KEY = "mrlx"
+PIPELINE_AGENTS = ("solver", "rewriter", "selector")
 
 
 class ConfigError(ValueError):
@@ -29,158 +44,7 @@ class ConfigError(ValueError):
 
 
 # ---------------------------------------------------------------------------------------------
-# The schema. Field comments are the reference documentation of each key (README links here).
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass
-class SamplingSettings:
-    """Per-agent overrides of the host's sampling parameters (None keeps the host's value)."""
-
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    max_new_tokens: int | None = None  # per-turn cap on generated tokens
-    stop: list[str] | None = None
-    stop_token_ids: list[int] | None = None
-
-
-@dataclass
-class AgentSettings:
-    url: str = "self"  # "self" = this job's router (args.sglang_router_ip/port), else http://host:port
-    tokenizer: str | None = None  # path of the agent's tokenizer; None = the job's --hf-checkpoint
-    chat_template: str | None = None  # Jinja text or a file path; None = the tokenizer's own template
-    system_prompt: str | None = None  # text, or a path to a .txt/.md file
-    trainable: bool | None = None  # None = trainable when url is "self"
-    sampling: SamplingSettings = field(default_factory=SamplingSettings)
-    retry_on_abort: bool | None = None  # retry a turn the engine aborted; None = yes for peers, no for self
-    api_key_env: str | None = None  # environment variable holding the key of an SGLang server run with --api-key
-
-
-@dataclass
-class EngineSettings:
-    """How the engine client talks to `/generate` (applies to every agent)."""
-
-    request_timeout_s: float = 900.0  # one /generate call, connect to last byte
-    connect_timeout_s: float = 10.0
-    max_retries: int = 3  # retries after the first try, for 5xx, broken JSON, resets, timeouts
-    backoff_s: float = 0.5  # first wait between tries; doubles each time, with jitter
-    max_backoff_s: float = 8.0
-    abort_retry_wait_s: float = 2.0  # wait before retrying a turn a peer engine aborted
-    peer_deadline_s: float = 600.0  # give up on an aborting/unreachable peer after this long
-    max_connections: int = 1024  # connection pool size per engine URL
-    # Reproducible sampling: each call carries `sampling_seed` derived from this seed, the episode
-    # and the turn (SGLang honours it with deterministic inference; the embedded engine always).
-    sampling_seed: int | None = None
-
-
-@dataclass
-class PipelineSettings:
-    """The solver -> rewriter -> selector system (agents `solver`, `rewriter`, `selector`)."""
-
-    num_parallel: int = 5  # solvers, and rewriters, per episode
-    correct_weight: float = 1.2  # team weight when the selected answer is right
-    incorrect_weight: float = 0.8  # team weight when it is wrong or none was selected
-    # How the team weight meets each sample's own reward (see rewards.team_weighting):
-    # offset: reward + (weight - 1), so wrong answers also feel the team outcome (default);
-    # multiplicative: reward * weight, the host example's rule; none: leave rewards unweighted.
-    weighting: Literal["offset", "multiplicative", "none"] = "offset"
-    max_solution_tokens: int | None = None  # cap on each solution quoted to rewriters/selector
-
-
-@dataclass
-class RewardSettings:
-    grader: Literal["math", "host"] = "math"  # default grader hook: math-verify, or the host's --rm-type
-    # Episode shaping for systems other than the pipeline (multi-model dialogue).
-    shaping: Literal["independent", "cooperative", "zero_sum", "bilateral", "asymmetric"] = "independent"
-    coupling: dict[str, dict[str, float]] = field(default_factory=dict)  # asymmetric: agent -> {agent: weight}
-    grade_timeout_s: float = 30.0  # above the math verifier's own 10 s, which scores a hung parse 0
-
-
-@dataclass
-class DialogueSettings:
-    first: str | None = None  # who speaks first; None = the first agent listed
-    order: list[str] | None = None  # turn order; None = the agents in the order listed
-    max_turns: int = 8
-    stop_patterns: dict[str, str] = field(default_factory=dict)  # agent -> regex that ends the episode
-    final_answer_agent: str | None = None  # whose last message is the episode's final answer
-    # agent -> its first message; "{problem}", "{label}" and "{metadata[KEY]}" are filled in from the
-    # input sample (so an agent can be told what others must not see). Default: the problem.
-    openings: dict[str, str] = field(default_factory=dict)
-
-
-@dataclass
-class CoordinatorSettings:
-    url: str | None = None
-    token_env: str = "MRLX_TOKEN"
-    token_file: str | None = None
-    max_staleness: int = 1
-    wait_deadline_s: float = 1800.0
-    lease_s: float = 600.0
-    request_timeout_s: float = 60.0
-    outage_deadline_s: float = 600.0  # each coordinator call rides out an outage this long, then fails
-
-
-@dataclass
-class TrainerSettings:
-    """The embedded CPU trainer's loss and optimizer (`mrlx_plugin.local.trainer`); slime jobs
-    ignore this section (their own flags of the same names apply)."""
-
-    lr: float = 1e-4
-    lr_warmup_steps: int = 0  # RL steps over which the learning rate rises linearly from lr / steps to lr
-    lr_decay_style: Literal["constant", "cosine"] = "constant"  # after warm-up: keep, or cosine to lr_min
-    lr_min: float = 0.0
-    eps_clip: float = 0.2  # PPO clip range below 1
-    eps_clip_high: float = 0.28  # and above 1
-    kl_coef: float = 0.0  # KL to the initial (reference) model, low-variance estimator
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.98
-    # A large epsilon scales Adam's steps with the gradient where the gradient is tiny: RL's noisy
-    # small gradients then do not push every weight by a full `lr` (which wrecks small models).
-    adam_eps: float = 1e-8
-    max_grad_norm: float = 1.0
-    micro_batch_size: int = 32
-    ppo_epochs: int = 1
-    warmup_sft_steps: int = 0  # supervised warm-start steps on the task's format before RL
-    warmup_sft_lr: float = 3e-3
-    threads: int = 1  # torch threads per trainer
-
-
-@dataclass
-class Settings:
-    run_id: str = "mrlx"
-    plugins: list[str] = field(default_factory=list)  # modules holding hook implementations
-    system: str = "pipeline"  # pipeline | dialogue | a name a plugin registers
-    self_agent: str | None = None  # YAML key `self`: the agent this job trains (multi-model)
-    agents: dict[str, AgentSettings] = field(default_factory=dict)
-    engine: EngineSettings = field(default_factory=EngineSettings)
-    rewards: RewardSettings = field(default_factory=RewardSettings)
-    pipeline: PipelineSettings = field(default_factory=PipelineSettings)
-    dialogue: DialogueSettings = field(default_factory=DialogueSettings)
-    coordinator: CoordinatorSettings = field(default_factory=CoordinatorSettings)
-    trainer: TrainerSettings = field(default_factory=TrainerSettings)
-    # Sections for systems registered by plugins: mrlx.<system name>: {...}, validated by the plugin.
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def agent(self, name: str) -> AgentSettings:
-        return self.agents[name]
-
-
-class _AnyKey(dict):
-    """Stands in for sample metadata when checking an opening template."""
-
-    def __missing__(self, key: str) -> str:
-        return ""
-
-
-_YAML_NAMES = {"self_agent": "self"}
-_PY_NAMES = {v: k for k, v in _YAML_NAMES.items()}
-PIPELINE_AGENTS = ("solver", "rewriter", "selector")
-
-
-# ---------------------------------------------------------------------------------------------
-# Building and validating
+# Values: strings from the environment, numbers as YAML writes them
 # ---------------------------------------------------------------------------------------------
 
 
@@ -219,262 +83,588 @@ def _show(value: Any) -> str:
     return _SHORT.repr(value)
 
 
-def _type_name(tp: Any) -> str:
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        return " | ".join(repr(a) for a in typing.get_args(tp))
-    if origin in (Union, types.UnionType):
-        return " or ".join(_type_name(a) for a in typing.get_args(tp) if a is not type(None))
-    if origin is list:
-        return f"a list of {_type_name(typing.get_args(tp)[0])}"
-    if origin is dict:
-        return f"a mapping of names to {_type_name(typing.get_args(tp)[1])}"
-    if dataclasses.is_dataclass(tp):
-        return "a mapping"
-    return {str: "a string", int: "an integer", float: "a number", bool: "true or false"}.get(tp, str(tp))
+def _problem(message: str) -> PydanticCustomError:
+    # The text goes in through the context: a template would read the braces of a message
+    # (`{url: self}`, `{problem}`) as its own placeholders.
+    return PydanticCustomError("mrlx", "{message}", {"message": message})
 
 
-def _convert(tp: Any, value: Any, path: str, errors: list[str]) -> Any:
-    origin = typing.get_origin(tp)
-    if origin in (Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        inner = [a for a in args if a is not type(None)]
-        if len(inner) == 1:
-            return _convert(inner[0], value, path, errors)
-    if origin is Literal:
-        if value not in typing.get_args(tp):
-            errors.append(f"{path}: got {_show(value)}; expected {_type_name(tp)}")
-        return value
-    if origin is list:
-        if not isinstance(value, list):
-            errors.append(f"{path}: got {type(value).__name__} {_show(value)}; expected {_type_name(tp)}")
-            return []
-        (item_tp,) = typing.get_args(tp)
-        return [_convert(item_tp, v, f"{path}[{i}]", errors) for i, v in enumerate(value)]
-    if origin is dict:
-        if not isinstance(value, dict):
-            errors.append(f"{path}: got {type(value).__name__} {_show(value)}; expected {_type_name(tp)}")
-            return {}
-        key_tp, val_tp = typing.get_args(tp)
-        out = {}
-        for k, v in value.items():
-            if not isinstance(k, str):
-                errors.append(f"{path}: key {_show(k)} must be a string")
-                continue
-            out[k] = _convert(val_tp, v, f"{path}.{k}", errors)
-        return out
-    if dataclasses.is_dataclass(tp):
-        if value is None:
-            value = {}
-        if not isinstance(value, dict):
-            errors.append(
-                f"{path}: got {type(value).__name__} {_show(value)}; expected a mapping of settings"
-            )
-            return tp()
-        return _build_dataclass(tp, value, path, errors)
-    if tp is Any:
-        return value
-    if tp is bool:
-        if not isinstance(value, bool):
-            errors.append(f"{path}: got {_show(value)}; expected true or false")
-        return value
-    if tp is float:
-        if isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string: take it as the number meant
-            try:
-                value = float(value)
-            except ValueError:
-                pass
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            errors.append(f"{path}: got {type(value).__name__} {_show(value)}; expected a number")
-            return 0.0
-        return float(value)
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            errors.append(f"{path}: got {type(value).__name__} {_show(value)}; expected an integer")
-            return 0
-        return value
-    if tp is str:
-        if not isinstance(value, str):
-            errors.append(f"{path}: got {type(value).__name__} {_show(value)}; expected a string")
-            return str(value)
-        return _expand_env(value, path, errors)
-    return value
+_CROSS = "mrlx_cross"  # the error that carries every problem found between sections
 
 
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 
 
-def _expand_env(value: str, path: str, errors: list[str]) -> str:
+def _expand_env(value: str) -> str:
     """`${NAME}` and `${NAME:-default}` in a string setting, from the environment, so that the
     addresses of a multi-job run live in one env file (launch/mrlx.env) and nowhere else. The
     result is an `EnvValue`: messages show the YAML's text, never what the environment held."""
     if "${" not in value:
         return value
+    missing: list[str] = []
 
     def sub(m: re.Match) -> str:
         name, default = m.group(1), m.group(2)
         found = os.environ.get(name)
         if found is None or (found == "" and default is not None):
             if default is None:
-                errors.append(f"{path}: environment variable {name} is not set (the YAML says {value!r}); "
-                              "set it (launch/mrlx.env holds a run's addresses) or write the value itself")
+                missing.append(name)
                 return ""
             return default
         return found
 
     expanded = _ENV_REF.sub(sub, value)
+    if missing:
+        names = f"variable {missing[0]} is" if len(missing) == 1 else f"variables {', '.join(missing)} are"
+        raise _problem(f"environment {names} not set (the YAML says {value!r}); set it (launch/mrlx.env "
+                       "holds a run's addresses) or write the value itself")
     return EnvValue(expanded, value) if _ENV_REF.search(value) else expanded
 
 
-def _build_dataclass(cls: type, data: dict, path: str, errors: list[str]) -> Any:
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    yaml_to_py = {_YAML_NAMES.get(n, n): n for n in fields}
-    kwargs = {}
-    for key, value in data.items():
-        py_name = yaml_to_py.get(key)
-        if py_name is None or py_name == "extra":
-            if "extra" in fields:  # top level: sections for plugin systems, checked later
-                kwargs.setdefault("extra", {})[key] = value
-                continue
-            known = sorted(k for k in yaml_to_py if k != "extra")
-            hint = difflib.get_close_matches(str(key), known, n=1)
-            did_you_mean = f"; did you mean '{hint[0]}'?" if hint else ""
-            errors.append(f"{path}.{key}: unknown key{did_you_mean} (known keys: {', '.join(known)})")
-            continue
-        before = len(errors)
-        converted = _convert(hints[py_name], value, f"{path}.{key}", errors)
-        if len(errors) == before:  # a bad value keeps the default, so it is reported once
-            kwargs[py_name] = converted
-    return cls(**kwargs)
+def _yaml_number(value: Any) -> Any:
+    # YAML 1.1 reads 3e-4 (no dot) as a string: take it as the number meant.
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    return value
 
 
-def _check(settings: Settings, path: str, errors: list[str], known_systems: set[str] | None) -> None:
-    if not settings.run_id or not all(c.isalnum() or c in "-_." for c in settings.run_id):
-        errors.append(f"{path}.run_id: got {_show(settings.run_id)}; use letters, digits, '-', '_' and '.'")
-    if settings.system == "pipeline" and not settings.agents:
-        settings.agents = {name: AgentSettings() for name in PIPELINE_AGENTS}
-    if not settings.agents:
+Text = Annotated[str, AfterValidator(_expand_env)]  # every string setting may name ${VARIABLES}
+Number = Annotated[float, BeforeValidator(_yaml_number)]
+
+
+# ---------------------------------------------------------------------------------------------
+# The schema
+# ---------------------------------------------------------------------------------------------
+
+
+class _Section(BaseModel):
+    # strict: YAML's `true` is no number and `"5"` no integer; a setting means what it says.
+    # Not frozen: the checks below fill in the defaults that follow from other settings in place
+    # (pydantic keeps no other object from a validator of a model built by its constructor).
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _empty_is_defaults(cls, data: Any) -> Any:
+        return {} if data is None else data  # `engine:` with nothing under it
+
+
+class SamplingSettings(_Section):
+    """Per-agent overrides of the host's sampling parameters (None keeps the host's value)."""
+
+    # The bounds go inside the optional type, where the JSON Schema shows them.
+    temperature: Annotated[float, Field(ge=0), BeforeValidator(_yaml_number)] | None = Field(
+        None, description="sampling temperature (0 or more)")
+    top_p: Annotated[float, Field(gt=0, le=1), BeforeValidator(_yaml_number)] | None = Field(
+        None, description="nucleus sampling mass, in (0, 1]")
+    top_k: int | None = Field(None, description="sample from the k likeliest tokens")
+    max_new_tokens: int | None = Field(None, ge=1, description="per-turn cap on generated tokens")
+    stop: list[Text] | None = Field(None, description="strings that end a turn")
+    stop_token_ids: list[int] | None = Field(None, description="token ids that end a turn")
+
+
+class AgentSettings(_Section):
+    url: Text = Field(
+        "self", description="`self` (this job's router, from `--sglang-router-ip/port`) or "
+                            "`http://host:port`")
+    tokenizer: Text | None = Field(
+        None, description="path of the agent's tokenizer (and chat template); none = the job's "
+                          "`--hf-checkpoint`")
+    chat_template: Text | None = Field(
+        None, description="Jinja text or a file path; none = the tokenizer's own template")
+    system_prompt: Text | None = Field(None, description="text, or a path to a `.txt`/`.md` file")
+    trainable: bool | None = Field(
+        None, description="whether the agent's turns are trained (loss mask 1); none = trainable when url is "
+                          "`self`")
+    sampling: SamplingSettings = Field(
+        default_factory=SamplingSettings,
+        description="overrides of the host's sampling parameters; an unset one keeps the host's")
+    retry_on_abort: bool | None = Field(
+        None, description="retry a turn the engine aborted or failed (a peer updating weights, restarting); "
+                          "none = yes for peers, no for `self`")
+    api_key_env: Text | None = Field(
+        None, description="environment variable holding the key of an SGLang server run with `--api-key`")
+
+    @field_validator("url")
+    @classmethod
+    def _http_or_self(cls, url: str) -> str:
+        if url != "self" and not url.startswith(("http://", "https://")):
+            raise _problem(f"got {_show(url)}; expected 'self' or an http://host:port URL")
+        return url
+
+    @model_validator(mode="after")
+    def _defaults_from_url(self) -> AgentSettings:
+        # None follows from the url: a job trains the model it serves, and rides out a peer's
+        # aborts (a peer updating its weights), but not its own engine's.
+        if self.trainable is None:
+            self.trainable = self.url == "self"
+        if self.retry_on_abort is None:
+            self.retry_on_abort = self.url != "self"
+        return self
+
+
+class EngineSettings(_Section):
+    """How the engine client talks to `/generate` (applies to every agent)."""
+
+    request_timeout_s: Number = Field(900.0, gt=0, description="one `/generate` call, connect to last byte")
+    connect_timeout_s: Number = Field(10.0, gt=0, description="opening a connection to an engine")
+    max_retries: int = Field(
+        3, ge=0, description="retries after the first try, for 5xx/429, broken JSON, resets, timeouts")
+    backoff_s: Number = Field(0.5, description="first wait between tries; doubles each time, with jitter")
+    max_backoff_s: Number = Field(8.0, description="cap on the wait between tries")
+    abort_retry_wait_s: Number = Field(2.0, description="wait before retrying a turn a peer engine aborted")
+    peer_deadline_s: Number = Field(
+        600.0, gt=0, description="give up on an aborting/unreachable peer after this long")
+    max_connections: int = Field(1024, description="connection pool size per engine URL")
+    sampling_seed: int | None = Field(
+        None, description="send each call a `sampling_seed` derived from this, the episode and the turn "
+                          "(SGLang honours it with deterministic inference; the embedded engine always)")
+
+
+class PipelineSettings(_Section):
+    """The solver -> rewriter -> selector system (agents `solver`, `rewriter`, `selector`)."""
+
+    num_parallel: int = Field(5, description="solvers, and rewriters, per episode (at least 1)")
+    correct_weight: Number = Field(
+        1.2, description="team weight when the selected answer is right (0 or more)")
+    incorrect_weight: Number = Field(
+        0.8, description="team weight when it is wrong or none was selected (0 or more)")
+    weighting: Literal["offset", "multiplicative", "none"] = Field(
+        "offset", description="how the team weight meets each sample's own reward: `offset` adds weight - 1 "
+                              "(wrong answers also feel the team outcome), `multiplicative` multiplies, "
+                              "`none` leaves rewards unweighted")
+    max_solution_tokens: int | None = Field(
+        None, description="cut each solution quoted to the rewriters and the selector to its last N tokens")
+
+
+class RewardSettings(_Section):
+    grader: Literal["math", "host"] = Field(
+        "math", description="default grader hook: `math` (math-verify) or `host` (the host's `--rm-type`)")
+    shaping: Literal["independent", "cooperative", "zero_sum", "bilateral", "asymmetric"] = Field(
+        "independent", description="episode reward shaping for systems other than the pipeline")
+    coupling: dict[str, dict[str, Number]] = Field(
+        default_factory=dict, description="`asymmetric` shaping: `agent: {agent: weight}` rows")
+    grade_timeout_s: Number = Field(
+        30.0, description="deadline of one grade (above the math verifier's own 10 s, which scores a hung "
+                          "parse 0); a grade past it aborts the episode")
+
+
+class DialogueSettings(_Section):
+    first: Text | None = Field(None, description="who speaks first; none = the first agent listed")
+    order: list[Text] | None = Field(None, description="turn order; none = the agents in the order listed")
+    max_turns: int = Field(8, description="turn limit (at least 1)")
+    stop_patterns: dict[str, Text] = Field(
+        default_factory=dict, description="agent -> regular expression that ends the episode")
+    final_answer_agent: Text | None = Field(
+        None, description="whose last message is the episode's final answer; none = the last speaker")
+    openings: dict[str, Text] = Field(
+        default_factory=dict,
+        description="agent -> its first message; `{problem}`, `{label}` and `{metadata[KEY]}` are filled in "
+                    "from the input sample (so an agent can be told what others must not see); default: "
+                    "the problem")
+
+
+class CoordinatorSettings(_Section):
+    url: Text | None = Field(
+        None, description="the run's coordinator (needed when a trainable agent is trained by another job)")
+    token_env: Text = Field(
+        "MRLX_TOKEN", description="environment variable this job reads the coordinator's token from")
+    token_file: Text | None = Field(None, description="file this job reads the coordinator's token from")
+    max_staleness: int = Field(
+        1, ge=0, description="how many versions the initiator may run ahead of a peer")
+    wait_deadline_s: Number = Field(1800.0, gt=0, description="how long a barrier or lease wait may take")
+    lease_s: Number = Field(600.0, gt=0, description="length of a lease on delivered samples")
+    request_timeout_s: Number = Field(60.0, gt=0, description="one coordinator call")
+    outage_deadline_s: Number = Field(
+        600.0, gt=0, description="each coordinator call rides out an outage this long, then fails")
+
+
+class TrainerSettings(_Section):
+    """The embedded CPU trainer's loss and optimizer (`mrlx_plugin.local.trainer`); slime jobs
+    ignore this section (their own flags of the same names apply)."""
+
+    lr: Number = Field(1e-4, description="learning rate")
+    lr_warmup_steps: int = Field(
+        0, description="RL steps over which the learning rate rises linearly from lr / steps to lr")
+    lr_decay_style: Literal["constant", "cosine"] = Field(
+        "constant", description="after warm-up: keep lr, or cosine down to lr_min")
+    lr_min: Number = Field(0.0, description="the learning rate cosine decay ends at")
+    eps_clip: Number = Field(0.2, description="PPO clip range below 1")
+    eps_clip_high: Number = Field(0.28, description="PPO clip range above 1")
+    kl_coef: Number = Field(0.0, description="KL to the initial (reference) model, low-variance estimator")
+    weight_decay: Number = Field(0.0, description="AdamW weight decay")
+    adam_beta1: Number = Field(0.9, description="Adam beta1")
+    adam_beta2: Number = Field(0.98, description="Adam beta2")
+    # A large epsilon scales Adam's steps with the gradient where the gradient is tiny: RL's noisy
+    # small gradients then do not push every weight by a full `lr` (which wrecks small models).
+    adam_eps: Number = Field(
+        1e-8, description="Adam epsilon (a large one keeps tiny noisy gradients from moving every weight by "
+                          "a full lr)")
+    max_grad_norm: Number = Field(1.0, description="gradient clipping norm")
+    micro_batch_size: int = Field(32, description="samples per forward/backward pass")
+    ppo_epochs: int = Field(1, description="passes over each step's samples")
+    warmup_sft_steps: int = Field(
+        0, description="supervised warm-start steps on the task's format before RL")
+    warmup_sft_lr: Number = Field(3e-3, description="learning rate of the supervised warm-start")
+    threads: int = Field(1, description="torch threads per trainer")
+
+
+class _AnyKey(dict):
+    """Stands in for sample metadata when checking an opening template."""
+
+    def __missing__(self, key: str) -> str:
+        return ""
+
+
+def _plugin_sections_schema(schema: dict[str, Any]) -> None:
+    # `extra` is no key of the YAML: it holds the YAML's other keys, the plugin systems' sections.
+    extra = schema["properties"].pop("extra")
+    schema["additionalProperties"] = {"type": "object", "description": extra["description"]}
+
+
+class Settings(_Section):
+    """Everything under the YAML's `mrlx:` key."""
+
+    model_config = ConfigDict(json_schema_extra=_plugin_sections_schema)
+
+    run_id: Text = Field("mrlx", description="names the run (letters, digits, `-`, `_` and `.`)")
+    plugins: list[Text] = Field(default_factory=list, description="modules holding hook implementations")
+    system: Text = Field("pipeline", description="`pipeline`, `dialogue`, or a name a plugin registers")
+    self_agent: Text | None = Field(
+        None, alias="self", description="the agent this job trains (multi-model jobs)")
+    agents: dict[str, AgentSettings] = Field(
+        default_factory=dict,
+        description="one entry per agent, by name; default for the pipeline: solver, rewriter and selector "
+                    "at `self`")
+    engine: EngineSettings = Field(
+        default_factory=EngineSettings, description="how the engine client talks to `/generate`")
+    rewards: RewardSettings = Field(default_factory=RewardSettings, description="grading and reward shaping")
+    pipeline: PipelineSettings = Field(
+        default_factory=PipelineSettings, description="the solver -> rewriter -> selector system")
+    dialogue: DialogueSettings = Field(
+        default_factory=DialogueSettings, description="the dialogue system (agents take turns)")
+    coordinator: CoordinatorSettings = Field(
+        default_factory=CoordinatorSettings, description="the multi-model run's coordinator")
+    trainer: TrainerSettings = Field(
+        default_factory=TrainerSettings,
+        description="the embedded CPU trainer only (slime jobs use their own flags)")
+    extra: dict[str, Any] = Field(
+        default_factory=dict,
+        description="the settings section of a system a plugin registers, under the system's name; given to "
+                    "it as `episode.system_settings` and validated by the plugin")
+
+    def agent(self, name: str) -> AgentSettings:
+        return self.agents[name]
+
+    @field_validator("run_id")
+    @classmethod
+    def _name_chars(cls, run_id: str) -> str:
+        if not run_id or not all(c.isalnum() or c in "-_." for c in run_id):
+            raise _problem(f"got {_show(run_id)}; use letters, digits, '-', '_' and '.'")
+        return run_id
+
+    @model_validator(mode="before")
+    @classmethod
+    def _plugin_sections(cls, data: Any) -> Any:
+        """Keys that are not the plugin's own go to `extra`: the section of a plugin's system is
+        its to read (the checks below refuse every other one, with a suggestion)."""
+        if not isinstance(data, dict):
+            return data
+        own = {f.alias or name for name, f in cls.model_fields.items() if name != "extra"}
+        out = {k: v for k, v in data.items() if k in own}
+        if any(k not in own for k in data):
+            out["extra"] = {k: v for k, v in data.items() if k not in own}
+        return out
+
+    @model_validator(mode="after")
+    def _cross_checks(self, info: ValidationInfo) -> Settings:
+        """The checks between sections. They run once every value has its type (a bad value is
+        left out and its default used, so it is reported once), and all their problems come
+        back together as one error that `parse_settings` spreads out."""
+        if self.system == "pipeline" and not self.agents:
+            self.agents = {name: AgentSettings() for name in PIPELINE_AGENTS}
+        problems = _cross_problems(self, TOP_KEY, (info.context or {}).get("known_systems"))
+        if problems:
+            raise PydanticCustomError(_CROSS, "{count} problem(s) between settings",
+                                      {"count": len(problems), "problems": problems})
+        return self
+
+
+
+def _cross_problems(s: Settings, path: str, known_systems: set[str] | None) -> list[str]:
+    errors: list[str] = []
+    names = list(s.agents)
+    if not names:
         errors.append(f"{path}.agents: no agents are configured; list each agent with its url")
-    for name, agent in settings.agents.items():
-        apath = f"{path}.agents.{name}"
-        if agent.url != "self" and not (agent.url.startswith("http://") or agent.url.startswith("https://")):
-            errors.append(f"{apath}.url: got {_show(agent.url)}; expected 'self' or an http://host:port URL")
-        s = agent.sampling
-        if s.max_new_tokens is not None and s.max_new_tokens < 1:
-            errors.append(f"{apath}.sampling.max_new_tokens: got {s.max_new_tokens}; expected at least 1")
-        if s.temperature is not None and s.temperature < 0:
-            errors.append(f"{apath}.sampling.temperature: got {s.temperature}; expected 0 or more")
-        if s.top_p is not None and not 0 < s.top_p <= 1:
-            errors.append(f"{apath}.sampling.top_p: got {s.top_p}; expected a number in (0, 1]")
-        if agent.trainable is None:
-            agent.trainable = agent.url == "self"
-        if agent.retry_on_abort is None:
-            agent.retry_on_abort = agent.url != "self"
-    if settings.self_agent is not None and settings.self_agent not in settings.agents:
-        errors.append(
-            f"{path}.self: agent {_show(settings.self_agent)} is not under {path}.agents "
-            f"(agents: {', '.join(settings.agents) or 'none'})"
-        )
-    if settings.system == "pipeline":
-        missing = [n for n in PIPELINE_AGENTS if n not in settings.agents]
+    if s.self_agent is not None and s.self_agent not in s.agents:
+        errors.append(f"{path}.self: agent {_show(s.self_agent)} is not under {path}.agents "
+                      f"(agents: {', '.join(names) or 'none'})")
+    if s.system == "pipeline":
+        missing = [n for n in PIPELINE_AGENTS if n not in s.agents]
         if missing:
-            errors.append(
-                f"{path}.agents: the pipeline system needs agents {', '.join(PIPELINE_AGENTS)}; "
-                f"missing {', '.join(missing)} (add e.g. `{missing[0]}: {{url: self}}`)"
-            )
-        p = settings.pipeline
+            errors.append(f"{path}.agents: the pipeline system needs agents {', '.join(PIPELINE_AGENTS)}; "
+                          f"missing {', '.join(missing)} (add e.g. `{missing[0]}: {{url: self}}`)")
+        p = s.pipeline
         if p.num_parallel < 1:
             errors.append(f"{path}.pipeline.num_parallel: got {p.num_parallel}; expected at least 1")
         for key in ("correct_weight", "incorrect_weight"):
             if getattr(p, key) < 0:
                 errors.append(f"{path}.pipeline.{key}: got {getattr(p, key)}; expected 0 or more")
-    if settings.system == "dialogue":
-        d = settings.dialogue
-        names = list(settings.agents)
+    if s.system == "dialogue":
+        errors += _dialogue_problems(s, f"{path}.dialogue", names)
         if len(names) < 2:
             errors.append(f"{path}.agents: the dialogue system needs at least two agents; got {len(names)}")
-        for key, who in (("first", d.first), ("final_answer_agent", d.final_answer_agent)):
-            if who is not None and who not in settings.agents:
-                errors.append(
-                    f"{path}.dialogue.{key}: {_show(who)} is not an agent (agents: {', '.join(names)})"
-                )
-        for i, who in enumerate(d.order or []):
-            if who not in settings.agents:
-                errors.append(
-                    f"{path}.dialogue.order[{i}]: {_show(who)} is not an agent (agents: {', '.join(names)})"
-                )
-        for who in d.stop_patterns:
-            if who not in settings.agents:
-                errors.append(f"{path}.dialogue.stop_patterns.{who}: not an agent (agents: {', '.join(names)})")
-            else:
-                try:
-                    re.compile(d.stop_patterns[who])
-                except re.error as exc:
-                    errors.append(f"{path}.dialogue.stop_patterns.{who}: not a regular expression ({exc})")
-        for who, text in d.openings.items():
-            if who not in settings.agents:
-                errors.append(f"{path}.dialogue.openings.{who}: not an agent (agents: {', '.join(names)})")
-            else:
-                try:
-                    text.format(problem="", label="", metadata=_AnyKey())
-                except (KeyError, IndexError, ValueError, AttributeError) as exc:
-                    errors.append(
-                        f"{path}.dialogue.openings.{who}: cannot fill in {exc}; use {{problem}}, {{label}} or "
-                        "{metadata[KEY]} (double the braces for literal ones)"
-                    )
-        if d.max_turns < 1:
-            errors.append(f"{path}.dialogue.max_turns: got {d.max_turns}; expected at least 1")
-    for who, row in settings.rewards.coupling.items():
-        if who not in settings.agents:
+    for who, row in s.rewards.coupling.items():
+        if who not in s.agents:
             errors.append(f"{path}.rewards.coupling.{who}: not an agent")
-        for other in row:
-            if other not in settings.agents:
-                errors.append(f"{path}.rewards.coupling.{who}.{other}: not an agent")
-    if settings.coordinator.max_staleness < 0:
-        errors.append(
-            f"{path}.coordinator.max_staleness: got {settings.coordinator.max_staleness}; expected 0 or more"
-        )
-    for key in ("wait_deadline_s", "lease_s", "request_timeout_s", "outage_deadline_s"):
-        if getattr(settings.coordinator, key) <= 0:
-            errors.append(
-                f"{path}.coordinator.{key}: got {getattr(settings.coordinator, key)}; expected a positive number of seconds"
-            )
-    e = settings.engine
-    for key in ("request_timeout_s", "connect_timeout_s", "peer_deadline_s"):
-        if getattr(e, key) <= 0:
-            errors.append(f"{path}.engine.{key}: got {getattr(e, key)}; expected a positive number of seconds")
-    if e.max_retries < 0:
-        errors.append(f"{path}.engine.max_retries: got {e.max_retries}; expected 0 or more")
-    builtin = {"pipeline", "dialogue"}
-    if known_systems is not None and settings.system not in known_systems:
-        errors.append(
-            f"{path}.system: no agent system named {_show(settings.system)} is registered "
-            f"(known: {', '.join(sorted(known_systems))}); list the module that registers it under {path}.plugins"
-        )
-    for key in settings.extra:
-        if key != settings.system or settings.system in builtin:
-            known = sorted({_YAML_NAMES.get(f.name, f.name) for f in dataclasses.fields(Settings)} - {"extra"})
-            hint = difflib.get_close_matches(key, known, n=1)
-            did_you_mean = f"; did you mean '{hint[0]}'?" if hint else ""
-            errors.append(f"{path}.{key}: unknown key{did_you_mean} (known keys: {', '.join(known)})")
+        errors += [f"{path}.rewards.coupling.{who}.{other}: not an agent"
+                   for other in row if other not in s.agents]
+    if known_systems is not None and s.system not in known_systems:
+        errors.append(f"{path}.system: no agent system named {_show(s.system)} is registered "
+                      f"(known: {', '.join(sorted(known_systems))}); list the module that registers it under "
+                      f"{path}.plugins")
+    for key in s.extra:
+        if key != s.system or s.system in ("pipeline", "dialogue"):
+            errors.append(_unknown_key(f"{path}.{key}", key, Settings))
+    return errors
+
+
+def _dialogue_problems(s: Settings, path: str, names: list[str]) -> list[str]:
+    d, errors = s.dialogue, []
+    agents = f"(agents: {', '.join(names)})"
+    for key, who in (("first", d.first), ("final_answer_agent", d.final_answer_agent)):
+        if who is not None and who not in s.agents:
+            errors.append(f"{path}.{key}: {_show(who)} is not an agent {agents}")
+    errors += [f"{path}.order[{i}]: {_show(who)} is not an agent {agents}"
+               for i, who in enumerate(d.order or []) if who not in s.agents]
+    for who, pattern in d.stop_patterns.items():
+        if who not in s.agents:
+            errors.append(f"{path}.stop_patterns.{who}: not an agent {agents}")
+            continue
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            errors.append(f"{path}.stop_patterns.{who}: not a regular expression ({exc})")
+    for who, text in d.openings.items():
+        if who not in s.agents:
+            errors.append(f"{path}.openings.{who}: not an agent {agents}")
+            continue
+        try:
+            text.format(problem="", label="", metadata=_AnyKey())
+        except (KeyError, IndexError, ValueError, AttributeError) as exc:
+            errors.append(f"{path}.openings.{who}: cannot fill in {exc}; use {{problem}}, {{label}} or "
+                          "{metadata[KEY]} (double the braces for literal ones)")
+    if d.max_turns < 1:
+        errors.append(f"{path}.max_turns: got {d.max_turns}; expected at least 1")
+    return errors
+
+
+# ---------------------------------------------------------------------------------------------
+# Building: pydantic's errors as messages naming the key
+# ---------------------------------------------------------------------------------------------
+
+
+def _keys(model: Any) -> list[str]:
+    if not (isinstance(model, type) and issubclass(model, BaseModel)):
+        return []
+    return sorted(f.alias or name for name, f in model.model_fields.items() if name != "extra")
+
+
+def _unknown_key(path: str, key: Any, model: Any) -> str:
+    known = _keys(model)
+    hint = difflib.get_close_matches(str(key), known, n=1)
+    did_you_mean = f"; did you mean '{hint[0]}'?" if hint else ""
+    return f"{path}: unknown key{did_you_mean}" + (f" (known keys: {', '.join(known)})" if known else "")
+
+
+def _unwrap(tp: Any) -> Any:
+    """The type a value at a place must have: `X | None` and `Annotated[X, ...]` as X."""
+    while True:
+        origin = typing.get_origin(tp)
+        if origin is Annotated:
+            tp = typing.get_args(tp)[0]
+        elif origin in (Union, types.UnionType):
+            inner = [a for a in typing.get_args(tp) if a is not type(None)]
+            if len(inner) != 1:
+                return tp
+            tp = inner[0]
+        else:
+            return tp
+
+
+def _type_at(loc: tuple) -> Any:
+    """The declared type of the value at a pydantic error's location, walking from Settings."""
+    tp: Any = Settings
+    for part in loc:
+        tp = _unwrap(tp)
+        if isinstance(tp, type) and issubclass(tp, BaseModel):
+            fields = {f.alias or name: f for name, f in tp.model_fields.items()}
+            if part not in fields:
+                return None
+            tp = fields[part].annotation
+        elif typing.get_origin(tp) in (dict, list):
+            tp = typing.get_args(tp)[-1]
+        else:
+            return None
+    return _unwrap(tp)
+
+
+_NAMES = {str: ("a string", "strings"), int: ("an integer", "integers"), float: ("a number", "numbers"),
+          bool: ("true or false", "true or false")}
+
+
+def _type_name(tp: Any, plural: bool = False) -> str:
+    """How messages and the reference name a type: `a list of strings`, `'math' | 'host'`."""
+    tp = _unwrap(tp)
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin is list:
+        return ("lists" if plural else "a list") + f" of {_type_name(typing.get_args(tp)[0], plural=True)}"
+    if origin is dict:
+        values = _type_name(typing.get_args(tp)[1], plural=True)
+        return ("mappings" if plural else "a mapping") + f" of names to {values}"
+    if isinstance(tp, type) and issubclass(tp, BaseModel):
+        return "sections" if plural else "a section"
+    return _NAMES[tp][plural] if tp in _NAMES else str(tp)
+
+
+def _dotted(loc: tuple) -> str:
+    out = TOP_KEY
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else f".{part}"
+    return out
+
+
+def _message(error: dict) -> list[str]:
+    """One pydantic error as this module's messages: `mrlx.dotted.key: what was wrong; what to do`."""
+    kind, value, ctx = error["type"], error.get("input"), error.get("ctx") or {}
+    if kind == _CROSS:
+        return list(ctx["problems"])
+    loc = error["loc"][1:] if error["loc"][:1] == ("extra",) else error["loc"]  # `extra` is no YAML key
+    if loc[-1:] == ("[key]",):
+        return [f"{_dotted(loc[:-2])}: key {_show(loc[-2])} must be a string"]
+    path = _dotted(loc)
+    if kind == "mrlx":
+        return [f"{path}: {ctx['message']}"]
+    if kind == "extra_forbidden":
+        model = _type_at(loc[:-1])
+        return [_unknown_key(path, loc[-1], model)]
+    if kind == "greater_than_equal":
+        bound = "0 or more" if ctx["ge"] == 0 else f"at least {ctx['ge']}"
+        return [f"{path}: got {_show(value)}; expected {bound}"]
+    if kind == "greater_than":
+        unit = " of seconds" if str(loc[-1]).endswith("_s") else ""
+        return [f"{path}: got {_show(value)}; expected " +
+                (f"a positive number{unit}" if ctx["gt"] == 0 else f"more than {ctx['gt']}")]
+    if kind == "less_than_equal":
+        return [f"{path}: got {_show(value)}; expected at most {ctx['le']}"]
+    if kind in ("literal_error", "bool_type"):
+        return [f"{path}: got {_show(value)}; expected {_type_name(_type_at(loc))}"]
+    if kind in ("model_type", "model_attributes_type"):
+        return [f"{path}: got {type(value).__name__} {_show(value)}; expected a mapping of settings"]
+    if kind.endswith(("_type", "_parsing")) and _type_at(loc) is not None:
+        return [f"{path}: got {type(value).__name__} {_show(value)}; expected {_type_name(_type_at(loc))}"]
+    return [f"{path}: {error['msg']}"]
+
+
+def _unshared(value: Any) -> Any:
+    """A copy with no container shared: YAML aliases share one dict among places, and leaving a
+    bad value out of one place must not change the others."""
+    if isinstance(value, dict):
+        return {k: _unshared(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_unshared(v) for v in value]
+    return value
+
+
+def _leave_out(data: dict, loc: tuple) -> bool:
+    """Remove the value a pydantic error is about from `data` (a bad list item takes its whole
+    list), so that the next pass uses that setting's default. False when nothing was there."""
+    loc = loc[1:] if loc[:1] == ("extra",) else loc
+    holder, key, node = None, None, data
+    for part in (p for p in loc if p != "[key]"):
+        if isinstance(node, list):
+            break
+        if not isinstance(node, dict) or part not in node:
+            return False
+        holder, key, node = node, part, node[part]
+    if holder is None:
+        return False
+    del holder[key]
+    return True
 
 
 def parse_settings(data: Any, source: str = "config", known_systems: set[str] | None = None) -> Settings:
-    """Build Settings from the YAML's `mrlx` mapping. Raises ConfigError naming every bad key."""
-    path = TOP_KEY
+    """Build Settings from the YAML's `mrlx` mapping. Raises ConfigError naming every bad key.
+
+    pydantic stops at the first bad value of each place and checks between sections only once
+    every value is good; to report every problem at once, each pass leaves the bad values out
+    (their defaults apply, which are good) and validates again, until only the checks between
+    sections are left."""
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ConfigError(f"{source}: {path}: got {type(data).__name__}; expected a mapping of settings")
-    errors: list[str] = []
-    settings = _build_dataclass(Settings, data, path, errors)
-    _check(settings, path, errors, known_systems)
-    if errors:
-        raise ConfigError(f"{source}: " + ("\n  ".join([f"{len(errors)} problem(s):"] + errors)))
+        raise ConfigError(f"{source}: {TOP_KEY}: got {type(data).__name__}; expected a mapping of settings")
+    problems: list[str] = []
+    context = {"known_systems": known_systems}
+    copied = False
+    while True:
+        try:
+            settings = Settings.model_validate(data, context=context)
+            break
+        except ValidationError as exc:
+            found = exc.errors(include_url=False)
+        for error in found:
+            problems += _message(error)
+        bad = [e["loc"] for e in found if e["type"] != _CROSS]
+        if not copied:
+            data, copied = _unshared(data), True
+        if not any([_leave_out(data, loc) for loc in bad]):
+            break
+    if problems:
+        raise ConfigError(f"{source}: " + "\n  ".join([f"{len(problems)} problem(s):", *problems]))
     return settings
+
+
+# ---------------------------------------------------------------------------------------------
+# The reference of every key, from the models
+# ---------------------------------------------------------------------------------------------
+
+
+def _reference_rows(model: type[BaseModel], prefix: str) -> list[tuple[str, str, str, str]]:
+    rows = []
+    for name, f in model.model_fields.items():
+        key = "<system name>" if (model is Settings and name == "extra") else (f.alias or name)
+        path, tp = f"{prefix}.{key}", _unwrap(f.annotation)
+        optional = type(None) in typing.get_args(f.annotation)
+        inner = typing.get_args(tp)[-1] if typing.get_origin(tp) is dict else None
+        if isinstance(tp, type) and issubclass(tp, BaseModel):
+            rows.append((path, _type_name(tp), "", f.description or ""))
+            rows += _reference_rows(tp, path)
+        elif isinstance(inner, type) and issubclass(inner, BaseModel):
+            rows.append((path, _type_name(tp), "{}", f.description or ""))
+            rows += _reference_rows(inner, f"{path}.NAME")
+        else:
+            default = f.get_default(call_default_factory=True)
+            kind = "any mapping" if name == "extra" else _type_name(tp) + (" or null" if optional else "")
+            rows.append((path, kind, json.dumps(default), f.description or ""))
+    return rows
+
+
+def settings_reference_markdown() -> str:
+    """The reference of every setting as a Markdown table: dotted key, type, default, meaning."""
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|").replace("\n", " ")
+
+    lines = ["| key | type | default | meaning |", "|---|---|---|---|"]
+    for path, kind, default, description in _reference_rows(Settings, TOP_KEY):
+        shown = f"`{cell(default)}`" if default else ""
+        lines.append(f"| `{cell(path)}` | {cell(kind)} | {shown} | {cell(description)} |")
+    return "\n".join(lines) + "\n"
 
 
 # A settings file is a few levels deep and a few hundred values long. These limits stop a
@@ -759,3 +949,4 @@ def read_text_setting(value: str | None, base: Path | None = None, key: str = "s
         f"but {file} {problem} (a relative path is read {where}); fix the path, or write the text itself "
         "(a prompt with spaces, a template with its braces)"
     )
+

@@ -1,11 +1,11 @@
 """Token-in/token-out calls to an SGLang engine (or router) over HTTP.
 
-One `EngineClient` per URL per process, holding a pool of keep-alive connections per event loop
-(see `mrlx_plugin.core.http`), so a rollout reuses its connections across thousands of calls. Every
-call has a deadline and a cap on the size of the answer. Faults that may pass (connection
+One `EngineClient` per URL per process, holding an aiohttp session (a pool of keep-alive
+connections) per event loop, so a rollout reuses its connections across thousands of calls.
+Every call has a deadline and a cap on the size of the answer. Faults that may pass (connection
 resets, timeouts, HTTP 5xx/429, an answer that is not valid HTTP, not the protocol's JSON or
-larger than the cap) are retried a bounded number of times with exponential backoff and jitter;
-the rest raise `EngineError` at once.
+larger than the cap) are retried a bounded number of times with exponential backoff and jitter
+(`mrlx_plugin.core.retry`); the rest raise `EngineError` at once.
 
 The generated token ids and their log-probs are read from `meta_info.output_token_logprobs`,
 never re-tokenised from text, and checked before anyone trains on them: an answer whose values
@@ -17,24 +17,30 @@ tokenizer's vocabulary (`Transcript.turn_from`).
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import math
-import random
-import time
+import re
 import weakref
 from dataclasses import dataclass
 from typing import Any
 
+import aiohttp
 import orjson
+from yarl import URL
 
 from mrlx_plugin.core.config import EngineSettings
-from mrlx_plugin.core.http import MAX_BODY_BYTES, HTTPError, HTTPPool
+from mrlx_plugin.core.retry import Backoff, Deadline, RetriesExhausted, retry
 
 RETRYABLE_STATUS = {429, 500, 502, 503, 504}
 # Log-probs must be <= 0; a sampler's float arithmetic can land a hair above zero for a token of
 # probability ~1. The coordinator accepts the same (coordinator.wire.LOG_PROB_EPSILON).
 LOG_PROB_EPSILON = 1e-3
 MAX_TOKEN_ID = 2**31 - 1  # token ids travel as int32 (coordinator.wire)
+MAX_BODY_BYTES = 32 * 1024 * 1024  # a 32k-token answer with its log-probs is about 1.2 MB
+# Idle connections are dropped before SGLang's HTTP server (uvicorn, 5 s keep-alive) drops them,
+# so a call rarely lands on a connection the server is closing at that moment.
+KEEPALIVE_S = 4.0
 
 
 class EngineError(RuntimeError):
@@ -58,6 +64,10 @@ class MalformedAnswer(EngineError):
 
 class _BadResponse(Exception):
     """A response that does not follow the SGLang protocol (retryable)."""
+
+
+class _Passing(Exception):
+    """A failed attempt that may pass (retried); its message is the EngineError's reason."""
 
 
 class _Malformed(Exception):
@@ -173,39 +183,131 @@ class EngineClient:
         max_answer_bytes: int = MAX_BODY_BYTES,
     ):
         self.url = url.rstrip("/")
+        base = URL(self.url)
+        if base.scheme not in ("http", "https") or not base.host:
+            raise ValueError(f"engine URL {url!r} is not an http(s) URL; give one like http://host:30000")
         self.settings = settings or EngineSettings()
         self.max_answer_bytes = max_answer_bytes  # a larger (or endless) answer is cut off: retryable
-        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
-        self._pools: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, HTTPPool] = weakref.WeakKeyDictionary()
-        self._last: tuple[asyncio.AbstractEventLoop, HTTPPool] | None = None
+        self._generate_url = URL(self.url + "/generate")
+        self._address = f"{base.host}:{base.port}"
+        # Sent with every request from the session itself: headers given per request would be
+        # merged into a new set on every call (measurable at thousands of calls per second).
+        # The body cap counts the bytes on the wire: answers come uncompressed (a small
+        # compressed answer could expand past any cap). Naming these headers here rather than
+        # listing them in `skip_auto_headers` keeps aiohttp on its fast path (no per-call copy).
+        self._headers = {"Content-Type": "application/json", "Accept-Encoding": "identity",
+                         "User-Agent": "mrlx-plugin"}
+        if api_key:
+            self._headers["Authorization"] = f"Bearer {api_key}"
+        s = self.settings
+        self._backoff = Backoff(base_s=s.backoff_s, max_s=s.max_backoff_s)
+        self._sessions: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, aiohttp.ClientSession] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._last: tuple[asyncio.AbstractEventLoop, aiohttp.ClientSession] | None = None
+        self._closing: set[asyncio.Task] = set()
 
-    def _pool(self) -> HTTPPool:
+    def _session(self) -> aiohttp.ClientSession:
         loop = asyncio.get_running_loop()
         last = self._last
         if last is not None and last[0] is loop:
             return last[1]  # the common case: one loop for the whole process
-        pool = self._pools.get(loop)
-        if pool is None:
-            s = self.settings
-            pool = self._pools[loop] = HTTPPool(self.url, s.max_connections, s.connect_timeout_s, self.max_answer_bytes)
-        self._last = (loop, pool)
-        return pool
+        session = self._sessions.get(loop)
+        if session is None or session.closed:
+            self._forget_closed_loops(loop)
+            connector = aiohttp.TCPConnector(limit=self.settings.max_connections, limit_per_host=0,
+                                             keepalive_timeout=KEEPALIVE_S)
+            session = self._sessions[loop] = aiohttp.ClientSession(
+                connector=connector,
+                cookie_jar=aiohttp.DummyCookieJar(),  # an engine sets no cookies: skip the jar's work
+                auto_decompress=False,  # whatever comes, the capped bytes are what is parsed
+                headers=self._headers,
+            )
+        self._last = (loop, session)
+        return session
+
+    def _forget_closed_loops(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Close the sessions of event loops that have ended (the host ran `asyncio.run` again).
+
+        Nothing of a closed loop can be awaited, and closing such a session awaits nothing of
+        it: it only marks the session closed and drops its pool, so no "unclosed client
+        session" report comes when it is collected."""
+        for stale in self._pop_closed_loops():
+            task = loop.create_task(stale.close())
+            self._closing.add(task)  # the loop holds tasks weakly
+            task.add_done_callback(self._closing.discard)
+
+    def _pop_closed_loops(self) -> list[aiohttp.ClientSession]:
+        return [self._sessions.pop(other) for other in list(self._sessions) if other.is_closed()]
 
     async def close(self) -> None:
-        """Close this event loop's idle connections."""
+        """Close this event loop's connections (and the sessions of loops that have ended)."""
         loop = asyncio.get_running_loop()
-        pool = self._pools.pop(loop, None)
-        if self._last is not None and self._last[0] is loop:
+        sessions = self._pop_closed_loops()
+        mine = self._sessions.pop(loop, None)
+        if mine is not None:
+            sessions.append(mine)
+        if self._last is not None and (self._last[0] is loop or self._last[0].is_closed()):
             self._last = None
-        if pool is not None:
-            pool.close()
+        for session in sessions:
+            await session.close()
+
+    # --- one HTTP exchange -----------------------------------------------------------------
+
+    async def _request(self, method: str, url: URL, body: bytes | None, timeout: float) -> tuple[int, bytes]:
+        """Send one request and return (status, body).
+
+        Raises _Passing for whatever may pass: no connection, no answer within `timeout`, an
+        answer that is not HTTP/1.1, or one over `max_answer_bytes`."""
+        try:
+            async with self._session().request(
+                method,
+                url,
+                data=body,
+                timeout=aiohttp.ClientTimeout(total=timeout, sock_connect=self.settings.connect_timeout_s),
+                allow_redirects=False,
+            ) as resp:
+                try:
+                    return resp.status, await self._read_capped(resp)
+                except BaseException:
+                    resp.close()  # a cut-off or abandoned answer: the connection is not reused
+                    raise
+        except aiohttp.ConnectionTimeoutError:
+            raise _Passing(f"connect to {self._address} timed out") from None
+        except asyncio.TimeoutError:
+            raise _Passing(f"no answer within {timeout:.1f}s") from None
+        except aiohttp.ClientConnectorError as exc:
+            os_error = getattr(exc, "os_error", None)  # certificate errors carry none
+            why = getattr(os_error, "strerror", None) or _first_line(str(os_error or exc))
+            raise _Passing(f"cannot connect to {self._address}: {why}") from None
+        except aiohttp.ServerDisconnectedError:
+            raise _Passing("connection closed before the answer (by the server)") from None
+        except aiohttp.ClientPayloadError as exc:
+            raise _Passing(f"the answer was cut off ({_first_line(str(exc))})") from None
+        except aiohttp.ClientResponseError as exc:  # the response parser refused the answer
+            raise _Passing(_not_http(exc.message)) from None
+        except (aiohttp.ClientError, OSError) as exc:
+            raise _Passing(f"{type(exc).__name__}: {_first_line(str(exc))}") from None
+
+    async def _read_capped(self, resp: aiohttp.ClientResponse) -> bytes:
+        """The answer's body, read in chunks and refused once past the cap: an endless body
+        costs one chunk of memory beyond the cap, not the bytes the server keeps sending."""
+        cap = self.max_answer_bytes
+        length = resp.content_length
+        if length is not None and length > cap:
+            raise _Passing(f"the answer is {length} bytes, over the {cap}-byte limit")
+        content = resp.content
+        chunks: list[bytes] = []
+        size = 0
+        while chunk := await content.readany():
+            size += len(chunk)
+            if size > cap:
+                chunks.clear()
+                raise _Passing(f"the answer is over the {cap}-byte limit")
+            chunks.append(chunk)
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     # --- calls -----------------------------------------------------------------------------
-
-    def _backoff(self, attempt: int) -> float:
-        s = self.settings
-        base = min(s.max_backoff_s, s.backoff_s * (2**attempt))
-        return base * (0.5 + random.random() / 2)
 
     async def generate(
         self,
@@ -230,58 +332,57 @@ class EngineClient:
         n_input = len(input_ids)
         max_new = _requested_max(sampling_params)
         del body, input_ids  # the caller's list need not live while the engine works
-        s = self.settings
+        request_timeout = self.settings.request_timeout_s
         where = self.url + "/generate"
-        attempt = 0
+        until = Deadline.until(deadline)
         last = "no attempt made"
-        while True:
-            now = time.monotonic()
-            timeout = s.request_timeout_s if deadline is None else min(s.request_timeout_s, deadline - now)
+
+        async def attempt(n: int) -> GenerateResult:
+            nonlocal last
+            timeout = until.clip(request_timeout)  # one attempt never runs past the call's deadline
             if timeout <= 0:
-                raise EngineError(where, f"deadline passed; last error: {last}", attempt)
+                raise EngineError(where, f"deadline passed; last error: {last}", n)
             try:
-                status, raw = await self._pool().request("POST", "/generate", payload, timeout, self._headers)
+                status, raw = await self._request("POST", self._generate_url, payload, timeout)
                 if status == 200:
-                    ids, logprobs, text, finish, version, meta = parse_generate_response(raw, max_new)
-                    return GenerateResult(
-                        token_ids=ids,
-                        logprobs=logprobs,
-                        text=text,
-                        finish_reason=finish,
-                        weight_version=version,
-                        prompt_tokens=_count(meta, "prompt_tokens", n_input),
-                        cached_tokens=_count(meta, "cached_tokens", 0),
-                        retries=attempt,
-                    )
-                snippet = raw[:200].decode(errors="replace")
-                last = f"HTTP {status}: {snippet}"
+                    try:
+                        ids, logprobs, text, finish, version, meta = parse_generate_response(raw, max_new)
+                        return GenerateResult(
+                            token_ids=ids,
+                            logprobs=logprobs,
+                            text=text,
+                            finish_reason=finish,
+                            weight_version=version,
+                            prompt_tokens=_count(meta, "prompt_tokens", n_input),
+                            cached_tokens=_count(meta, "cached_tokens", 0),
+                            retries=n,
+                        )
+                    except _Malformed as exc:
+                        raise MalformedAnswer(where, str(exc), n + 1) from None
+                    except _BadResponse as exc:
+                        raise _Passing(f"bad response: {exc}") from None
+                reason = f"HTTP {status}: {raw[:200].decode(errors='replace')}"
                 if status not in RETRYABLE_STATUS:
-                    raise EngineError(where, last, attempt + 1, retryable=False)
-            except _Malformed as exc:
-                raise MalformedAnswer(where, str(exc), attempt + 1) from None
-            except _BadResponse as exc:
-                last = f"bad response: {exc}"
-            except asyncio.TimeoutError:
-                last = f"no answer within {timeout:.1f}s"
-            except HTTPError as exc:
+                    raise EngineError(where, reason, n + 1, retryable=False)
+                raise _Passing(reason)
+            except _Passing as exc:
                 last = str(exc)
-            attempt += 1
-            if attempt > s.max_retries:
-                raise EngineError(where, last, attempt)
-            wait = self._backoff(attempt - 1)
-            if deadline is not None and time.monotonic() + wait >= deadline:
-                raise EngineError(where, f"deadline passed; last error: {last}", attempt)
-            await asyncio.sleep(wait)
+                raise
+
+        try:
+            return await retry(attempt, retryable=_is_passing, deadline=until, backoff=self._backoff,
+                               max_retries=self.settings.max_retries)
+        except RetriesExhausted as exc:
+            reason = f"deadline passed; last error: {exc.last}" if exc.deadline_passed else str(exc.last)
+            raise EngineError(where, reason, exc.attempts) from None
 
     async def _call(self, method: str, path: str, body: bytes | None, timeout: float | None) -> Any:
         try:
-            status, raw = await self._pool().request(
-                method, path, body, timeout or self.settings.connect_timeout_s * 3, self._headers
-            )
-        except asyncio.TimeoutError:
-            raise EngineError(self.url + path, "no answer in time") from None
-        except HTTPError as exc:
-            raise EngineError(self.url + path, str(exc)) from None
+            status, raw = await self._request(method, URL(self.url + path), body,
+                                              timeout or self.settings.connect_timeout_s * 3)
+        except _Passing as exc:
+            reason = str(exc)
+            raise EngineError(self.url + path, "no answer in time" if reason.startswith("no answer") else reason) from None
         if status != 200:
             raise EngineError(self.url + path, f"HTTP {status}: {raw[:200].decode(errors='replace')}")
         if not raw.strip():
@@ -294,3 +395,40 @@ class EngineClient:
     async def get_json(self, path: str, timeout: float | None = None) -> Any:
         """GET an endpoint and decode its JSON (health checks, model info, weight version)."""
         return await self._call("GET", path, None, timeout)
+
+
+def _is_passing(exc: BaseException) -> bool:
+    return isinstance(exc, _Passing)
+
+
+def _first_line(text: str) -> str:
+    return text.strip().split("\n", 1)[0][:200]
+
+
+# The response parser quotes the offending line: b'HTTP/1.1 2OO OK' (C parser) or 'HTTP/1.1 2OO OK'.
+_QUOTED = re.compile(r"b?'(?:[^'\\]|\\.)*'" + r'|b?"(?:[^"\\]|\\.)*"')
+
+
+def _quoted_line(message: str) -> str | None:
+    match = _QUOTED.search(message)
+    if match is None:
+        return None
+    try:
+        value = ast.literal_eval(match.group(0))
+    except (ValueError, SyntaxError):
+        return None
+    return value.decode("latin-1") if isinstance(value, bytes) else str(value)
+
+
+def _not_http(message: str) -> str:
+    """Why an answer is not HTTP/1.1, from the response parser's message."""
+    line = _quoted_line(message)
+    if message.startswith("Bad status line"):
+        return f"not an HTTP/1.1 status line: {(line or _first_line(message))[:80]!r}"
+    if "content-length" in message.lower():
+        name, sep, value = (line or "").partition(":")
+        if sep and name.strip().lower() == "content-length":
+            return f"bad Content-Length in the answer: {value.strip()[:40]!r}"
+        return f"bad Content-Length in the answer ({_first_line(message)})"
+    what = _first_line(message).rstrip(":")
+    return f"not a valid HTTP/1.1 answer ({what}: {line[:80]!r})" if line else f"not a valid HTTP/1.1 answer ({what})"

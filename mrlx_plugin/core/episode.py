@@ -18,6 +18,7 @@ import asyncio
 import inspect
 import logging
 import math
+import numbers
 import time
 import uuid
 import zlib
@@ -67,8 +68,6 @@ class Episode:
         self.final_transcript: Transcript | None = None
         self.team_reward: float | None = None
         self.metadata: dict[str, Any] = {}
-        # "team": weight every sample by the team outcome (the pipeline); None: mrlx.rewards.shaping
-        self.shaping: str | None = None
         self.aborted = False
         self.abort_reason: str | None = None
         self.stopped_early = False
@@ -217,7 +216,8 @@ class Episode:
         """
         timeout = self.settings.rewards.grade_timeout_s
         try:
-            result = self.runtime.hooks.mrlx_grade(agent=transcript.agent, transcript=transcript, episode=self)
+            # One plugin at a time (runtime.grade_hook): an awaited None defers like a returned None.
+            result = self.runtime.grade_hook(agent=transcript.agent, transcript=transcript, episode=self)
             if inspect.isawaitable(result):
                 result = await asyncio.wait_for(result, timeout)
             value = 0.0 if result is None else float(result)
@@ -230,7 +230,7 @@ class Episode:
                 reason = f"grading agent {transcript.agent!r} took longer than rewards.grade_timeout_s ({timeout:g} s)"
             else:
                 reason = f"grading agent {transcript.agent!r} failed: {type(exc).__name__}: {exc}"
-            _warn_grade_failure(reason, exc)
+            self.runtime.grade_failures.record(reason, exc)
             self.abort(reason)
             raise EpisodeAborted(reason) from None
         transcript.raw_reward = transcript.reward = value
@@ -309,26 +309,73 @@ class Episode:
         return t.to_sample(self.sample, self.rollout_id, aborted=True, meta=self.sample_meta(t))
 
 
-_grade_failures = 0
+class GradeFailures:
+    """Failed grades of one Runtime: the first few logged with their traceback, then one line in
+    a hundred (a reward model that is down fails every grade)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def record(self, reason: str, exc: BaseException) -> None:
+        self.count += 1
+        if self.count <= 5:
+            logger.warning("%s; the episode's samples are ABORTED", reason, exc_info=exc)
+        elif self.count % 100 == 0:
+            logger.warning("%d grades have failed so far; the latest: %s", self.count, reason)
 
 
-def _warn_grade_failure(reason: str, exc: BaseException) -> None:
-    """The first few failed grades with their traceback, then one line in a hundred."""
-    global _grade_failures
-    _grade_failures += 1
-    if _grade_failures <= 5:
-        logger.warning("%s; the episode's samples are ABORTED", reason, exc_info=exc)
-    elif _grade_failures % 100 == 0:
-        logger.warning("%d grades have failed so far; the latest: %s", _grade_failures, reason)
+class HookResultError(ValueError):
+    """A hook implementation returned something its contract does not allow (names the plugin)."""
+
+
+def shaped_rewards(episode: Episode, rewards: Any, plugin: str | None) -> dict[int, float]:
+    """The rewards an `mrlx_shape_rewards` implementation decided, checked against its contract:
+    a dict of position in `episode.transcripts` -> finite float, one entry per graded transcript.
+    Raises one HookResultError naming the plugin and everything wrong with the answer."""
+    graded = {i for i, t in enumerate(episode.transcripts) if t.raw_reward is not None}
+    where = f"mrlx_shape_rewards of plugin {plugin!r}"
+    expected = ("expected a dict mapping the position in episode.transcripts of each graded transcript "
+                f"(here {sorted(graded)}) to a finite float")
+    if not isinstance(rewards, dict):
+        shown = repr(rewards) if len(repr(rewards)) <= 200 else repr(rewards)[:200] + "..."
+        raise HookResultError(f"{where} returned {shown} ({type(rewards).__name__}); {expected}")
+    problems = []
+    positions = {k: int(k) for k in rewards if isinstance(k, numbers.Integral) and not isinstance(k, bool)}
+    keys = set(positions.values())
+    if len(positions) != len(rewards):
+        others = sorted(repr(k) for k in rewards if k not in positions)
+        problems.append("keys that are not positions: " + ", ".join(others))
+    missing = sorted(graded - keys)
+    if missing:
+        problems.append("no reward for graded transcript(s) "
+                        + ", ".join(f"{i} ({episode.transcripts[i].label})" for i in missing))
+    extra = sorted(keys - graded)
+    if extra:
+        problems.append(f"positions {extra} are not graded transcripts")
+    bad = {k: v for k, v in rewards.items() if not _finite_number(v)}
+    if bad:
+        problems.append("rewards that are not finite numbers: "
+                        + ", ".join(f"{k!r}: {v!r}" for k, v in list(bad.items())[:5]))
+    if problems:
+        raise HookResultError(f"{where} returned a wrong answer for episode {episode.id}: "
+                              + "; ".join(problems) + f"; {expected}")
+    return {positions[k]: float(v) for k, v in rewards.items()}
+
+
+def _finite_number(value: Any) -> bool:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return False
+    return math.isfinite(float(value))
 
 
 async def run_episode(runtime: Any, sample: Any, sampling_params: dict[str, Any] | None, evaluation: bool,
-                      host_aborted: Callable[[], bool] | None = None) -> Any:
-    """Run the configured system on one input sample; return the host's sample(s).
+                      host_aborted: Callable[[], bool] | None = None) -> tuple[Episode, Any]:
+    """Run the configured system on one input sample; return the episode and the host's sample(s).
 
     Training: a list of samples for the agents this job trains, sharing the input's rollout id.
     Evaluation: one sample holding the team's final answer, its reward the final answer's grade.
-    `host_aborted` tells whether the host has ended the rollout (no new turn starts then).
+    `host_aborted` tells whether the host has ended the rollout (no new turn starts then). The
+    episode is returned for the caller's own use of it (the samples of agents other jobs train).
     """
     episode = Episode(runtime, sample, sampling_params, evaluation, host_aborted)
     try:
@@ -337,7 +384,6 @@ async def run_episode(runtime: Any, sample: Any, sampling_params: dict[str, Any]
         pass
     except asyncio.CancelledError:
         raise
-    hooks = runtime.hooks
     if not episode.aborted:
         try:
             for t in episode.transcripts:
@@ -349,22 +395,19 @@ async def run_episode(runtime: Any, sample: Any, sampling_params: dict[str, Any]
         except EpisodeAborted:
             pass
     if not episode.aborted:
-        hooks.mrlx_shape_rewards(episode=episode, settings=runtime.settings)
+        plugin, rewards = runtime.shape_hook.answer(episode=episode, settings=runtime.settings,
+                                                    team_shaping=runtime.team_shaping)
+        if rewards is not None:
+            for i, value in shaped_rewards(episode, rewards, plugin).items():
+                episode.transcripts[i].reward = value
     if evaluation:
         samples = [_evaluation_sample(episode)]
     else:
         samples = episode.samples_of([a for a in runtime.settings.agents if runtime.trains_here(a)], every_agent=False)
-        if runtime.outbox is not None:  # other jobs' agents: their samples go through the coordinator
-            if runtime.current_step is None:
-                raise ConfigError(
-                    f"{runtime.source}: this job's episodes have samples for {', '.join(runtime.peer_agents())}, "
-                    "trained by other jobs; set --rollout-function-path mrlx_plugin.rollout.initiator_rollout"
-                )
-            runtime.outbox.add(episode, {a: episode.samples_of([a], every_agent=True) for a in runtime.peer_agents()})
-    hooks.mrlx_episode_end(episode=episode, samples=samples)
+    runtime.hooks.mrlx_episode_end(episode=episode, samples=samples)
     if episode.aborted:
         logger.debug("episode %s aborted: %s", episode.id, episode.abort_reason)
-    return samples[0] if evaluation else samples
+    return episode, (samples[0] if evaluation else samples)
 
 
 def _evaluation_sample(episode: Episode) -> Any:

@@ -8,11 +8,14 @@ uses the dataclasses below, which have the same field names and status values.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import enum
 import os
-from dataclasses import dataclass, field
+import threading
+import weakref
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 HOST: str | None = None
 
@@ -34,7 +37,7 @@ if HOST is None:
 
     @dataclass
     class Sample:  # type: ignore[no-redef]
-        """The host's Sample, field for field where a plugin touches it (SLIME_CONTRACT.md section 3)."""
+        """The host's Sample, field for field where a plugin touches it (docs/host-contract.md section 3)."""
 
         group_index: int | None = None
         index: int | None = None
@@ -221,40 +224,109 @@ class _LoopThread:
     """A persistent event loop on a daemon thread, like slime's own (used when no host is present)."""
 
     def __init__(self) -> None:
-        import asyncio
-        import threading
-
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="mrlx-rollout-loop", daemon=True)
         self.thread.start()
 
     def run(self, coro: Any) -> Any:
-        import asyncio
-
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
 
 
-_OWN_LOOP: _LoopThread | None = None
+T = TypeVar("T")
+
+
+class HostProcess:
+    """What the plugin keeps for the life of the host's rollout process, in one place.
+
+    It is process-wide because the host calls flat functions (`generate(args, sample, ...)`,
+    `initiator_rollout(args, rollout_id, ...)`, `reward(args, sample)`) that receive nothing but
+    the host's `args`: what those calls share (the Runtime built from `args`, the math grader's
+    worker) can only be found again from `args`, and the coroutines they hand over need one event
+    loop that outlives every call. This object is the one owner of all of that:
+
+    - `for_args(args, kind, build)`: one object per (host `args`, kind), built on first use;
+    - `run(coro)`: the host's rollout event loop, or the plugin's own loop thread without a host;
+    - `miles_rollout(args, data_source)`: Miles' class-based default rollout, one per data source.
+
+    Everything else (tokenizers, engine clients, counters) belongs to the Runtime of its `args`.
+    """
+
+    def __init__(self) -> None:
+        # `argparse.Namespace` is unhashable: objects are keyed by id(args), guarded by a weak
+        # reference against the id's reuse by a later args object.
+        self._per_args: dict[tuple[int, str], tuple[Callable[[], Any], Any]] = {}
+        # Re-entrant: building one per-args object (the Runtime) may ask for another (its verifier).
+        self._lock = threading.RLock()
+        self._own_loop: _LoopThread | None = None
+        self._loop_lock = threading.Lock()  # not the build lock: a long build must not hold up the loop
+        self._miles_rollouts: dict[int, tuple[Any, Any]] = {}
+
+    def cached(self, args: Any, kind: str) -> Any | None:
+        """The `kind` object of `args` if it was built, else None (never blocks)."""
+        entry = self._per_args.get((id(args), kind))
+        if entry is not None and entry[0]() is args:
+            return entry[1]
+        return None
+
+    def for_args(self, args: Any, kind: str, build: Callable[[], T]) -> T:
+        """The `kind` object of `args`, built by `build()` on first use (one build at a time)."""
+        value = self.cached(args, kind)
+        if value is not None:
+            return value
+        with self._lock:
+            value = self.cached(args, kind)
+            if value is None:
+                value = build()
+                try:
+                    ref: Callable[[], Any] = weakref.ref(args)
+                except TypeError:  # an args object without weakref support: keep it alive instead
+                    ref = (lambda a: (lambda: a))(args)
+                # Forget objects of args that are gone, so that ids can be reused safely.
+                for key in [k for k, (r, _) in self._per_args.items() if r() is None]:
+                    del self._per_args[key]
+                self._per_args[(id(args), kind)] = (ref, value)
+            return value
+
+    def run(self, coro: Any) -> Any:
+        """Run `coro` to completion on the host's rollout event loop and return its result.
+
+        slime and Miles run every rollout coroutine (the generate function included) on one
+        persistent background loop; rollout functions are synchronous and hand coroutines to it.
+        The plugin does the same, so its connections and background tasks live in one loop.
+        """
+        for module in ("slime.utils.async_utils", "miles.utils.async_utils"):
+            if HOST is not None and module.startswith(HOST):
+                try:
+                    run = __import__(module, fromlist=["run"]).run
+                except ImportError:
+                    break
+                return run(coro)
+        if self._own_loop is None:
+            with self._loop_lock:
+                if self._own_loop is None:
+                    self._own_loop = _LoopThread()
+        return self._own_loop.run(coro)
+
+    def miles_rollout(self, args: Any, data_source: Any) -> Any:
+        """Miles' class-based rollout for `data_source`: built once and kept (it keeps state across
+        calls: its GenerateState, eval datasets), like the one Miles' rollout manager would build."""
+        from miles.rollout.base_types import RolloutFnConstructorInput
+        from miles.rollout.inference_rollout.inference_rollout_common import InferenceRolloutFn
+
+        entry = self._miles_rollouts.get(id(data_source))
+        if entry is None or entry[0] is not data_source:
+            entry = self._miles_rollouts[id(data_source)] = (
+                data_source, InferenceRolloutFn(RolloutFnConstructorInput(args=args, data_source=data_source))
+            )
+        return entry[1]
+
+
+HOST_PROCESS = HostProcess()
 
 
 def run_in_host_loop(coro: Any) -> Any:
-    """Run `coro` to completion on the host's rollout event loop and return its result.
-
-    slime and Miles run every rollout coroutine (the generate function included) on one
-    persistent background loop; rollout functions are synchronous and hand coroutines to it.
-    The plugin does the same, so its connections and background tasks live in one loop.
-    """
-    global _OWN_LOOP
-    for module in ("slime.utils.async_utils", "miles.utils.async_utils"):
-        if HOST is not None and module.startswith(HOST):
-            try:
-                run = __import__(module, fromlist=["run"]).run
-            except ImportError:
-                break
-            return run(coro)
-    if _OWN_LOOP is None:
-        _OWN_LOOP = _LoopThread()
-    return _OWN_LOOP.run(coro)
+    """Run `coro` to completion on the host's rollout event loop (see `HostProcess.run`)."""
+    return HOST_PROCESS.run(coro)
 
 
 def host_default_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: bool = False) -> Any:
@@ -292,11 +364,6 @@ def miles_uses_legacy_rollout() -> bool:
     return bool(use_legacy_rollout_v1())
 
 
-# Miles' class-based rollout keeps state across calls (its GenerateState, eval datasets): one
-# instance per data source, like the one Miles' rollout manager would have built.
-_MILES_ROLLOUTS: dict[int, tuple[Any, Any]] = {}
-
-
 def _miles_default_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: bool) -> Any:
     from miles.rollout.base_types import call_rollout_fn
 
@@ -304,14 +371,8 @@ def _miles_default_rollout(args: Any, rollout_id: int, data_source: Any, evaluat
         from miles.rollout.sglang_rollout import generate_rollout
 
         return call_rollout_fn(generate_rollout, args, rollout_id, data_source, evaluation=evaluation)
-    from miles.rollout.base_types import RolloutFnConstructorInput, RolloutFnEvalInput, RolloutFnTrainInput
+    from miles.rollout.base_types import RolloutFnEvalInput, RolloutFnTrainInput
     from miles.rollout.inference_rollout.compatibility import call_rollout_function
-    from miles.rollout.inference_rollout.inference_rollout_common import InferenceRolloutFn
 
-    entry = _MILES_ROLLOUTS.get(id(data_source))
-    if entry is None or entry[0] is not data_source:
-        entry = _MILES_ROLLOUTS[id(data_source)] = (
-            data_source, InferenceRolloutFn(RolloutFnConstructorInput(args=args, data_source=data_source))
-        )
     rollout_input = RolloutFnEvalInput(rollout_id=rollout_id) if evaluation else RolloutFnTrainInput(rollout_id=rollout_id)
-    return call_rollout_function(entry[1], rollout_input)
+    return call_rollout_function(HOST_PROCESS.miles_rollout(args, data_source), rollout_input)

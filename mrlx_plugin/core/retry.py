@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 T = TypeVar("T")
+_DEADLINE_PASSED = "deadline passed"
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,13 @@ class Deadline:
     def __init__(self, seconds: float | None):
         self.at = None if seconds is None else time.monotonic() + max(0.0, seconds)
 
+    @classmethod
+    def until(cls, instant: float | None) -> Deadline:
+        """The deadline at a `time.monotonic()` instant a caller already holds (None: none)."""
+        deadline = cls(None)
+        deadline.at = instant
+        return deadline
+
     def remaining(self) -> float:
         return math.inf if self.at is None else max(0.0, self.at - time.monotonic())
 
@@ -57,6 +65,11 @@ class RetriesExhausted(Exception):
     def __init__(self, last: BaseException, attempts: int, why: str):
         super().__init__(f"{why} after {attempts} attempt(s); last error: {last}")
         self.last, self.attempts, self.why = last, attempts, why
+
+    @property
+    def deadline_passed(self) -> bool:
+        """True when the deadline, not the retry budget, ended the retries."""
+        return self.why == _DEADLINE_PASSED
 
 
 async def retry(
@@ -84,7 +97,7 @@ async def retry(
                 raise RetriesExhausted(exc, attempt, f"{max_retries} retries used") from exc
             wait = max(backoff.delay(attempt), float(getattr(exc, "retry_after_s", 0.0) or 0.0))
             if wait >= deadline.remaining():
-                raise RetriesExhausted(exc, attempt, "deadline passed") from exc
+                raise RetriesExhausted(exc, attempt, _DEADLINE_PASSED) from exc
             if on_retry is not None:
                 on_retry(attempt, exc, wait)
             await asyncio.sleep(wait)

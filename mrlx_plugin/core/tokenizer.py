@@ -2,8 +2,9 @@
 
 A slime rollout process makes thousands of model calls per step; the host's own multi-agent
 example reloaded the tokenizer on every call. Here a tokenizer is loaded once per (path, chat
-template), prompts are rendered through the agent's own chat template, and rendered prompts
-are cached, so the eight episodes of one prompt group tokenize their shared prompt once.
+template) by the `TokenizerCache` of the process's Runtime (agents of one model share it),
+prompts are rendered through the agent's own chat template, and rendered prompts are cached,
+so the eight episodes of one prompt group tokenize their shared prompt once.
 
 Message content is text, never markup. What one agent wrote, a tool returned or a dataset holds
 may contain the strings of the reader's special tokens (`<|im_end|>`, `<|im_start|>system`); a
@@ -22,9 +23,6 @@ from collections import OrderedDict
 from typing import Any
 
 from mrlx_plugin.core.config import ConfigError
-
-_LOADED: dict[tuple[str, str | None], AgentTokenizer] = {}
-_LOCK = threading.Lock()
 
 # Paragraph breaks: after a blank line, before the next non-space character. Byte-level BPE
 # tokenizers (GPT-2, Llama 3, Qwen) never merge across such a point, so encoding the paragraphs
@@ -328,27 +326,38 @@ def _byte_table(tok: AgentTokenizer) -> list[bytes] | None:
 
 
 def load_tokenizer(path: str, chat_template: str | None = None, key_hint: str = "") -> AgentTokenizer:
-    """Load (once per process) the tokenizer at `path`, with an optional chat template override."""
-    cache_key = (path, chat_template)
-    with _LOCK:
-        tok = _LOADED.get(cache_key)
-        if tok is not None:
+    """Load the tokenizer at `path`, with an optional chat template override (blocking; uncached:
+    a Runtime loads through its `TokenizerCache`)."""
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise ConfigError(
+            "transformers is needed to load tokenizers; it comes with slime/Miles images, "
+            "or install this package with the 'local' extra"
+        ) from None
+    try:
+        hf = AutoTokenizer.from_pretrained(path, trust_remote_code=True)
+    except Exception as exc:  # noqa: BLE001 - the loader raises many types; all mean "bad path"
+        where = f"{key_hint}: " if key_hint else ""
+        raise ConfigError(f"{where}cannot load a tokenizer from {path!r}: {exc}") from None
+    if chat_template is not None:
+        hf.chat_template = chat_template
+    tok = AgentTokenizer(hf, name=path)
+    tok.answer_text([])  # build the byte table now, not on the first answer (in the event loop)
+    return tok
+
+
+class TokenizerCache:
+    """Tokenizers loaded once per (path, chat template): agents of one model share one tokenizer,
+    and with it its caches of rendered prompts. Owned by the Runtime that loads through it."""
+
+    def __init__(self) -> None:
+        self._loaded: dict[tuple[str, str | None], AgentTokenizer] = {}
+        self._lock = threading.Lock()  # loads happen in threads (the Runtime is built off the loop)
+
+    def load(self, path: str, chat_template: str | None = None, key_hint: str = "") -> AgentTokenizer:
+        with self._lock:
+            tok = self._loaded.get((path, chat_template))
+            if tok is None:
+                tok = self._loaded[(path, chat_template)] = load_tokenizer(path, chat_template, key_hint)
             return tok
-        try:
-            from transformers import AutoTokenizer
-        except ImportError:
-            raise ConfigError(
-                "transformers is needed to load tokenizers; it comes with slime/Miles images, "
-                "or install this package with the 'local' extra"
-            ) from None
-        try:
-            hf = AutoTokenizer.from_pretrained(path, trust_remote_code=True)
-        except Exception as exc:  # noqa: BLE001 - the loader raises many types; all mean "bad path"
-            where = f"{key_hint}: " if key_hint else ""
-            raise ConfigError(f"{where}cannot load a tokenizer from {path!r}: {exc}") from None
-        if chat_template is not None:
-            hf.chat_template = chat_template
-        tok = AgentTokenizer(hf, name=path)
-        tok.answer_text([])  # build the byte table now, not on the first answer (in the event loop)
-        _LOADED[cache_key] = tok
-        return tok

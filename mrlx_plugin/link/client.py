@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import random
 import socket
 import time
 import weakref
@@ -27,7 +26,8 @@ from typing import Any
 import aiohttp
 import orjson
 
-from mrlx_plugin.link.wire import CONTENT_TYPE, token_from_env_or_file, BufferPool, QueueItem, decode_frame, encode_items_into
+from mrlx_plugin.core.retry import Backoff, Deadline, RetriesExhausted, retry
+from mrlx_plugin.link.wire import CONTENT_TYPE, BufferPool, QueueItem, decode_frame, encode_items_into
 
 log = logging.getLogger("mrlx.coordinator.client")
 
@@ -75,6 +75,22 @@ class Lease:
     # Groups set aside (never delivered again): {"group", "size", "step", "producer", "reason"};
     # with `step`, every one of that step, else those this call set aside.
     dead: list[dict[str, Any]] = field(default_factory=list)
+
+
+class _Passing(Exception):
+    """A failure of one attempt that may pass (unreachable, timed out, 429, 502-504): retried."""
+
+    def __init__(self, problem: str, status: int | None = None, retry_after_s: float = 0.0) -> None:
+        super().__init__(problem)
+        self.problem, self.status, self.retry_after_s = problem, status, retry_after_s
+
+
+def _retry_after(value: str | None) -> float:
+    """Seconds of a Retry-After header (0 when absent or not a number of seconds)."""
+    try:
+        return max(0.0, float(value or 0))
+    except ValueError:
+        return 0.0
 
 
 def _error_text(body: bytes) -> str:
@@ -191,8 +207,7 @@ class CoordinatorClient:
         default `outage_deadline_s`) and at most `max_retries` retries (default the client's; None:
         until the deadline). Returns (status, headers, body), the body as `reader` returns it
         (default: bytes)."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + (deadline_s if deadline_s is not None else self.outage_deadline_s)
+        deadline = Deadline(deadline_s if deadline_s is not None else self.outage_deadline_s)
         if max_retries is None:
             max_retries = self.max_retries
         headers = {}
@@ -203,9 +218,8 @@ class CoordinatorClient:
         elif data is not None:
             headers["Content-Type"] = CONTENT_TYPE
         timeout = aiohttp.ClientTimeout(total=self.request_timeout_s + extra_timeout_s)
-        attempt = 0
-        while True:
-            retry_after = 0.0
+
+        async def attempt(_: int) -> tuple[int, Any, Any]:
             try:
                 async with self._session().request(
                     method, url, data=payload, headers=headers, timeout=timeout
@@ -218,24 +232,30 @@ class CoordinatorClient:
                     if resp.status not in RETRYABLE_STATUS:
                         self._reached()
                         raise CoordinatorError(f"coordinator {method} {url} failed: {problem}", resp.status)
-                    try:
-                        retry_after = float(resp.headers.get("Retry-After", "0"))
-                    except ValueError:
-                        retry_after = 0.0
-                    status: int | None = resp.status
+                    raise _Passing(problem, resp.status, _retry_after(resp.headers.get("Retry-After")))
             except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError) as exc:
-                problem = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-                status = None
-            attempt += 1
-            remaining = deadline - loop.time()
-            if remaining <= 0 or (max_retries is not None and attempt > max_retries):
-                raise CoordinatorUnavailable(
-                    f"coordinator {method} {url} did not succeed after {attempt} attempts: {problem}", status
-                )
-            self._waiting(method, url, problem, status, remaining)
-            delay = min(self.backoff_max_s, self.backoff_base_s * (2 ** min(attempt - 1, 16)))
-            delay = max(retry_after, delay * random.uniform(0.5, 1.0))
-            await asyncio.sleep(min(delay, remaining))
+                raise _Passing(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__) from exc
+
+        def on_retry(_: int, exc: BaseException, wait: float) -> None:
+            assert isinstance(exc, _Passing)
+            self._waiting(method, url, exc.problem, exc.status, deadline.remaining())
+
+        try:
+            return await retry(
+                attempt,
+                retryable=lambda exc: isinstance(exc, _Passing),
+                deadline=deadline,
+                backoff=Backoff(self.backoff_base_s, self.backoff_max_s),
+                max_retries=max_retries,
+                on_retry=on_retry,
+            )
+        except RetriesExhausted as exc:
+            last = exc.last
+            assert isinstance(last, _Passing)
+            raise CoordinatorUnavailable(
+                f"coordinator {method} {url} did not succeed after {exc.attempts} attempts: {last.problem}",
+                last.status,
+            ) from None
 
     def _waiting(self, method: str, url: str, problem: str, status: int | None, remaining: float) -> None:
         """Say what the job waits for, at the first failure and every few seconds after."""

@@ -36,29 +36,35 @@ import json
 import logging
 import os
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mrlx_plugin.core.config import ConfigError
 from mrlx_plugin.core.host import Sample, Status
 from mrlx_plugin.link.client import CoordinatorClient, CoordinatorError
-from mrlx_plugin.link.wire import QueueItem, as_list, token_from_env_or_file
+from mrlx_plugin.link.wire import SAMPLE_FIELDS, QueueItem, as_list, token_from_env_or_file
+
+if TYPE_CHECKING:
+    from mrlx_plugin.core.config import CoordinatorSettings, Settings
+    from mrlx_plugin.core.tokenizer import AgentTokenizer
 
 logger = logging.getLogger(__name__)
 
 
-def make_client(runtime: Any) -> CoordinatorClient:
-    c = runtime.settings.coordinator
+def make_client(settings: Settings, source: str) -> CoordinatorClient:
+    """This job's coordinator client, from its settings (`source`: where they came from, for messages)."""
+    c = settings.coordinator
     if not c.url:
-        raise ConfigError(f"{runtime.source}: mrlx.coordinator.url is not set; a multi-model job needs the coordinator")
-    if runtime.settings.self_agent is None:
-        raise ConfigError(f"{runtime.source}: mrlx.self is not set; name the agent this job trains")
+        raise ConfigError(f"{source}: mrlx.coordinator.url is not set; a multi-model job needs the coordinator")
+    if settings.self_agent is None:
+        raise ConfigError(f"{source}: mrlx.self is not set; name the agent this job trains")
     try:
         token = token_from_env_or_file(c.token_env, c.token_file)
     except ValueError as exc:
-        raise ConfigError(f"{runtime.source}: mrlx.coordinator.token_file: {exc}") from None
+        raise ConfigError(f"{source}: mrlx.coordinator.token_file: {exc}") from None
     outage = max(1.0, float(getattr(c, "outage_deadline_s", 600.0)))
-    return CoordinatorClient(c.url, run_id=runtime.settings.run_id, agent=runtime.settings.self_agent, token=token,
+    return CoordinatorClient(c.url, run_id=settings.run_id, agent=settings.self_agent, token=token,
                              request_timeout_s=c.request_timeout_s, outage_deadline_s=outage,
                              commit_deadline_s=max(c.wait_deadline_s, outage))
 
@@ -136,7 +142,7 @@ def filler_sample(agent: str, *, group_index: Any, index: Any, rollout_id: Any, 
     """An ABORTED sample that trains nothing and that any model can take: reward 0.0, zero loss
     mask, `remove_sample`, two token ids (`pad_id`), no weight version. It stands in for a sample
     that cannot be trained, so that a step keeps its sample count."""
-    from mrlx_plugin.core.host import Sample, Status
+    from mrlx_plugin.core.host import Sample
 
     sample = Sample()
     for name, value in (("group_index", group_index), ("index", index), ("rollout_id", rollout_id),
@@ -172,16 +178,21 @@ class PeerOutbox:
     """Other agents' samples of this job's episodes, committed per prompt group at rollout end.
 
     The generate function adds each episode's samples for other agents as soon as its rewards are
-    known. When the host's rollout returns, `drain` commits the groups the host kept for this
-    job's step, each in one request, and drops the rest (groups the host over-sampled and then
-    filtered out or aborted): so every peer gets exactly this step's prompt groups, one step's
-    worth per step, and its queue does not grow with the host's over-sampling. A sample the
-    peer's model could not take (`limits`, read once by the rollout function) is committed as an
-    ABORTED filler instead, and counted.
+    known, into the step its rollout function opened (`open_step`: samples without an open step
+    mean the job runs episodes outside `initiator_rollout`, which is refused). When the host's
+    rollout returns, `drain` commits the groups the host kept for this job's step, each in one
+    request, and drops the rest (groups the host over-sampled and then filtered out or aborted):
+    so every peer gets exactly this step's prompt groups, one step's worth per step, and its queue
+    does not grow with the host's over-sampling. A sample the peer's model could not take
+    (`limits`, read once by the rollout function) is committed as an ABORTED filler instead, and
+    counted.
     """
 
-    def __init__(self, runtime: Any):
-        self.runtime = runtime
+    def __init__(self, settings: Settings, source: str, peer_agents: Sequence[str]):
+        self.settings = settings  # this job's: who produces (`self`), the coordinator's settings
+        self.source = source
+        self.peer_agents = list(peer_agents)  # trainable agents that other jobs train
+        self.step: int | None = None  # the initiator's step its rollout function opened
         self.groups: dict[Any, _Group] = {}
         self.stats = self._zero()
         self.limits: dict[str, ModelLimits] = {}  # peer agent -> what its model takes
@@ -193,26 +204,45 @@ class PeerOutbox:
         return {"groups_sent": 0, "samples_sent": 0, "groups_not_kept": 0, "groups_all_aborted": 0, "duplicates": 0,
                 "items_refused": 0, "stale": 0}
 
-    def load_limits(self, args: Any) -> None:
-        """Read each peer's limits (blocking: from the rollout function, before its loop runs)."""
-        for agent in self.runtime.peer_agents():
+    def open_step(self, step: int) -> None:
+        """The initiator's rollout function has begun its step `step`: episodes may add samples.
+        It stays open until the next step opens (episodes the host aborted may end after `drain`;
+        their groups are not kept, and are dropped at the next drain)."""
+        self.step = step
+
+    def require_step(self) -> None:
+        """Refuse to run training episodes whose peer samples would have no step to go to."""
+        if self.step is None:
+            raise ConfigError(
+                f"{self.source}: this job's episodes have samples for {', '.join(self.peer_agents)}, "
+                "trained by other jobs, but no step is open: episodes ran outside "
+                "mrlx_plugin.rollout.initiator_rollout; set --rollout-function-path "
+                "mrlx_plugin.rollout.initiator_rollout"
+            )
+
+    def load_limits(self, args: Any, tokenizers: Mapping[str, AgentTokenizer]) -> None:
+        """Read each peer's limits (blocking: from the rollout function, before its loop runs):
+        its model's config next to its tokenizer (or `args.hf_checkpoint`), else the tokenizer's
+        vocabulary."""
+        for agent in self.peer_agents:
             if agent in self.limits:
                 continue
-            settings = self.runtime.settings.agents[agent]
-            tokenizer = self.runtime.tokenizers.get(agent)
+            settings = self.settings.agents[agent]
+            tokenizer = tokenizers.get(agent)
             path = settings.tokenizer or getattr(args, "hf_checkpoint", None)
             self.limits[agent] = read_model_limits(None, path, getattr(tokenizer, "vocab_size", None))
             eos = getattr(tokenizer, "eos_token_id", None)
             self.pad_ids[agent] = eos if isinstance(eos, int) and eos >= 0 else 0
 
-    def add(self, episode: Any, peer_samples: dict[str, list[Any]]) -> None:
+    def add(self, group_index: Any, episode_id: str, peer_samples: dict[str, list[Any]]) -> None:
         """Record one ended episode's samples for other agents (rewards are final by now)."""
-        group = self.groups.setdefault(episode.sample.group_index, _Group())
+        self.require_step()
+        group = self.groups.setdefault(group_index, _Group())
         group.episodes += 1
         for agent, samples in peer_samples.items():
             bucket = group.samples.setdefault(agent, [])
             for i, s in enumerate(samples):
-                bucket.append((f"{episode.id}:{agent}:{i}", s))
+                bucket.append((f"{episode_id}:{agent}:{i}", s))
 
     def _checked(self, agent: str, sample: Any) -> Any:
         limits = self.limits.get(agent)
@@ -228,8 +258,8 @@ class PeerOutbox:
                              rollout_id=getattr(sample, "rollout_id", None), reason=problem, metadata=metadata,
                              pad_id=self.pad_ids.get(agent, 0))
 
-    async def _send(self, group_index: Any, group: _Group, step: int) -> list[str]:
-        producer = self.runtime.settings.self_agent
+    async def _send(self, client: CoordinatorClient, group_index: Any, group: _Group, step: int) -> list[str]:
+        producer = self.settings.self_agent
         failures = []
         for agent, keyed in group.samples.items():
             keyed = [(k, self._checked(agent, s)) for k, s in keyed]
@@ -241,7 +271,7 @@ class PeerOutbox:
             items = [item_from_sample(s, key=k, group=name, group_size=len(keyed), producer=producer, step=step)
                      for k, s in keyed]
             try:
-                result = await self.runtime.coordinator.commit(agent, items)
+                result = await client.commit(agent, items)
             except CoordinatorError as exc:
                 failures.append(f"group {name} for {agent!r}: {exc}")
                 continue
@@ -251,8 +281,9 @@ class PeerOutbox:
             self.stats["stale"] += result.stale
         return failures
 
-    async def drain(self, step: int, kept: set[Any] | None) -> dict[str, float]:
-        """Commit the groups in `kept` (all when None), drop the others; raise if a commit failed.
+    async def drain(self, client: CoordinatorClient, step: int, kept: set[Any] | None) -> dict[str, float]:
+        """Commit the groups in `kept` (all when None) through `client`, drop the others; raise if
+        a commit failed.
 
         Commits retry through coordinator restarts and backpressure until their deadline; a
         group that still cannot be committed fails the rollout loudly rather than vanishing.
@@ -260,7 +291,7 @@ class PeerOutbox:
         groups, self.groups = self.groups, {}
         chosen = {k: g for k, g in groups.items() if kept is None or k in kept}
         self.stats["groups_not_kept"] += len(groups) - len(chosen)
-        results = await asyncio.gather(*(self._send(k, g, step) for k, g in chosen.items()))
+        results = await asyncio.gather(*(self._send(client, k, g, step) for k, g in chosen.items()))
         failures = [f for r in results for f in r]
         step_stats = {f"coordinator/{k}": float(v) for k, v in self.stats.items()}
         self.stats = self._zero()
@@ -269,21 +300,22 @@ class PeerOutbox:
         return step_stats
 
 
-def items_per_step(args: Any, runtime: Any, agent: str) -> tuple[int, str]:
-    """How many items one step hands `agent`'s queue: (count, how it was counted)."""
+def items_per_step(args: Any, fan_out: Mapping[str, int] | None, agent: str) -> tuple[int, str]:
+    """How many items one step hands `agent`'s queue: (count, how it was counted). `fan_out`: the
+    system's samples per episode and agent (None: one)."""
     groups = int(getattr(args, "rollout_batch_size", 1) or 1)
     per_prompt = int(getattr(args, "n_samples_per_prompt", 1) or 1)
-    fan = (runtime.fan_out or {}).get(agent) or 1
+    fan = (fan_out or {}).get(agent) or 1
     how = f"{groups} groups (--rollout-batch-size) x {per_prompt} samples per prompt (--n-samples-per-prompt)"
     if fan != 1:
         how += f" x {fan} samples per episode for {agent!r}"
     return groups * per_prompt * fan, how
 
 
-async def check_queue_depth(runtime: Any, agent: str, need: int, how: str, source: str) -> None:
+async def check_queue_depth(client: CoordinatorClient, agent: str, need: int, how: str, source: str) -> None:
     """Refuse a coordinator whose queue for `agent` cannot hold `need` items: the producer would
     block on a full queue that its consumer cannot drain before it has its whole step."""
-    info = await runtime.coordinator.queue_info(agent)
+    info = await client.queue_info(agent)
     depth = info.get("max_depth")
     if isinstance(depth, int) and depth < need:
         raise ConfigError(
@@ -294,20 +326,21 @@ async def check_queue_depth(runtime: Any, agent: str, need: int, how: str, sourc
         )
 
 
-async def initiator_barrier(runtime: Any, rollout_id: int) -> dict[str, float]:
-    """Report this job's version; wait until every trainable peer is within the staleness bound."""
-    c = runtime.settings.coordinator
-    client = runtime.coordinator
-    outbox = runtime.outbox
-    if outbox is not None and not outbox.depth_checked:
-        for agent in runtime.peer_agents():
-            need, how = items_per_step(runtime.args, runtime, agent)
-            await check_queue_depth(runtime, agent, need, f"one step of this job: {how}", runtime.source)
+async def initiator_barrier(client: CoordinatorClient, outbox: PeerOutbox, args: Any, rollout_id: int,
+                            fan_out: Mapping[str, int] | None) -> dict[str, float]:
+    """Report this job's version; wait until every trainable peer (`outbox.peer_agents`) is within
+    the staleness bound. The first call also checks that each peer's queue holds one step of this
+    job (`args`' batch flags times the system's `fan_out`)."""
+    c = outbox.settings.coordinator
+    if not outbox.depth_checked:
+        for agent in outbox.peer_agents:
+            need, how = items_per_step(args, fan_out, agent)
+            await check_queue_depth(client, agent, need, f"one step of this job: {how}", outbox.source)
         outbox.depth_checked = True
     await client.heartbeat()
     await client.report_version(rollout_id)
     metrics: dict[str, float] = {}
-    for agent in runtime.peer_agents():
+    for agent in outbox.peer_agents:
         need = rollout_id - c.max_staleness
         started = time.monotonic()
         version = await client.wait_version(agent, need, deadline_s=c.wait_deadline_s) if need > 0 else (
@@ -365,24 +398,26 @@ def _filler_group(agent: str, dead: dict[str, Any], ordinal: int, first_rollout_
     return out
 
 
-async def responder_take(runtime: Any, rollout_id: int, groups_needed: int,
+async def responder_take(client: CoordinatorClient, state: ResponderState, args: Any, rollout_id: int,
+                         groups_needed: int, *, agent: str, coordinator: CoordinatorSettings,
+                         fan_out: Mapping[str, int] | None, source: str,
                          ack_through: int | None = None) -> tuple[list[list[Any]], dict[str, float]]:
     """Acknowledge through `ack_through`, report this job's version, and take the groups of the
-    producer's step `rollout_id`: `groups_needed` of them, ABORTED fillers standing in for groups
-    set aside (by the coordinator, or here because this job's model cannot take them)."""
-    c = runtime.settings.coordinator
-    client = runtime.coordinator
-    state: ResponderState = runtime.responder
-    agent = runtime.settings.self_agent
+    producer's step `rollout_id` for this job's `agent`: `groups_needed` of them, ABORTED fillers
+    standing in for groups set aside (by the coordinator, or here because this job's model cannot
+    take them). `state` is this process's responder state; `fan_out` the system's samples per
+    episode and agent (how many fillers stand in for one episode); `args` the host's flags (the
+    queue depth one step and the save window need); `source` names the settings in messages."""
+    c = coordinator
     if state.renewer is not None:
         state.renewer.cancel()
         state.renewer = None
     metrics: dict[str, float] = {}
     if not state.depth_checked:
-        need, how = items_per_step(runtime.args, runtime, agent)
-        window, why = save_window(runtime.args)
+        need, how = items_per_step(args, fan_out, agent)
+        window, why = save_window(args)
         what = f"one step ({how})" if window == 1 else f"{window} steps ({why}) of {need} items ({how})"
-        await check_queue_depth(runtime, agent, need * window, what, runtime.source)
+        await check_queue_depth(client, agent, need * window, what, source)
         state.depth_checked = True
     if ack_through is not None:
         acked = await _ack_through(client, state, ack_through)
@@ -451,7 +486,7 @@ async def responder_take(runtime: Any, rollout_id: int, groups_needed: int,
         raise CoordinatorError(f"step {rollout_id}: the producer ended the stream and no group is left to train on")
     dead_list = list(dead.values())[: max(0, groups_needed - len(groups))]
     samples = [[sample_from_item(item) for item in g] for g in groups]
-    per_episode = (runtime.fan_out or {}).get(agent) or 1
+    per_episode = (fan_out or {}).get(agent) or 1
     next_id = 1
     for ordinal, info in enumerate(dead_list):
         fillers = _filler_group(agent, info, ordinal, next_id, per_episode)
@@ -473,15 +508,14 @@ async def responder_take(runtime: Any, rollout_id: int, groups_needed: int,
     return samples, metrics
 
 
-async def responder_finish(runtime: Any, step: int | None = None) -> None:
+async def responder_finish(client: CoordinatorClient, state: ResponderState, step: int | None = None) -> None:
     """The host saved its step `step` (default: the step of the groups leased last): acknowledge
     every group through it. Never raises (a failure is retried at the next step)."""
-    state: ResponderState = runtime.responder
     if state.renewer is not None:
         state.renewer.cancel()
         state.renewer = None
     if step is not None:
-        await _ack_through(runtime.coordinator, state, step)
+        await _ack_through(client, state, step)
 
 
 def save_window(args: Any) -> tuple[int, str]:

@@ -1,27 +1,14 @@
-"""The coordinator's binary batch frame, and the `QueueItem` it carries.
+"""The coordinator's batch frame, and the `QueueItem` it carries.
 
-A training sample is mostly three long arrays (token ids, loss mask, log-probs). Encoding them as
-JSON costs more than everything else on the path, so a frame carries them packed, little-endian,
-and only the small per-item metadata travels as JSON. The server stores each item's record exactly
-as it arrived and a lease sends the stored records back unchanged: no array is re-encoded between
-producer and consumer.
+A frame is an Apache Arrow IPC stream (`CONTENT_TYPE`): a schema message, record batch messages,
+the end-of-stream marker. A producer sends one record batch per commit request, one row per item,
+with the columns of `SCHEMA`: token ids as list<int32>, loss mask as list<uint8>, log-probs as
+list<float32>, the small per-item values as scalars and the sample's other fields as one JSON
+text. The frame header (lease id, groups, ...) is a JSON object in the schema's metadata.
 
-Frame (all integers little-endian; every section starts on a 4-byte boundary, so the consumer's
-array views are aligned):
-
-    offset  size  what
-    0       4     magic b"MRLX"
-    4       2     wire version (1)
-    6       2     flags (0, reserved)
-    8       4     number of item records
-    12      4     header length H (bytes, multiple of 4)
-    16      H     frame header: a UTF-8 JSON object padded with spaces (lease id, groups, ...)
-    then, per item record:
-            4     metadata length M (multiple of 4)
-            4     payload length P (multiple of 4)
-            M     item metadata: a UTF-8 JSON object padded with spaces (see `META_KEYS`)
-            P     int32 token ids [n_tokens] | float32 log-probs [n_log_probs]
-                  | uint8 loss mask [n_loss_mask] | zero padding to a multiple of 4
+The server stores each item as its own one-row record batch message and a lease answer is a
+fresh schema message (with its header) followed by the stored messages unchanged: no array is
+re-encoded on the way from producer to consumer, and any Arrow reader can read a lease answer.
 
 Log-probs travel (and are stored) as float32: a consumer gets back the float32 value nearest to
 what the producer sent, which is all the precision an importance ratio needs. Token ids travel as
@@ -42,12 +29,16 @@ from typing import Any
 
 import numpy as np
 import orjson
+import pyarrow as pa
 
-MAGIC = b"MRLX"
-WIRE_VERSION = 1
-FRAME_HEAD = struct.Struct("<4sHHII")
-RECORD_HEAD = struct.Struct("<II")
-CONTENT_TYPE = "application/x-mrlx-frame"
+WIRE_VERSION = 2
+CONTENT_TYPE = "application/vnd.apache.arrow.stream"
+HEADER_KEY = b"mrlx.header"
+VERSION_KEY = b"mrlx.wire"
+# Every IPC message of a stream starts with this marker; a frame also ends with the marker and a
+# zero length (end of stream).
+CONTINUATION = b"\xff\xff\xff\xff"
+END_OF_STREAM = CONTINUATION + b"\x00\x00\x00\x00"
 
 # Log-probs must be <= 0; a sampler's float arithmetic can land a hair above zero for a token of
 # probability ~1, so values up to this epsilon are accepted as they are (not clamped).
@@ -57,20 +48,26 @@ MAX_GROUP_SIZE = 1 << 16
 MAX_TOKENS_PER_ITEM = 1 << 24
 SAMPLE_STATUSES = ("pending", "completed", "truncated", "aborted", "failed")
 
-# The keys of an item's metadata JSON, all required; any other key is an error.
+# The columns of a frame, in order; a frame with any other column, or one of another type, is refused.
+SCHEMA = pa.schema(
+    [
+        pa.field("key", pa.string(), nullable=False),
+        pa.field("group", pa.string(), nullable=False),
+        pa.field("group_size", pa.int32(), nullable=False),
+        pa.field("producer", pa.string(), nullable=False),
+        pa.field("step", pa.int64(), nullable=False),
+        pa.field("response_length", pa.int32(), nullable=False),
+        pa.field("tokens", pa.list_(pa.int32()), nullable=False),
+        pa.field("loss_mask", pa.list_(pa.uint8()), nullable=False),
+        pa.field("rollout_log_probs", pa.list_(pa.float32()), nullable=False),
+        pa.field("fields", pa.string(), nullable=False),  # a JSON object
+    ]
+)
+COLUMNS = tuple(SCHEMA.names)
+# The keys of a scanned item's metadata (`RecordView.meta`).
 META_KEYS = frozenset(
-    {
-        "key",
-        "group",
-        "group_size",
-        "producer",
-        "step",
-        "n_tokens",
-        "response_length",
-        "n_log_probs",
-        "n_loss_mask",
-        "fields",
-    }
+    {"key", "group", "group_size", "producer", "step", "n_tokens", "response_length", "n_log_probs",
+     "n_loss_mask", "fields"}
 )
 
 # Sample attributes carried in `QueueItem.fields` (when the sample has them and they are not None).
@@ -91,6 +88,8 @@ SAMPLE_FIELDS = (
 
 _LITTLE_ENDIAN = sys.byteorder == "little"
 assert array.array("i").itemsize == 4 and array.array("f").itemsize == 4
+# What pyarrow raises on bytes that are not a valid stream (ArrowInvalid, ArrowIOError, ...).
+_ARROW_ERRORS = (pa.ArrowException, OSError, ValueError, EOFError, IndexError, struct.error)
 
 
 class WireError(ValueError):
@@ -123,132 +122,29 @@ class QueueItem:
 
 @dataclass
 class RecordView:
-    """Where one item record lies in a frame, with its parsed metadata (no array decoded)."""
+    """One item of a scanned frame: its metadata (see `META_KEYS`; no array decoded) and its row."""
 
     meta: dict[str, Any]
-    start: int  # first byte of the record (its record head)
-    end: int  # one past its last byte
-    payload_start: int
+    batch: pa.RecordBatch
+    row: int
+    _record: pa.Buffer | None = None
 
     @property
     def key(self) -> str:
         return self.meta["key"]
+
+    def record(self) -> pa.Buffer:
+        """The item as a stored record: a one-row record batch message (its arrays copied once,
+        on the first call)."""
+        if self._record is None:
+            self._record = self.batch.slice(self.row, 1).serialize()
+        return self._record
 
 
 @dataclass
 class FrameView:
     header: dict[str, Any]
     records: list[RecordView]
-
-
-def _pad4(n: int) -> int:
-    return (n + 3) & ~3
-
-
-def _padded_json(obj: Any) -> bytes:
-    raw = orjson.dumps(obj)
-    extra = _pad4(len(raw)) - len(raw)
-    return raw + b" " * extra if extra else raw
-
-
-def _mask_bytes(values: Any) -> bytes:
-    if isinstance(values, np.ndarray):
-        return np.ascontiguousarray(values, dtype=np.uint8).tobytes()
-    return bytes(values)
-
-
-def _write_array(values: Any, code: str, dtype: str, buf: bytearray, offset: int, count: int) -> None:
-    """Pack `count` int32 (`code` "i") or float32 ("f") values, little-endian, into `buf` at `offset`.
-
-    Lists go through struct, about twice as fast as array.array or numpy at converting Python
-    numbers, and range-checked; numpy arrays and matching array.arrays are copied as memory.
-    """
-    if isinstance(values, np.ndarray):
-        if values.ndim != 1:
-            raise ValueError(f"expected a 1-D array, got shape {values.shape}")
-        if code == "i":
-            if values.dtype.kind not in "iub":
-                raise TypeError(f"expected integer ids, got dtype {values.dtype}")
-            if count and (int(values.min()) < -(1 << 31) or int(values.max()) >= 1 << 31):
-                raise OverflowError("an id does not fit in int32")
-        np.frombuffer(buf, dtype=dtype, count=count, offset=offset)[...] = values
-    elif isinstance(values, array.array) and values.typecode == code and _LITTLE_ENDIAN:
-        memoryview(buf)[offset : offset + 4 * count] = memoryview(values).cast("B")
-    else:
-        struct.pack_into(f"<{count}{code}", buf, offset, *values)
-
-
-@dataclass
-class _RecordPlan:
-    """One item measured for encoding: its metadata JSON and where its arrays come from."""
-
-    item: QueueItem
-    meta: bytes
-    n_tokens: int
-    n_log_probs: int
-    mask: bytes
-
-    @property
-    def payload_size(self) -> int:
-        return _pad4(4 * self.n_tokens + 4 * self.n_log_probs + len(self.mask))
-
-    @property
-    def size(self) -> int:
-        return RECORD_HEAD.size + len(self.meta) + self.payload_size
-
-    def write_into(self, buf: bytearray, offset: int) -> int:
-        """Write the record at `offset`; returns the offset after it."""
-        item = self.item
-        RECORD_HEAD.pack_into(buf, offset, len(self.meta), self.payload_size)
-        offset += RECORD_HEAD.size
-        buf[offset : offset + len(self.meta)] = self.meta
-        offset += len(self.meta)
-        try:
-            _write_array(
-                item.tokens if item.tokens is not None else (), "i", "<i4", buf, offset, self.n_tokens
-            )
-        except (struct.error, OverflowError, TypeError, ValueError) as exc:
-            raise WireError(f"item {item.key!r}: tokens cannot be packed as int32 ids ({exc})") from None
-        offset += 4 * self.n_tokens
-        log_probs = item.rollout_log_probs if item.rollout_log_probs is not None else ()
-        try:
-            _write_array(log_probs, "f", "<f4", buf, offset, self.n_log_probs)
-        except (struct.error, OverflowError, TypeError, ValueError) as exc:
-            raise WireError(
-                f"item {item.key!r}: rollout_log_probs cannot be packed as float32 ({exc})"
-            ) from None
-        offset += 4 * self.n_log_probs
-        end = offset + self.payload_size - 4 * (self.n_tokens + self.n_log_probs)
-        buf[offset : offset + len(self.mask)] = self.mask
-        buf[offset + len(self.mask) : end] = bytes(end - offset - len(self.mask))
-        return end
-
-
-def _plan_record(item: QueueItem) -> _RecordPlan:
-    tokens = item.tokens if item.tokens is not None else ()
-    log_probs = item.rollout_log_probs if item.rollout_log_probs is not None else ()
-    mask = item.loss_mask if item.loss_mask is not None else ()
-    try:
-        mask_bytes = _mask_bytes(mask)
-    except (OverflowError, TypeError, ValueError) as exc:
-        raise WireError(f"item {item.key!r}: loss_mask must hold 0/1 integers ({exc})") from None
-    meta = {
-        "key": item.key,
-        "group": item.group,
-        "group_size": item.group_size,
-        "producer": item.producer,
-        "step": item.step,
-        "n_tokens": len(tokens),
-        "response_length": item.response_length,
-        "n_log_probs": len(log_probs),
-        "n_loss_mask": len(mask_bytes),
-        "fields": item.fields if item.fields is not None else {},
-    }
-    try:
-        meta_bytes = _padded_json(meta)
-    except TypeError as exc:
-        raise WireError(f"item {item.key!r}: metadata or fields are not JSON-serialisable ({exc})") from None
-    return _RecordPlan(item, meta_bytes, len(tokens), len(log_probs), mask_bytes)
 
 
 class BufferPool:
@@ -291,153 +187,310 @@ class BufferPool:
                 self._free.remove(min(self._free, key=len))
 
 
+# --------------------------------------------------------------------------- encoding
+
+
+def _pack(values: Any, code: str, dtype: str, out: np.ndarray, offset: int, count: int) -> None:
+    """Write `count` int32 (`code` "i") or float32 ("f") values into `out[offset:]`.
+
+    Lists go through struct, about twice as fast as numpy at converting Python numbers, and
+    range-checked; numpy arrays and matching array.arrays are copied as memory.
+    """
+    if isinstance(values, np.ndarray):
+        if values.ndim != 1:
+            raise ValueError(f"expected a 1-D array, got shape {values.shape}")
+        if code == "i":
+            if values.dtype.kind not in "iub":
+                raise TypeError(f"expected integer ids, got dtype {values.dtype}")
+            if count and (int(values.min()) < -(1 << 31) or int(values.max()) >= 1 << 31):
+                raise OverflowError("an id does not fit in int32")
+        out[offset : offset + count] = values
+    elif isinstance(values, array.array) and values.typecode == code and _LITTLE_ENDIAN:
+        out[offset : offset + count] = np.frombuffer(values, dtype=dtype)
+    elif count:
+        struct.pack_into(f"<{count}{code}", out, offset * 4, *values)
+
+
+def _mask_bytes(values: Any) -> bytes:
+    if isinstance(values, np.ndarray):
+        return np.ascontiguousarray(values, dtype=np.uint8).tobytes()
+    return bytes(values)
+
+
+def _list_array(lengths: list[int], values: np.ndarray) -> pa.ListArray:
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values))
+
+
+def schema_with_header(header: dict[str, Any] | None) -> pa.Schema:
+    return SCHEMA.with_metadata({VERSION_KEY: str(WIRE_VERSION).encode(), HEADER_KEY: orjson.dumps(header or {})})
+
+
+def items_batch(items: Sequence[QueueItem], header: dict[str, Any] | None = None) -> pa.RecordBatch:
+    """The record batch of `items` (one row each). Does not check the samples' consistency (the
+    server does, and names the item); fails only when a value cannot be packed at all (an id
+    beyond int32, a mask value beyond a byte, a field that is not JSON)."""
+    n_tokens = [len(item.tokens) if item.tokens is not None else 0 for item in items]
+    n_log_probs = [len(item.rollout_log_probs) if item.rollout_log_probs is not None else 0 for item in items]
+    tokens = np.empty(sum(n_tokens), dtype="<i4")
+    log_probs = np.empty(sum(n_log_probs), dtype="<f4")
+    masks, fields = [], []
+    t_at = l_at = 0
+    for item, n_tok, n_lp in zip(items, n_tokens, n_log_probs):
+        try:
+            _pack(item.tokens if item.tokens is not None else (), "i", "<i4", tokens, t_at, n_tok)
+        except (struct.error, OverflowError, TypeError, ValueError) as exc:
+            raise WireError(f"item {item.key!r}: tokens cannot be packed as int32 ids ({exc})") from None
+        try:
+            _pack(item.rollout_log_probs if item.rollout_log_probs is not None else (), "f", "<f4", log_probs, l_at, n_lp)
+        except (struct.error, OverflowError, TypeError, ValueError) as exc:
+            raise WireError(f"item {item.key!r}: rollout_log_probs cannot be packed as float32 ({exc})") from None
+        try:
+            masks.append(_mask_bytes(item.loss_mask if item.loss_mask is not None else ()))
+        except (OverflowError, TypeError, ValueError) as exc:
+            raise WireError(f"item {item.key!r}: loss_mask must hold 0/1 integers ({exc})") from None
+        try:
+            fields.append(orjson.dumps(item.fields if item.fields is not None else {}).decode())
+        except TypeError as exc:
+            raise WireError(f"item {item.key!r}: fields are not JSON-serialisable ({exc})") from None
+        t_at, l_at = t_at + n_tok, l_at + n_lp
+    try:
+        scalars = [
+            pa.array([item.key for item in items], pa.string()),
+            pa.array([item.group for item in items], pa.string()),
+            pa.array([item.group_size for item in items], pa.int32()),
+            pa.array([item.producer for item in items], pa.string()),
+            pa.array([item.step for item in items], pa.int64()),
+            pa.array([item.response_length for item in items], pa.int32()),
+        ]
+    except (pa.ArrowException, TypeError, ValueError, OverflowError) as exc:
+        raise WireError(f"an item's key, group, group_size, producer, step or response_length has the wrong type ({exc})") from None
+    columns = [
+        *scalars,
+        _list_array(n_tokens, tokens),
+        _list_array([len(m) for m in masks], np.frombuffer(b"".join(masks), dtype=np.uint8)),
+        _list_array(n_log_probs, log_probs),
+        pa.array(fields, pa.string()),
+    ]
+    return pa.RecordBatch.from_arrays(columns, schema=schema_with_header(header))
+
+
 def encode_items_into(
     items: Iterable[QueueItem], pool: BufferPool | None = None, header: dict[str, Any] | None = None
 ) -> tuple[bytearray, memoryview]:
     """Encode a frame into a buffer (from `pool` when given); returns (buffer, view of the frame).
 
-    Give the buffer back to the pool once the view has been sent. Does not check the samples'
-    consistency (the server does, and names the item); fails only when a value cannot be packed
-    at all (an id beyond int32, a mask value beyond a byte, a field that is not JSON).
+    Give the buffer back to the pool once the view has been sent. Fails as `items_batch` does.
     """
-    plans = [_plan_record(item) for item in items]
-    header_bytes = _padded_json(header or {})
-    total = FRAME_HEAD.size + len(header_bytes) + sum(plan.size for plan in plans)
-    buf = pool.take(total) if pool is not None else bytearray(total)
+    items = list(items)
+    schema = schema_with_header(header)
+    batch = items_batch(items, header) if items else None
+    size = len(schema.serialize()) + len(END_OF_STREAM)
+    if batch is not None:
+        size += pa.ipc.get_record_batch_size(batch)
+    buf = pool.take(size) if pool is not None else bytearray(size)
     try:
-        FRAME_HEAD.pack_into(buf, 0, MAGIC, WIRE_VERSION, 0, len(plans), len(header_bytes))
-        offset = FRAME_HEAD.size
-        buf[offset : offset + len(header_bytes)] = header_bytes
-        offset += len(header_bytes)
-        for plan in plans:
-            offset = plan.write_into(buf, offset)
+        sink = pa.FixedSizeBufferWriter(pa.py_buffer(buf))
+        with pa.ipc.new_stream(sink, schema) as writer:
+            if batch is not None:
+                writer.write_batch(batch)
+        used = sink.tell()
     except BaseException:
         if pool is not None:
             pool.give(buf)
         raise
-    return buf, memoryview(buf)[:total]
+    return buf, memoryview(buf)[:used]
 
 
 def encode_items(items: Iterable[QueueItem], header: dict[str, Any] | None = None) -> bytes:
-    """A frame holding `items` (see the module docstring for the layout)."""
-    buf, view = encode_items_into(items, None, header)
-    return bytes(view) if len(view) != len(buf) else bytes(buf)
+    """A frame holding `items` (see the module docstring)."""
+    _, view = encode_items_into(items, None, header)
+    return bytes(view)
 
 
-def frame_head(count: int, header: dict[str, Any] | None = None) -> bytes:
-    """The head of a frame of `count` records (frame head and header), for writing records after it."""
-    header_bytes = _padded_json(header or {})
-    return FRAME_HEAD.pack(MAGIC, WIRE_VERSION, 0, count, len(header_bytes)) + header_bytes
+def frame_head(header: dict[str, Any] | None = None) -> bytes:
+    """The start of a frame (its schema message, carrying `header`), for stored records after it;
+    the frame ends with `END_OF_STREAM`."""
+    return schema_with_header(header).serialize().to_pybytes()
 
 
-def encode_frame(
-    records: Sequence[bytes | bytearray | memoryview], header: dict[str, Any] | None = None
-) -> bytes:
-    """A frame around already encoded (or stored) item records."""
-    return b"".join((frame_head(len(records), header), *records))
+def encode_frame(records: Sequence[bytes | bytearray | memoryview], header: dict[str, Any] | None = None) -> bytes:
+    """A frame around stored item records."""
+    return b"".join((frame_head(header), *records, END_OF_STREAM))
 
 
-def scan_frame(buf: bytes | bytearray | memoryview) -> FrameView:
-    """Parse a frame's structure and every item's metadata without decoding any array.
+# --------------------------------------------------------------------------- reading
 
-    Checks the framing (magic, version, lengths) and the metadata keys and types, and that each
-    payload is exactly as long as its metadata says; raises `WireError` otherwise. The values in
-    the arrays are checked by `validate_record`.
-    """
-    view = memoryview(buf)
-    total = len(view)
-    if total < FRAME_HEAD.size:
-        raise WireError(f"frame too short: {total} bytes, a frame starts with a {FRAME_HEAD.size}-byte head")
-    magic, version, _flags, count, header_len = FRAME_HEAD.unpack_from(view, 0)
-    if magic != MAGIC:
-        raise WireError(f"not a coordinator frame: magic {bytes(magic)!r}, expected {MAGIC!r}")
-    if version != WIRE_VERSION:
+
+def _body_compressed(metadata: pa.Buffer) -> bool:
+    """Whether a record batch message declares a compressed body (Message.header ->
+    RecordBatch.compression in Arrow's flatbuffer metadata). Arrow decompresses on read into
+    buffers as large as the sender claims, so a compressed frame could unpack far past the size
+    limit; the client never compresses, and the server refuses such frames before reading them."""
+    meta = memoryview(metadata)
+
+    def u32(pos: int) -> int:
+        if pos < 0 or pos + 4 > len(meta):
+            raise WireError("a record batch message has malformed metadata")
+        return struct.unpack_from("<I", meta, pos)[0]
+
+    def table_field(table: int, slot: int) -> int | None:
+        vtable = table - struct.unpack_from("<i", meta, table)[0] if 0 <= table <= len(meta) - 4 else -1
+        if vtable < 0 or vtable + 4 > len(meta):
+            raise WireError("a record batch message has malformed metadata")
+        vtable_size = struct.unpack_from("<H", meta, vtable)[0]
+        at = 4 + 2 * slot
+        if at + 2 > vtable_size or vtable + at + 2 > len(meta):
+            return None
+        offset = struct.unpack_from("<H", meta, vtable + at)[0]
+        return table + offset if offset else None
+
+    header = table_field(u32(0), 2)  # Message: version, header_type, header, bodyLength, custom_metadata
+    if header is None:
+        return False
+    return table_field(header + u32(header), 3) is not None  # RecordBatch: length, nodes, buffers, compression
+
+
+def _check_schema(schema: pa.Schema) -> dict[str, Any]:
+    """The frame header of a frame's schema; `WireError` unless its columns are exactly `SCHEMA`'s."""
+    names = schema.names
+    unknown = [name for name in names if name not in COLUMNS]
+    if unknown:
+        raise WireError(f"frame has unknown columns {unknown}; the columns are {list(COLUMNS)}")
+    missing = [name for name in COLUMNS if name not in names]
+    if missing:
+        raise WireError(f"frame lacks the columns {missing}; the columns are {list(COLUMNS)}")
+    if names != list(COLUMNS):
+        raise WireError(f"frame columns are {names}; they must come in the order {list(COLUMNS)}")
+    for got, want in zip(schema, SCHEMA):
+        if got.type != want.type:
+            raise WireError(f"column {got.name!r} is {got.type}, expected {want.type}")
+    metadata = schema.metadata or {}
+    version = metadata.get(VERSION_KEY)
+    if version != str(WIRE_VERSION).encode():
         raise WireError(
-            f"frame wire version {version} is not supported (this coordinator speaks {WIRE_VERSION})"
+            f"frame wire version {version!r} is not supported (this coordinator speaks {WIRE_VERSION})"
         )
-    offset = FRAME_HEAD.size
-    if header_len % 4 or offset + header_len > total:
-        raise WireError(f"frame header length {header_len} is not a multiple of 4 or runs past the frame")
     try:
-        header = orjson.loads(view[offset : offset + header_len]) if header_len else {}
+        header = orjson.loads(metadata.get(HEADER_KEY, b"{}"))
     except orjson.JSONDecodeError as exc:
         raise WireError(f"frame header is not JSON: {exc}") from None
     if not isinstance(header, dict):
         raise WireError("frame header must be a JSON object")
-    offset += header_len
-    records: list[RecordView] = []
-    for position in range(count):
-        if offset + RECORD_HEAD.size > total:
-            raise WireError(f"frame ends inside record {position}: it announces {count} records")
-        meta_len, payload_len = RECORD_HEAD.unpack_from(view, offset)
-        meta_start = offset + RECORD_HEAD.size
-        payload_start = meta_start + meta_len
-        end = payload_start + payload_len
-        if meta_len % 4 or payload_len % 4 or end > total:
-            raise WireError(
-                f"record {position}: lengths ({meta_len}, {payload_len}) are not multiples of 4 or run past the frame"
-            )
-        try:
-            meta = orjson.loads(view[meta_start:payload_start])
-        except orjson.JSONDecodeError as exc:
-            raise WireError(f"record {position}: metadata is not JSON: {exc}") from None
-        _check_meta(meta, position, payload_len)
-        records.append(RecordView(meta, offset, end, payload_start))
-        offset = end
-    if offset != total:
-        raise WireError(f"frame has {total - offset} bytes after its {count} records")
-    return FrameView(header, records)
+    return header
+
+
+def read_frame(buf: bytes | bytearray | memoryview) -> tuple[dict[str, Any], list[pa.RecordBatch]]:
+    """The header and record batches of a frame, checked as an Arrow stream of `SCHEMA`
+    (uncompressed, no dictionaries, ending with the end-of-stream marker and nothing after it,
+    every array valid); raises `WireError`. Arrays are views of `buf` (nothing is copied)."""
+    view = memoryview(buf).cast("B")
+    total = len(view)
+    if total < 8 or bytes(view[:4]) != CONTINUATION:
+        raise WireError(
+            f"not a coordinator frame: it starts with {bytes(view[:4])!r}, not the Arrow IPC stream "
+            f"magic {CONTINUATION!r} (send an Arrow IPC stream, Content-Type {CONTENT_TYPE})"
+        )
+    if bytes(view[total - 8 :]) != END_OF_STREAM:
+        raise WireError("frame does not end with the Arrow end-of-stream marker (cut short?)")
+    source = pa.BufferReader(pa.py_buffer(view))
+    batches: list[pa.RecordBatch] = []
+    try:
+        reader = pa.ipc.MessageReader.open_stream(source)
+        first = reader.read_next_message()
+        if first.type != "schema":
+            raise WireError(f"frame starts with a {first.type} message, not a schema")
+        schema = pa.ipc.read_schema(first)
+        header = _check_schema(schema)
+        while True:
+            try:
+                message = reader.read_next_message()
+            except StopIteration:
+                break
+            if message.type != "record batch":
+                raise WireError(f"frame holds a {message.type} message; only record batches may follow the schema")
+            if _body_compressed(message.metadata):
+                raise WireError("frame holds a compressed record batch; send it uncompressed")
+            batch = pa.ipc.read_record_batch(message, schema)
+            batch.validate(full=True)
+            batches.append(batch)
+    except WireError:
+        raise
+    except StopIteration:
+        raise WireError("frame holds no schema message") from None
+    except _ARROW_ERRORS as exc:
+        raise WireError(f"frame is not a valid Arrow IPC stream: {str(exc).strip()[:300]}") from None
+    if source.tell() != total:
+        raise WireError(f"frame has {total - source.tell()} bytes after its end-of-stream marker")
+    return header, batches
+
+
+def _lengths(column: pa.ListArray) -> np.ndarray:
+    return np.diff(column.offsets.to_numpy()).astype(np.int64)
 
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _check_meta(meta: Any, position: int, payload_len: int) -> None:
-    if not isinstance(meta, dict):
-        raise WireError(f"record {position}: metadata must be a JSON object")
-    key = meta.get("key")
-    if not isinstance(key, str) or not 0 < len(key) <= MAX_KEY_CHARS:
-        raise WireError(
-            f"record {position}: 'key' must be a non-empty string of at most {MAX_KEY_CHARS} characters"
-        )
-    where = f"item {key!r}"
-    unknown = meta.keys() - META_KEYS
-    if unknown:
-        raise WireError(f"{where}: unknown metadata keys {sorted(unknown)}; allowed are {sorted(META_KEYS)}")
-    missing = META_KEYS - meta.keys()
-    if missing:
-        raise WireError(f"{where}: missing metadata keys {sorted(missing)}")
-    for name in ("group", "producer"):
-        value = meta[name]
-        if not isinstance(value, str) or not 0 < len(value) <= MAX_KEY_CHARS:
-            raise WireError(
-                f"{where}: {name!r} must be a non-empty string of at most {MAX_KEY_CHARS} characters"
-            )
-    group_size = meta["group_size"]
-    if not _is_int(group_size) or not 1 <= group_size <= MAX_GROUP_SIZE:
-        raise WireError(
-            f"{where}: 'group_size' must be an integer in [1, {MAX_GROUP_SIZE}], got {group_size!r}"
-        )
-    step = meta["step"]
-    if not _is_int(step) or step < 0:
-        raise WireError(f"{where}: 'step' must be a non-negative integer, got {step!r}")
-    for name in ("n_tokens", "n_log_probs", "n_loss_mask", "response_length"):
-        if not _is_int(meta[name]) or not 0 <= meta[name] <= MAX_TOKENS_PER_ITEM:
-            raise WireError(
-                f"{where}: {name!r} must be an integer in [0, {MAX_TOKENS_PER_ITEM}], got {meta[name]!r}"
-            )
-    if not isinstance(meta["fields"], dict):
-        raise WireError(f"{where}: 'fields' must be a JSON object")
-    needed = _pad4(4 * meta["n_tokens"] + 4 * meta["n_log_probs"] + meta["n_loss_mask"])
-    if needed != payload_len:
-        raise WireError(
-            f"{where}: payload is {payload_len} bytes but n_tokens={meta['n_tokens']}, "
-            f"n_log_probs={meta['n_log_probs']}, n_loss_mask={meta['n_loss_mask']} need {needed}"
-        )
+def scan_frame(buf: bytes | bytearray | memoryview) -> FrameView:
+    """Read a frame and every item's metadata without converting any array to Python values;
+    checks the structure, the metadata's types and ranges, and that no value is null. The
+    samples themselves are checked by `validate_record` (or `validate_frame`)."""
+    header, batches = read_frame(buf)
+    records: list[RecordView] = []
+    for batch in batches:
+        for column in batch.columns:
+            if column.null_count or (isinstance(column, pa.ListArray) and column.flatten().null_count):
+                raise WireError(f"column {batch.schema.field(batch.columns.index(column)).name!r} holds a null")
+        keys = batch.column(0).to_pylist()
+        groups = batch.column(1).to_pylist()
+        sizes = batch.column(2).to_pylist()
+        producers = batch.column(3).to_pylist()
+        steps = batch.column(4).to_pylist()
+        responses = batch.column(5).to_pylist()
+        n_tokens, n_mask, n_log_probs = (_lengths(batch.column(i)).tolist() for i in (6, 7, 8))
+        fields_text = batch.column(9).to_pylist()
+        for row, key in enumerate(keys):
+            position = len(records)
+            if not 0 < len(key) <= MAX_KEY_CHARS:
+                raise WireError(
+                    f"record {position}: 'key' must be a non-empty string of at most {MAX_KEY_CHARS} characters"
+                )
+            where = f"item {key!r}"
+            for name, value in (("group", groups[row]), ("producer", producers[row])):
+                if not 0 < len(value) <= MAX_KEY_CHARS:
+                    raise WireError(f"{where}: {name!r} must be a non-empty string of at most {MAX_KEY_CHARS} characters")
+            if not 1 <= sizes[row] <= MAX_GROUP_SIZE:
+                raise WireError(f"{where}: 'group_size' must be an integer in [1, {MAX_GROUP_SIZE}], got {sizes[row]!r}")
+            if steps[row] < 0:
+                raise WireError(f"{where}: 'step' must be a non-negative integer, got {steps[row]!r}")
+            meta = {
+                "key": key,
+                "group": groups[row],
+                "group_size": sizes[row],
+                "producer": producers[row],
+                "step": steps[row],
+                "n_tokens": n_tokens[row],
+                "response_length": responses[row],
+                "n_log_probs": n_log_probs[row],
+                "n_loss_mask": n_mask[row],
+            }
+            for name in ("n_tokens", "n_log_probs", "n_loss_mask", "response_length"):
+                if not 0 <= meta[name] <= MAX_TOKENS_PER_ITEM:
+                    raise WireError(f"{where}: {name!r} must be an integer in [0, {MAX_TOKENS_PER_ITEM}], got {meta[name]!r}")
+            try:
+                meta["fields"] = orjson.loads(fields_text[row])
+            except orjson.JSONDecodeError as exc:
+                raise WireError(f"{where}: 'fields' is not JSON: {exc}") from None
+            if not isinstance(meta["fields"], dict):
+                raise WireError(f"{where}: 'fields' must be a JSON object")
+            records.append(RecordView(meta, batch, row))
+    return FrameView(header, records)
 
 
-def validate_record(buf: bytes | bytearray | memoryview, record: RecordView) -> None:
+def validate_record(record: RecordView) -> None:
     """Check one scanned item as a training sample; raises `WireError` naming the key and field.
 
     Rules: 0 < response_length <= len(tokens); one loss-mask value (0 or 1) and one log-prob
@@ -446,12 +499,50 @@ def validate_record(buf: bytes | bytearray | memoryview, record: RecordView) -> 
     """
     meta = record.meta
     where = f"item {meta['key']!r}"
+    _check_lengths(meta, where)
+    batch, row = record.batch, record.row
+    tokens = _row_values(batch.column(6), row)
+    if tokens.size and tokens.min() < 0:
+        raise WireError(f"{where}: tokens hold a negative id ({int(tokens.min())})")
+    _check_log_probs(_row_values(batch.column(8), row), where)
+    _check_mask(_row_values(batch.column(7), row), where)
+    _check_fields(meta["fields"], where)
+
+
+def validate_frame(frame: FrameView) -> None:
+    """`validate_record` for every item, with the array checks done once over all of a batch's
+    values (a bad value is then traced to its item)."""
+    for record in frame.records:
+        _check_lengths(record.meta, f"item {record.meta['key']!r}")
+    by_batch: dict[int, list[RecordView]] = {}
+    for record in frame.records:
+        by_batch.setdefault(id(record.batch), []).append(record)
+    for records in by_batch.values():
+        batch = records[0].batch
+        ok = True
+        for index, bad in ((6, lambda v: v.min() < 0), (8, lambda v: not np.isfinite(v).all() or v.max() > LOG_PROB_EPSILON), (7, lambda v: v.max() > 1)):
+            column = batch.column(index)
+            offsets = column.offsets.to_numpy()
+            values = column.values.to_numpy()[offsets[0] : offsets[-1]]
+            if values.size and bad(values):
+                ok = False
+        if not ok:
+            for record in records:
+                validate_record(record)
+    for record in frame.records:
+        _check_fields(record.meta["fields"], f"item {record.meta['key']!r}")
+
+
+def _row_values(column: pa.ListArray, row: int) -> np.ndarray:
+    offsets = column.offsets.to_numpy()
+    return column.values.to_numpy()[offsets[row] : offsets[row + 1]]
+
+
+def _check_lengths(meta: dict[str, Any], where: str) -> None:
     n_tokens = meta["n_tokens"]
     response_length = meta["response_length"]
     if not 0 < response_length <= n_tokens:
-        raise WireError(
-            f"{where}: response_length must be in [1, len(tokens)={n_tokens}], got {response_length}"
-        )
+        raise WireError(f"{where}: response_length must be in [1, len(tokens)={n_tokens}], got {response_length}")
     if meta["n_loss_mask"] != response_length:
         raise WireError(
             f"{where}: loss_mask has {meta['n_loss_mask']} entries but response_length is {response_length}"
@@ -462,23 +553,20 @@ def validate_record(buf: bytes | bytearray | memoryview, record: RecordView) -> 
             f"{where}: rollout_log_probs has {meta['n_log_probs']} entries but response_length is "
             f"{response_length} (one log-prob per response token)"
         )
-    offset = record.payload_start
-    tokens = np.frombuffer(buf, dtype="<i4", count=n_tokens, offset=offset)
-    if tokens.min() < 0:
-        raise WireError(f"{where}: tokens hold a negative id ({int(tokens.min())})")
-    offset += 4 * n_tokens
-    log_probs = np.frombuffer(buf, dtype="<f4", count=response_length, offset=offset)
+
+
+def _check_log_probs(log_probs: np.ndarray, where: str) -> None:
     if not np.isfinite(log_probs).all():
         raise WireError(f"{where}: rollout_log_probs hold a NaN or infinite value")
-    if log_probs.max() > LOG_PROB_EPSILON:
+    if log_probs.size and log_probs.max() > LOG_PROB_EPSILON:
         raise WireError(
             f"{where}: rollout_log_probs hold a positive value ({float(log_probs.max())}); log-probs are <= 0"
         )
-    offset += 4 * response_length
-    mask = np.frombuffer(buf, dtype=np.uint8, count=response_length, offset=offset)
-    if mask.max() > 1:
+
+
+def _check_mask(mask: np.ndarray, where: str) -> None:
+    if mask.size and mask.max() > 1:
         raise WireError(f"{where}: loss_mask holds {int(mask.max())}; only 0 and 1 are allowed")
-    _check_fields(meta["fields"], where)
 
 
 def _check_fields(fields: dict[str, Any], where: str) -> None:
@@ -518,28 +606,28 @@ def _check_fields(fields: dict[str, Any], where: str) -> None:
         raise WireError(f"{where}: fields.remove_sample must be true or false")
 
 
-def decode_record(buf: bytes | bytearray | memoryview, record: RecordView) -> QueueItem:
-    """The `QueueItem` of one scanned record, arrays as Python lists."""
-    meta = record.meta
-    offset = record.payload_start
-    n_tokens, n_log_probs, n_mask = meta["n_tokens"], meta["n_log_probs"], meta["n_loss_mask"]
-    tokens = _int_list(np.frombuffer(buf, dtype="<i4", count=n_tokens, offset=offset))
-    offset += 4 * n_tokens
-    log_probs = np.frombuffer(buf, dtype="<f4", count=n_log_probs, offset=offset).tolist()
-    offset += 4 * n_log_probs
-    mask = memoryview(buf)[offset : offset + n_mask].cast("B").tolist()
-    return QueueItem(
-        key=meta["key"],
-        group=meta["group"],
-        group_size=meta["group_size"],
-        producer=meta["producer"],
-        step=meta["step"],
-        tokens=tokens,
-        response_length=meta["response_length"],
-        loss_mask=mask,
-        rollout_log_probs=log_probs,
-        fields=meta["fields"],
-    )
+def _decode_batch(batch: pa.RecordBatch, out: list[QueueItem]) -> None:
+    keys, groups, sizes, producers, steps, responses = (batch.column(i).to_pylist() for i in range(6))
+    fields = batch.column(9).to_pylist()
+    tokens_col, mask_col, log_probs_col = batch.column(6), batch.column(7), batch.column(8)
+    tok_off, tok_values = tokens_col.offsets.to_numpy(), tokens_col.values.to_numpy()
+    mask_off, mask_values = mask_col.offsets.to_numpy(), mask_col.values.to_numpy()
+    lp_off, lp_values = log_probs_col.offsets.to_numpy(), log_probs_col.values.to_numpy()
+    for row, key in enumerate(keys):
+        out.append(
+            QueueItem(
+                key=key,
+                group=groups[row],
+                group_size=sizes[row],
+                producer=producers[row],
+                step=steps[row],
+                tokens=_int_list(tok_values[tok_off[row] : tok_off[row + 1]]),
+                response_length=responses[row],
+                loss_mask=mask_values[mask_off[row] : mask_off[row + 1]].tolist(),
+                rollout_log_probs=lp_values[lp_off[row] : lp_off[row + 1]].tolist(),
+                fields=orjson.loads(fields[row]),
+            )
+        )
 
 
 # Token ids come back as Python ints taken from one shared table (ints are immutable, so sharing
@@ -569,9 +657,13 @@ def _int_list(ids: np.ndarray) -> list[int]:
 
 
 def decode_frame(buf: bytes | bytearray | memoryview) -> tuple[dict[str, Any], list[QueueItem]]:
-    """The frame header and the items of a frame."""
-    frame = scan_frame(buf)
-    return frame.header, [decode_record(buf, record) for record in frame.records]
+    """The frame header and the items of a frame, arrays as Python lists (token ids int,
+    log-probs float); the items hold no reference to `buf`."""
+    header, batches = read_frame(buf)
+    items: list[QueueItem] = []
+    for batch in batches:
+        _decode_batch(batch, items)
+    return header, items
 
 
 def decode_items(buf: bytes | bytearray | memoryview) -> list[QueueItem]:

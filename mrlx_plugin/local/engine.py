@@ -1,73 +1,59 @@
 """`mrlx engine`: an HTTP server speaking SGLang's protocol, backed by a transformers model on the CPU.
 
-It stands in for an SGLang engine where there is no GPU (CI, a laptop), so the plugin's
-rollout code runs unchanged end to end: token-in/token-out `/generate` with log-probs and
-weight versions, aborts, pause/continue, and weight reloads from disk. The real
-`sglang-router` can sit in front of it (`router_command` gives a command line that works).
+It stands in for an SGLang engine where there is no GPU (CI, a laptop), so the plugin's rollout
+code runs unchanged end to end: token-in/token-out `/generate` with log-probs and weight
+versions, aborts, pause/continue, and weight reloads from disk. The real `sglang-router` can sit
+in front of it (`router_command` gives a command line that works; `--router-url` registers).
 
-This module holds the HTTP side: `EngineServer` (the SGLang endpoints), registration with a
-router (`register_with_router`, `deregister_from_router`, `router_command`) and the command
-line (`add_engine_arguments`, `run`, `main`). The model side, with how batching, log-probs and
-sampling work, is in `batcher.py`; its public names are importable from here too.
-
-How the two meet:
-- The aiohttp event loop only parses, validates and answers; one `BatchWorker` thread owns the
-  model and generates. A request becomes `Job`s whose results come back to the loop through
-  a future each.
-- `/update_weights_from_disk` hands the load to the worker, which swaps the weights in between
-  batches; new `/generate` requests wait while generation is paused.
-- torch is imported when an engine starts (`load_torch`), never at import time, so importing
-  this module for `router_command` or the argument parser stays cheap.
+This module is the HTTP side: the request models (pydantic; SGLang's field names, defaults and
+refusals), `EngineServer` (the endpoints), router registration and the command line. The model
+side, with how batching, log-probs and sampling work, is `batcher.py`. The aiohttp event loop
+only parses, validates and answers; one `BatchWorker` thread owns the model and generates, and
+hands each `Job`'s result back to the loop through a future.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import logging
 import os
 import signal
 import sys
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import orjson
 from aiohttp import web
-
 from mrlx_plugin.core.netutil import free_port, public_bind_refusal, write_port_file
-from mrlx_plugin.local.batcher import (
+from mrlx_plugin.core.retry import Backoff, Deadline, retry
+from mrlx_plugin.local.batcher import BatchWorker, Job, JobResult, WeightUpdate, load_torch
+from mrlx_plugin.local.requests import (
     DEFAULT_MAX_NEW_TOKENS,
-    PREFILL_TOKEN_BUDGET,
-    BatchWorker,
-    Job,
-    JobResult,
+    AbortRequest,
+    GenerateRequest,
+    PauseRequest,
     RequestError,
-    SamplingSettings,
-    WeightUpdate,
-    is_int,
-    load_torch,
-    parse_sampling_params,
+    SamplingParams,
+    UpdateWeightsRequest,
+    split_generate_body,
+    validate,
 )
 
 __all__ = [
     "DEFAULT_MAX_NEW_TOKENS",
     "MAX_BODY_BYTES",
-    "PREFILL_TOKEN_BUDGET",
-    "BatchWorker",
     "EngineServer",
-    "Job",
-    "JobResult",
+    "GenerateRequest",
     "RequestError",
-    "SamplingSettings",
+    "SamplingParams",
     "add_engine_arguments",
     "deregister_from_router",
     "main",
-    "parse_sampling_params",
     "register_with_router",
     "router_command",
     "run",
@@ -139,27 +125,6 @@ def router_command(
     return argv
 
 
-# --------------------------------------------------------------------------------------------
-# HTTP
-# --------------------------------------------------------------------------------------------
-
-
-# Top-level request fields SGLang knows that this engine accepts only at their default.
-_NEUTRAL_TOP_LEVEL: dict[str, Callable[[Any], bool]] = {
-    "stream": lambda v: not v,
-    "top_logprobs_num": lambda v: not v,
-    "token_ids_logprob": lambda v: not v,
-    "image_data": lambda v: not v,
-    "video_data": lambda v: not v,
-    "audio_data": lambda v: not v,
-    "input_embeds": lambda v: v is None,
-    "lora_path": lambda v: v is None,
-    "return_hidden_states": lambda v: not v,
-    "return_routed_experts": lambda v: not v,
-    "custom_logit_processor": lambda v: v is None,
-}
-
-
 def _json(data: Any, status: int = 200) -> web.Response:
     return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")
 
@@ -183,31 +148,25 @@ async def _read_json(request: web.Request, required: bool = True) -> Any:
         raise RequestError("body", f"is not valid JSON ({exc})") from None
 
 
+# --------------------------------------------------------------------------------------------
+# HTTP
+# --------------------------------------------------------------------------------------------
+
+
 class EngineServer:
     """The HTTP front of a `BatchWorker`."""
 
-    def __init__(
-        self,
-        worker: BatchWorker,
-        *,
-        tokenizer_path: str,
-        host: str,
-        advertise_host: str,
-        max_batch: int,
-        threads: int,
-    ):
+    def __init__(self, worker: BatchWorker, *, host: str, advertise_host: str, threads: int):
         self.worker = worker
-        self.tokenizer_path = tokenizer_path
         self.host = host
         self.advertise_host = advertise_host
         self.port = 0
-        self.max_batch = max_batch
         self.threads = threads
         self.started = time.time()
+        self.held = 0  # /generate calls waiting for /continue_generation
         self._update_lock = asyncio.Lock()
         self._resumed = asyncio.Event()
         self._resumed.set()
-        self._rid_counter = itertools.count()
 
     @property
     def url(self) -> str:
@@ -217,17 +176,15 @@ class EngineServer:
         app = web.Application(client_max_size=MAX_BODY_BYTES)
         r = app.router
         r.add_post("/generate", self.generate)
-        for path in ("/health", "/health_generate"):
-            r.add_get(path, self.health if path == "/health" else self.health_generate)
-        for path in ("/get_model_info", "/model_info"):
+        r.add_get("/health", self.health)
+        r.add_get("/health_generate", self.health_generate)
+        for path in ("/get_model_info", "/model_info"):  # the router reads /model_info
             r.add_get(path, self.model_info)
         for path in ("/get_server_info", "/server_info"):
             r.add_get(path, self.server_info)
-        r.add_get("/get_weight_version", self.get_weight_version)
-        r.add_get("/get_load", self.get_load)
+        r.add_get("/get_weight_version", lambda _: _json({"weight_version": self.worker.weight_version}))
         r.add_get("/v1/loads", self.v1_loads)
-        r.add_route("GET", "/flush_cache", self.flush_cache)
-        r.add_route("POST", "/flush_cache", self.flush_cache)
+        r.add_route("*", "/flush_cache", self.flush_cache)
         r.add_post("/abort_request", self.abort_request)
         r.add_post("/pause_generation", self.pause_generation)
         r.add_post("/continue_generation", self.continue_generation)
@@ -236,107 +193,40 @@ class EngineServer:
 
     # --- /generate -------------------------------------------------------------------------
 
-    def _prompt(self, ids: Any, where: str) -> list[int]:
+    async def _jobs(self, body: Any) -> tuple[list[Job], list[asyncio.Future], bool]:
         w = self.worker
-        if not isinstance(ids, list) or not ids:
-            raise RequestError(where, "must be a non-empty list of token ids")
-        for i, t in enumerate(ids):
-            if not is_int(t) or not 0 <= t < w.vocab_size:
-                raise RequestError(
-                    f"{where}[{i}]", f"{t!r} is not a token id of this model (0 <= id < {w.vocab_size})"
-                )
-        if len(ids) >= w.max_positions:
-            raise RequestError(
-                where,
-                f"the prompt has {len(ids)} tokens; this model takes at most {w.max_positions - 1} prompt tokens",
-            )
-        return ids
-
-    async def _parse_generate(self, body: Any) -> tuple[list[Job], list[asyncio.Future], bool]:
-        if not isinstance(body, dict):
-            raise RequestError("body", "must be a JSON object")
-        for key, neutral in _NEUTRAL_TOP_LEVEL.items():
-            if key in body and not neutral(body[key]):
-                raise RequestError(
-                    key, f"is not supported by this engine (got {body[key]!r}); leave it unset"
-                )
-        has_ids, has_text = body.get("input_ids") is not None, body.get("text") is not None
-        if has_ids == has_text:
-            raise RequestError("input_ids", "send exactly one of input_ids and text")
+        parts, batched = split_generate_body(body)
+        reqs = [(validate(GenerateRequest, item, renamed, vocab_size=w.vocab_size), renamed)
+                for item, renamed in parts]
         loop = asyncio.get_running_loop()
-        if has_ids:
-            raw = body["input_ids"]
-            batched = isinstance(raw, list) and bool(raw) and isinstance(raw[0], list)
-            prompts = (
-                [self._prompt(x, f"input_ids[{i}]") for i, x in enumerate(raw)]
-                if batched
-                else [self._prompt(raw, "input_ids")]
-            )
-        else:
-            raw = body["text"]
-            batched = isinstance(raw, list)
-            texts = raw if batched else [raw]
-            if not texts or not all(isinstance(t, str) and t for t in texts):
-                raise RequestError("text", "must be a non-empty string or a list of them")
-            encode = self.worker.tokenizer.encode
-            encoded = await loop.run_in_executor(
-                None, lambda: [encode(t, add_special_tokens=False) for t in texts]
-            )
-            prompts = [self._prompt(x, f"text[{i}]" if batched else "text") for i, x in enumerate(encoded)]
-        n = len(prompts)
-
-        def per_item(key: str) -> list[Any]:
-            # In the batched form a list gives one value per prompt; anything else is shared.
-            v = body.get(key)
-            if batched and isinstance(v, list):
-                if len(v) != n:
-                    raise RequestError(key, f"has {len(v)} entries for {n} prompts")
-                return v
-            return [v] * n
-
-        params = per_item("sampling_params")
-        rids = per_item("rid")
-        ret_lp = per_item("return_logprob")
-        starts = per_item("logprob_start_len")
-        ret_text = body.get("return_text_in_logprobs", False)
-        if not isinstance(ret_text, bool):
-            raise RequestError("return_text_in_logprobs", f"must be true or false, got {ret_text!r}")
+        texts = [r.text for r, _ in reqs if r.text is not None]
+        if texts:
+            encode = w.tokenizer.encode
+            encoded = iter(await loop.run_in_executor(None, lambda: [encode(t, add_special_tokens=False)
+                                                                     for t in texts]))
         jobs, futures = [], []
-        for i in range(n):
-            where = (
-                f"sampling_params[{i}]"
-                if batched and isinstance(body.get("sampling_params"), list)
-                else "sampling_params"
-            )
-            settings = parse_sampling_params(params[i], self.worker.vocab_size, where)
-            rid = rids[i]
-            if rid is None:
-                rid = uuid.uuid4().hex
-            elif not isinstance(rid, str):
-                raise RequestError("rid", f"must be a string, got {rid!r}")
-            lp = ret_lp[i]
-            if lp is None:
-                lp = False
-            if not isinstance(lp, bool):
-                raise RequestError("return_logprob", f"must be true or false, got {lp!r}")
-            start = starts[i]
-            if start is None:
-                start = -1
-            if not is_int(start) or start < -1 or start >= len(prompts[i]):
-                raise RequestError(
-                    "logprob_start_len",
-                    f"must be -1 (no prompt log-probs) or in [0, {len(prompts[i])}), got {start!r}",
-                )
+        for req, renamed in reqs:
+            where = renamed.get("input_ids", "input_ids") if req.input_ids is not None else renamed.get("text", "text")
+            prompt = req.input_ids if req.input_ids is not None else next(encoded)
+            if len(prompt) >= w.max_positions:
+                raise RequestError(where, f"the prompt has {len(prompt)} tokens; this model takes at most "
+                                          f"{w.max_positions - 1} prompt tokens")
+            if req.logprob_start_len >= len(prompt):
+                raise RequestError("logprob_start_len", f"must be -1 (no prompt log-probs) or in [0, {len(prompt)}), "
+                                                        f"got {req.logprob_start_len}")
             fut: asyncio.Future = loop.create_future()
 
             def deliver(result: JobResult, fut: asyncio.Future = fut) -> None:
                 loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(result))
 
-            jobs.append(Job(rid, prompts[i], settings, lp, start if lp else -1, ret_text, deliver))
+            start = req.logprob_start_len if req.return_logprob else -1
+            jobs.append(Job(req.rid or uuid.uuid4().hex, prompt, req.sampling_params, req.return_logprob, start,
+                            deliver))
             futures.append(fut)
         return jobs, futures, batched
 
-    def _result_json(self, result: JobResult) -> dict[str, Any]:
+    @staticmethod
+    def _result_json(result: JobResult) -> dict[str, Any]:
         job = result.job
         meta: dict[str, Any] = {
             "id": job.rid,
@@ -348,15 +238,7 @@ class EngineServer:
             "e2e_latency": time.monotonic() - job.created,
         }
         if job.return_logprob:
-            if job.return_text_in_logprobs:
-                decode = self.worker.tokenizer.decode
-                meta["output_token_logprobs"] = [
-                    [lp, t, decode([t])] for lp, t in zip(job.out_logprobs, job.out_ids)
-                ]
-            else:
-                meta["output_token_logprobs"] = [
-                    [lp, t, None] for lp, t in zip(job.out_logprobs, job.out_ids)
-                ]
+            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(job.out_logprobs, job.out_ids)]
             if job.input_logprobs is not None:
                 ids = job.prompt_ids[job.logprob_start_len :]
                 meta["input_token_logprobs"] = [[lp, t, None] for lp, t in zip(job.input_logprobs, ids)]
@@ -364,18 +246,19 @@ class EngineServer:
 
     async def generate(self, request: web.Request) -> web.Response:
         try:
-            body = await _read_json(request)
-            jobs, futures, batched = await self._parse_generate(body)
+            jobs, futures, batched = await self._jobs(await _read_json(request))
         except RequestError as exc:
             return _error(exc.message, 400, exc.field)
-        # New requests wait while generation is paused (the in-flight ones were aborted or
-        # are held in place).
-        await self._resumed.wait()
+        if not self._resumed.is_set():  # paused: new requests wait for /continue_generation
+            self.held += len(jobs)
+            try:
+                await self._resumed.wait()
+            finally:
+                self.held -= len(jobs)
         self.worker.submit(jobs)
         try:
             results: list[JobResult] = list(await asyncio.gather(*futures))
-        except asyncio.CancelledError:
-            # The client went away: stop spending compute on its rows.
+        except asyncio.CancelledError:  # the client went away: stop spending compute on its rows
             for job in jobs:
                 job.abort_message = job.abort_message or "client disconnected"
             raise
@@ -393,98 +276,59 @@ class EngineServer:
         return web.Response(status=200)
 
     async def health_generate(self, request: web.Request) -> web.Response:
-        if not self.worker.alive:
+        """200 once a one-token generation succeeds (at once while the engine is busy)."""
+        w = self.worker
+        if not w.alive:
             return _error("engine worker is not running", 503)
-        load = self.worker.load()
-        if self.worker.paused or load["running"] or load["waiting"]:
-            return web.Response(status=200)  # busy generating is healthy enough
+        load = w.load()
+        if w.paused or load["running"] or load["waiting"]:
+            return web.Response(status=200)
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
-        job = Job(
-            f"health-{next(self._rid_counter)}",
-            [self.worker.pad_id],
-            SamplingSettings(temperature=0.0, max_new_tokens=1),
-            False,
-            -1,
-            False,
-            lambda r: loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(r)),
-        )
-        self.worker.submit([job])
+        job = Job(f"health-{uuid.uuid4().hex}", [w.pad_id], SamplingParams(temperature=0.0, max_new_tokens=1),
+                  False, -1, lambda r: loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(r)))
+        w.submit([job])
         try:
             result = await asyncio.wait_for(fut, 30)
         except asyncio.TimeoutError:
             job.abort_message = "health check timed out"
             return _error("a one-token generation did not finish within 30 s", 503)
-        if result.job.error:
-            return _error(result.job.error, 503)
-        return web.Response(status=200)
+        return _error(result.job.error, 503) if result.job.error else web.Response(status=200)
 
     async def model_info(self, request: web.Request) -> web.Response:
-        return _json(
-            {
-                "model_path": self.worker.model_path,
-                "tokenizer_path": self.tokenizer_path,
-                "is_generation": True,
-                "weight_version": self.worker.weight_version,
-                "preferred_sampling_params": None,
-            }
-        )
+        w = self.worker
+        return _json({"model_path": w.model_path, "tokenizer_path": w.model_path, "is_generation": True,
+                      "weight_version": w.weight_version, "preferred_sampling_params": None})
 
     async def server_info(self, request: web.Request) -> web.Response:
         w = self.worker
         load = w.load()
-        return _json(
-            {
-                "engine": "mrlx-local",
-                "model_path": w.model_path,
-                "tokenizer_path": self.tokenizer_path,
-                "host": self.host,
-                "port": self.port,
-                "weight_version": w.weight_version,
-                "max_running_requests": self.max_batch,
-                "context_length": w.max_positions,
-                "vocab_size": w.vocab_size,
-                "tp_size": 1,
-                "dp_size": 1,
-                "threads": self.threads,
-                "paused": w.paused,
-                "num_running_reqs": load["running"],
-                "num_waiting_reqs": load["waiting"],
-                "decode_steps": w.steps,
-                "generated_tokens": w.generated_tokens,
-                "uptime_s": time.time() - self.started,
-            }
-        )
-
-    async def get_weight_version(self, request: web.Request) -> web.Response:
-        return _json({"weight_version": self.worker.weight_version})
-
-    async def get_load(self, request: web.Request) -> web.Response:
-        load = self.worker.load()
-        return _json(
-            [
-                {
-                    "dp_rank": 0,
-                    "num_reqs": load["running"] + load["waiting"],
-                    "num_waiting_reqs": load["waiting"],
-                }
-            ]
-        )
+        return _json({
+            "engine": "mrlx-local",
+            "model_path": w.model_path,
+            "tokenizer_path": w.model_path,
+            "host": self.host,
+            "port": self.port,
+            "weight_version": w.weight_version,
+            "max_running_requests": w.max_batch,
+            "context_length": w.max_positions,
+            "vocab_size": w.vocab_size,
+            "tp_size": 1,
+            "dp_size": 1,
+            "threads": self.threads,
+            "paused": w.paused,
+            "num_running_reqs": load["running"],
+            "num_waiting_reqs": load["waiting"] + self.held,
+            "decode_steps": w.steps,
+            "generated_tokens": w.generated_tokens,
+            "uptime_s": time.time() - self.started,
+        })
 
     async def v1_loads(self, request: web.Request) -> web.Response:
         load = self.worker.load()
-        return _json(
-            {
-                "loads": [
-                    {
-                        "dp_rank": 0,
-                        "num_running_reqs": load["running"],
-                        "num_waiting_reqs": load["waiting"],
-                        "num_total_reqs": load["running"] + load["waiting"],
-                    }
-                ]
-            }
-        )
+        waiting = load["waiting"] + self.held
+        return _json({"loads": [{"dp_rank": 0, "num_running_reqs": load["running"], "num_waiting_reqs": waiting,
+                                 "num_total_reqs": load["running"] + waiting}]})
 
     async def flush_cache(self, request: web.Request) -> web.Response:
         # There is no prefix cache to flush; every request is prefilled from scratch.
@@ -492,31 +336,20 @@ class EngineServer:
 
     async def abort_request(self, request: web.Request) -> web.Response:
         try:
-            body = await _read_json(request, required=False)
-            if not isinstance(body, dict):
-                raise RequestError("body", "must be a JSON object")
-            abort_all = body.get("abort_all", False)
-            rid = body.get("rid")
-            if not isinstance(abort_all, bool):
-                raise RequestError("abort_all", f"must be true or false, got {abort_all!r}")
-            if not abort_all and not (isinstance(rid, str) and rid):
+            req = validate(AbortRequest, await _read_json(request, required=False))
+            if not req.abort_all and not req.rid:
                 raise RequestError("rid", 'send {"abort_all": true} or {"rid": "<request id>"}')
         except RequestError as exc:
             return _error(exc.message, 400, exc.field)
-        message = body.get("abort_message") or "aborted by /abort_request"
-        n = self.worker.abort(None if abort_all else rid, message=str(message))
+        n = self.worker.abort(None if req.abort_all else req.rid,
+                              message=req.abort_message or "aborted by /abort_request")
         return _json({"success": True, "num_aborted": n})
 
     async def pause_generation(self, request: web.Request) -> web.Response:
         try:
-            body = await _read_json(request, required=False)
-            mode = (body or {}).get("mode", "abort") if isinstance(body, dict) else None
-            if mode not in ("abort", "in_place", "retract"):
-                raise RequestError("mode", f'must be "abort", "in_place" or "retract", got {mode!r}')
+            mode = validate(PauseRequest, await _read_json(request, required=False)).mode
         except RequestError as exc:
             return _error(exc.message, 400, exc.field)
-        # "retract" (SGLang moves running requests back to its queue) has the same visible
-        # outcome here as "in_place": they resume, unchanged, on /continue_generation.
         self._resumed.clear()
         n = self.worker.pause("abort" if mode == "abort" else "in_place")
         return _json({"success": True, "message": f"generation paused ({mode})", "num_aborted": n})
@@ -528,44 +361,18 @@ class EngineServer:
 
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
         try:
-            body = await _read_json(request)
-            if not isinstance(body, dict):
-                raise RequestError("body", "must be a JSON object")
-            path = body.get("model_path")
-            if not isinstance(path, str) or not path:
-                raise RequestError("model_path", "must be the path of a model directory")
-            version = body.get("weight_version")
-            if version is not None and not isinstance(version, (str, int)):
-                raise RequestError("weight_version", f"must be a string, got {version!r}")
-            abort_all = body.get("abort_all_requests", False)
-            if not isinstance(abort_all, bool):
-                raise RequestError("abort_all_requests", f"must be true or false, got {abort_all!r}")
-            load_format = body.get("load_format")
-            if load_format not in (None, "auto"):
-                raise RequestError(
-                    "load_format", f"only the default format is supported, got {load_format!r}"
-                )
+            req = validate(UpdateWeightsRequest, await _read_json(request))
+            if not (Path(req.model_path) / "config.json").is_file():
+                raise RequestError("model_path", f"{req.model_path!r} is not a model directory (no config.json); "
+                                                 "the old weights keep serving")
         except RequestError as exc:
             return _json({"success": False, "message": exc.message, "num_paused_requests": 0}, 400)
-        if not (Path(path) / "config.json").is_file():
-            return _json(
-                {
-                    "success": False,
-                    "message": f"model_path {path!r} is not a model directory (no config.json); the old weights keep serving",
-                    "num_paused_requests": 0,
-                },
-                400,
-            )
         loop = asyncio.get_running_loop()
         async with self._update_lock:
             fut: asyncio.Future = loop.create_future()
-            update = WeightUpdate(
-                path,
-                None if version is None else str(version),
-                abort_all,
-                lambda r: loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(r)),
-            )
-            self.worker.request_weight_update(update)
+            self.worker.request_weight_update(WeightUpdate(
+                req.model_path, req.weight_version, req.abort_all_requests,
+                lambda r: loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(r))))
             result = await fut
         return _json(result, 200 if result["success"] else 400)
 
@@ -575,41 +382,47 @@ class EngineServer:
 # --------------------------------------------------------------------------------------------
 
 
-async def register_with_router(
-    router_url: str, worker_url: str, stop: asyncio.Event, timeout_s: float = 5.0
-) -> bool:
-    """Add `worker_url` to the router, retrying with backoff until the router answers.
+class _Refused(Exception):
+    pass
+
+
+async def register_with_router(router_url: str, worker_url: str, stop: asyncio.Event, timeout_s: float = 5.0,
+                               backoff: Backoff = Backoff(base_s=0.25, max_s=5.0)) -> bool:
+    """Add `worker_url` to the router, retrying with backoff until the router takes it.
 
     Uses `POST /add_worker?url=...` (sglang-router 0.2/0.3); falls back to `POST /workers`
     with a JSON body (newer routers). Returns False only if `stop` was set first.
     """
-    delay = 0.25
-    attempt = 0
+
+    async def attempt(session: aiohttp.ClientSession) -> None:
+        async with session.post(f"{router_url}/add_worker", params={"url": worker_url}) as resp:
+            status, text = resp.status, await resp.text()
+        if status == 404:
+            async with session.post(f"{router_url}/workers", json={"url": worker_url}) as resp:
+                status, text = resp.status, await resp.text()
+        if not 200 <= status < 300:
+            raise _Refused(f"HTTP {status}: {text[:200]}")
+
+    def on_retry(n: int, exc: BaseException, wait: float) -> None:
+        if isinstance(exc, _Refused):
+            log.warning("router %s refused registration (%s); retrying in %.1fs", router_url, exc, wait)
+        elif n == 1 or n % 10 == 0:
+            log.warning("router %s not reachable yet (%s); retrying", router_url, exc)
+
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
-        while not stop.is_set():
-            attempt += 1
-            try:
-                async with session.post(f"{router_url}/add_worker", params={"url": worker_url}) as resp:
-                    text = await resp.text()
-                    if resp.status == 404:
-                        async with session.post(f"{router_url}/workers", json={"url": worker_url}) as resp2:
-                            text = await resp2.text()
-                            status = resp2.status
-                    else:
-                        status = resp.status
-                if 200 <= status < 300:
-                    log.info("registered %s with router %s", worker_url, router_url)
-                    return True
-                log.warning("router %s refused registration (HTTP %s): %s", router_url, status, text[:200])
-            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-                if attempt == 1 or attempt % 10 == 0:
-                    log.warning("router %s not reachable yet (%s); retrying", router_url, exc)
-            try:
-                await asyncio.wait_for(stop.wait(), delay)
-            except asyncio.TimeoutError:
-                pass
-            delay = min(delay * 2, 5.0)
-    return False
+        registering = asyncio.ensure_future(retry(
+            lambda _: attempt(session), deadline=Deadline(None), backoff=backoff, on_retry=on_retry,
+            retryable=lambda e: isinstance(e, (_Refused, aiohttp.ClientError, asyncio.TimeoutError))))
+        stopped = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({registering, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
+        if not registering.done():
+            registering.cancel()
+            await asyncio.gather(registering, return_exceptions=True)
+            return False
+    registering.result()
+    log.info("registered %s with router %s", worker_url, router_url)
+    return True
 
 
 async def deregister_from_router(router_url: str, worker_url: str, timeout_s: float = 5.0) -> bool:
@@ -639,33 +452,16 @@ async def deregister_from_router(router_url: str, worker_url: str, timeout_s: fl
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the engine's flags to `parser` (used by `mrlx engine` and by `main`)."""
-    parser.add_argument("--model", required=True, help="model directory (from_pretrained layout)")
-    parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --model)")
+    parser.add_argument("--model", required=True, help="model directory (from_pretrained layout, with its tokenizer)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
-    parser.add_argument(
-        "--allow-remote",
-        action="store_true",
-        help="allow a non-loopback --host (the engine has no authentication: trusted networks only)",
-    )
-    parser.add_argument(
-        "--port", type=int, default=0, help="port to listen on; 0 picks a free one (default: 0)"
-    )
+    parser.add_argument("--allow-remote", action="store_true",
+                        help="allow a non-loopback --host (the engine has no authentication: trusted networks only)")
+    parser.add_argument("--port", type=int, default=0, help="port to listen on; 0 picks a free one (default: 0)")
     parser.add_argument("--port-file", default=None, help="write the bound port to this file once listening")
-    parser.add_argument(
-        "--advertise-host",
-        default=None,
-        help="host name the router should use to reach this engine (default: --host, or 127.0.0.1 for a wildcard --host)",
-    )
-    parser.add_argument(
-        "--router-url", default=None, help="register with this sglang-router (POST /add_worker) once up"
-    )
-    parser.add_argument("--weight-version", default="0", help='initial weight version (default: "0")')
-    parser.add_argument(
-        "--max-batch", type=int, default=32, help="most sequences decoded together (default: 32)"
-    )
-    parser.add_argument(
-        "--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)"
-    )
+    parser.add_argument("--router-url", default=None,
+                        help="register with this sglang-router (POST /add_worker) once up, leave it on shutdown")
+    parser.add_argument("--max-batch", type=int, default=32, help="most sequences decoded together (default: 32)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampling generator (default: 0)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return parser
@@ -687,49 +483,27 @@ async def _serve(args: argparse.Namespace) -> int:
     if refusal:
         log.error("%s", refusal)
         return 2
-    torch = load_torch()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    tokenizer_path = str(Path(args.tokenizer or args.model))
-    if not (Path(args.model) / "config.json").is_file():
-        log.error(
-            "--model %s is not a model directory (no config.json); save one with from_pretrained's layout, "
-            "e.g. mrlx_plugin.local.model.ensure_model(DIR)",
-            args.model,
-        )
-        return 2
-    if not Path(tokenizer_path).is_dir():
-        log.error("--tokenizer %s is not a directory", tokenizer_path)
-        return 2
-    loop = asyncio.get_running_loop()
-    try:
-        model, tokenizer = await loop.run_in_executor(
-            None, lambda: (load_model(args.model), load_tokenizer(tokenizer_path))
-        )
-    except Exception as exc:  # noqa: BLE001 - reported as one line and exit code 2
-        log.error("cannot load the model from %s (tokenizer %s): %s", args.model, tokenizer_path, exc)
-        return 2
     if args.max_batch < 1:
         log.error("--max-batch must be >= 1, got %s", args.max_batch)
         return 2
-    worker = BatchWorker(
-        model,
-        tokenizer,
-        model_path=str(args.model),
-        max_batch=args.max_batch,
-        seed=args.seed,
-        weight_version=str(args.weight_version),
-    )
+    if not (Path(args.model) / "config.json").is_file():
+        log.error("--model %s is not a model directory (no config.json); save one with from_pretrained's layout, "
+                  "e.g. mrlx_plugin.local.model.ensure_model(DIR)", args.model)
+        return 2
+    torch = load_torch()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    loop = asyncio.get_running_loop()
+    try:
+        model, tokenizer = await loop.run_in_executor(None, lambda: (load_model(args.model), load_tokenizer(args.model)))
+    except Exception as exc:  # noqa: BLE001 - reported as one line and exit code 2
+        log.error("cannot load the model and its tokenizer from %s: %s", args.model, exc)
+        return 2
+    worker = BatchWorker(model, tokenizer, model_path=str(args.model), max_batch=args.max_batch, seed=args.seed)
     worker.start()
-    advertise = args.advertise_host or ("127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host)
-    server = EngineServer(
-        worker,
-        tokenizer_path=tokenizer_path,
-        host=args.host,
-        advertise_host=advertise,
-        max_batch=args.max_batch,
-        threads=torch.get_num_threads(),
-    )
+    # A router must reach the engine at an address it can dial, never at a wildcard.
+    advertise = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
+    server = EngineServer(worker, host=args.host, advertise_host=advertise, threads=torch.get_num_threads())
     logging.getLogger("aiohttp.server").addFilter(_QuietProbes())
     runner = web.AppRunner(server.app(), access_log=None, handle_signals=False)
     await runner.setup()
@@ -745,28 +519,18 @@ async def _serve(args: argparse.Namespace) -> int:
     server.port = int(sockets[0].getsockname()[1])
     if args.port_file:
         write_port_file(args.port_file, server.port)
-    log.info(
-        "engine serving %s at http://%s:%s (weight_version %s, max batch %s, %s threads)",
-        args.model,
-        args.host,
-        server.port,
-        worker.weight_version,
-        args.max_batch,
-        torch.get_num_threads(),
-    )
+    log.info("engine serving %s at http://%s:%s (max batch %s, %s threads)", args.model, args.host, server.port,
+             args.max_batch, torch.get_num_threads())
 
     stop = asyncio.Event()
-    worker_died = False
     for sig in (signal.SIGTERM, signal.SIGINT):
         try:
             loop.add_signal_handler(sig, stop.set)
         except (NotImplementedError, RuntimeError):  # not on the main thread
             pass
-    register_task = None
-    if args.router_url:
-        register_task = asyncio.create_task(
-            register_with_router(args.router_url.rstrip("/"), server.url, stop)
-        )
+    router = args.router_url.rstrip("/") if args.router_url else None
+    register_task = asyncio.create_task(register_with_router(router, server.url, stop)) if router else None
+    worker_died = False
     while not stop.is_set():
         try:
             await asyncio.wait_for(stop.wait(), 1.0)
@@ -776,10 +540,8 @@ async def _serve(args: argparse.Namespace) -> int:
                 worker_died = True
                 stop.set()
     log.info("shutting down")
-    if register_task is not None:
-        registered = await register_task
-        if registered:
-            await deregister_from_router(args.router_url.rstrip("/"), server.url)
+    if register_task is not None and await register_task:
+        await deregister_from_router(router, server.url)
     await loop.run_in_executor(None, worker.stop)
     await runner.cleanup()
     return 1 if worker_died else 0

@@ -20,7 +20,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterable
@@ -29,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from mrlx_plugin.core.netutil import free_port
+from mrlx_plugin.core.retry import Deadline, wait_until
 
 
 class ProcessStartError(RuntimeError):
@@ -80,10 +80,10 @@ def stop_all(procs: Iterable[ManagedProcess | subprocess.Popen], timeout: float 
                 p.send_signal(signal.SIGTERM)
             except ProcessLookupError:
                 pass
-    deadline = time.monotonic() + timeout
+    deadline = Deadline(timeout)
     for p in popens:
         try:
-            p.wait(max(0.0, deadline - time.monotonic()))
+            p.wait(deadline.remaining())
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait(timeout)
@@ -133,21 +133,31 @@ class ManagedProcess:
 
 
 def wait_http_ok(url: str, timeout: float, proc: subprocess.Popen | None = None, headers: dict | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    last = ""
-    while time.monotonic() < deadline:
+    """Block until `url` answers 200 (ProcessStartError after `timeout` s, or at once if `proc` exits)."""
+    last = "no answer yet"
+
+    def answers() -> bool:
+        nonlocal last
         if proc is not None and proc.poll() is not None:
             raise ProcessStartError(f"process exited with code {proc.returncode} before {url} answered")
         try:
-            req = urllib.request.Request(url, headers=headers or {})
-            with urllib.request.urlopen(req, timeout=2) as resp:
+            with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=2) as resp:
                 if resp.status == 200:
-                    return
+                    return True
                 last = f"HTTP {resp.status}"
         except (urllib.error.URLError, ConnectionError, OSError) as exc:
             last = str(exc)
-        time.sleep(0.1)
-    raise ProcessStartError(f"{url} did not answer within {timeout:.0f}s (last: {last})")
+        return False
+
+    try:
+        wait_until(answers, Deadline(timeout), what=url)
+    except TimeoutError:
+        raise ProcessStartError(f"{url} did not answer within {timeout:.0f}s (last: {last})") from None
+
+
+def _start_failure(name: str, argv: list[str], log_path: Path) -> ProcessStartError:
+    tail = log_path.read_text(errors="replace")[-3000:]
+    return ProcessStartError(f"{name} did not start ({' '.join(argv)}):\n{tail}")
 
 
 def start_service(
@@ -171,19 +181,23 @@ def start_service(
     # Its own session: a terminal's Ctrl-C or hang-up reaches the starter, which stops it.
     with open(log_path, "ab") as log:
         proc = popen_tied(full, stdout=log, stderr=subprocess.STDOUT, env=penv, start_new_session=True)
-    deadline = time.monotonic() + timeout
+    deadline = Deadline(timeout)  # one for both waits: the port, then the health URL
     try:
         if port is None:
-            while not (port_file.exists() and port_file.read_text().strip()):
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    tail = log_path.read_text(errors="replace")[-3000:]
-                    raise ProcessStartError(f"{name} did not start ({' '.join(full)}):\n{tail}")
-                time.sleep(0.05)
+            def port_written() -> bool:
+                if proc.poll() is not None:
+                    raise _start_failure(name, full, log_path)
+                return port_file.exists() and bool(port_file.read_text().strip())
+
+            try:
+                wait_until(port_written, deadline, what=f"{name}'s port file {port_file}")
+            except TimeoutError:
+                raise _start_failure(name, full, log_path) from None
             port = int(port_file.read_text().strip())
         url = f"http://127.0.0.1:{port}"
         handle = ManagedProcess(name, full, proc, url, log_path)
         try:
-            wait_http_ok(url + health_path, max(1.0, deadline - time.monotonic()), proc)
+            wait_http_ok(url + health_path, max(1.0, deadline.remaining()), proc)
         except ProcessStartError as exc:
             raise ProcessStartError(f"{name}: {exc}\n{handle.log_tail()}") from None
     except BaseException:  # a failed start, and also a signal or Ctrl-C while waiting: no handle escapes

@@ -252,28 +252,47 @@ def latest_checkpoint(out: Path) -> Path | None:
 def push_weights(engines: list[str], path: Path, version: int, deadline_s: float = 300.0) -> None:
     """Load `path` into every engine of this agent and set its weight version (SGLang's call).
 
-    An engine that is down (restarting) is retried until `deadline_s`; one that refuses the
-    weights is an error.
+    An engine that is down (restarting) is retried with backoff until `deadline_s`; one that
+    refuses the weights is an error. Runs on the host's event loop, as the rollouts do.
     """
-    body = json.dumps({"model_path": str(path), "weight_version": str(version)}).encode()
-    for url in engines:
-        deadline = time.monotonic() + deadline_s
-        while True:
-            req = urllib.request.Request(url.rstrip("/") + "/update_weights_from_disk", data=body,
-                                         headers={"Content-Type": "application/json"})
+    from mrlx_plugin.core.host import run_in_host_loop
+
+    run_in_host_loop(_push_weights(engines, path, version, deadline_s))
+
+
+async def _push_weights(engines: list[str], path: Path, version: int, deadline_s: float) -> None:
+    import asyncio
+
+    import aiohttp
+
+    from mrlx_plugin.core.retry import Backoff, Deadline, RetriesExhausted, retry
+
+    body = {"model_path": str(path), "weight_version": str(version)}
+    async with aiohttp.ClientSession() as session:
+        for url in engines:
+            deadline = Deadline(deadline_s)
+
+            async def attempt(_: int, url: str = url) -> dict[str, Any]:
+                timeout = aiohttp.ClientTimeout(total=max(1.0, deadline.remaining()))
+                async with session.post(url.rstrip("/") + "/update_weights_from_disk", json=body,
+                                        timeout=timeout) as resp:
+                    raw = await resp.read()
+                if resp.status != 200:
+                    raise RuntimeError(f"{url} refused the weights at {path}: HTTP {resp.status} {raw[:200]!r}")
+                return json.loads(raw or b"{}")
+
+            def on_retry(n: int, exc: BaseException, wait: float, url: str = url) -> None:
+                log.warning("engine %s unreachable (%s); retrying the weight push in %.1fs", url, exc, wait)
+
             try:
-                with urllib.request.urlopen(req, timeout=deadline_s) as resp:
-                    answer = json.loads(resp.read() or b"{}")
-                break
-            except urllib.error.HTTPError as exc:
-                raise RuntimeError(f"{url} refused the weights at {path}: HTTP {exc.code} {exc.read()[:200]!r}") from None
-            except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"{url} did not take the weights at {path} within {deadline_s:.0f}s: {exc}") from None
-                log.warning("engine %s unreachable (%s); retrying the weight push", url, exc)
-                time.sleep(0.5)
-        if not answer.get("success", True):
-            raise RuntimeError(f"{url} refused the weights at {path}: {answer.get('message')}")
+                answer = await retry(
+                    attempt, deadline=deadline, backoff=Backoff(base_s=0.25, max_s=2.0), on_retry=on_retry,
+                    retryable=lambda e: isinstance(e, (aiohttp.ClientConnectionError, asyncio.TimeoutError)))
+            except RetriesExhausted as exc:
+                raise RuntimeError(f"{url} did not take the weights at {path} within {deadline_s:.0f}s: "
+                                   f"{exc.last}") from None
+            if not answer.get("success", True):
+                raise RuntimeError(f"{url} refused the weights at {path}: {answer.get('message')}")
 
 
 # ----------------------------------------------------------------------------------------------

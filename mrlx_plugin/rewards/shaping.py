@@ -4,7 +4,7 @@
   Sample, or once with the whole list when a generate function returned several.
 - `normalize(args, samples)`: a `--custom-reward-post-process-path` function. It replaces the
   host's GRPO normalisation, which mixes prompts and roles whenever a generate function returns a
-  variable number of samples (SLIME_CONTRACT.md section 4), by normalising within each
+  variable number of samples (docs/host-contract.md section 5), by normalising within each
   (prompt group, agent) pair.
 - `team_weighting(...)` and `coupling_matrix(...)`: the built-in shapings behind the
   `mrlx_shape_rewards` hook's default.
@@ -21,20 +21,19 @@ import numpy as np
 
 from mrlx_plugin.core.config import PipelineSettings
 from mrlx_plugin.rewards.grading import MathVerifier, grade_math
-from mrlx_plugin.core.host import HOST, Status, host_reward
+from mrlx_plugin.core.host import HOST, HOST_PROCESS, Status, host_reward
 from mrlx_plugin.core.transcript import strip_reasoning
 
 GRPO_FAMILY = ("grpo", "gspo", "cispo", "reinforce_plus_plus_baseline")
 STD_NORMALIZED = ("grpo", "gspo", "cispo")
 
-_VERIFIER: MathVerifier | None = None
-
-
-def shared_verifier() -> MathVerifier:
-    global _VERIFIER
-    if _VERIFIER is None:
-        _VERIFIER = MathVerifier()
-    return _VERIFIER
+def math_verifier(args: Any) -> MathVerifier:
+    """The math-verify worker of the host's `args`: one per rollout process, shared by the
+    `mrlx_grade` default (through the Runtime) and `reward` (called with `args` alone), and owned
+    by the process registry (`HOST_PROCESS`) that keeps what flat host calls share."""
+    if isinstance(args, _WithoutCustomRm):  # the host grader's view of the same args: the same worker
+        args = args._args
+    return HOST_PROCESS.for_args(args, "math_verifier", MathVerifier)
 
 
 # --------------------------------------------------------------------------------------------
@@ -58,7 +57,7 @@ async def _reward_one(args: Any, sample: Any) -> Any:
     rm_type = (sample.metadata or {}).get("rm_type") or getattr(args, "rm_type", None)
     if HOST is not None and rm_type:
         return await host_reward(_WithoutCustomRm(args), sample)
-    return await grade_math(strip_reasoning(sample.response or ""), sample.label, shared_verifier())
+    return await grade_math(strip_reasoning(sample.response or ""), sample.label, math_verifier(args))
 
 
 class _WithoutCustomRm:

@@ -7,8 +7,9 @@ One episode per input sample:
 3. One selector reads the rewrites and picks one ("Judgment: IDX", 1-based). It earns the
    grade of the rewrite it picked. A missing or out-of-range index earns 0.0 and leaves the
    team without a final answer (counted as `multi_agent/invalid_selection_rate`).
-4. The team is right when its final answer earns a full mark; the `mrlx_shape_rewards` hook
-   then weights every sample by the team outcome (`mrlx.pipeline.weighting`).
+4. The team is right when its final answer earns a full mark; the system declares team shaping
+   (`run.team_shaping`), so the `mrlx_shape_rewards` hook's default weights every sample by the
+   team outcome (`mrlx.pipeline.weighting`).
 
 The agents are named `solver`, `rewriter` and `selector` in the config; by default all three
 are `url: self`, so one model plays every role and trains on all of them.
@@ -107,7 +108,6 @@ def make_pipeline(prompts: PipelinePrompts = PipelinePrompts()):
     async def run(episode: Episode) -> None:
         p = episode.settings.pipeline
         problem = episode.problem
-        episode.shaping = "team"
 
         async def answer(t: Transcript) -> None:
             await episode.generate(t)
@@ -156,6 +156,7 @@ def make_pipeline(prompts: PipelinePrompts = PipelinePrompts()):
         episode.metadata["selected"] = choice
 
     run.fan_out = pipeline_fan_out  # type: ignore[attr-defined]
+    run.team_shaping = True  # type: ignore[attr-defined]  # every sample is weighted by the team outcome
     return run
 
 

@@ -16,17 +16,9 @@ from mrlx_plugin.link.client import CoordinatorClient, CoordinatorError
 
 
 @pytest.fixture
-def coord(tmp_path):
-    procs: list[CoordinatorProcess] = []
-
-    def start(*extra: str) -> CoordinatorProcess:
-        proc = CoordinatorProcess(tmp_path / f"coordinator{len(procs)}", extra=extra)
-        procs.append(proc)
-        return proc.start()
-
-    yield start
-    for proc in procs:
-        proc.stop()
+def coord(start_coordinator):
+    """coord(*flags): a started coordinator with these extra flags."""
+    return lambda *extra: start_coordinator(extra=extra)
 
 
 def clients(coord: CoordinatorProcess) -> tuple[CoordinatorClient, CoordinatorClient]:
@@ -159,6 +151,7 @@ def test_ack_through_a_step_is_durable_idempotent_and_drops_late_items_of_acked_
     asyncio.run(second_life())
 
 
+@pytest.mark.slow
 def test_a_client_call_rides_out_an_outage_longer_than_its_old_retries(coord, caplog):
     coord = coord()
     caplog.set_level(logging.WARNING)

@@ -29,7 +29,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
-from _coord_procs import REPO, CoordinatorProcess, http, make_items
+from _coord_procs import REPO, CoordinatorProcess, make_items
 from _wait import wait_until
 
 from mrlx_plugin.link.wire import CONTENT_TYPE, encode_items
@@ -122,7 +122,7 @@ def test_database_files_found_with_loose_modes_are_tightened_and_logged(tmp_path
 
 def test_coordinator_help_says_the_database_is_owner_only():
     done = subprocess.run(
-        [sys.executable, "-m", "mrlx_plugin.cli.main", "coordinator", "--help"],
+        [sys.executable, "-m", "mrlx_plugin.cli", "coordinator", "--help"],
         cwd=REPO, capture_output=True, text=True, timeout=120,
     )
     assert done.returncode == 0, done.stderr
@@ -172,6 +172,7 @@ def answered(coord: CoordinatorProcess, method: str, path: str, **kwargs) -> tup
     return status, body
 
 
+@pytest.mark.slow
 def test_idle_connections_past_the_fd_limit_do_not_starve_the_coordinator(tmp_path):
     with own_nofile_at_least(IDLE_CONNECTIONS + 300):
         coord = LimitedCoordinator(tmp_path, nofile=COORDINATOR_NOFILE).start()
@@ -222,6 +223,7 @@ def closed_by_peer(sock: socket.socket, wait_s: float) -> bytes | None:
         got += data
 
 
+@pytest.mark.slow
 def test_a_trickled_header_is_cut_off_after_the_idle_timeout(tmp_path):
     coord = LimitedCoordinator(tmp_path, extra=["--idle-timeout-s", "2"]).start()
     try:

@@ -15,7 +15,8 @@ import re
 import socket
 
 import pytest
-from _twojobs import TOKEN, TwoJobs
+from _coord_procs import TOKEN_ENV
+from _twojobs import TOKEN, TwoJobs, two_job_config
 
 from mrlx_plugin.link.client import CoordinatorClient
 from mrlx_plugin.link.wire import QueueItem
@@ -66,6 +67,7 @@ def kill(jobs: TwoJobs, name: str) -> None:
     job.wait(30)
 
 
+@pytest.mark.slow
 def test_jobs_resumed_after_a_crash_between_save_and_ack_train_each_step_once_and_in_step(jobs):
     """Finding 1: the coordinator dies while B trains a step; B saves that step but cannot
     acknowledge it; both jobs die and are resumed from their checkpoints. B must not train the
@@ -96,6 +98,7 @@ def test_jobs_resumed_after_a_crash_between_save_and_ack_train_each_step_once_an
     assert queue["queued_items"] == 0 and queue["leased_items"] == 0, queue  # A's last step too
 
 
+@pytest.mark.slow
 def test_consumer_resumed_before_its_lease_expires_trains_the_same_steps_within_the_staleness_bound(jobs):
     """Finding 2: B is SIGKILLed mid-step and resumed at once (its lease, 30 s, still held by the
     dead process). B's step k must train A's step k, the staleness bound must hold, and the
@@ -130,6 +133,7 @@ def unreachable_seconds(log: str) -> float:
     return max(found, default=0.0)
 
 
+@pytest.mark.slow
 def test_a_coordinator_outage_longer_than_the_old_retries_costs_both_jobs_waiting_only(jobs):
     """Finding 3: both jobs ride out a coordinator outage of at least 10 seconds (their old
     retries gave up after about 2 s of backoff, 4-7 s in all) and finish with nothing lost."""
@@ -165,6 +169,7 @@ def poison_group(step: int, size: int) -> list[QueueItem]:
             for i in range(size)]
 
 
+@pytest.mark.slow
 def test_items_b_cannot_train_are_set_aside_and_replaced_by_fillers_of_the_same_shape(jobs):
     """Finding 4: a group whose token ids lie outside B's vocabulary, in each of B's steps. B sets
     it aside (dead-letter, counted by the coordinator and in B's metrics) and trains the rest of
@@ -207,6 +212,7 @@ def test_items_b_cannot_train_are_set_aside_and_replaced_by_fillers_of_the_same_
     assert sum(float(line.rsplit(" ", 1)[1]) for line in dead) == jobs.steps * jobs.per_prompt, dead
 
 
+@pytest.mark.slow
 def test_a_queue_smaller_than_one_step_is_refused_at_start_naming_the_limit_and_the_flag(jobs):
     """Finding 11: `--max-depth` below one step's items deadlocked both jobs; both refuse to start."""
     jobs.coordinator_extra = ("--max-depth", "3")  # one step: 2 groups x 2 samples = 4 items
@@ -221,7 +227,7 @@ def test_a_queue_smaller_than_one_step_is_refused_at_start_naming_the_limit_and_
 
 
 def test_the_initiator_sends_fillers_for_samples_its_peer_model_cannot_take(engine, tiny_model_dir, tmp_path,
-                                                                           monkeypatch):
+                                                                           monkeypatch, start_coordinator):
     """Finding 4, the producer's side: A checks B's samples against B's model (as A knows it from
     B's tokenizer directory) before committing them; one B cannot take goes as an ABORTED filler
     (the group stays whole), counted in A's rollout metrics."""
@@ -232,7 +238,6 @@ def test_the_initiator_sends_fillers_for_samples_its_peer_model_cannot_take(engi
 
     from mrlx_plugin.core.host import run_in_host_loop
     from mrlx_plugin.local.fake_host import LocalDataSource
-    from mrlx_plugin.local.processes import start_coordinator
     from mrlx_plugin.rollout import initiator_rollout
     from mrlx_plugin.runtime import runtime_for
 
@@ -241,16 +246,12 @@ def test_the_initiator_sends_fillers_for_samples_its_peer_model_cannot_take(engi
     config = json.loads((b_model / "config.json").read_text())
     config["max_position_embeddings"] = 8
     (b_model / "config.json").write_text(json.dumps(config))
-    monkeypatch.setenv("MRLX_TEST_TOKEN", TOKEN)
-    coordinator = start_coordinator(tmp_path / "c.sqlite", "refuse", ["a", "b"], log_dir=tmp_path,
-                                    token_env="MRLX_TEST_TOKEN", env={"MRLX_TEST_TOKEN": TOKEN})
+    coordinator = start_coordinator(run_id="refuse", agents=("a", "b"), token=TOKEN)
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)
     try:
-        mrlx = {"run_id": "refuse", "system": "dialogue", "self": "a",
-                "agents": {"a": {"url": "self", "sampling": {"max_new_tokens": 4}},
-                           "b": {"url": engine.url, "trainable": True, "tokenizer": str(b_model),
-                                 "sampling": {"max_new_tokens": 4}}},
-                "dialogue": {"max_turns": 2},
-                "coordinator": {"url": coordinator.url, "token_env": "MRLX_TEST_TOKEN", "wait_deadline_s": 20}}
+        mrlx = two_job_config("a", run_id="refuse", urls={"b": engine.url}, coordinator=coordinator.url,
+                              tokenizers={"b": b_model}, max_new_tokens=4,
+                              coordinator_settings={"wait_deadline_s": 20}, dialogue={"max_turns": 2})
         args = slime_args(engine.url, str(tiny_model_dir), mrlx, rollout_batch_size=1, n_samples_per_prompt=2)
         out = initiator_rollout(args, 0, LocalDataSource([("What is 1 + 1?", "2")], 2))
         run_in_host_loop(runtime_for(args).aclose())
@@ -283,23 +284,20 @@ def test_the_initiator_sends_fillers_for_samples_its_peer_model_cannot_take(engi
     ({"save": None}, [None, 0, 1, 2, 3, 4]),
 ])
 def test_a_slime_responder_acknowledges_through_the_last_durable_save(tiny_model_dir, tmp_path, monkeypatch,
-                                                                      flags, expected):
+                                                                      start_coordinator, flags, expected):
     """Finding 1, for a real slime responder (no hook after its save): at the top of each step it
     acknowledges exactly the steps that a job resumed now would not train again."""
     from _host import slime_args
 
     from mrlx_plugin.core.host import run_in_host_loop
-    from mrlx_plugin.local.processes import start_coordinator
     from mrlx_plugin.rollout import responder_rollout
     from mrlx_plugin.runtime import runtime_for
 
-    monkeypatch.setenv("MRLX_TEST_TOKEN", TOKEN)
-    coordinator = start_coordinator(tmp_path / "c.sqlite", "acks", ["a", "b"], log_dir=tmp_path,
-                                    token_env="MRLX_TEST_TOKEN", env={"MRLX_TEST_TOKEN": TOKEN})
+    coordinator = start_coordinator(run_id="acks", agents=("a", "b"), token=TOKEN)
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)
     nowhere = "http://127.0.0.1:9"  # no episode runs here: no engine is called
-    mrlx = {"run_id": "acks", "system": "dialogue", "self": "b",
-            "agents": {"a": {"url": nowhere, "trainable": True}, "b": {"url": "self"}},
-            "coordinator": {"url": coordinator.url, "token_env": "MRLX_TEST_TOKEN", "wait_deadline_s": 60}}
+    mrlx = two_job_config("b", run_id="acks", urls={"a": nowhere}, coordinator=coordinator.url,
+                          coordinator_settings={"wait_deadline_s": 60})
     host = {"save": str(tmp_path / "ckpt"), "save_interval": None, "async_save": False, "num_rollout": 6, **flags}
     args = slime_args(nowhere, str(tiny_model_dir), mrlx, rollout_batch_size=1, n_samples_per_prompt=2, **host)
 

@@ -24,9 +24,8 @@ import pytest
 from _host import group, params, slime_args
 
 from mrlx_plugin.core.config import EngineSettings
-from mrlx_plugin.core.engine_client import EngineClient, EngineError, MalformedAnswer
+from mrlx_plugin.core.engine_client import MAX_BODY_BYTES, EngineClient, EngineError, MalformedAnswer
 from mrlx_plugin.core.host import Status, run_in_host_loop
-from mrlx_plugin.core.http import MAX_BODY_BYTES
 from mrlx_plugin.local.fake_host import LocalDataSource, default_rollout
 from mrlx_plugin.local.stub_engine import DEFAULT_TEXT, MALFORMED_MODES, WRONG_TEXT
 from mrlx_plugin.core.metrics import compute_metrics

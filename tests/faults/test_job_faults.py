@@ -14,6 +14,8 @@ from _twojobs import TwoJobs
 
 from mrlx_plugin.local.model import ensure_model
 
+pytestmark = pytest.mark.slow  # two agent jobs end to end, each test minutes
+
 
 def refuses_connections(port: int) -> bool:
     with socket.socket() as sock:
