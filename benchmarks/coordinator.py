@@ -614,6 +614,8 @@ def run_coordinator_bench(
             "python": sys.version.split()[0],
         }
     }
+    if workdir:
+        os.makedirs(workdir, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="mrlx-coord-bench-", dir=workdir) as tmp:
         proc, url = _start_coordinator(tmp, token, synchronous, max_depth=max(65536, 2 * samples))
         try:

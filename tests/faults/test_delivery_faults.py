@@ -226,6 +226,7 @@ def test_a_queue_smaller_than_one_step_is_refused_at_start_naming_the_limit_and_
         assert "(--max-depth 3)" in log and "--max-depth 4 or more" in log, log
 
 
+@pytest.mark.slow  # builds two models (~12 s)
 def test_the_initiator_sends_fillers_for_samples_its_peer_model_cannot_take(engine, tiny_model_dir, tmp_path,
                                                                            monkeypatch, start_coordinator):
     """Finding 4, the producer's side: A checks B's samples against B's model (as A knows it from
