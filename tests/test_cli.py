@@ -91,3 +91,38 @@ def test_unknown_command_and_help():
 def test_subcommand_help(argv):
     r = mrlx(*argv)
     assert r.returncode == 0 and "usage" in r.stdout
+
+
+def test_check_wait_repeats_the_checks_until_a_late_engine_answers(tmp_path, logs_dir, tiny_model_dir):
+    """`mrlx check --wait` gates a launch: it keeps checking (through the one retry helper) and
+    passes once the engine that was down comes up."""
+    from _wait import wait_until
+
+    from mrlx_plugin.local.processes import start_service
+
+    port = free_port()
+    cfg = tmp_path / "late.yaml"
+    cfg.write_text("mrlx:\n  system: pipeline\n  agents:\n"
+                   f"    solver: {{url: self, tokenizer: '{tiny_model_dir}'}}\n"
+                   f"    rewriter: {{url: self, tokenizer: '{tiny_model_dir}'}}\n"
+                   f"    selector: {{url: self, tokenizer: '{tiny_model_dir}'}}\n")
+    log = tmp_path / "check.log"
+    with open(log, "w") as out:
+        check = subprocess.Popen([sys.executable, "-m", "mrlx_plugin.cli", "check", "--config", str(cfg),
+                                  "--router-url", f"http://127.0.0.1:{port}", "--timeout", "1", "--wait", "120"],
+                                 cwd=REPO, stdout=out, stderr=subprocess.STDOUT, text=True)
+    engine = None
+    try:
+        # the first round of checks has run (and failed) before the engine exists
+        wait_until(lambda: check.poll() is not None or "checking again" in log.read_text(), timeout=60,
+                   what="a first, failed round of checks")
+        assert check.poll() is None, log.read_text()
+        engine = start_service("late-stub", [sys.executable, "-m", "mrlx_plugin.local.stub_engine", "--port", str(port)],
+                               log_dir=logs_dir, port=port, health_path="/health")
+        assert check.wait(timeout=120) == 0, log.read_text()
+        assert "all good" in log.read_text()
+    finally:
+        check.kill()
+        if engine is not None:
+            engine.stop()
+

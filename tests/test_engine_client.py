@@ -17,6 +17,7 @@ from contextlib import contextmanager
 
 import orjson
 import pytest
+from _raw_server import HANG_UP, ScriptedServer, answer
 
 from mrlx_plugin.core.config import EngineSettings
 from mrlx_plugin.core.engine_client import EngineClient, EngineError
@@ -28,55 +29,7 @@ OK_BODY = orjson.dumps({
 })
 
 
-def answer(status: int, body: bytes, *, extra: bytes = b"") -> bytes:
-    return b"HTTP/1.1 %d X\r\nContent-Type: application/json\r\nContent-Length: %d\r\n%s\r\n%s" % (
-        status, len(body), extra, body)
-
-
 OK = answer(200, OK_BODY)
-HANG_UP = b""  # read the request, answer nothing, close the connection
-
-
-class ScriptedServer:
-    """An HTTP/1.1 server on 127.0.0.1 answering request i with `script[min(i, len - 1)]`
-    (`HANG_UP`: closing the connection instead)."""
-
-    def __init__(self, *script: bytes):
-        self.script = script
-        self.requests: list[bytes] = []
-        self.connections = 0
-        self.handlers: set[asyncio.Task] = set()
-
-    async def __aenter__(self) -> ScriptedServer:
-        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            self.handlers.add(asyncio.current_task())
-            self.connections += 1
-            try:
-                while True:
-                    head = await reader.readuntil(b"\r\n\r\n")
-                    length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                                   if line.lower().startswith(b"content-length:")), 0)
-                    await reader.readexactly(length)
-                    self.requests.append(head)
-                    reply = self.script[min(len(self.requests), len(self.script)) - 1]
-                    if reply == HANG_UP:
-                        break
-                    writer.write(reply)
-                    await writer.drain()
-            except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
-                pass  # the client hung up, or the test is over
-            finally:
-                writer.close()
-
-        self.server = await asyncio.start_server(handle, "127.0.0.1", 0)
-        self.url = f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        self.server.close()
-        for task in self.handlers:
-            task.cancel()
-        await asyncio.gather(*self.handlers, return_exceptions=True)
 
 
 def settings(**kw) -> EngineSettings:

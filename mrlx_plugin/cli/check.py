@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import time
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,6 +31,7 @@ from mrlx_plugin.core.config import (
     public_text,
     read_text_setting,
 )
+from mrlx_plugin.core.retry import Backoff, Deadline, wait_until
 from mrlx_plugin.core.engine_client import EngineClient, EngineError
 from mrlx_plugin.plugins import collect_systems, make_plugin_manager
 
@@ -198,13 +199,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
                    help="repeat the checks until they pass or SECONDS have gone by (to gate a launch)")
     ns = p.parse_args(argv)
-    deadline = time.monotonic() + ns.wait
-    while True:
-        report = asyncio.run(run_checks(ns.config, ns.router_url, ns.timeout, not ns.skip_tokenizers,
-                                        offline=ns.offline, responder=ns.responder))
-        if not report.problems or time.monotonic() >= deadline:
-            break
-        time.sleep(min(5.0, max(0.0, deadline - time.monotonic())))
+    reports = []
+
+    def passed() -> bool:
+        reports.append(asyncio.run(run_checks(ns.config, ns.router_url, ns.timeout, not ns.skip_tokenizers,
+                                              offline=ns.offline, responder=ns.responder)))
+        problems = reports[-1].problems
+        if problems and ns.wait > 0:
+            print(f"mrlx check: {len(problems)} problem(s), first: {problems[0]}; checking again until "
+                  f"--wait {ns.wait:g} s runs out", file=sys.stderr, flush=True)
+        return not problems
+
+    try:  # --wait gates a launch: the checks again every few seconds until they pass
+        wait_until(passed, Deadline(ns.wait), what="mrlx check", backoff=Backoff(base_s=5.0, max_s=5.0))
+    except TimeoutError:
+        pass
+    report = reports[-1]
     for line in report.lines:
         print(line)
     if report.problems:
