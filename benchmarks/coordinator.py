@@ -41,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from mrlx_plugin.core.retry import Deadline, wait_until
 from mrlx_plugin.local.procstat import cpu_seconds
 
 AGENTS = ("producer", "consumer")
@@ -126,14 +127,16 @@ def _start_coordinator(
         str(max_depth),
     ]
     proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.time() + 60
-    while not os.path.exists(port_file):
-        if proc.poll() is not None or time.time() > deadline:
-            proc.kill()
-            raise RuntimeError(
-                f"the coordinator did not start: {proc.stderr.read().decode() if proc.stderr else ''}"
-            )
-        time.sleep(0.05)
+    def started() -> bool:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the coordinator exited: {proc.stderr.read().decode() if proc.stderr else ''}")
+        return os.path.exists(port_file)
+
+    try:
+        wait_until(started, Deadline(60), what="the coordinator's port file")
+    except BaseException:
+        proc.kill()
+        raise
     with open(port_file) as handle:
         port = int(handle.read())
     return proc, f"http://127.0.0.1:{port}"
@@ -641,11 +644,12 @@ def run_coordinator_bench(
             )
             server.start()
             try:
-                deadline = time.time() + 60
-                while not os.path.exists(port_file):
-                    if time.time() > deadline or not server.is_alive():
-                        raise RuntimeError("the baseline queue did not start")
-                    time.sleep(0.05)
+                def listening() -> bool:
+                    if not server.is_alive():
+                        raise RuntimeError("the baseline queue exited at start")
+                    return os.path.exists(port_file)
+
+                wait_until(listening, Deadline(60), what="the baseline queue's port file")
                 with open(port_file) as handle:
                     base_url = f"http://127.0.0.1:{int(handle.read())}"
                 results = _run_steps(

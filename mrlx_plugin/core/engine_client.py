@@ -34,9 +34,9 @@ from mrlx_plugin.core.retry import Backoff, Deadline, RetriesExhausted, retry
 
 RETRYABLE_STATUS = {429, 500, 502, 503, 504}
 # Log-probs must be <= 0; a sampler's float arithmetic can land a hair above zero for a token of
-# probability ~1. The coordinator accepts the same (coordinator.wire.LOG_PROB_EPSILON).
+# probability ~1. The coordinator accepts the same (mrlx_plugin.link.wire.LOG_PROB_EPSILON).
 LOG_PROB_EPSILON = 1e-3
-MAX_TOKEN_ID = 2**31 - 1  # token ids travel as int32 (coordinator.wire)
+MAX_TOKEN_ID = 2**31 - 1  # token ids travel as int32 (mrlx_plugin.link.wire)
 MAX_BODY_BYTES = 32 * 1024 * 1024  # a 32k-token answer with its log-probs is about 1.2 MB
 # Idle connections are dropped before SGLang's HTTP server (uvicorn, 5 s keep-alive) drops them,
 # so a call rarely lands on a connection the server is closing at that moment.
