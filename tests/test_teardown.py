@@ -201,11 +201,11 @@ def test_a_sigkilled_parent_takes_its_services_with_it(tmp_path):
     """Linux ends a service when the process that started it dies, however it dies."""
     mark = uuid.uuid4().hex
     log = tmp_path / "parent.log"
-    script = ("import sys, time\n"
+    script = ("import signal\n"
               "from mrlx_plugin.local.processes import start_stub_engine\n"
               f"stub = start_stub_engine(log_dir={str(tmp_path)!r})\n"
               "print('started', stub.proc.pid, flush=True)\n"
-              "time.sleep(3600)\n")
+              "while True:\n    signal.pause()  # until the test SIGKILLs it\n")
     parent = start(["-c", script], log, mark)
     seen: dict[int, int] = {}
     try:

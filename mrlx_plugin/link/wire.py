@@ -666,11 +666,6 @@ def decode_frame(buf: bytes | bytearray | memoryview) -> tuple[dict[str, Any], l
     return header, items
 
 
-def decode_items(buf: bytes | bytearray | memoryview) -> list[QueueItem]:
-    """The items of a frame, arrays as Python lists (token ids int, log-probs float)."""
-    return decode_frame(buf)[1]
-
-
 def as_list(values: Sequence[Any]) -> list[Any]:
     if isinstance(values, list):
         return values

@@ -134,7 +134,7 @@ def test_a_text_the_ids_do_not_spell_is_not_what_is_graded(stub_engine, tiny_mod
 
 
 async def _hold(server: RawServer, writer: asyncio.StreamWriter) -> None:
-    await asyncio.sleep(3600)  # say nothing more: only the client's parse can end the call
+    await asyncio.Event().wait()  # say nothing more: only the client's parse (or the test's end) ends it
 
 
 async def bad_length(server: RawServer, writer: asyncio.StreamWriter) -> None:
