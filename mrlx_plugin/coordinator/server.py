@@ -97,8 +97,11 @@ IDLE_TIMEOUT_S = 30.0  # longer than the client's own keep-alive (15 s), so the 
 MAX_CONNECTIONS = 1000
 LISTEN_BACKLOG = 128
 # Descriptors kept free of connections: the database's files, the log, the listening socket, and
-# up to a backlog of sockets the event loop accepts before their connections are counted.
-FD_RESERVE = 64 + LISTEN_BACKLOG
+# the sockets in flight. asyncio accepts up to LISTEN_BACKLOG sockets per wake-up of the listener,
+# and a socket is counted (and an idle one closed to make room) two loop iterations after its
+# accept, its descriptor freed one iteration after that: under a flood of connections, three
+# batches are open beyond the counted ones. One more batch is margin.
+FD_RESERVE = 64 + 4 * LISTEN_BACKLOG
 
 
 # --------------------------------------------------------------------------- request bodies
