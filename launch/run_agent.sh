@@ -1,48 +1,51 @@
 #!/usr/bin/env bash
-# Start one agent's slime job of a two-model run.
-#   bash launch/run_agent.sh A|B [ENV_FILE]         (default: launch/mrlx.env)
+# Start one trained agent's slime job of a multi-model run.
+#   bash launch/run_agent.sh KEY [ENV_FILE]         (default: launch/mrlx.env)
 #
-# A runs every episode (mrlx_plugin.rollout.initiator_rollout); B trains on its part of them
-# (mrlx_plugin.rollout.responder_rollout). Each job has its own Ray head, and its own
-# sglang-router at the fixed address of the env file; slime, given --sglang-router-ip/port,
-# starts no router of its own and registers its engines there, so the other job can reach
-# them. MRLX_DRY_RUN=1 prints the commands instead of running them. MRLX_WAIT=0 submits the
-# job and returns (run_two_agents.sh does this for B).
+# KEY is an agent's key in the env file's MRLX_AGENTS (A or B in a two-model env file). The
+# initiator's job runs every episode (mrlx_plugin.rollout.initiator_rollout); a responder's
+# trains on its part of them (mrlx_plugin.rollout.responder_rollout); a frozen agent has no job
+# (serve_frozen.sh). Each job has its own Ray head, and its own sglang-router at the fixed
+# address of the env file; slime, given --sglang-router-ip/port, starts no router of its own and
+# registers its engines there, so the other jobs can reach them. MRLX_DRY_RUN=1 prints the
+# commands instead of running them. MRLX_WAIT=0 submits the job and returns (run_agents.sh does
+# this for responders).
 set -euo pipefail
 here="$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")" && pwd)"
-role="${1:?usage: run_agent.sh A|B [ENV_FILE]}"
+key="${1:?usage: run_agent.sh KEY [ENV_FILE] (KEY: an agent of MRLX_AGENTS in the env file, e.g. A or B)}"
 # shellcheck source=/dev/null
 source "${2:-$here/mrlx.env}"
+# shellcheck source=agents.sh
+source "$here/agents.sh"
+require_agents
 
+role="$(agent_role "$key")"
+case " $MRLX_AGENTS " in *" $key "*) ;; *) echo "run_agent.sh: '$key' is not in MRLX_AGENTS ($MRLX_AGENTS)" >&2; exit 2 ;; esac
 case "$role" in
-  A) rollout_fn=mrlx_plugin.rollout.initiator_rollout ;;
-  B) rollout_fn=mrlx_plugin.rollout.responder_rollout ;;
-  *) echo "run_agent.sh: the first argument is A or B, got '$role'" >&2; exit 2 ;;
+  initiator) rollout_fn=mrlx_plugin.rollout.initiator_rollout ;;
+  responder) rollout_fn=mrlx_plugin.rollout.responder_rollout ;;
+  *) echo "run_agent.sh: '$key' is frozen (no slime job); start its servers with serve_frozen.sh $key" >&2; exit 2 ;;
 esac
-v() { local name="AGENT_${role}_$1"; printf '%s' "${!name}"; }
-agent_var="AGENT_${role}"; agent="${!agent_var}"
+v() { agent_var "$key" "$1"; }
+agent="$(agent_name "$key")"
 config="$(v CONFIG)"; host="$(v HOST)"; router_port="$(v ROUTER_PORT)"
-router_url="http://$host:$router_port"
 log_dir="$MRLX_RUN_DIR/$agent"; mkdir -p "$log_dir"
 
-run() {
-  if [ "${MRLX_DRY_RUN:-0}" = 1 ]; then printf '%q ' "$@"; echo; else "$@"; fi
-}
-
-# 1. Both jobs' settings, checked against each other (imports the hook modules; no GPU used),
-#    then what this job will call: the coordinator, and for A, B's router.
-run "$PYTHON" -m mrlx_plugin.cli check --offline --config "$AGENT_A_CONFIG" --config "$AGENT_B_CONFIG"
-if [ "$role" = A ]; then
+# 1. Every trained agent's job settings, checked against each other (imports the hook modules; no
+#    GPU used), then what this job will call: the coordinator, and for the initiator, every
+#    other agent's router (frozen ones included).
+run "$PYTHON" -m mrlx_plugin.cli check --offline "${CHECK_ARGS[@]}"
+if [ "$role" = initiator ]; then
   run "$PYTHON" -m mrlx_plugin.cli check --config "$config" --skip-tokenizers
 else
   run "$PYTHON" -m mrlx_plugin.cli check --config "$config" --skip-tokenizers --responder
 fi
 
-# Where the job's GPUs go. A's engines are only called by A's own rollouts, so A colocates them
-# with its trainer (slime offloads them while A trains). B's engines answer A's episodes while B
-# trains (the jobs overlap by up to max_staleness steps), so B must not colocate: its engines
-# keep their own GPUs.
-if [ "$role" = A ]; then
+# Where the job's GPUs go. The initiator's engines are only called by its own rollouts, so it
+# colocates them with its trainer (slime offloads them while it trains). A responder's engines
+# answer the initiator's episodes while the responder trains (the jobs overlap by up to
+# max_staleness steps), so a responder must not colocate: its engines keep their own GPUs.
+if [ "$role" = initiator ]; then
   placement=(--actor-num-nodes 1 --actor-num-gpus-per-node "$(v GPUS)" --colocate)
   ray_gpus="$(v GPUS)"
 else
@@ -50,18 +53,15 @@ else
   ray_gpus="$(( $(v GPUS) + $(v ROLLOUT_GPUS) ))"
 fi
 
-# 2. This job's Ray head.
-run ray start --head --node-ip-address "$host" --port "$(v RAY_PORT)" --num-gpus "$ray_gpus" \
+# 2. This job's Ray head (on AGENT_<KEY>_CUDA_DEVICES only, when set: GPUs a node shares).
+ray_env=()
+if [ -n "$(v CUDA_DEVICES)" ]; then ray_env=(env "CUDA_VISIBLE_DEVICES=$(v CUDA_DEVICES)"); fi
+run ${ray_env[@]+"${ray_env[@]}"} ray start --head --node-ip-address "$host" --port "$(v RAY_PORT)" --num-gpus "$ray_gpus" \
   --disable-usage-stats --dashboard-host 127.0.0.1 --dashboard-port "$(v DASHBOARD_PORT)"
 
-# 3. This job's router, at the fixed address the other job and the env file know.
-if [ "${MRLX_DRY_RUN:-0}" = 1 ]; then
-  run "$PYTHON" -m sglang_router.launch_router --host "$host" --port "$router_port"
-else
-  nohup "$PYTHON" -m sglang_router.launch_router --host "$host" --port "$router_port" \
-    --log-level warn >> "$log_dir/router.log" 2>&1 &
-  echo $! > "$log_dir/router.pid"
-fi
+# 3. This job's router, at the fixed address the other jobs and the env file know.
+start_bg "$log_dir/router" "$PYTHON" -m sglang_router.launch_router --host "$host" --port "$router_port" \
+  --log-level warn
 
 # 4. The slime job. The runtime env carries PYTHONPATH and every MRLX_* address the YAML reads.
 runtime_env=$("$PYTHON" - <<'PY'

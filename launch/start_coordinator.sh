@@ -1,12 +1,21 @@
 #!/usr/bin/env bash
-# Start the coordinator of a two-model run and wait until it answers /health.
+# Start the coordinator of a multi-model run and wait until it answers /health.
 #   bash launch/start_coordinator.sh [ENV_FILE]        (default: launch/mrlx.env)
-# Writes its pid to $MRLX_RUN_DIR/coordinator.pid and its log to $MRLX_RUN_DIR/coordinator.log.
-# Creates a random token in $MRLX_TOKEN_FILE (mode 600) when the file does not exist yet.
+# It serves the trained agents of the env file (initiator and responders; frozen agents have no
+# trainer). Writes its pid to $MRLX_RUN_DIR/coordinator.pid and its log to
+# $MRLX_RUN_DIR/coordinator.log. Creates a random token in $MRLX_TOKEN_FILE (mode 600) when the
+# file does not exist yet. MRLX_DRY_RUN=1 prints the command instead.
 set -euo pipefail
 here="$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")" && pwd)"
 # shellcheck source=/dev/null
 source "${1:-$here/mrlx.env}"
+# shellcheck source=agents.sh
+source "$here/agents.sh"
+require_agents
+cmd=("$PYTHON" -m mrlx_plugin.cli coordinator --db "$MRLX_COORDINATOR_DB"
+  --host "$MRLX_COORDINATOR_HOST" --port "$MRLX_COORDINATOR_PORT" --run-id "$MRLX_RUN_ID" --agents "$TRAINED_NAMES"
+  --token-file "$MRLX_TOKEN_FILE" --max-depth "$MRLX_MAX_DEPTH")
+if [ "${MRLX_DRY_RUN:-0}" = 1 ]; then run "${cmd[@]}"; exit 0; fi
 
 mkdir -p "$MRLX_RUN_DIR" "$(dirname "$MRLX_COORDINATOR_DB")" "$(dirname "$MRLX_TOKEN_FILE")"
 if [ ! -s "$MRLX_TOKEN_FILE" ]; then
@@ -19,13 +28,7 @@ if [ -s "$pidfile" ] && kill -0 "$(cat "$pidfile")" 2>/dev/null; then
   exit 0
 fi
 
-nohup "$PYTHON" -m mrlx_plugin.cli coordinator \
-  --db "$MRLX_COORDINATOR_DB" \
-  --host "$MRLX_COORDINATOR_HOST" --port "$MRLX_COORDINATOR_PORT" \
-  --run-id "$MRLX_RUN_ID" --agents "$AGENT_A,$AGENT_B" \
-  --token-file "$MRLX_TOKEN_FILE" --max-depth "$MRLX_MAX_DEPTH" \
-  >> "$MRLX_RUN_DIR/coordinator.log" 2>&1 &
-echo $! > "$pidfile"
+start_bg "$MRLX_RUN_DIR/coordinator" "${cmd[@]}"
 
 for _ in $(seq 1 300); do
   if "$PYTHON" - "$MRLX_COORDINATOR_URL/health" <<'PY' 2>/dev/null; then

@@ -13,10 +13,19 @@ from mrlx_plugin.rewards.shaping import coupling_matrix, team_weighting
 
 @hookimpl(trylast=True)
 def mrlx_register_systems() -> dict[str, Any]:
+    from mrlx_plugin.systems.debate import run_debate
     from mrlx_plugin.systems.dialogue import run_dialogue
+    from mrlx_plugin.systems.game import run_game
     from mrlx_plugin.systems.pipeline import run_pipeline
 
-    return {"pipeline": run_pipeline, "dialogue": run_dialogue}
+    return {"pipeline": run_pipeline, "dialogue": run_dialogue, "game": run_game, "debate": run_debate}
+
+
+@hookimpl(trylast=True)
+def mrlx_register_games() -> dict[str, Any]:
+    from mrlx_plugin.systems.games import BUILT_IN_GAMES
+
+    return dict(BUILT_IN_GAMES)
 
 
 @hookimpl(trylast=True)

@@ -41,7 +41,7 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 if TYPE_CHECKING:
     from mrlx_plugin.core.config import Settings
     from mrlx_plugin.core.episode import Episode
-    from mrlx_plugin.core.transcript import Transcript
+    from mrlx_plugin.core.transcript import Transcript, Turn
 
 
 @hookspec
@@ -63,7 +63,10 @@ def mrlx_register_systems() -> dict[str, Callable[[Episode], Awaitable[None]]]:
     that many samples per trained agent (ABORTED fillers for what an aborted or short episode
     did not open), so a host step has a fixed sample count, and the plugin checks the host's
     micro-batch flags against it at start-up. A system without `fan_out` returns a varying
-    count and needs the host's `--use-dynamic-batch-size`.
+    count and needs the host's `--use-dynamic-batch-size`. For per-turn credit
+    (`mrlx.rewards.credit: turn`) a system also declares `run.turns = fn(settings) -> {agent: n}`,
+    the most model turns one transcript of the agent takes (default 1): an episode then returns
+    fan_out x turns x `rewards.branch` samples per trained agent.
 
     A run function whose samples are weighted by the team's outcome declares it:
     `run.team_shaping = True` (the pipeline does); `mrlx_shape_rewards` receives it as its
@@ -108,6 +111,34 @@ def mrlx_shape_rewards(episode: Episode, settings: Settings, team_shaping: bool)
     built. The default applies the pipeline's team weighting (`mrlx.pipeline.weighting`) when
     `team_shaping`, else `mrlx.rewards.shaping` (independent, cooperative, zero_sum, bilateral,
     asymmetric); see `mrlx_plugin.rewards.shaping`.
+    """
+
+
+@hookspec(firstresult=True)
+def mrlx_turn_reward(episode: Episode, transcript: Transcript, index: int, turn: Turn) -> float | None:
+    """Score one model turn: its own reward under `mrlx.rewards.credit: turn`. *First result wins.*
+
+    `turn` is the turn to score and `index` its position among `transcript.turns` (the turns
+    before it are `transcript.turns[:index]`; the context it was sampled from). With tree
+    sampling (`mrlx.rewards.branch: K`) it is also called on each of the K candidates of a turn,
+    before the episode goes on, to pick the one to continue from; a candidate the episode did
+    not take is not in `transcript.turns`. Return a finite float (from the environment, a rule,
+    or a judge), or None to defer; with every implementation deferring the turn's own reward is
+    0.0 and only the outcome, discounted by `mrlx.rewards.gamma`, reaches it.
+
+    Called for every turn a system left unscored (a system may score turns itself: the game
+    system scores each move by its rules). Not called under `credit: episode`.
+    """
+
+
+@hookspec
+def mrlx_register_games() -> dict[str, Any]:
+    """Register turn-based games by name, for the game system (`mrlx.system: game`).
+
+    Return a mapping of game names to game objects (see `mrlx_plugin.systems.game` for the
+    methods a game has: its seats, start state, what each seat sees, the legality check of a
+    move, the next state, per-move rewards and the outcome). Select one with
+    `mrlx.game.name`. The package registers `nim`, `kuhn_poker` and `chain` itself.
     """
 
 

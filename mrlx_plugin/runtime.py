@@ -88,13 +88,16 @@ class Runtime:
         # that answered is known (see plugins.FirstResult).
         self.grade_hook = FirstResult(pm, "mrlx_grade")
         self.shape_hook = FirstResult(pm, "mrlx_shape_rewards")
-        for first_result in (self.grade_hook, self.shape_hook):
+        self.turn_reward_hook = FirstResult(pm, "mrlx_turn_reward")
+        for first_result in (self.grade_hook, self.shape_hook, self.turn_reward_hook):
             first_result.callers()  # built now: a plugin they cannot reach fails at start-up
         self.source = source
         self.limits = HostLimits.from_args(args)
         self.systems: dict[str, SystemFn] = systems if systems is not None else collect_systems(pm)
         self.system: SystemFn = self.systems[settings.system]
-        self.fan_out: dict[str, int] | None = declared_fan_out(self.system, settings, source)
+        # Samples per episode and agent: the system's transcripts per agent, times its turns per
+        # transcript and the candidates per turn under per-turn credit.
+        self.fan_out: dict[str, int] | None = samples_per_agent(self.system, settings, source)
         # Declared by the system (`run.team_shaping`), passed to the mrlx_shape_rewards hook.
         self.team_shaping = bool(getattr(self.system, "team_shaping", False))
         self.verifier = verifier if verifier is not None else MathVerifier()
@@ -248,6 +251,34 @@ def declared_fan_out(system: SystemFn, settings: Settings, source: str) -> dict[
             f"configured agents ({', '.join(settings.agents)}) to sample counts"
         )
     return counts
+
+
+def declared_turns(system: SystemFn, settings: Settings, source: str) -> dict[str, int]:
+    """The most model turns one transcript of each agent takes, as `system` declares through
+    its `turns(settings)` attribute (default: 1 per agent)."""
+    declare = getattr(system, "turns", None)
+    if declare is None:
+        return {}
+    counts = declare(settings)
+    if not isinstance(counts, dict) or not all(
+        a in settings.agents and isinstance(n, int) and n >= 1 for a, n in counts.items()
+    ):
+        raise ConfigError(
+            f"{source}: system {settings.system!r}: turns(settings) returned {counts!r}; expected a mapping of "
+            f"configured agents ({', '.join(settings.agents)}) to the most turns one transcript takes (1 or more)"
+        )
+    return counts
+
+
+def samples_per_agent(system: SystemFn, settings: Settings, source: str) -> dict[str, int] | None:
+    """Samples one episode returns per agent: the declared fan-out (transcripts), times, under
+    `rewards.credit: turn`, the declared turns per transcript and `rewards.branch`."""
+    transcripts = declared_fan_out(system, settings, source)
+    if transcripts is None or settings.rewards.credit != "turn":
+        return transcripts
+    turns = declared_turns(system, settings, source)
+    branch = settings.rewards.branch
+    return {a: n * turns.get(a, 1) * branch for a, n in transcripts.items()}
 
 
 def cached_runtime(args: Any) -> Runtime | None:

@@ -126,3 +126,12 @@ def test_check_wait_repeats_the_checks_until_a_late_engine_answers(tmp_path, log
         if engine is not None:
             engine.stop()
 
+
+
+def test_check_wants_one_role_per_config(tmp_path):
+    cfg = tmp_path / "a.yaml"
+    cfg.write_text("mrlx:\n  system: pipeline\n")
+    r = mrlx("check", "--offline", "--config", str(cfg), "--config", str(cfg), "--role", "initiator")
+    assert r.returncode == 2 and "give one --role per --config (2 configs, 1 roles)" in r.stderr
+    r = mrlx("check", "--offline", "--config", str(cfg), "--role", "judge")
+    assert r.returncode == 2 and "invalid choice: 'judge'" in r.stderr

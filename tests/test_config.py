@@ -77,8 +77,8 @@ def test_dialogue_references_must_be_agents():
 
 
 def test_unregistered_system_is_named():
-    msg = errors_of({"system": "debate"}, known_systems={"pipeline", "dialogue"})
-    assert "mrlx.system: no agent system named 'debate' is registered" in msg
+    msg = errors_of({"system": "auction"}, known_systems={"pipeline", "dialogue"})
+    assert "mrlx.system: no agent system named 'auction' is registered" in msg
 
 
 def test_yaml_without_top_key(tmp_path):

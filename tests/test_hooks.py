@@ -184,7 +184,7 @@ def test_a_system_registered_twice_names_both_plugins(tmp_path, monkeypatch):
     extra = _write_module(tmp_path, monkeypatch, "systems_extra", (
         "async def solo(episode):\n    pass\n\n"
         "@hookimpl\ndef mrlx_register_systems():\n    return {'solo': solo}\n"))
-    assert set(collect_systems(make_plugin_manager([quiet, extra]))) == {"pipeline", "dialogue", "solo"}
+    assert set(collect_systems(make_plugin_manager([quiet, extra]))) == {"pipeline", "dialogue", "game", "debate", "solo"}
     twice = _write_module(tmp_path, monkeypatch, "systems_twice", (
         "async def other(episode):\n    pass\n\n"
         "@hookimpl\ndef mrlx_register_systems():\n    return {'pipeline': other}\n"))

@@ -366,3 +366,22 @@ def test_initiator_rollout_runs_miles_default_rollout_and_hands_b_its_groups(tmp
         coord.stop()
         engine_a.stop()
         engine_b.stop()
+
+
+@pytest.mark.slow
+def test_per_turn_credit_with_tree_sampling_through_miles(tmp_path, stub_engine, tiny_model_dir):
+    """Miles' class-based default rollout with per-turn credit and two candidates per turn: each
+    dialogue episode (two agents, two turns each) returns 8 samples, every step splits evenly over
+    two ranks, and the branch metric reaches Miles' rollout log."""
+    config = {"run_id": "miles-credit", "system": "dialogue",
+              "agents": {"a": {"url": "self"}, "b": {"url": "self"}}, "dialogue": {"max_turns": 4},
+              "rewards": {"credit": "turn", "branch": 2}, "engine": {"sampling_seed": 5}}
+    run = run_miles(tmp_path, stub_engine.url, tiny_model_dir, config, *BATCH)
+    run.assert_ok()
+    (step,) = run.steps
+    assert step["samples"] == 4 * 8 and step["samples_per_rollout"] == [8] * 4, step
+    assert step["rank_sizes"] == [16, 16], step
+    (logged,) = run.logged("rollout/step")
+    # one candidate not taken per turn taken (the 64-token response cap may end a dialogue early)
+    assert logged["multi_agent/episodes"] == 4 and logged["multi_agent/avg_turns"] >= 1, logged
+    assert logged.get("credit/branch_candidates") == logged["multi_agent/avg_turns"], logged

@@ -321,3 +321,68 @@ def test_initiator_rollout_runs_slimes_default_rollout_and_hands_b_its_groups(tm
         coord.stop()
         engine_a.stop()
         engine_b.stop()
+
+
+@pytest.mark.slow
+def test_per_turn_samples_and_tree_candidates_keep_the_step_splittable(tmp_path, tiny_model_dir, stub_engine):
+    """Per-turn credit with two candidates per turn, through slime's rollout manager: each dialogue
+    episode (two agents, two turns each) returns 2 x 2 x 2 samples under its input's rollout id,
+    an episode stopped after its first round its fillers too, and the step splits evenly."""
+    mrlx = {"run_id": "slime-credit", "system": "dialogue",
+            "agents": {"a": {"url": "self"}, "b": {"url": "self"}},
+            "dialogue": {"max_turns": 4, "stop_patterns": {"b": "Judgment"}},
+            "rewards": {"credit": "turn", "branch": 2, "gamma": 0.9},
+            "engine": {"sampling_seed": 3}}
+    run = run_slime(tmp_path, tiny_model_dir, stub_engine.url, mrlx,
+                    "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--global-batch-size", "4",
+                    "--micro-batch-size", "1", "--num-rollout", "1")
+    assert not run.errors and run.proc.returncode == 0, run.explain()
+    (step,) = run.steps
+    assert step["num_samples"] == 4 * 8 and step["rank_sizes"] == [16, 16], step
+    groups = _by_rollout(step)
+    assert sorted(len(s) for s in groups.values()) == [8] * 4, groups
+    for statuses in groups.values():  # b stops after one round: two turns (x 2 candidates) reached
+        assert sorted(statuses).count("aborted") == 4, statuses
+    assert _stats(stub_engine.url)["generate"] == 4 * 2 * 2  # two turns per episode, two candidates each
+
+
+@pytest.mark.slow
+def test_per_turn_samples_of_a_peer_agent_reach_its_queue_whole(tmp_path, tiny_model_dir, logs_dir,
+                                                                 start_coordinator):
+    """Per-turn credit in a multi-model run: job A's step holds A's two turns of each episode, and
+    B's two turns per episode go to B's queue, each prompt group whole (the responder expects the
+    same fan-out x turns)."""
+    import json as _json
+
+    from _coord_procs import TOKEN_ENV
+    from _twojobs import two_job_config
+
+    from mrlx_plugin.local.processes import start_stub_engine
+
+    engine_a = start_stub_engine(log_dir=logs_dir, name="stub-slime-credit-a")
+    engine_b = start_stub_engine(log_dir=logs_dir, name="stub-slime-credit-b")
+    coord = start_coordinator(run_id="slime-credit-mm", agents=("a", "b"))
+    try:
+        mrlx = two_job_config("a", run_id="slime-credit-mm", urls={"b": engine_b.url}, coordinator=coord.url,
+                              coordinator_settings={"max_staleness": 1}, dialogue={"first": "a", "max_turns": 4},
+                              rewards={"credit": "turn", "gamma": 0.5})
+        os.environ[TOKEN_ENV] = coord.token
+        try:
+            run = run_slime(tmp_path, tiny_model_dir, engine_a.url, mrlx,
+                            "--rollout-function-path", "mrlx_plugin.rollout.initiator_rollout",
+                            "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--global-batch-size", "4",
+                            "--micro-batch-size", "1", "--num-rollout", "1")
+        finally:
+            os.environ.pop(TOKEN_ENV, None)
+        assert not run.errors and run.proc.returncode == 0, run.explain()
+        (step,) = run.steps
+        assert step["num_samples"] == 8 and step["rank_sizes"] == [4, 4], step
+        status, _, body = coord.http("GET", "/v1/runs/slime-credit-mm/queues/b")
+        assert status == 200, body
+        queue = _json.loads(body)
+        assert queue["queued_items"] == 8 and queue["ready_groups"] == 2, queue  # 2 turns x 4 episodes
+        assert _stats(engine_b.url)["generate"] == 8
+    finally:
+        coord.stop()
+        engine_a.stop()
+        engine_b.stop()

@@ -3,13 +3,19 @@
     mrlx check --config job_a.yaml [--router-url http://a-router:30000]
     mrlx check --config job_a.yaml --config job_b.yaml --router-url URL_A --router-url URL_B
     mrlx check --config job_b.yaml --router-url URL_B --responder --wait 1800   (gate a launch)
+    mrlx check --config a.yaml --role initiator --config b.yaml --role responder   (N jobs)
+    mrlx check --config a.yaml --agent judge --wait 1800   (wait for a frozen agent's servers)
 
 Each config is loaded exactly as the rollout process would load it (plugins imported, every key
 validated). Then every agent URL gets a `/health` and `/get_model_info` call, tokenizers are
 loaded, and the coordinator (if configured) is asked for its health and, with the token, its
-metrics. Two or more configs are also checked against each other: the same run id, the same
-coordinator, the same agents, and a different `self` in each job. Exit status: 0 all good,
-1 something unreachable or inconsistent, 2 a config error.
+metrics. Two or more configs (one per slime job of a multi-model run) are also checked against
+each other: the same run id, coordinator and system, the same agents with the same settings
+(`trainable`, `url`, `tokenizer`; `url: self` is the job's own router, given with
+`--router-url`), a different `self` in each job, a job for every trainable agent and none for a
+frozen one (`trainable: false`: served by its own SGLang servers, launch/serve_frozen.sh), and,
+with `--role`, exactly one initiator. Exit status: 0 all good, 1 something unreachable or
+inconsistent, 2 a config error.
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aiohttp
+
 from mrlx_plugin.core.config import (
     ConfigError,
     Settings,
@@ -31,8 +39,8 @@ from mrlx_plugin.core.config import (
     public_text,
     read_text_setting,
 )
-from mrlx_plugin.core.retry import Backoff, Deadline, wait_until
 from mrlx_plugin.core.engine_client import EngineClient, EngineError
+from mrlx_plugin.core.retry import Backoff, Deadline, wait_until
 from mrlx_plugin.plugins import collect_systems, make_plugin_manager
 
 
@@ -63,7 +71,8 @@ def load_config(path: str) -> Settings:
     return settings
 
 
-async def check_engine(name: str, where: str, url: str, timeout: float, report: Report) -> None:
+async def check_engine(name: str, where: str, url: str, timeout: float, report: Report,
+                       frozen: bool = False) -> None:
     client = EngineClient(url)
     try:
         await client.get_json("/health", timeout=timeout)
@@ -72,8 +81,9 @@ async def check_engine(name: str, where: str, url: str, timeout: float, report: 
         report.ok(f"{where}: agent {name!r} at {public_text(url)} answers"
                   + (f" (model {model})" if model else ""))
     except EngineError as exc:
-        report.fail(f"{where}: agent {name!r} at {public_text(url)} is unreachable: {exc.reason}; "
-                    "start its engines/router first")
+        start = ("start its SGLang servers and router first (launch/serve_frozen.sh)" if frozen
+                 else "start its engines/router first")
+        report.fail(f"{where}: agent {name!r} at {public_text(url)} is unreachable: {exc.reason}; {start}")
     finally:
         await client.close()
 
@@ -99,7 +109,9 @@ async def check_coordinator(path: str, settings: Settings, timeout: float, repor
     token = _token(c)
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
-        status, _ = await client._pool().request("GET", "/metrics", None, timeout, headers=headers)
+        async with aiohttp.ClientSession(headers=headers) as session, \
+                session.get(c.url.rstrip("/") + "/metrics", timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+            status = resp.status
         if status == 401:
             report.fail(
                 f"{path}: the coordinator refused the token (set {c.token_env} or mrlx.coordinator.token_file "
@@ -124,7 +136,15 @@ def _token(c: Any) -> str | None:
     return os.environ.get(c.token_env)
 
 
-def cross_check(configs: list[tuple[str, Settings]], report: Report) -> None:
+ROLES = ("initiator", "responder")
+
+
+def cross_check(configs: list[tuple[str, Settings]], report: Report, routers: dict[str, str] | None = None,
+                roles: list[str] | None = None) -> None:
+    """The jobs of one multi-model run against each other: one run, one coordinator, one system,
+    the same agents with the same settings, one job per trainable agent, none for a frozen one,
+    and (with `roles`) exactly one initiator. `routers` maps a config to its job's router URL,
+    which is what `url: self` means there."""
     if len(configs) < 2:
         return
     (p0, s0), rest = configs[0], configs[1:]
@@ -133,6 +153,8 @@ def cross_check(configs: list[tuple[str, Settings]], report: Report) -> None:
             report.fail(f"{path}: mrlx.run_id {s.run_id!r} differs from {p0}'s {s0.run_id!r}")
         if (s.coordinator.url or "").rstrip("/") != (s0.coordinator.url or "").rstrip("/"):
             report.fail(f"{path}: mrlx.coordinator.url {s.coordinator.url!r} differs from {p0}'s {s0.coordinator.url!r}")
+        if s.system != s0.system:
+            report.fail(f"{path}: mrlx.system {s.system!r} differs from {p0}'s {s0.system!r}")
         if set(s.agents) != set(s0.agents):
             report.fail(f"{path}: agents {sorted(s.agents)} differ from {p0}'s {sorted(s0.agents)}")
     selves = [(p, s.self_agent) for p, s in configs]
@@ -145,40 +167,97 @@ def cross_check(configs: list[tuple[str, Settings]], report: Report) -> None:
             report.fail(f"{p}: mrlx.self is {who!r}, the same as in {seen[who]}; each job trains a different agent")
         elif who is not None:
             seen[who] = p
+    common = [name for name in s0.agents if all(name in s.agents for _, s in rest)]
+    for name in common:
+        _same_agent(name, configs, routers or {}, report)
+    for name in common:
+        trainable = {bool(s.agents[name].trainable) for _, s in configs}
+        jobs = [p for p, s in configs if s.self_agent == name]
+        if trainable == {False}:
+            for p in jobs:
+                report.fail(f"{p}: mrlx.self is {name!r}, a frozen agent (trainable: false in every config); a frozen "
+                            "agent has no slime job: serve it with launch/serve_frozen.sh and leave this config out")
+        elif trainable == {True} and not jobs:
+            report.fail(f"agent {name!r} is trainable but none of the {len(configs)} configs trains it (mrlx.self: "
+                        f"{name}); add its job's config, or set mrlx.agents.{name}.trainable: false in every config")
+    if roles:
+        initiators = [p for (p, _), role in zip(configs, roles) if role == "initiator"]
+        if len(initiators) != 1:
+            which = ", ".join(initiators) if initiators else "none of them"
+            report.fail(f"{len(initiators)} jobs run the episodes (--role initiator: {which}); exactly one job is the "
+                        "initiator (mrlx_plugin.rollout.initiator_rollout), every other a responder")
     if not report.problems:
         report.ok(f"{len(configs)} configs agree: run {s0.run_id!r}, agents {sorted(s0.agents)}")
 
 
+def _same_agent(name: str, configs: list[tuple[str, Settings]], routers: dict[str, str], report: Report) -> None:
+    """One agent's settings in every config: whether it trains, where it is served, its tokenizer."""
+    key = f"mrlx.agents.{name}"
+
+    def differ(what: str, values: dict[str, Any], fix: str) -> None:
+        """`values`: config -> the setting there (compared as text, a URL without its last '/')."""
+        if len({str(v).rstrip("/") for v in values.values()}) > 1:
+            shown = ", ".join(f"{public_text(v)} in {p}" for p, v in values.items())
+            report.fail(f"{key}.{what} differs between configs ({shown}); {fix}")
+
+    differ("trainable", {p: str(bool(s.agents[name].trainable)).lower() for p, s in configs},
+           f"every job must agree whether {name!r} is trained")
+    # `url: self` is that job's router: comparable only when its URL was given (--router-url)
+    urls = {p: routers.get(p) if s.agents[name].url == "self" else s.agents[name].url for p, s in configs}
+    differ("url", {p: u for p, u in urls.items() if u is not None},
+           f"every job must reach {name!r} at the same router (`url: self` in the job that serves it)")
+    named = {p: s.agents[name].tokenizer for p, s in configs if s.agents[name].tokenizer}
+    differ("tokenizer", named, f"every job must read {name!r}'s turns with {name!r}'s own tokenizer")
+    for p, s in configs:
+        a = s.agents[name]
+        if named and a.url != "self" and not a.tokenizer:
+            report.fail(f"{p}: {key}.tokenizer is not set, so this job reads {name!r}'s turns with its own "
+                        f"--hf-checkpoint; set it to {name!r}'s model (as {next(iter(named))} does)")
+
+
 async def run_checks(paths: list[str], router_urls: list[str], timeout: float, tokenizers: bool,
-                     offline: bool = False, responder: bool = False) -> Report:
+                     offline: bool = False, responder: bool = False, roles: list[str] | None = None,
+                     only: list[str] | None = None) -> Report:
     report = Report()
     configs = []
     for path in paths:
         settings = load_config(path)
         report.ok(f"{path}: settings valid (system {settings.system!r}, agents {', '.join(settings.agents)})")
         configs.append((path, settings))
-    cross_check(configs, report)
+    routers = {path: url for (path, _), url in zip(configs, router_urls)}
+    cross_check(configs, report, routers, roles)
+    for name in only or []:
+        if not any(name in s.agents for _, s in configs):
+            report.fail(f"--agent {name!r}: no such agent in {', '.join(paths)}")
     if offline:
         return report
+    reached: set[tuple[str, str]] = set()
     for i, (path, settings) in enumerate(configs):
         router = router_urls[i] if i < len(router_urls) else None
+        as_responder = responder or (roles is not None and roles[i] == "responder")
         jobs = []
         for name, agent in settings.agents.items():
-            if responder and agent.url != "self":
+            if only and name not in only:
+                continue
+            if as_responder and agent.url != "self":
                 report.lines.append(f"skip  {path}: agent {name!r} (a responder job calls no other agent)")
                 continue
             url = router if agent.url == "self" else agent.url
             if url is None:
                 report.lines.append(f"skip  {path}: agent {name!r} is url: self (pass --router-url to check this job's router)")
                 continue
-            jobs.append(check_engine(name, path, url, timeout, report))
+            if (name, url) in reached:  # an agent named by several configs is reached once
+                continue
+            reached.add((name, url))
+            frozen = not agent.trainable and agent.url != "self"
+            jobs.append(check_engine(name, path, url, timeout, report, frozen))
         await asyncio.gather(*jobs)
         await check_coordinator(path, settings, timeout, report)
         if tokenizers:
             from mrlx_plugin.core.tokenizer import load_tokenizer
 
             for name, agent in settings.agents.items():
-                if agent.tokenizer:
+                if agent.tokenizer and not (only and name not in only):
                     try:
                         await asyncio.to_thread(load_tokenizer, agent.tokenizer, None, f"{path}: mrlx.agents.{name}.tokenizer")
                         report.ok(f"{path}: tokenizer of {name!r} loads")
@@ -191,6 +270,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="mrlx check", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", action="append", required=True, help="a job's YAML (repeat for each job)")
     p.add_argument("--router-url", action="append", default=[], help="the router of the job, in --config order")
+    p.add_argument("--role", action="append", choices=ROLES, default=None,
+                   help="what each job runs, in --config order: the one initiator (runs the episodes) or a responder")
+    p.add_argument("--agent", action="append", default=None, metavar="NAME",
+                   help="reach only this agent's URL (repeatable), e.g. to wait for a frozen agent's servers")
     p.add_argument("--timeout", type=float, default=5.0, help="seconds per URL")
     p.add_argument("--skip-tokenizers", action="store_true", help="do not load tokenizers")
     p.add_argument("--offline", action="store_true", help="validate and cross-check the configs only; reach nothing")
@@ -199,11 +282,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
                    help="repeat the checks until they pass or SECONDS have gone by (to gate a launch)")
     ns = p.parse_args(argv)
+    if ns.role is not None and len(ns.role) != len(ns.config):
+        p.error(f"give one --role per --config ({len(ns.config)} configs, {len(ns.role)} roles)")
     reports = []
 
     def passed() -> bool:
         reports.append(asyncio.run(run_checks(ns.config, ns.router_url, ns.timeout, not ns.skip_tokenizers,
-                                              offline=ns.offline, responder=ns.responder)))
+                                              offline=ns.offline, responder=ns.responder, roles=ns.role,
+                                              only=ns.agent)))
         problems = reports[-1].problems
         if problems and ns.wait > 0:
             print(f"mrlx check: {len(problems)} problem(s), first: {problems[0]}; checking again until "

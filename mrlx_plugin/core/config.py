@@ -250,6 +250,18 @@ class RewardSettings(_Section):
     grade_timeout_s: Number = Field(
         30.0, description="deadline of one grade (above the math verifier's own 10 s, which scores a hung "
                           "parse 0); a grade past it aborts the episode")
+    credit: Literal["episode", "turn"] = Field(
+        "episode", description="`episode`: one sample per transcript (all of an agent's turns, one reward); `turn`: "
+                               "one sample per model turn, its reward the turn's own plus the discounted outcome, "
+                               "normalised per (prompt group, agent, role, turn index)")
+    gamma: Number = Field(
+        1.0, description="`credit: turn`: discount per turn by which the outcome reaches earlier turns (0 to 1)")
+    branch: int = Field(
+        1, description="`credit: turn`: candidates sampled per trainable turn from one context (tree sampling); "
+                       "the K are scored, trained as one advantage group, and the episode goes on from one")
+    branch_pick: Literal["best", "sample"] = Field(
+        "best", description="which candidate the episode goes on from: the best-scored (first on ties), or one "
+                            "drawn with probability rising with its score (softmax)")
 
 
 class DialogueSettings(_Section):
@@ -265,6 +277,35 @@ class DialogueSettings(_Section):
         description="agent -> its first message; `{problem}`, `{label}` and `{metadata[KEY]}` are filled in "
                     "from the input sample (so an agent can be told what others must not see); default: "
                     "the problem")
+
+
+class GameSettings(_Section):
+    """The turn-based game system (`system: game`): rules, legality and outcome come from a game
+    registered through the `mrlx_register_games` hook (built in: `nim`, `kuhn_poker`, `chain`)."""
+
+    name: Text = Field("nim", description="the game, by the name it is registered under")
+    seats: list[Text] | None = Field(
+        None, description="who plays each seat, in the game's seat order: an agent, `script:NAME` (a scripted "
+                          "player the game provides, e.g. `script:random`), or `pool` (one of `opponents`, drawn "
+                          "per episode); none = the agents in the order listed")
+    opponents: list[Text] = Field(
+        default_factory=list, description="the opponent pool of a `pool` seat: agents (frozen models, past "
+                                          "checkpoints behind their own URL) or `script:NAME` players")
+    max_turns: int = Field(16, description="moves per episode, all seats together (at least 1)")
+    illegal_penalty: Number = Field(
+        -1.0, description="outcome of a seat whose move is illegal (the episode ends there; counted)")
+    options: dict[str, Any] = Field(default_factory=dict, description="the game's own options (see the game)")
+
+
+class DebateSettings(_Section):
+    """The debate system (`system: debate`): two debaters argue in turn, a judge picks the winner."""
+
+    debaters: list[Text] | None = Field(
+        None, description="the two debating agents, first speaker first; none = the first two agents listed")
+    judge: Text | None = Field(None, description="the judging agent (usually `trainable: false`); none = the third agent")
+    rounds: int = Field(2, description="speeches per debater (at least 1)")
+    win_reward: Number = Field(1.0, description="outcome of the debater the judge picks")
+    lose_reward: Number = Field(-0.5, description="outcome of the other debater")
 
 
 class CoordinatorSettings(_Section):
@@ -346,6 +387,8 @@ class Settings(_Section):
         default_factory=PipelineSettings, description="the solver -> rewriter -> selector system")
     dialogue: DialogueSettings = Field(
         default_factory=DialogueSettings, description="the dialogue system (agents take turns)")
+    game: GameSettings = Field(default_factory=GameSettings, description="the turn-based game system")
+    debate: DebateSettings = Field(default_factory=DebateSettings, description="the debate-with-a-judge system")
     coordinator: CoordinatorSettings = Field(
         default_factory=CoordinatorSettings, description="the multi-model run's coordinator")
     trainer: TrainerSettings = Field(
@@ -417,6 +460,18 @@ def _cross_problems(s: Settings, path: str, known_systems: set[str] | None) -> l
         errors += _dialogue_problems(s, f"{path}.dialogue", names)
         if len(names) < 2:
             errors.append(f"{path}.agents: the dialogue system needs at least two agents; got {len(names)}")
+    r = s.rewards
+    if not 0.0 <= r.gamma <= 1.0:
+        errors.append(f"{path}.rewards.gamma: got {r.gamma}; expected a number from 0 to 1")
+    if r.branch < 1:
+        errors.append(f"{path}.rewards.branch: got {r.branch}; expected at least 1 (1: no tree sampling)")
+    elif r.branch > 1 and r.credit != "turn":
+        errors.append(f"{path}.rewards.branch: {r.branch} candidates per turn are trained as one group per turn; "
+                      f"set {path}.rewards.credit: turn (or branch: 1)")
+    if s.system == "game":
+        errors += _game_problems(s, f"{path}.game", names)
+    if s.system == "debate":
+        errors += _debate_problems(s, f"{path}.debate", names)
     for who, row in s.rewards.coupling.items():
         if who not in s.agents:
             errors.append(f"{path}.rewards.coupling.{who}: not an agent")
@@ -427,8 +482,58 @@ def _cross_problems(s: Settings, path: str, known_systems: set[str] | None) -> l
                       f"(known: {', '.join(sorted(known_systems))}); list the module that registers it under "
                       f"{path}.plugins")
     for key in s.extra:
-        if key != s.system or s.system in ("pipeline", "dialogue"):
+        if key != s.system or s.system in BUILT_IN_SYSTEMS:
             errors.append(_unknown_key(f"{path}.{key}", key, Settings))
+    return errors
+
+
+BUILT_IN_SYSTEMS = ("pipeline", "dialogue", "game", "debate")
+SCRIPT_PREFIX, POOL_SEAT = "script:", "pool"
+
+
+def _game_problems(s: Settings, path: str, names: list[str]) -> list[str]:
+    g, errors = s.game, []
+    agents = f"(agents: {', '.join(names)})"
+
+    def check_player(where: str, who: str, pool_ok: bool) -> None:
+        if who.startswith(SCRIPT_PREFIX):
+            if not who[len(SCRIPT_PREFIX):]:
+                errors.append(f"{where}: {_show(who)} names no script; e.g. `script:random`")
+        elif who == POOL_SEAT:
+            if not pool_ok:
+                errors.append(f"{where}: `pool` cannot be in the pool itself")
+            elif not g.opponents:
+                errors.append(f"{where}: a `pool` seat needs {path}.opponents (agents or `script:NAME`)")
+        elif who not in s.agents:
+            errors.append(f"{where}: {_show(who)} is not an agent {agents}, `script:NAME` or `pool`")
+
+    for i, who in enumerate(g.seats or []):
+        check_player(f"{path}.seats[{i}]", who, pool_ok=True)
+    for i, who in enumerate(g.opponents):
+        check_player(f"{path}.opponents[{i}]", who, pool_ok=False)
+    if g.seats is not None and len(g.seats) < 1:
+        errors.append(f"{path}.seats: list at least one seat")
+    if g.max_turns < 1:
+        errors.append(f"{path}.max_turns: got {g.max_turns}; expected at least 1")
+    return errors
+
+
+def _debate_problems(s: Settings, path: str, names: list[str]) -> list[str]:
+    d, errors = s.debate, []
+    agents = f"(agents: {', '.join(names)})"
+    debaters = d.debaters if d.debaters is not None else names[:2]
+    judge = d.judge if d.judge is not None else (names[2] if len(names) > 2 else None)
+    if len(debaters) != 2 or len(set(debaters)) != 2:
+        errors.append(f"{path}.debaters: expected two different agents; got {debaters}")
+    errors += [f"{path}.debaters: {_show(who)} is not an agent {agents}" for who in debaters if who not in s.agents]
+    if judge is None:
+        errors.append(f"{path}.judge: name the judging agent (or list a third agent)")
+    elif judge not in s.agents:
+        errors.append(f"{path}.judge: {_show(judge)} is not an agent {agents}")
+    elif judge in debaters:
+        errors.append(f"{path}.judge: {_show(judge)} also debates; the judge must be another agent")
+    if d.rounds < 1:
+        errors.append(f"{path}.rounds: got {d.rounds}; expected at least 1")
     return errors
 
 

@@ -19,6 +19,7 @@ import inspect
 import logging
 import math
 import numbers
+import random
 import time
 import uuid
 import zlib
@@ -78,8 +79,9 @@ class Episode:
 
     # --- for systems ---------------------------------------------------------------------
 
-    def new_transcript(self, agent: str, messages: list[dict[str, str]], label: str = "") -> Transcript:
-        """Open `agent`'s view starting from `messages` (its system prompt is put first)."""
+    def new_transcript(self, agent: str, messages: list[dict[str, str]], label: str = "", role: str = "") -> Transcript:
+        """Open `agent`'s view starting from `messages` (its system prompt is put first). `role`
+        names a role within the agent (a game seat): samples are normalised per role."""
         t = Transcript.start(
             agent,
             self.runtime.tokenizers[agent],
@@ -88,6 +90,7 @@ class Episode:
             max_context=self.max_context,
             max_response=self.runtime.limits.max_response,
             label=label or agent,
+            role=role,
         )
         self.transcripts.append(t)
         return t
@@ -130,7 +133,8 @@ class Episode:
         params.update(overrides)
         return params
 
-    async def generate(self, transcript: Transcript, **sampling_overrides: Any) -> Turn:
+    async def generate(self, transcript: Transcript, score: Callable[[Turn], Any] | None = None,
+                       **sampling_overrides: Any) -> Turn:
         """One model turn for the transcript's agent, appended to the transcript.
 
         Returns the turn. A transcript with no room left (`transcript.full`) is marked truncated
@@ -142,6 +146,13 @@ class Episode:
         A malformed answer (values no engine can have sampled, or ids outside the agent's
         vocabulary) is not retried: it ends the episode, recorded as `malformed_answer`. The
         turn's text is what its ids spell in the agent's tokenizer, special tokens left out.
+
+        Tree sampling (`rewards.credit: turn` with `rewards.branch: K > 1`, trainable agents,
+        not in evaluation): K candidates are sampled from the same context, each is scored with
+        `score(turn)` (a float or an awaitable of one) or, without `score`, the `mrlx_turn_reward`
+        hook; the episode goes on from the best one (`rewards.branch_pick: best`, first on ties)
+        or one drawn by softmax of the scores (`sample`). The others are kept for the samples
+        (`transcript.branches`) and the taken one's score becomes its turn reward.
         """
         self._check_alive()
         agent = self.settings.agents[transcript.agent]
@@ -152,11 +163,77 @@ class Episode:
         if params.get("max_new_tokens", 1) <= 0:
             transcript.truncated = True
             return Turn(transcript.agent, [], [], "", "length", None)
+        k = self.branch_width(transcript)
+        if k == 1:
+            turn = await self._sample_turn(transcript, agent, params, 0)
+            transcript.append_generated(turn)
+            self.turns += 1
+            return turn
+        candidates = await self.gather(*(self._sample_turn(transcript, agent, params, c) for c in range(k)))
+        index = len(transcript.turns)
+        scores = [await self._score(transcript, index, turn, score) for turn in candidates]
+        taken = self._pick(scores, transcript, index)
+        transcript.append_generated(candidates[taken])
+        transcript.turn_rewards[-1] = scores[taken]
+        transcript.branches[index] = [(c, s) for i, (c, s) in enumerate(zip(candidates, scores)) if i != taken]
+        transcript.branch_scores[index] = scores[taken]
+        self.turns += 1
+        self.metadata["branch_candidates"] = self.metadata.get("branch_candidates", 0) + k - 1
+        return candidates[taken]
+
+    def branch_width(self, transcript: Transcript) -> int:
+        """How many candidates a turn of this transcript samples (1: no tree sampling)."""
+        r = self.settings.rewards
+        if r.credit != "turn" or r.branch <= 1 or self.evaluation or not transcript.trainable:
+            return 1
+        return r.branch
+
+    def _pick(self, scores: list[float], transcript: Transcript, index: int) -> int:
+        if self.settings.rewards.branch_pick == "best":
+            return max(range(len(scores)), key=lambda i: (scores[i], -i))
+        top = max(scores)
+        weights = [math.exp(s - top) for s in scores]
+        rng = random.Random(zlib.crc32(f"{self.id}:{transcript.label}:{index}".encode()))
+        return rng.choices(range(len(scores)), weights=weights)[0]
+
+    async def _score(self, transcript: Transcript, index: int, turn: Turn,
+                     score: Callable[[Turn], Any] | None) -> float:
+        """A turn's score from `score` or the mrlx_turn_reward hook (None -> 0.0); a score that
+        is not a finite number is the system's or plugin's error, raised with its value."""
+        where = "the system's score function" if score is not None else "the mrlx_turn_reward hook"
+        try:
+            if score is not None:
+                value = score(turn)
+            else:
+                value = self.runtime.turn_reward_hook(episode=self, transcript=transcript, index=index, turn=turn)
+            if inspect.isawaitable(value):
+                value = await asyncio.wait_for(value, self.settings.rewards.grade_timeout_s)
+        except (ConfigError, HookResultError, EpisodeAborted, asyncio.CancelledError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - as a failed grade: the episode ends, not the rollout
+            reason = f"scoring turn {index} of {transcript.label} with {where} failed: {type(exc).__name__}: {exc}"
+            self.runtime.grade_failures.record(reason, exc)
+            self.abort(reason)
+            raise EpisodeAborted(reason) from None
+        if value is None:
+            return 0.0
+        if not _finite_number(value):
+            raise HookResultError(f"{where} returned {value!r} for turn {index} of {transcript.label} in episode "
+                                  f"{self.id}; expected a finite number (or None)")
+        return float(value)
+
+    async def _sample_turn(self, transcript: Transcript, agent: AgentSettings, params: dict[str, Any],
+                           candidate: int) -> Turn:
+        """One engine call for the transcript's next turn (not appended), with the episode's
+        retry and abort rules (see `generate`)."""
+        params = dict(params)
         client = self.runtime.clients[transcript.agent]
         e = self.settings.engine
         if e.sampling_seed is not None and "sampling_seed" not in params:
-            key = f"{e.sampling_seed}:{self.id}:{transcript.label}:{len(transcript.turns)}".encode()
-            params["sampling_seed"] = zlib.crc32(key) & 0x7FFFFFFF
+            key = f"{e.sampling_seed}:{self.id}:{transcript.label}:{len(transcript.turns)}"
+            if candidate:  # the candidates of one turn must differ; the first keeps the plain seed
+                key += f":{candidate}"
+            params["sampling_seed"] = zlib.crc32(key.encode()) & 0x7FFFFFFF
         deadline = time.monotonic() + (e.peer_deadline_s if agent.retry_on_abort else e.request_timeout_s * (e.max_retries + 1))
         retried = False
         while True:
@@ -190,14 +267,11 @@ class Episode:
         if retried:
             self.retried_turns += 1
         try:  # the ids against the agent's vocabulary; the text is what they spell, not the engine's
-            turn = transcript.turn_from(
+            return transcript.turn_from(
                 result.token_ids, result.logprobs, result.finish_reason, result.weight_version, result.retries
             )
         except MalformedTurn as exc:
             self._malformed(f"{client.url}/generate: {exc}")
-        transcript.append_generated(turn)
-        self.turns += 1
-        return turn
 
     def _malformed(self, reason: str) -> NoReturn:
         """An engine answer no one may train on: the episode ends, its samples ABORTED, the reason
@@ -261,19 +335,32 @@ class Episode:
         step's sample count fixed. Otherwise each agent gets one sample per transcript; with
         `every_agent` an agent without a transcript gets a filler (a peer's group must have one
         sample per episode), and an episode with no transcript at all gets one filler.
+
+        Under `rewards.credit: turn` a finished episode's trainable transcripts give one sample
+        per model turn (and per candidate, with tree sampling): see `turn_samples`. The fan-out
+        then counts turns (the system's `fan_out` x `turns` x `branch`); fillers stand in for
+        the turns an episode did not reach.
         """
         fan_out = self.runtime.fan_out
+        per_turn = self.settings.rewards.credit == "turn" and not self.evaluation
         out: list[Any] = []
         for agent in agents:
-            own = [t.to_sample(self.sample, self.rollout_id, aborted=self.aborted, meta=self.sample_meta(t))
-                   for t in self.transcripts if t.agent == agent]
+            own: list[Any] = []
+            for t in self.transcripts:
+                if t.agent != agent:
+                    continue
+                if per_turn and t.trainable and not self.aborted:
+                    own += self.turn_samples(t)
+                else:
+                    own.append(t.to_sample(self.sample, self.rollout_id, aborted=self.aborted, meta=self.sample_meta(t)))
             if fan_out is not None:
                 want = fan_out.get(agent, 0)
                 if len(own) > want:
+                    per = "samples (one per turn and candidate)" if per_turn else "transcripts"
                     raise RuntimeError(
                         f"system {self.settings.system!r} declares {want} sample(s) of agent {agent!r} per episode "
-                        f"(its fan_out) but episode {self.id} opened {len(own)} transcripts for it; fix the system's "
-                        "fan_out or the transcripts it opens"
+                        f"(its fan_out{' x turns x branch' if per_turn else ''}) but episode {self.id} made {len(own)} "
+                        f"{per} for it; fix the system's fan_out/turns or the transcripts and turns it makes"
                     )
             else:
                 want = max(len(own), 1) if every_agent else len(own)
@@ -282,10 +369,56 @@ class Episode:
             out.append(self.fallback_sample(agents[0]))
         return out
 
-    def sample_meta(self, t: Transcript | None) -> dict[str, Any]:
+    def turn_returns(self, t: Transcript) -> list[float]:
+        """Each turn's trained reward under per-turn credit: its own reward plus the outcome
+        (the transcript's reward) carried back with discount `rewards.gamma`:
+        G_last = r_last + outcome, G_i = r_i + gamma * G_(i+1)."""
+        gamma = float(self.settings.rewards.gamma)
+        g = float(t.reward if t.reward is not None else 0.0)
+        returns = [0.0] * len(t.turns)
+        for i in reversed(range(len(t.turns))):
+            own = t.turn_rewards[i]
+            g = (0.0 if own is None else float(own)) + (g if i == len(t.turns) - 1 else gamma * g)
+            returns[i] = g
+        return returns
+
+    def turn_samples(self, t: Transcript) -> list[Any]:
+        """One sample per model turn of `t`, reward = its return (`turn_returns`); with tree
+        sampling, after each turn the candidates sampled beside it, each rewarded with the taken
+        turn's return plus the difference of their scores (a score may see more than the turn's
+        own reward, e.g. the outcome of a move that ends a game, without counting it twice)."""
+        returns = self.turn_returns(t)
+        out = []
+        for i, turn in enumerate(t.turns):
+            out.append(t.turn_sample(self.sample, self.rollout_id, i, turn, returns[i], meta=self.sample_meta(t, i)))
+            for candidate, score in t.branches.get(i, []):
+                value = returns[i] + score - t.branch_scores[i]
+                out.append(t.turn_sample(self.sample, self.rollout_id, i, candidate, value,
+                                         meta=self.sample_meta(t, i, candidate=True)))
+        return out
+
+    def credit_group(self, t: Transcript | None, turn: int | None) -> str | None:
+        """The set of samples (within one prompt group) an advantage is relative to: the agent
+        and its role; per turn, also the turn index; with tree sampling, the K candidates of one
+        turn of one episode."""
+        if t is None:
+            return None
+        group = t.agent + (f"@{t.role}" if t.role else "")
+        if turn is None:
+            return group
+        group += f"/turn{turn}"
+        if self.branch_width(t) > 1:
+            group += f"/{self.key}:{t.label}"
+        return group
+
+    def sample_meta(self, t: Transcript | None, turn: int | None = None, candidate: bool = False) -> dict[str, Any]:
         return {
             "agent": t.agent if t is not None else None,
             "label": t.label if t is not None else None,
+            "role": t.role if t is not None else None,
+            "turn": turn,
+            "candidate": candidate,
+            "credit_group": self.credit_group(t, turn),
             "episode_id": self.id,
             "system": self.settings.system,
             "turns": self.turns,
@@ -392,6 +525,15 @@ async def run_episode(runtime: Any, sample: Any, sampling_params: dict[str, Any]
             if episode.final_transcript is not None and episode.team_reward is None:
                 ft = episode.final_transcript
                 episode.team_reward = ft.raw_reward if ft.raw_reward is not None else await episode.grade(ft)
+        except EpisodeAborted:
+            pass
+    if not episode.aborted and not evaluation and runtime.settings.rewards.credit == "turn":
+        try:  # the turns no system scored: the mrlx_turn_reward hook (None -> 0.0)
+            for t in episode.transcripts:
+                if t.trainable:
+                    for i, turn in enumerate(t.turns):
+                        if t.turn_rewards[i] is None:
+                            t.turn_rewards[i] = await episode._score(t, i, turn, None)
         except EpisodeAborted:
             pass
     if not episode.aborted:

@@ -17,7 +17,14 @@ token counts, aborted/retried turns, ...), so the metrics are computed from the 
 | `multi_agent/malformed_answers` | episodes ended by an engine answer no one may train on |
 | `multi_agent/retried_turns` | turns that needed a retry (engine fault or peer abort) |
 | `loss_mask/role_split/<agent>` | share of all trainable tokens that belong to the agent |
-| `samples/<agent>` | samples of the agent in the rollout |
+| `samples/<agent>` | samples of the agent in the rollout (ABORTED ones, fillers included, left out) |
+| `game/episodes` | game episodes in the rollout (`system: game`) |
+| `game/illegal_rate` | finished game episodes that an illegal move ended |
+| `game/win_rate/<seat>` | finished game episodes the seat won (highest outcome, alone; a one-seat game: outcome above 0) |
+| `game/win_rate/vs/<opponent>` | the first agent seat's win rate per opponent it met (an agent or `script:NAME`, as seated or drawn from the pool) |
+| `game/draw_rate` | finished game episodes no seat won (only when there were some) |
+| `credit/branch_candidates` | engine calls per episode on tree-sampling candidates the episode did not go on from |
+| `credit/turn_samples` | samples that are one model turn (`rewards.credit: turn`), aborted ones left out |
 """
 
 from __future__ import annotations
@@ -41,14 +48,17 @@ def compute_metrics(samples: list[Any]) -> dict[str, float]:
     shaped: dict[str, list[float]] = defaultdict(list)
     trained_tokens: dict[str, int] = defaultdict(int)
     episodes: dict[str, dict[str, Any]] = {}
+    turn_samples = 0
     for s in samples:
         m = _meta(s)
         if not m:
             continue
         agent = m.get("agent") or "unknown"
         episodes.setdefault(m["episode_id"], m)
-        if m.get("aborted"):
+        if m.get("aborted") or getattr(s, "remove_sample", False):  # an aborted episode's, or a filler
             continue
+        if m.get("turn") is not None:
+            turn_samples += 1
         if m.get("raw_reward") is not None:
             rewards[agent].append(float(m["raw_reward"]))
         if isinstance(s.reward, (int, float)):
@@ -83,6 +93,39 @@ def compute_metrics(samples: list[Any]) -> dict[str, float]:
         if selecting:
             invalid = sum(bool(e["episode"].get("invalid_selection")) for e in selecting)
             out["multi_agent/invalid_selection_rate"] = invalid / len(selecting)
+        out.update(_game_metrics(eps))
+        if any("branch_candidates" in (e.get("episode") or {}) for e in eps):  # tree sampling was on
+            branched = sum(float((e.get("episode") or {}).get("branch_candidates", 0)) for e in eps)
+            out["credit/branch_candidates"] = branched / n
+    if turn_samples:
+        out["credit/turn_samples"] = float(turn_samples)
+    return out
+
+
+def _game_metrics(eps: list[dict[str, Any]]) -> dict[str, float]:
+    """The `game/` metrics of the game episodes among `eps` (their facts: `systems.game`)."""
+    games = [e for e in eps if "game" in (e.get("episode") or {})]
+    finished = [e["episode"] for e in games if not e.get("aborted") and "outcome" in e["episode"]]
+    out: dict[str, float] = {}
+    if not games:
+        return out
+    out["game/episodes"] = float(len(games))
+    if not finished:
+        return out
+    n = len(finished)
+    out["game/illegal_rate"] = sum("illegal_move" in g for g in finished) / n
+    seats = dict.fromkeys(seat for g in finished for seat in g.get("seats") or [])
+    for seat in seats:
+        out[f"game/win_rate/{seat}"] = sum(g.get("winner") == seat for g in finished) / n
+    draws = sum(g.get("winner") is None for g in finished if len(g.get("outcome") or []) > 1)
+    if draws:
+        out["game/draw_rate"] = draws / n
+    met: dict[str, list[bool]] = defaultdict(list)
+    for g in finished:
+        if g.get("opponent") and g.get("first_seat"):
+            met[g["opponent"]].append(g.get("winner") == g["first_seat"])
+    for opponent, wins in sorted(met.items()):
+        out[f"game/win_rate/vs/{opponent}"] = sum(wins) / len(wins)
     return out
 
 

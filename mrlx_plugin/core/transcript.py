@@ -14,7 +14,9 @@ what is trained, never the writer's end-of-turn token or a text the ids do not s
 
 `to_sample()` turns it into the host's Sample: `tokens` = prompt ids + every later id,
 `response_length` = len(later ids), `loss_mask` and `rollout_log_probs` with one entry per
-response token, `weight_versions` with one entry per engine call.
+response token, `weight_versions` with one entry per engine call. `turn_sample()` (per-turn
+credit) makes one Sample of one model turn: every token before the turn is its prompt, the
+turn's own ids its response.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class Turn:
     finish_reason: str  # stop | length | abort
     weight_version: str | None
     retries: int = 0
+    start: int = 0  # where the turn's ids begin in the transcript's response ids
 
 
 def strip_reasoning(text: str) -> str:
@@ -70,6 +73,13 @@ class Transcript:
     reward: float | None = None  # shaped reward the agent trains on
     raw_reward: float | None = None  # the grader's reward before shaping
     label: str = ""  # free-form name for logs ("solver-3")
+    role: str = ""  # a role within the agent (a game seat): its own baseline when normalising
+    # One entry per turn: the turn's own reward (None: not scored yet; see episode.turn_returns).
+    turn_rewards: list[float | None] = field(default_factory=list)
+    # Tree sampling: turn index -> the candidates sampled beside that turn and not taken, with
+    # their scores.
+    branches: dict[int, list[tuple[Turn, float]]] = field(default_factory=dict)
+    branch_scores: dict[int, float] = field(default_factory=dict)  # the taken turn's score
     prompt_messages: list[dict[str, str]] = field(default_factory=list)
     # The text the tokens spell, for rendering continuations. Generated ids are decoded only
     # when a continuation needs them (single-turn agents never pay for it).
@@ -138,7 +148,9 @@ class Transcript:
         """Record what the engine sampled: the ids exactly as returned, with their log-probs."""
         if len(turn.token_ids) != len(turn.logprobs):
             raise ValueError(f"{len(turn.token_ids)} token ids but {len(turn.logprobs)} log-probs from the engine")
+        turn.start = len(self.response_ids)
         self.turns.append(turn)
+        self.turn_rewards.append(None)
         self.response_ids.extend(turn.token_ids)
         self.loss_mask.extend([1 if self.trainable else 0] * len(turn.token_ids))
         self.logprobs.extend(turn.logprobs if self.trainable else [0.0] * len(turn.token_ids))
@@ -232,3 +244,44 @@ class Transcript:
         )
         sample.metadata["mrlx"] = meta
         return sample
+
+    def turn_sample(self, template: Any, rollout_id: int | None, index: int, turn: Turn, reward: float,
+                    *, meta: dict[str, Any]) -> Any:
+        """The host Sample of one model turn (`turns[index]`, or a candidate sampled beside it):
+        prompt = the transcript's tokens before the turn (the context the turn was sampled from),
+        response = the turn's ids, every one trained (loss mask 1), with its log-probs and weight
+        version. TRUNCATED when the turn hit its token cap."""
+        if not self.trainable:
+            raise ValueError(f"agent {self.agent!r} is not trainable: its turns make no samples")
+        context = [*self.prompt_ids, *self.response_ids[: self.turns[index].start]]
+        response, logprobs = list(turn.token_ids), list(turn.logprobs)
+        mask = [1] * len(response)
+        if not response:  # as in to_sample: the host's slices need one response token
+            pad = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else 0
+            response, mask, logprobs = [pad], [0], [0.0]
+        sample = copy_sample(
+            template,
+            rollout_id=rollout_id,
+            prompt=self.messages_before(index),
+            tokens=context + response,
+            response_length=len(response),
+            response=turn.text,
+            loss_mask=mask,
+            rollout_log_probs=logprobs,
+            weight_versions=[turn.weight_version] if turn.weight_version is not None else [],
+            reward=float(reward),
+            status=Status.TRUNCATED if turn.finish_reason == "length" else Status.COMPLETED,
+            remove_sample=False,
+        )
+        sample.metadata["mrlx"] = meta
+        return sample
+
+    def messages_before(self, index: int) -> list[dict[str, str]]:
+        """The conversation as this agent saw it when it took turn `index`."""
+        seen = 0
+        for i, message in enumerate(self.messages):
+            if message.get("role") == "assistant" and i >= len(self.prompt_messages):
+                if seen == index:
+                    return self.messages[:i]
+                seen += 1
+        return list(self.messages)

@@ -62,7 +62,53 @@ def format_examples(path: str | Path, prompts: list[tuple[str, str]], n: int, se
     return Path(path)
 
 
-TASKS = {"arithmetic": arithmetic_prompts, "addition": addition_prompts}
+def nim_prompts(n: int, seed: int = 0, low: int = 3, high: int = 9, max_take: int = 3) -> list[tuple[str, str]]:
+    """`n` Nim games "Nim: 7 stones" with `low` to `high` stones (the game system's `nim`; its
+    `max_stones` option must be at least `high`). The label is the winning first move for
+    `max_take` ("0": the first seat cannot force a win)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        stones = rng.randint(low, high)
+        out.append((f"Nim: {stones} stones", str(stones % (max_take + 1))))
+    return out
+
+
+def kuhn_prompts(n: int, seed: int = 0) -> list[tuple[str, str]]:
+    """`n` Kuhn poker deals "Kuhn poker: K vs J" (the first seat's card first), each of the six
+    deals equally likely; the label is the seat holding the higher card."""
+    rng = random.Random(seed)
+    deals = [(a, b) for a in "JQK" for b in "JQK" if a != b]
+    out = []
+    for _ in range(n):
+        a, b = rng.choice(deals)
+        out.append((f"Kuhn poker: {a} vs {b}", "first" if "JQK".index(a) > "JQK".index(b) else "second"))
+    return out
+
+
+def chain_prompts(n: int, seed: int = 0, steps: int = 3, max_start: int = 4, max_step: int = 3,
+                  ops: str = "+") -> list[tuple[str, str]]:
+    """`n` chains "Chain: 2 +3 +1 +2": a start value from 0 to `max_start`, then `steps`
+    operations (signs from `ops`, numbers from 1 to `max_step`; a subtraction never goes below
+    0). The label is the final value. The game system's `chain` (its `max_steps` option must be
+    at least `steps`)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        value = rng.randint(0, max_start)
+        parts = [str(value)]
+        for _ in range(steps):
+            sign, k = rng.choice(ops), rng.randint(1, max_step)
+            if sign == "-" and k > value:
+                sign = "+"
+            value = value + k if sign == "+" else value - k if sign == "-" else value * k
+            parts.append(f"{sign}{k}")
+        out.append(("Chain: " + " ".join(parts), str(value)))
+    return out
+
+
+TASKS = {"arithmetic": arithmetic_prompts, "addition": addition_prompts, "nim": nim_prompts,
+         "kuhn_poker": kuhn_prompts, "chain": chain_prompts}
 
 
 def task_prompts(name: str, n: int, seed: int = 0) -> list[tuple[str, str]]:

@@ -95,18 +95,25 @@ def _reward_value(sample: Any, reward_key: str | None) -> float:
 
 
 def group_key(sample: Any) -> tuple[Any, Any]:
-    """(prompt group, agent): the set of samples a sample's advantage is relative to."""
+    """(prompt group, credit group): the set of samples a sample's advantage is relative to.
+
+    The credit group is the agent and its role (a game seat); under `rewards.credit: turn` also
+    the turn index, so that a turn is compared with the same turn of the prompt group's other
+    episodes; with tree sampling, the K candidates of one turn of one episode."""
     meta = (sample.metadata or {}).get("mrlx") or {}
-    return (sample.group_index, meta.get("agent"))
+    return (sample.group_index, meta.get("credit_group") or meta.get("agent"))
 
 
 def normalize(args: Any, samples: list[Any]) -> tuple[list[float], list[float]]:
     """Return (raw_rewards, normalised_rewards), one per sample, in the order given.
 
-    Within each (prompt group, agent): subtract the mean and, for GRPO-style estimators with
-    std normalisation on, divide by the standard deviation (+1e-6). Groups of one sample and
-    groups with no spread get 0.0, never NaN. ABORTED and removed samples take no part in the
-    statistics and get 0.0. With `--disable-rewards-normalization`, or an estimator outside the
+    Within each group (`group_key`: the prompt group and the agent, with its role; per turn
+    under `rewards.credit: turn`): subtract the mean and, for GRPO-style estimators with std
+    normalisation on, divide by the standard deviation (+1e-6). Groups of one sample and
+    groups with no spread get 0.0, never NaN: a turn only one episode of the prompt group
+    reached teaches nothing, and a turn some episodes never reached is compared among those
+    that did (the others' fillers are ABORTED). ABORTED and removed samples take no part in
+    the statistics and get 0.0. With `--disable-rewards-normalization`, or an estimator outside the
     GRPO family, the raw rewards are returned unchanged.
     """
     flat = list(samples)

@@ -87,4 +87,14 @@ def _dialogue_fan_out(settings) -> dict[str, int]:
     return {agent: 1 for agent in speaking_order(settings)}
 
 
+def _dialogue_turns(settings) -> dict[str, int]:
+    """The most turns each agent takes in one episode: its share of `max_turns` in turn order."""
+    order = speaking_order(settings)
+    counts = dict.fromkeys(order, 0)
+    for turn in range(settings.dialogue.max_turns):
+        counts[order[turn % len(order)]] += 1
+    return {agent: max(1, n) for agent, n in counts.items()}
+
+
 run_dialogue.fan_out = _dialogue_fan_out  # type: ignore[attr-defined]
+run_dialogue.turns = _dialogue_turns  # type: ignore[attr-defined]

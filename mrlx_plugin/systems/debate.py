@@ -1,0 +1,167 @@
+"""The debate system: two debaters argue in turn about the input's question, a judge picks a winner.
+
+One episode per input sample (`mrlx.debate`):
+1. The debaters (`debaters`, side A first) speak in turn, `rounds` speeches each: A, B, A, B, ...
+   Each keeps its own transcript (its own chat template and token space); the other side's
+   speeches reach it as plain-text user messages (context, loss mask 0), as in the dialogue.
+2. The judge (`judge`, usually `trainable: false`, its own model behind its own URL) reads the
+   whole debate in one user message, every speech labelled by its side, and must end with a line
+   "Winner: A" or "Winner: B" (the last such line counts).
+3. The winner's transcript earns `win_reward`, the loser's `lose_reward` (raw and trained reward,
+   before the `mrlx_shape_rewards` hook, whose default leaves them as they are). A verdict that
+   names no side leaves both debaters 0.0 and is recorded as `invalid_verdict`.
+
+`episode.metadata`: `winner` (the agent, or None), `winner_side` ("A", "B" or None), `verdict`
+(the judge's verdict line, or None), `invalid_verdict` (bool), `judge_answer` (the end of the
+judge's answer).
+
+Evaluation: the episode's final transcript is that of the debater this job trains (`mrlx.self`
+when it debates, else side A), and `team_reward` is 1.0 when that debater won, else 0.0: an
+evaluation's mean reward is its win rate against the other side, as this judge sees it.
+
+A trainable judge has no outcome of its own here: it is graded by the `mrlx_grade` hook (give one
+that compares its verdict with a reference, e.g. the input's label). A frozen judge is the usual
+recipe: a judge trained on the same episodes as the debaters has no fixed standard, and the two
+can drift together (a judge that learns to favour one side or one style rewards debaters for
+exploiting it).
+
+Replace the prompts with `make_debate(DebatePrompts(...))`, registered under your own system name.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from mrlx_plugin.core.episode import Episode
+from mrlx_plugin.core.transcript import Transcript
+from mrlx_plugin.systems.pipeline import fit_solutions
+
+SIDES = ("A", "B")
+_VERDICT = re.compile(r"winner\s*:\s*\**\s*\[?\s*([a-z]+)", re.IGNORECASE)
+
+
+def debater_prompt(problem: str, side: str, rounds: int) -> str:
+    return (
+        f"Debate question:\n{problem}\n\n"
+        f"You are debater {side}; the other debater argues against you. Take a clear position, argue for it "
+        f"and answer your opponent's points. You speak {rounds} time(s); a judge will pick the more "
+        "convincing side."
+    )
+
+
+def opponent_message(side: str, text: str) -> str:
+    """What a debater reads of a speech of the other side (`side`)."""
+    return f"Debater {side}:\n{text}"
+
+
+def judge_prompt(problem: str, speeches: list[tuple[str, str]]) -> str:
+    debate = "\n\n".join(f"### Debater {side}\n{text}" for side, text in speeches)
+    return (
+        f"Debate question:\n{problem}\n\n"
+        "Two debaters, A and B, argued the question below, in the order shown. Decide which debater was "
+        "more convincing and correct, and finish your reply with a line of the form\n"
+        "Winner: A\nor\nWinner: B\n\n"
+        f"{debate}"
+    )
+
+
+@dataclass(frozen=True)
+class DebatePrompts:
+    """The messages of the debate. Replace any of them with `make_debate(...)`."""
+
+    debater: Callable[[str, str, int], str] = debater_prompt
+    opponent: Callable[[str, str], str] = opponent_message
+    judge: Callable[[str, list[tuple[str, str]]], str] = judge_prompt
+
+
+def parse_verdict(text: str) -> str | None:
+    """The side ("A" or "B") of the last "Winner: X" in the judge's answer; None if it names none."""
+    matches = _VERDICT.findall(text)
+    if not matches:
+        return None
+    side = matches[-1].upper()
+    return side if side in SIDES else None
+
+
+def debate_agents(settings) -> tuple[str, str, str]:
+    """(side A's debater, side B's debater, the judge), with the defaults of `mrlx.debate`."""
+    d, names = settings.debate, list(settings.agents)
+    a, b = d.debaters if d.debaters is not None else names[:2]
+    return a, b, d.judge if d.judge is not None else names[2]
+
+
+def _verdict_line(text: str) -> str | None:
+    lines = [line.strip() for line in text.splitlines() if _VERDICT.search(line)]
+    return lines[-1] if lines else None
+
+
+def make_debate(prompts: DebatePrompts = DebatePrompts()):
+    """A debate run function with these prompts (register it under your own system name)."""
+
+    async def run(episode: Episode) -> None:
+        d = episode.settings.debate
+        a, b, judge = debate_agents(episode.settings)
+        debaters = dict(zip(SIDES, (a, b)))
+        views: dict[str, Transcript] = {}
+        unread: dict[str, list[dict[str, str]]] = {side: [] for side in SIDES}
+        speeches: list[tuple[str, str]] = []
+        for turn in range(2 * d.rounds):
+            side, other = SIDES[turn % 2], SIDES[1 - turn % 2]
+            t = views.get(side)
+            if t is None:
+                opening = {"role": "user", "content": prompts.debater(episode.problem, side, d.rounds)}
+                t = views[side] = episode.new_transcript(debaters[side], [opening] + unread[side], f"debater-{side}")
+            elif not t.append_messages(unread[side]):
+                episode.metadata["stopped_by"] = f"context full ({debaters[side]})"
+                break
+            unread[side] = []
+            await episode.generate(t)
+            speeches.append((side, t.answer_text))
+            unread[other].append({"role": "user", "content": prompts.opponent(side, t.answer_text)})
+            if t.full:
+                episode.metadata["stopped_by"] = f"context full ({debaters[side]})"
+                break
+
+        # Every speech in the judge's one message, each cut (keeping its end) if they would not fit.
+        sides = [side for side, _ in speeches]
+        message = fit_solutions(episode, judge, lambda texts: prompts.judge(episode.problem, list(zip(sides, texts))),
+                                [text for _, text in speeches], None)
+        judge_t = episode.new_transcript(judge, [{"role": "user", "content": message}], "judge")
+        await episode.generate(judge_t)
+        answer = judge_t.answer_text
+        winner = parse_verdict(answer)
+        episode.metadata.update(winner=debaters.get(winner), winner_side=winner, verdict=_verdict_line(answer),
+                                invalid_verdict=winner is None, judge_answer=answer[-300:])
+        for side, t in views.items():
+            outcome = 0.0 if winner is None else d.win_reward if side == winner else d.lose_reward
+            t.raw_reward = t.reward = float(outcome)
+        me = episode.settings.self_agent
+        focus = next((side for side, agent in debaters.items() if agent == me), "A")
+        if focus in views:
+            episode.final_transcript = views[focus]
+            episode.final_answer = views[focus].answer_text
+        episode.team_reward = 1.0 if winner == focus else 0.0
+
+    run.fan_out = debate_fan_out  # type: ignore[attr-defined]
+    run.turns = debate_turns  # type: ignore[attr-defined]
+    return run
+
+
+def debate_fan_out(settings) -> dict[str, int]:
+    """One transcript per debater, and the judge's when it is trainable."""
+    a, b, judge = debate_agents(settings)
+    out = {a: 1, b: 1}
+    if settings.agents[judge].trainable:
+        out[judge] = 1
+    return out
+
+
+def debate_turns(settings) -> dict[str, int]:
+    """Model turns per transcript: `rounds` for each debater, one for the judge."""
+    a, b, judge = debate_agents(settings)
+    return {a: settings.debate.rounds, b: settings.debate.rounds, judge: 1}
+
+
+run_debate = make_debate()

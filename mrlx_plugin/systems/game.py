@@ -1,0 +1,343 @@
+"""The turn-based game system (`mrlx.system: game`): agents play a game whose rules are user code.
+
+A game is a plain object with the methods of `Game` below (subclass it, or write any class with
+those methods) registered by name through the `mrlx_register_games` hook; the package registers
+`nim`, `kuhn_poker` and `chain` (`mrlx_plugin.systems.games`). The system owns the play: who
+sits where, whose turn it is, what each seat is shown, the legality check, the per-move rewards,
+the outcome and the fixed number of samples per episode. The game owns the rules.
+
+One episode per input sample (`mrlx.game`):
+1. Each seat gets its player from `seats`: an agent, `script:NAME` (a scripted player the game
+   provides, moving without an engine call) or `pool` (one of `opponents`, drawn per episode
+   from the episode id). `game.start` builds the state from the input's prompt text.
+2. While a seat is to move (and fewer than `max_turns` moves were made): an agent's seat reads
+   what happened since its last turn (`describe_move` of the other seats' moves) and what it
+   sees now (`observation`), as one plain-text user message in its own transcript (role = the
+   seat's name), and answers in one model turn. `parse_move` is the legality check: an answer
+   that is no legal move ends the episode, that seat's outcome `illegal_penalty`, the others' 0.
+3. Each move's own reward (`move_reward`) is the turn's reward under `rewards.credit: turn`;
+   the seat's outcome reaches its turns through the return (see `Episode.turn_returns`). Tree
+   sampling (`rewards.branch: K`) compares K candidate moves by their score: the own reward,
+   plus the seat's outcome when the move ends the game; `illegal_penalty` for an illegal one.
+4. At the end each agent seat's transcript gets its seat's outcome as its reward.
+
+Three ways to play: self-play (`seats: [p, p]`, one model in both seats, a baseline per seat),
+against a frozen model (`seats: [p, opp]`, `opp` with `trainable: false` behind its own URL)
+and against an opponent pool (`seats: [p, pool]`, `opponents: [agents and script:NAME]`).
+
+`episode.metadata` (read by the `game/` metrics): `game`, `seats` (their names), `players` (who
+played each seat), `first_seat` (the first seat an agent played), `opponent` (who played the
+other seat(s) against it), `winner` (a seat name, or None for a draw), `outcome` (per seat),
+`moves`, `illegal_move` (the seat, when one was), `stopped_by` (`max_turns` or
+`context full (SEAT)`, when the game was cut short: a draw, every seat 0).
+
+Evaluation (`mrlx rollout --evaluation`): the final transcript is the first agent seat's, and
+`team_reward` its outcome, so an evaluation's mean reward is that seat's mean result.
+"""
+
+from __future__ import annotations
+
+import random
+import weakref
+import zlib
+from typing import Any
+
+from mrlx_plugin.core.config import POOL_SEAT, SCRIPT_PREFIX, ConfigError
+from mrlx_plugin.core.episode import Episode
+from mrlx_plugin.core.transcript import Transcript, strip_reasoning
+from mrlx_plugin.systems.games import BUILT_IN_GAMES, boxed, boxed_move
+
+__all__ = ["Game", "boxed", "run_game"]
+
+
+class Game:
+    """The rules of a turn-based game: what the game system calls, one method per question.
+
+    States are the game's own values (a frozen dataclass reads best); the system never looks
+    inside one, never changes one, and keeps the one each move was made from. Seats are indices
+    into `seats`. Every method is called in the rollout process's event loop: keep them quick.
+    """
+
+    #: The names of the seats, in seat order (also each seat's role in its transcript).
+    seats: tuple[str, ...] = ()
+    #: The scripted players the game provides (`script:NAME` seats); `random` always.
+    scripts: tuple[str, ...] = ("random",)
+
+    def start(self, problem: str, label: Any, rng: random.Random, options: dict[str, Any]) -> Any:
+        """The initial state for one episode, from the input sample's prompt text and label.
+
+        `rng` is the episode's own (drawn from its id, so a rerun deals the same); use it for
+        anything the prompt does not fix. `options` is `mrlx.game.options`. Raise ValueError,
+        naming the option or the prompt, for a game that cannot start.
+        """
+        raise NotImplementedError
+
+    def to_move(self, state: Any) -> int | None:
+        """The seat to move, or None when the game is over."""
+        raise NotImplementedError
+
+    def observation(self, state: Any, seat: int) -> str:
+        """What `seat` is shown before its move, as plain text: only what it may know (hidden
+        information stays hidden) and how to answer (e.g. "answer with \\boxed{N}")."""
+        raise NotImplementedError
+
+    def legal_moves(self, state: Any, seat: int) -> list[Any]:
+        """The legal moves of `seat` (used by the default `parse_move` and `script:random`)."""
+        raise NotImplementedError
+
+    def parse_move(self, state: Any, seat: int, text: str) -> Any | None:
+        """The legality check: the move an answer makes, or None when it makes no legal move.
+
+        `text` is the model's answer without its reasoning. The default reads the last
+        `\\boxed{...}` and matches it (case and spaces ignored) against `legal_moves`."""
+        return boxed_move(text, self.legal_moves(state, seat))
+
+    def play(self, state: Any, seat: int, move: Any) -> Any:
+        """The state after `seat` makes the legal `move` (a new state; `state` is left as it was)."""
+        raise NotImplementedError
+
+    def move_reward(self, state: Any, seat: int, move: Any, next_state: Any) -> float:
+        """The move's own reward for `seat` (its turn reward under `credit: turn`); default 0."""
+        return 0.0
+
+    def outcome(self, state: Any) -> list[float]:
+        """Each seat's result, in seat order, once the game is over (e.g. +1 win / -1 loss)."""
+        raise NotImplementedError
+
+    def max_moves(self, options: dict[str, Any]) -> dict[int, int]:
+        """The most moves each seat can make in one game with these options: an exact upper
+        bound (the fixed number of samples per episode is built on it). `start` must refuse a
+        prompt that would exceed it."""
+        raise NotImplementedError
+
+    def scripted_move(self, state: Any, seat: int, script: str, rng: random.Random) -> Any:
+        """The move of scripted player `script` (one of `scripts`); `random` is a uniformly
+        random legal move."""
+        if script == "random":
+            return rng.choice(self.legal_moves(state, seat))
+        raise ValueError(f"no scripted player {script!r} (this game has: {', '.join(self.scripts)})")
+
+    def describe_move(self, state: Any, seat: int, move: Any) -> str:
+        """How the other seats are told of `seat`'s `move` (made from `state`), as plain text."""
+        return f"{self.seats[seat]} plays {move}."
+
+
+# --- which game, who plays ------------------------------------------------------------------
+
+# The games each runtime's plugins register, collected on its first episode.
+_REGISTRIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def registered_games(runtime: Any) -> dict[str, Any]:
+    """Every game the plugins register (`mrlx_register_games`), by name; a name twice is an error."""
+    games = _REGISTRIES.get(runtime)
+    if games is None:
+        games = {}
+        for result in runtime.hooks.mrlx_register_games():
+            for name, game in (result or {}).items():
+                if name in games and games[name] is not game:
+                    raise ConfigError(f"{runtime.source}: game {name!r} is registered twice (by two plugins)")
+                games[name] = game
+        _REGISTRIES[runtime] = games
+    return games
+
+
+def the_game(runtime: Any) -> Any:
+    """The game `mrlx.game.name` names, checked against `mrlx.game.seats` and `opponents`."""
+    g = runtime.settings.game
+    games = registered_games(runtime)
+    if g.name not in games:
+        raise ConfigError(f"{runtime.source}: mrlx.game.name: no game named {g.name!r} is registered (known: "
+                          f"{', '.join(sorted(games))}); list the module that registers it under mrlx.plugins")
+    check_players(games[g.name], runtime.settings, runtime.source)
+    return games[g.name]
+
+
+def check_players(game: Any, settings: Any, source: str) -> None:
+    """One player per seat of `game`, and every `script:NAME` a scripted player it has."""
+    g, where = settings.game, f"{source}: " if source else ""
+    seats = seat_players(settings)
+    if len(seats) != len(game.seats):
+        raise ConfigError(f"{where}mrlx.game.seats: game {g.name!r} has {len(game.seats)} seat(s) "
+                          f"({', '.join(game.seats)}); got {len(seats)} player(s) {seats}: list one per seat")
+    for key, who in [*((f"seats[{i}]", w) for i, w in enumerate(seats)),
+                     *((f"opponents[{i}]", w) for i, w in enumerate(g.opponents))]:
+        if is_script(who) and who[len(SCRIPT_PREFIX):] not in game.scripts:
+            raise ConfigError(f"{where}mrlx.game.{key}: game {g.name!r} has no scripted player {who!r} "
+                              f"(it has: {', '.join(SCRIPT_PREFIX + s for s in game.scripts)})")
+
+
+def seat_players(settings: Any) -> list[str]:
+    """`mrlx.game.seats`, or the agents in the order listed."""
+    return list(settings.game.seats or settings.agents)
+
+
+def pool_draw(episode_id: str, opponents: list[str], seat: int) -> str:
+    """The opponent a `pool` seat gets in an episode: drawn from the episode id alone, so a rerun
+    (or another process) draws the same."""
+    return opponents[zlib.crc32(f"{episode_id}:pool:{seat}".encode()) % len(opponents)]
+
+
+def is_script(player: str) -> bool:
+    return player.startswith(SCRIPT_PREFIX)
+
+
+# --- one episode ----------------------------------------------------------------------------
+
+
+def judge_move(game: Any, state: Any, seat: int, text: str, penalty: float) -> tuple[Any, Any, float, float]:
+    """(move, next state, own reward, score) of an answer. The own reward is the move's
+    (`move_reward`); the score adds the seat's outcome when the move ends the game. An answer
+    that makes no legal move: (None, None, 0.0, penalty), the penalty being its outcome."""
+    move = game.parse_move(state, seat, text)
+    if move is None:
+        return None, None, 0.0, float(penalty)
+    after = game.play(state, seat, move)
+    own = float(game.move_reward(state, seat, move, after))
+    return move, after, own, own + (float(game.outcome(after)[seat]) if game.to_move(after) is None else 0.0)
+
+
+def winner_of(outcome: list[float], names: tuple[str, ...]) -> str | None:
+    """The seat with the highest outcome, alone; one seat wins with an outcome above 0; else None."""
+    if len(outcome) == 1:
+        return names[0] if outcome[0] > 0 else None
+    best = max(outcome)
+    return names[outcome.index(best)] if outcome.count(best) == 1 else None
+
+
+class _Stop(Exception):
+    """The game cannot go on (a seat's transcript is full); the outcome is a draw."""
+
+
+async def _agent_move(episode: Episode, game: Any, views: dict[int, Transcript], player: str, seat: int,
+                      state: Any, text: str) -> tuple[Any, Any]:
+    """One model turn of `player` in `seat`, shown `text`: (move, next state), move None if illegal."""
+    name, penalty = game.seats[seat], episode.settings.game.illegal_penalty
+    message = [{"role": "user", "content": text}]
+    t = views.get(seat)
+    if t is None:
+        t = views[seat] = episode.new_transcript(player, message, label=name, role=name)
+    elif not t.append_messages(message):
+        raise _Stop(f"context full ({name})")
+
+    def score(turn: Any) -> float:  # a candidate move, for tree sampling
+        return judge_move(game, state, seat, strip_reasoning(turn.text), penalty)[3]
+
+    before = len(t.turns)
+    await episode.generate(t, score=score)
+    if len(t.turns) == before:  # no room was left for a turn
+        raise _Stop(f"context full ({name})")
+    move, after, own, _ = judge_move(game, state, seat, t.answer_text, penalty)
+    # The turn's own reward, without the outcome: the outcome (the transcript's reward) reaches
+    # every turn through the return, the last turn's undiscounted; counted here it would count
+    # twice. A candidate of tree sampling is compared by its score, outcome included.
+    t.turn_rewards[-1] = own
+    return move, after
+
+
+async def run_game(episode: Episode) -> None:
+    g = episode.settings.game
+    game = the_game(episode.runtime)
+    names = tuple(game.seats)
+    players = [pool_draw(episode.id, g.opponents, i) if who == POOL_SEAT else who
+               for i, who in enumerate(seat_players(episode.settings))]
+    agent_seats = [i for i, who in enumerate(players) if not is_script(who)]
+    first = agent_seats[0] if agent_seats else None
+    others = [who for i, who in enumerate(players) if i != first]
+    episode.metadata.update(game=g.name, seats=list(names), players=players,
+                            first_seat=None if first is None else names[first],
+                            opponent=" + ".join(others) if first is not None and others else None)
+    rng = random.Random(zlib.crc32(episode.id.encode()))
+    state = game.start(episode.problem, episode.label, rng, dict(g.options))
+    bound = game.max_moves(dict(g.options))
+    views: dict[int, Transcript] = {}
+    unread: dict[int, list[str]] = {i: [] for i in range(len(names))}
+    made = [0] * len(names)
+    outcome: list[float] | None = None
+    while (seat := game.to_move(state)) is not None:
+        if sum(made) >= g.max_turns:
+            episode.metadata["stopped_by"] = "max_turns"
+            break
+        if made[seat] >= bound.get(seat, 0):
+            raise RuntimeError(f"game {g.name!r}: seat {names[seat]} is to make move {made[seat] + 1}, more than "
+                               f"its max_moves ({bound.get(seat, 0)}); fix the game's max_moves")
+        player = players[seat]
+        if is_script(player):
+            move = game.scripted_move(state, seat, player[len(SCRIPT_PREFIX):], rng)
+            after = game.play(state, seat, move)
+            made[seat] += 1
+        else:
+            text = " ".join([*unread[seat], game.observation(state, seat)])
+            unread[seat] = []
+            try:
+                move, after = await _agent_move(episode, game, views, player, seat, state, text)
+            except _Stop as stop:
+                episode.metadata["stopped_by"] = str(stop)
+                break
+            made[seat] += 1
+            if move is None:  # illegal: the episode ends, this seat penalised
+                episode.metadata["illegal_move"] = names[seat]
+                outcome = [0.0] * len(names)
+                outcome[seat] = float(g.illegal_penalty)
+                break
+        for other in range(len(names)):
+            if other != seat:
+                unread[other].append(game.describe_move(state, seat, move))
+        state = after
+    if outcome is None:  # a game cut short (max_turns, a full context) is a draw
+        outcome = [float(x) for x in game.outcome(state)] if game.to_move(state) is None else [0.0] * len(names)
+    episode.metadata.update(winner=winner_of(outcome, names), outcome=outcome, moves=sum(made))
+    for seat, t in views.items():
+        t.raw_reward = t.reward = outcome[seat]
+    if first is not None:
+        episode.team_reward = outcome[first]
+        if first in views:
+            episode.final_transcript = views[first]
+            episode.final_answer = views[first].answer_text
+
+
+def _seats_of(settings: Any) -> dict[str, list[int]]:
+    """For each agent, the seats it may play (a `pool` seat counts for every agent in the pool)."""
+    g, out = settings.game, {a: [] for a in settings.agents}
+    for i, who in enumerate(seat_players(settings)):
+        if who in out:
+            out[who].append(i)
+        elif who == POOL_SEAT:
+            for agent in dict.fromkeys(g.opponents):
+                if agent in out:
+                    out[agent].append(i)
+    return out
+
+
+def _built_in(settings: Any) -> Any:
+    """The built-in game `mrlx.game.name` names, its players and options checked (at start-up,
+    before any episode); None for a game a plugin registers (known once the first episode runs)."""
+    game = BUILT_IN_GAMES.get(settings.game.name)
+    if game is not None:
+        check_players(game, settings, "")
+        try:
+            game.max_moves(dict(settings.game.options))  # the options' own checks
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+    return game
+
+
+def game_fan_out(settings: Any) -> dict[str, int]:
+    """Transcripts per episode and agent: the seats the agent can occupy (a pool seat counts
+    once for each agent in the pool, whether or not the draw picks it)."""
+    _built_in(settings)
+    return {agent: len(seats) for agent, seats in _seats_of(settings).items()}
+
+
+def game_turns(settings: Any) -> dict[str, int]:
+    """Model turns per transcript and agent: the most moves of any seat it can occupy, by the
+    game's `max_moves`, capped by `max_turns`. A game a plugin registers is not known here
+    (this runs before any episode): its bound is `max_turns`."""
+    g, game = settings.game, _built_in(settings)
+    bound = game.max_moves(dict(g.options)) if game is not None else {}
+    return {agent: max((min(bound.get(i, g.max_turns), g.max_turns) for i in seats), default=1)
+            for agent, seats in _seats_of(settings).items()}
+
+
+run_game.fan_out = game_fan_out  # type: ignore[attr-defined]
+run_game.turns = game_turns  # type: ignore[attr-defined]
