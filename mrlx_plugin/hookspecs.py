@@ -65,7 +65,8 @@ def mrlx_register_systems() -> dict[str, Callable[[Episode], Awaitable[None]]]:
     micro-batch flags against it at start-up. A system without `fan_out` returns a varying
     count and needs the host's `--use-dynamic-batch-size`. For per-turn credit
     (`mrlx.rewards.credit: turn`) a system also declares `run.turns = fn(settings) -> {agent: n}`,
-    the most model turns one transcript of the agent takes (default 1): an episode then returns
+    the most model turns one transcript of the agent takes (an agent left out: 1; a system with a
+    fan-out and no `turns` is refused under per-turn credit): an episode then returns
     fan_out x turns x `rewards.branch` samples per trained agent.
 
     A run function whose samples are weighted by the team's outcome declares it:

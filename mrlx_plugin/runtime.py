@@ -255,7 +255,7 @@ def declared_fan_out(system: SystemFn, settings: Settings, source: str) -> dict[
 
 def declared_turns(system: SystemFn, settings: Settings, source: str) -> dict[str, int]:
     """The most model turns one transcript of each agent takes, as `system` declares through
-    its `turns(settings)` attribute (default: 1 per agent)."""
+    its `turns(settings)` attribute (an agent it leaves out: 1)."""
     declare = getattr(system, "turns", None)
     if declare is None:
         return {}
@@ -276,6 +276,12 @@ def samples_per_agent(system: SystemFn, settings: Settings, source: str) -> dict
     transcripts = declared_fan_out(system, settings, source)
     if transcripts is None or settings.rewards.credit != "turn":
         return transcripts
+    if getattr(system, "turns", None) is None:
+        raise ConfigError(
+            f"{source}: mrlx.rewards.credit is `turn`, but system {settings.system!r} declares no turns(settings) (the "
+            "most model turns one transcript takes), so the samples of an episode cannot be counted; set "
+            "`run.turns = lambda settings: {agent: n}` on its run function, or use credit: episode"
+        )
     turns = declared_turns(system, settings, source)
     branch = settings.rewards.branch
     return {a: n * turns.get(a, 1) * branch for a, n in transcripts.items()}

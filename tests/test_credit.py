@@ -124,6 +124,7 @@ def test_tree_sampling_trains_k_candidates_per_turn_as_one_group(stub_engine, ti
         groups.setdefault(s.metadata["mrlx"]["credit_group"], []).append(s)
     assert len(groups) == 4 and all(len(g) == 3 for g in groups.values())
     assert {s.metadata["mrlx"]["episode"]["branch_candidates"] for s in out} == {4 * 2}  # two not taken per turn
+    taken_score: dict[tuple, float] = {}
     for name, members in groups.items():
         taken = [s for s in members if not s.metadata["mrlx"]["candidate"]]
         assert len(taken) == 1
@@ -131,10 +132,19 @@ def test_tree_sampling_trains_k_candidates_per_turn_as_one_group(stub_engine, ti
         for s in members:  # one context, three candidates
             assert s.tokens[: len(s.tokens) - s.response_length] == prompt
         scores = [round(sum(s.rollout_log_probs), 6) for s in members]
-        # the best is taken; rewards differ by exactly the scores' differences
-        assert round(sum(taken[0].rollout_log_probs), 6) == max(scores)
-        for s, score in zip(members, scores):
-            assert s.reward - taken[0].reward == pytest.approx(score - max(scores), abs=1e-5)
+        assert round(sum(taken[0].rollout_log_probs), 6) == max(scores)  # the best is taken
+        assert len(set(scores)) > 1  # the candidates differ (each its own seed)
+        for s, score in zip(members, scores):  # a candidate not taken has no future: its score
+            if s is not taken[0]:
+                assert s.reward == pytest.approx(score, abs=1e-5)
+        meta = taken[0].metadata["mrlx"]
+        taken_score[(meta["agent"], meta["turn"])] = max(scores)
+    for agent in AGENTS:  # the taken turns: their own score, then the outcome (1.0), gamma 1
+        rewards = {s.metadata["mrlx"]["turn"]: s.reward for s in out
+                   if s.metadata["mrlx"]["agent"] == agent and not s.metadata["mrlx"]["candidate"]}
+        last = taken_score[(agent, 1)] + 1.0
+        assert rewards[1] == pytest.approx(last, abs=1e-5)
+        assert rewards[0] == pytest.approx(taken_score[(agent, 0)] + last, abs=1e-5)
     raw, adv = normalize(args, out)
     sums: dict = {}
     for s, a in zip(out, adv):
@@ -182,3 +192,14 @@ def test_the_fan_out_counts_turns_and_candidates(tiny_model_dir):
     mrlx["dialogue"]["max_turns"] = 5  # the asker speaks first: three turns to the answerer's two
     assert runtime_for(slime_args(router, str(tiny_model_dir), mrlx)).fan_out == {"asker": 3, "answerer": 2}
     assert runtime_for(slime_args(router, str(tiny_model_dir), _mrlx())).fan_out == {"asker": 1, "answerer": 1}
+
+
+def test_a_system_that_declares_no_turns_is_refused_under_per_turn_credit(tiny_model_dir, tmp_path, monkeypatch):
+    module = _module(tmp_path, monkeypatch, "turnless_system",
+                     "async def talk(episode):\n    pass\n\n"
+                     "talk.fan_out = lambda settings: {'asker': 1, 'answerer': 1}\n\n"
+                     "@hookimpl\ndef mrlx_register_systems():\n    return {'talk': talk}\n")
+    mrlx = {**_mrlx(credit="turn"), "system": "talk", "plugins": [module]}
+    mrlx.pop("dialogue")
+    with pytest.raises(ConfigError, match="system 'talk' declares no turns"):
+        runtime_for(slime_args("http://127.0.0.1:9", str(tiny_model_dir), mrlx))

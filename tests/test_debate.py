@@ -12,6 +12,7 @@ from _host import group, params, slime_args
 
 from mrlx_plugin.core.config import parse_settings
 from mrlx_plugin.core.host import Status
+from mrlx_plugin.core.metrics import compute_metrics
 from mrlx_plugin.core.tokenizer import load_tokenizer
 from mrlx_plugin.local.processes import start_stub_engine
 from mrlx_plugin.rollout import generate
@@ -88,6 +89,9 @@ def test_the_verdict_sets_win_and_lose_rewards(verdict, rewards, stub, tiny_mode
             assert episode["invalid_verdict"] is False and episode["verdict"].startswith("Winner:")
             assert s.metadata["mrlx"]["team_reward"] == (1.0 if rewards["pro"] > 0 else 0.0)  # side A's win
             assert s.metadata["mrlx"]["turns"] == 2 * 2 + 1
+    metrics = compute_metrics([s for samples in outs for s in samples])
+    side = "A" if rewards["pro"] > 0 else "B"
+    assert metrics[f"debate/win_rate/{side}"] == 1.0 and metrics["debate/invalid_verdict_rate"] == 0.0, metrics
     # the judge's one turn per episode went to the judge's own URL; the speeches to the debaters'
     assert stats(judge.url)["generate"] == 2
     assert stats(debaters.url)["generate"] == 2 * 2 * 2
@@ -102,6 +106,8 @@ def test_an_invalid_verdict_leaves_both_debaters_at_zero_and_is_counted(stub, ti
     episode = samples[0].metadata["mrlx"]["episode"]
     assert episode["invalid_verdict"] is True and episode["winner"] is None and episode["verdict"] is not None
     assert samples[0].metadata["mrlx"]["team_reward"] == 0.0
+    metrics = compute_metrics(samples)
+    assert metrics["debate/invalid_verdict_rate"] == 1.0 and metrics["debate/win_rate/A"] == 0.0, metrics
 
 
 def test_each_side_reads_the_other_as_plain_text_and_the_judge_reads_both(stub, tiny_model_dir):
@@ -148,6 +154,7 @@ def test_fan_out_and_turns_are_declared():
 
 
 @pytest.mark.parametrize("text, side", [("Winner: A", "A"), ("**Winner:** b", "B"), ("winner: B\nWinner: A", "A"),
-                                        ("Winner: C", None), ("no verdict", None), ("Winner: Alice", None)])
+                                        ("Winner: C", None), ("no verdict", None), ("Winner: Alice", None),
+                                        ("Winner: Debater B", "B"), ("Winner: debater a.", "A")])
 def test_parse_verdict(text, side):
     assert parse_verdict(text) == side

@@ -235,7 +235,10 @@ def test_the_pool_draws_an_opponent_per_episode_deterministically(stubs, tiny_mo
     again, _ = episodes(me.url, tiny_model_dir, mrlx, prompts, per_prompt=3)
     drawn = [facts(out[0])["opponent"] for out in outs]
     assert drawn == [facts(out[0])["opponent"] for out in again]  # the same draws on a rerun
-    assert drawn == [pool_draw(out[0].metadata["mrlx"]["episode_id"], opponents, 1) for out in outs]
+    # one draw per prompt group: its episodes compare like with like
+    assert drawn == [pool_draw(f"{mrlx['run_id']}:group{out[0].group_index}", opponents, 1) for out in outs]
+    for group in {out[0].group_index for out in outs}:
+        assert len({d for d, out in zip(drawn, outs) if out[0].group_index == group}) == 1
     assert set(drawn) == set(opponents), drawn  # 18 episodes meet every opponent
     assert all(len(out) == 1 and out[0].metadata["mrlx"]["agent"] == "p" for out in outs)
     assert calls(past) == 2 * 2 * drawn.count("past")  # two moves per game against it, two runs
@@ -264,6 +267,8 @@ def test_tree_sampling_goes_on_from_the_right_step_of_a_chain(stubs, tiny_model_
     assert taken[0].response.startswith("\\boxed{3}") and taken[1].response.startswith("\\boxed{7}")
     # turn 1: its own 1 and the outcome 1; turn 0: its own 1 and 0.9 of that
     assert taken[1].reward == pytest.approx(2.0) and taken[0].reward == pytest.approx(1.0 + 0.9 * 2.0)
+    # the wrong candidates ended the chain (a wrong step: own 0, outcome 0) and have no future
+    assert [s.reward for s in real if s.metadata["mrlx"]["candidate"]] == [0.0] * 6
     groups = {s.metadata["mrlx"]["credit_group"] for s in real}
     assert len(groups) == 2  # the 4 candidates of each turn are one group
     metrics = compute_metrics(out)
@@ -293,6 +298,18 @@ def test_evaluation_reports_the_first_seats_outcome(stubs, tiny_model_dir):
     # 5: p takes 1, optimal takes 0 mod 4 -> random; 3: p takes 1, optimal takes 2 and wins
     assert outs[1][0].reward == -1.0 and facts(outs[1][0])["opponent"] == "script:optimal"
     assert all(len(out) == 1 and out[0].reward in (1.0, -1.0) for out in outs)
+
+
+def test_the_trained_agent_is_the_reported_seat_even_when_a_frozen_model_moves_first(stubs, tiny_model_dir):
+    me, frozen = stubs("\\boxed{1}"), stubs("\\boxed{2}")
+    mrlx = game_mrlx({"p": {"url": "self"}, "opp": {"url": frozen.url, "trainable": False}},
+                     {"name": "nim", "seats": ["opp", "p"]})
+    # 5 stones: opp takes 2 (3 left), p 1 (2), opp takes 2 and wins
+    outs, _ = episodes(me.url, tiny_model_dir, mrlx, ["Nim: 5 stones"], evaluation=True)
+    ((out,),) = outs
+    assert out.metadata["mrlx"]["agent"] == "p" and out.reward == -1.0
+    assert facts(out)["first_seat"] == "second" and facts(out)["opponent"] == "opp"
+    assert compute_metrics([out])["game/win_rate/vs/opp"] == 0.0
 
 
 def test_a_config_that_does_not_fit_the_game_is_refused_at_start_up(tiny_model_dir):

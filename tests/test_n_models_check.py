@@ -142,3 +142,18 @@ def test_a_job_with_the_wrong_coordinator_token_is_named(run, tmp_path):
     assert r.returncode == 1
     assert f"{jobs[2][0]}: the coordinator refused the token" in r.stdout
     assert "mrlx check: 1 problem(s)" in r.stdout
+
+
+def test_jobs_that_count_an_episodes_samples_differently_are_refused(run, tmp_path):
+    jobs = three_jobs(run, tmp_path)
+    c = tmp_path / "c.yaml"
+    data = yaml.safe_load(c.read_text())
+    data["mrlx"]["rewards"] = {"credit": "turn"}  # c alone counts one sample per turn
+    c.write_text(yaml.safe_dump(data))
+    r = check(run, jobs)
+    assert r.returncode == 1, r.stdout
+    a = tmp_path / "a.yaml"
+    # dialogue of four agents, max_turns 8: two turns each under per-turn credit
+    for agent in ("a", "b", "c"):
+        assert (f"{c}: an episode gives agent '{agent}' 2 sample(s) here but 1 in {a}; use the same "
+                "mrlx.rewards (credit, branch) and system settings in every job") in r.stdout

@@ -42,6 +42,7 @@ from mrlx_plugin.core.config import (
 from mrlx_plugin.core.engine_client import EngineClient, EngineError
 from mrlx_plugin.core.retry import Backoff, Deadline, wait_until
 from mrlx_plugin.plugins import collect_systems, make_plugin_manager
+from mrlx_plugin.runtime import samples_per_agent
 
 
 @dataclass
@@ -180,6 +181,7 @@ def cross_check(configs: list[tuple[str, Settings]], report: Report, routers: di
         elif trainable == {True} and not jobs:
             report.fail(f"agent {name!r} is trainable but none of the {len(configs)} configs trains it (mrlx.self: "
                         f"{name}); add its job's config, or set mrlx.agents.{name}.trainable: false in every config")
+    _same_samples_per_episode(configs, report)
     if roles:
         initiators = [p for (p, _), role in zip(configs, roles) if role == "initiator"]
         if len(initiators) != 1:
@@ -188,6 +190,28 @@ def cross_check(configs: list[tuple[str, Settings]], report: Report, routers: di
                         "initiator (mrlx_plugin.rollout.initiator_rollout), every other a responder")
     if not report.problems:
         report.ok(f"{len(configs)} configs agree: run {s0.run_id!r}, agents {sorted(s0.agents)}")
+
+
+def _same_samples_per_episode(configs: list[tuple[str, Settings]], report: Report) -> None:
+    """Every job counts the same samples per episode for every agent: the initiator sends that
+    many of each episode to a responder, which expects its own count (`rewards.credit`,
+    `rewards.branch` and the system's settings, such as a game's seats or a dialogue's turns,
+    decide it)."""
+    counts: dict[str, dict[str, int] | None] = {}
+    for path, s in configs:
+        try:
+            systems = collect_systems(make_plugin_manager(s.plugins, source=f"{path}: mrlx.plugins"))
+            counts[path] = samples_per_agent(systems[s.system], s, path)
+        except (ConfigError, KeyError) as exc:
+            report.fail(f"{path}: cannot count the samples of an episode: {exc}")
+            return
+    (p0, c0), rest = next(iter(counts.items())), list(counts.items())[1:]
+    for path, c in rest:
+        for agent in sorted(set(c0 or {}) | set(c or {})):
+            mine, theirs = (c or {}).get(agent), (c0 or {}).get(agent)
+            if mine != theirs:
+                report.fail(f"{path}: an episode gives agent {agent!r} {mine} sample(s) here but {theirs} in {p0}; "
+                            "use the same mrlx.rewards (credit, branch) and system settings in every job")
 
 
 def _same_agent(name: str, configs: list[tuple[str, Settings]], routers: dict[str, str], report: Report) -> None:

@@ -286,8 +286,8 @@ class GameSettings(_Section):
     name: Text = Field("nim", description="the game, by the name it is registered under")
     seats: list[Text] | None = Field(
         None, description="who plays each seat, in the game's seat order: an agent, `script:NAME` (a scripted "
-                          "player the game provides, e.g. `script:random`), or `pool` (one of `opponents`, drawn "
-                          "per episode); none = the agents in the order listed")
+                          "player the game provides, e.g. `script:random`), or `pool` (one of `opponents`, one "
+                          "drawn per prompt group); none = the agents in the order listed")
     opponents: list[Text] = Field(
         default_factory=list, description="the opponent pool of a `pool` seat: agents (frozen models, past "
                                           "checkpoints behind their own URL) or `script:NAME` players")

@@ -176,7 +176,6 @@ class Episode:
         transcript.append_generated(candidates[taken])
         transcript.turn_rewards[-1] = scores[taken]
         transcript.branches[index] = [(c, s) for i, (c, s) in enumerate(zip(candidates, scores)) if i != taken]
-        transcript.branch_scores[index] = scores[taken]
         self.turns += 1
         self.metadata["branch_candidates"] = self.metadata.get("branch_candidates", 0) + k - 1
         return candidates[taken]
@@ -233,6 +232,11 @@ class Episode:
             key = f"{e.sampling_seed}:{self.id}:{transcript.label}:{len(transcript.turns)}"
             if candidate:  # the candidates of one turn must differ; the first keeps the plain seed
                 key += f":{candidate}"
+            params["sampling_seed"] = zlib.crc32(key.encode()) & 0x7FFFFFFF
+        elif candidate and "sampling_seed" in params:
+            # The host's own seed (slime's deterministic inference sends one per sample): the
+            # other candidates get seeds derived from it, or all K would be the same answer.
+            key = f"{params['sampling_seed']}:{self.id}:{transcript.label}:{len(transcript.turns)}:{candidate}"
             params["sampling_seed"] = zlib.crc32(key.encode()) & 0x7FFFFFFF
         deadline = time.monotonic() + (e.peer_deadline_s if agent.retry_on_abort else e.request_timeout_s * (e.max_retries + 1))
         retried = False
@@ -384,16 +388,15 @@ class Episode:
 
     def turn_samples(self, t: Transcript) -> list[Any]:
         """One sample per model turn of `t`, reward = its return (`turn_returns`); with tree
-        sampling, after each turn the candidates sampled beside it, each rewarded with the taken
-        turn's return plus the difference of their scores (a score may see more than the turn's
-        own reward, e.g. the outcome of a move that ends a game, without counting it twice)."""
+        sampling, after each turn the candidates sampled beside it and not taken. A candidate
+        the episode did not go on from has no future: its reward is its score (which may settle
+        more than its own reward, e.g. the outcome of a move that ends a game)."""
         returns = self.turn_returns(t)
         out = []
         for i, turn in enumerate(t.turns):
             out.append(t.turn_sample(self.sample, self.rollout_id, i, turn, returns[i], meta=self.sample_meta(t, i)))
             for candidate, score in t.branches.get(i, []):
-                value = returns[i] + score - t.branch_scores[i]
-                out.append(t.turn_sample(self.sample, self.rollout_id, i, candidate, value,
+                out.append(t.turn_sample(self.sample, self.rollout_id, i, candidate, score,
                                          meta=self.sample_meta(t, i, candidate=True)))
         return out
 

@@ -23,6 +23,8 @@ token counts, aborted/retried turns, ...), so the metrics are computed from the 
 | `game/win_rate/<seat>` | finished game episodes the seat won (highest outcome, alone; a one-seat game: outcome above 0) |
 | `game/win_rate/vs/<opponent>` | the first agent seat's win rate per opponent it met (an agent or `script:NAME`, as seated or drawn from the pool) |
 | `game/draw_rate` | finished game episodes no seat won (only when there were some) |
+| `debate/invalid_verdict_rate` | finished debate episodes whose judge named no winner (`system: debate`) |
+| `debate/win_rate/<side>` | finished debate episodes the side (`A`: the first debater, `B`) won |
 | `credit/branch_candidates` | engine calls per episode on tree-sampling candidates the episode did not go on from |
 | `credit/turn_samples` | samples that are one model turn (`rewards.credit: turn`), aborted ones left out |
 """
@@ -94,11 +96,24 @@ def compute_metrics(samples: list[Any]) -> dict[str, float]:
             invalid = sum(bool(e["episode"].get("invalid_selection")) for e in selecting)
             out["multi_agent/invalid_selection_rate"] = invalid / len(selecting)
         out.update(_game_metrics(eps))
+        out.update(_debate_metrics(finished))
         if any("branch_candidates" in (e.get("episode") or {}) for e in eps):  # tree sampling was on
             branched = sum(float((e.get("episode") or {}).get("branch_candidates", 0)) for e in eps)
             out["credit/branch_candidates"] = branched / n
     if turn_samples:
         out["credit/turn_samples"] = float(turn_samples)
+    return out
+
+
+def _debate_metrics(finished: list[dict[str, Any]]) -> dict[str, float]:
+    """The `debate/` metrics of the finished debate episodes (their facts: `systems.debate`)."""
+    debates = [e["episode"] for e in finished if "invalid_verdict" in (e.get("episode") or {})]
+    if not debates:
+        return {}
+    n = len(debates)
+    out = {"debate/invalid_verdict_rate": sum(bool(d["invalid_verdict"]) for d in debates) / n}
+    for side in ("A", "B"):
+        out[f"debate/win_rate/{side}"] = sum(d.get("winner_side") == side for d in debates) / n
     return out
 
 

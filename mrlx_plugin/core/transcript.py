@@ -79,7 +79,6 @@ class Transcript:
     # Tree sampling: turn index -> the candidates sampled beside that turn and not taken, with
     # their scores.
     branches: dict[int, list[tuple[Turn, float]]] = field(default_factory=dict)
-    branch_scores: dict[int, float] = field(default_factory=dict)  # the taken turn's score
     prompt_messages: list[dict[str, str]] = field(default_factory=list)
     # The text the tokens spell, for rendering continuations. Generated ids are decoded only
     # when a continuation needs them (single-turn agents never pay for it).

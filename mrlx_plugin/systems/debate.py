@@ -39,7 +39,7 @@ from mrlx_plugin.core.transcript import Transcript
 from mrlx_plugin.systems.pipeline import fit_solutions
 
 SIDES = ("A", "B")
-_VERDICT = re.compile(r"winner\s*:\s*\**\s*\[?\s*([a-z]+)", re.IGNORECASE)
+_VERDICT = re.compile(r"winner\s*:\s*\**\s*\[?\s*(?:debater\s+)?([a-z]+)", re.IGNORECASE)
 
 
 def debater_prompt(problem: str, side: str, rounds: int) -> str:
@@ -117,7 +117,11 @@ def make_debate(prompts: DebatePrompts = DebatePrompts()):
                 episode.metadata["stopped_by"] = f"context full ({debaters[side]})"
                 break
             unread[side] = []
+            before = len(t.turns)
             await episode.generate(t)
+            if len(t.turns) == before:  # no room was left for a speech
+                episode.metadata["stopped_by"] = f"context full ({debaters[side]})"
+                break
             speeches.append((side, t.answer_text))
             unread[other].append({"role": "user", "content": prompts.opponent(side, t.answer_text)})
             if t.full:

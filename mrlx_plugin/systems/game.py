@@ -8,8 +8,8 @@ the outcome and the fixed number of samples per episode. The game owns the rules
 
 One episode per input sample (`mrlx.game`):
 1. Each seat gets its player from `seats`: an agent, `script:NAME` (a scripted player the game
-   provides, moving without an engine call) or `pool` (one of `opponents`, drawn per episode
-   from the episode id). `game.start` builds the state from the input's prompt text.
+   provides, moving without an engine call) or `pool` (one of `opponents`, drawn per prompt
+   group: `pool_key`). `game.start` builds the state from the input's prompt text.
 2. While a seat is to move (and fewer than `max_turns` moves were made): an agent's seat reads
    what happened since its last turn (`describe_move` of the other seats' moves) and what it
    sees now (`observation`), as one plain-text user message in its own transcript (role = the
@@ -26,12 +26,12 @@ against a frozen model (`seats: [p, opp]`, `opp` with `trainable: false` behind 
 and against an opponent pool (`seats: [p, pool]`, `opponents: [agents and script:NAME]`).
 
 `episode.metadata` (read by the `game/` metrics): `game`, `seats` (their names), `players` (who
-played each seat), `first_seat` (the first seat an agent played), `opponent` (who played the
+played each seat), `first_seat` (the seat whose result the episode reports: `first_agent_seat`), `opponent` (who played the
 other seat(s) against it), `winner` (a seat name, or None for a draw), `outcome` (per seat),
 `moves`, `illegal_move` (the seat, when one was), `stopped_by` (`max_turns` or
 `context full (SEAT)`, when the game was cut short: a draw, every seat 0).
 
-Evaluation (`mrlx rollout --evaluation`): the final transcript is the first agent seat's, and
+Evaluation (`mrlx rollout --evaluation`): the final transcript is the first seat's, and
 `team_reward` its outcome, so an evaluation's mean reward is that seat's mean result.
 """
 
@@ -172,10 +172,31 @@ def seat_players(settings: Any) -> list[str]:
     return list(settings.game.seats or settings.agents)
 
 
-def pool_draw(episode_id: str, opponents: list[str], seat: int) -> str:
-    """The opponent a `pool` seat gets in an episode: drawn from the episode id alone, so a rerun
-    (or another process) draws the same."""
-    return opponents[zlib.crc32(f"{episode_id}:pool:{seat}".encode()) % len(opponents)]
+def pool_key(episode: Episode) -> str:
+    """What a pool draw is made from: the prompt group (its episodes all meet the same opponent,
+    so that their advantages compare like with like), or the episode's id when the host gave no
+    group."""
+    group = getattr(episode.sample, "group_index", None)
+    return f"{episode.settings.run_id}:group{group}" if group is not None else episode.id
+
+
+def pool_draw(key: str, opponents: list[str], seat: int) -> str:
+    """The opponent a `pool` seat gets: drawn from `pool_key` alone, so a rerun (or another
+    process) draws the same."""
+    return opponents[zlib.crc32(f"{key}:pool:{seat}".encode()) % len(opponents)]
+
+
+def first_agent_seat(players: list[str], settings: Any) -> int | None:
+    """The seat whose result the episode reports (evaluation, `game/win_rate/vs/`): the seat of
+    the agent this job trains (`mrlx.self`), else the first trainable agent's, else the first
+    agent's; None when scripts play every seat."""
+    seats = [i for i, who in enumerate(players) if not is_script(who)]
+    for wanted in (lambda a: a == settings.self_agent, lambda a: bool(settings.agents[a].trainable),
+                   lambda a: True):
+        for i in seats:
+            if wanted(players[i]):
+                return i
+    return None
 
 
 def is_script(player: str) -> bool:
@@ -239,10 +260,9 @@ async def run_game(episode: Episode) -> None:
     g = episode.settings.game
     game = the_game(episode.runtime)
     names = tuple(game.seats)
-    players = [pool_draw(episode.id, g.opponents, i) if who == POOL_SEAT else who
+    players = [pool_draw(pool_key(episode), g.opponents, i) if who == POOL_SEAT else who
                for i, who in enumerate(seat_players(episode.settings))]
-    agent_seats = [i for i, who in enumerate(players) if not is_script(who)]
-    first = agent_seats[0] if agent_seats else None
+    first = first_agent_seat(players, episode.settings)
     others = [who for i, who in enumerate(players) if i != first]
     episode.metadata.update(game=g.name, seats=list(names), players=players,
                             first_seat=None if first is None else names[first],

@@ -156,6 +156,7 @@ def make_pipeline(prompts: PipelinePrompts = PipelinePrompts()):
         episode.metadata["selected"] = choice
 
     run.fan_out = pipeline_fan_out  # type: ignore[attr-defined]
+    run.turns = lambda settings: {"solver": 1, "rewriter": 1, "selector": 1}  # type: ignore[attr-defined]
     run.team_shaping = True  # type: ignore[attr-defined]  # every sample is weighted by the team outcome
     return run
 
