@@ -203,3 +203,24 @@ def test_a_system_that_declares_no_turns_is_refused_under_per_turn_credit(tiny_m
     mrlx.pop("dialogue")
     with pytest.raises(ConfigError, match="system 'talk' declares no turns"):
         runtime_for(slime_args("http://127.0.0.1:9", str(tiny_model_dir), mrlx))
+
+
+def test_candidates_differ_when_the_host_sends_its_own_seed(stub_engine, tiny_model_dir, tmp_path, monkeypatch):
+    """slime's deterministic inference puts one `sampling_seed` in the sampling parameters; the K
+    candidates of a turn must still get K seeds, or they would be one answer K times."""
+    mrlx = _mrlx(credit="turn", branch=3)
+    mrlx["engine"].pop("sampling_seed")
+    mrlx["plugins"] = [_module(tmp_path, monkeypatch, "turns_by_logprob_host_seed", TURN_LOGPROB_SCORE)]
+
+    async def run():
+        args = slime_args(stub_engine.url, str(tiny_model_dir), mrlx)
+        try:
+            return await generate(args, group(0, 1)[0], {**params(args), "sampling_seed": 1234})
+        finally:
+            await (await get_runtime(args)).aclose()
+
+    out = asyncio.run(run())
+    groups: dict[str, list] = {}
+    for s in out:
+        groups.setdefault(s.metadata["mrlx"]["credit_group"], []).append(round(sum(s.rollout_log_probs), 6))
+    assert len(groups) == 4 and all(len(set(scores)) == 3 for scores in groups.values()), groups
