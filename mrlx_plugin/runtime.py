@@ -236,36 +236,21 @@ def build_runtime(args: Any, tokenizers: bool = True) -> Runtime:
     return runtime
 
 
-def declared_fan_out(system: SystemFn, settings: Settings, source: str) -> dict[str, int] | None:
-    """The samples per episode and agent that `system` declares through its `fan_out(settings)`
-    attribute (see hookspecs.mrlx_register_systems), or None for a system that declares none."""
-    declare = getattr(system, "fan_out", None)
+def declared_counts(system: SystemFn, settings: Settings, source: str, what: str) -> dict[str, int] | None:
+    """What `system` declares through its attribute `what` (see hookspecs.mrlx_register_systems):
+    `fan_out(settings)`, transcripts per episode and agent (0 or more), or `turns(settings)`, the
+    most model turns one transcript of an agent takes (1 or more); None when it declares none."""
+    declare = getattr(system, what, None)
     if declare is None:
         return None
     counts = declare(settings)
+    least, meaning = (0, "transcripts per episode") if what == "fan_out" else (1, "the most turns one transcript takes")
     if not isinstance(counts, dict) or not all(
-        a in settings.agents and isinstance(n, int) and n >= 0 for a, n in counts.items()
+        a in settings.agents and isinstance(n, int) and n >= least for a, n in counts.items()
     ):
         raise ConfigError(
-            f"{source}: system {settings.system!r}: fan_out(settings) returned {counts!r}; expected a mapping of "
-            f"configured agents ({', '.join(settings.agents)}) to sample counts"
-        )
-    return counts
-
-
-def declared_turns(system: SystemFn, settings: Settings, source: str) -> dict[str, int]:
-    """The most model turns one transcript of each agent takes, as `system` declares through
-    its `turns(settings)` attribute (an agent it leaves out: 1)."""
-    declare = getattr(system, "turns", None)
-    if declare is None:
-        return {}
-    counts = declare(settings)
-    if not isinstance(counts, dict) or not all(
-        a in settings.agents and isinstance(n, int) and n >= 1 for a, n in counts.items()
-    ):
-        raise ConfigError(
-            f"{source}: system {settings.system!r}: turns(settings) returned {counts!r}; expected a mapping of "
-            f"configured agents ({', '.join(settings.agents)}) to the most turns one transcript takes (1 or more)"
+            f"{source}: system {settings.system!r}: {what}(settings) returned {counts!r}; expected a mapping of "
+            f"configured agents ({', '.join(settings.agents)}) to {meaning} ({least} or more)"
         )
     return counts
 
@@ -273,16 +258,16 @@ def declared_turns(system: SystemFn, settings: Settings, source: str) -> dict[st
 def samples_per_agent(system: SystemFn, settings: Settings, source: str) -> dict[str, int] | None:
     """Samples one episode returns per agent: the declared fan-out (transcripts), times, under
     `rewards.credit: turn`, the declared turns per transcript and `rewards.branch`."""
-    transcripts = declared_fan_out(system, settings, source)
+    transcripts = declared_counts(system, settings, source, "fan_out")
     if transcripts is None or settings.rewards.credit != "turn":
         return transcripts
-    if getattr(system, "turns", None) is None:
+    turns = declared_counts(system, settings, source, "turns")
+    if turns is None:
         raise ConfigError(
             f"{source}: mrlx.rewards.credit is `turn`, but system {settings.system!r} declares no turns(settings) (the "
             "most model turns one transcript takes), so the samples of an episode cannot be counted; set "
             "`run.turns = lambda settings: {agent: n}` on its run function, or use credit: episode"
         )
-    turns = declared_turns(system, settings, source)
     branch = settings.rewards.branch
     return {a: n * turns.get(a, 1) * branch for a, n in transcripts.items()}
 

@@ -12,6 +12,7 @@ import json
 import urllib.request
 
 import pytest
+from _hookmodule import write_hook_module
 from _host import group, params, slime_args
 
 from mrlx_plugin.core.config import ConfigError, parse_settings
@@ -32,14 +33,6 @@ def _mrlx(**rewards):
         "rewards": {"shaping": "independent", **rewards},
         "engine": {"max_retries": 1, "request_timeout_s": 5, "sampling_seed": 7},
     }
-
-
-def _module(tmp_path, monkeypatch, name: str, source: str) -> str:
-    repo = tmp_path / "user_repo"
-    repo.mkdir(exist_ok=True)
-    (repo / f"{name}.py").write_text("from mrlx_plugin import hookimpl\n\n" + source)
-    monkeypatch.syspath_prepend(str(repo))
-    return name
 
 
 def _run(stub, model_dir, mrlx, n=1, evaluation=False):
@@ -67,7 +60,7 @@ FIRST_TURN_QUARTER = (
 def test_each_turn_is_a_sample_with_its_context_and_a_discounted_return(stub_engine, tiny_model_dir, tmp_path,
                                                                         monkeypatch):
     mrlx = _mrlx(credit="turn", gamma=0.5)
-    mrlx["plugins"] = [_module(tmp_path, monkeypatch, "turns_first_quarter", FIRST_TURN_QUARTER)]
+    mrlx["plugins"] = [write_hook_module(tmp_path, monkeypatch, "turns_first_quarter", FIRST_TURN_QUARTER)]
     _, [out], per_episode = _run(stub_engine, tiny_model_dir, mrlx)
     assert per_episode == 4 and len(out) == 4  # two agents x two turns
     by = {(s.metadata["mrlx"]["agent"], s.metadata["mrlx"]["turn"]): s for s in out}
@@ -114,7 +107,7 @@ TURN_LOGPROB_SCORE = (
 def test_tree_sampling_trains_k_candidates_per_turn_as_one_group(stub_engine, tiny_model_dir, tmp_path,
                                                                  monkeypatch):
     mrlx = _mrlx(credit="turn", branch=3, gamma=1.0)
-    mrlx["plugins"] = [_module(tmp_path, monkeypatch, "turns_by_logprob", TURN_LOGPROB_SCORE)]
+    mrlx["plugins"] = [write_hook_module(tmp_path, monkeypatch, "turns_by_logprob", TURN_LOGPROB_SCORE)]
     before = _stub_requests(stub_engine)
     args, [out], per_episode = _run(stub_engine, tiny_model_dir, mrlx)
     assert _stub_requests(stub_engine) - before == 4 * 3  # four turns, three candidates each
@@ -177,7 +170,7 @@ def test_branching_without_per_turn_credit_is_refused():
 
 def test_a_turn_score_that_is_no_number_names_the_hook(stub_engine, tiny_model_dir, tmp_path, monkeypatch):
     mrlx = _mrlx(credit="turn")
-    mrlx["plugins"] = [_module(tmp_path, monkeypatch, "turns_nan",
+    mrlx["plugins"] = [write_hook_module(tmp_path, monkeypatch, "turns_nan",
                                "@hookimpl\ndef mrlx_turn_reward(episode, transcript, index, turn):\n"
                                "    return float('nan')\n")]
     with pytest.raises(ValueError, match="mrlx_turn_reward hook returned nan"):
@@ -195,7 +188,7 @@ def test_the_fan_out_counts_turns_and_candidates(tiny_model_dir):
 
 
 def test_a_system_that_declares_no_turns_is_refused_under_per_turn_credit(tiny_model_dir, tmp_path, monkeypatch):
-    module = _module(tmp_path, monkeypatch, "turnless_system",
+    module = write_hook_module(tmp_path, monkeypatch, "turnless_system",
                      "async def talk(episode):\n    pass\n\n"
                      "talk.fan_out = lambda settings: {'asker': 1, 'answerer': 1}\n\n"
                      "@hookimpl\ndef mrlx_register_systems():\n    return {'talk': talk}\n")
@@ -210,7 +203,7 @@ def test_candidates_differ_when_the_host_sends_its_own_seed(stub_engine, tiny_mo
     candidates of a turn must still get K seeds, or they would be one answer K times."""
     mrlx = _mrlx(credit="turn", branch=3)
     mrlx["engine"].pop("sampling_seed")
-    mrlx["plugins"] = [_module(tmp_path, monkeypatch, "turns_by_logprob_host_seed", TURN_LOGPROB_SCORE)]
+    mrlx["plugins"] = [write_hook_module(tmp_path, monkeypatch, "turns_by_logprob_host_seed", TURN_LOGPROB_SCORE)]
 
     async def run():
         args = slime_args(stub_engine.url, str(tiny_model_dir), mrlx)

@@ -12,6 +12,7 @@ import asyncio
 
 import pluggy
 import pytest
+from _hookmodule import write_hook_module
 from _host import group, params, slime_args
 
 from mrlx_plugin import hookspecs
@@ -30,14 +31,6 @@ def _mrlx(**overrides):
             "engine": {"max_retries": 1, "request_timeout_s": 5}}
     mrlx.update(overrides)
     return mrlx
-
-
-def _write_module(tmp_path, monkeypatch, name: str, source: str) -> str:
-    repo = tmp_path / "user_repo"
-    repo.mkdir(exist_ok=True)
-    (repo / f"{name}.py").write_text("import asyncio, math\nfrom mrlx_plugin import hookimpl\n\n" + source)
-    monkeypatch.syspath_prepend(str(repo))
-    return name
 
 
 def _episode(stub, tiny_model_dir, **mrlx):
@@ -72,7 +65,7 @@ GRADERS = {
 
 @pytest.mark.parametrize("kind", sorted(GRADERS))
 def test_an_awaited_none_defers_to_the_next_grader(kind, stub_engine, tiny_model_dir, tmp_path, monkeypatch):
-    module = _write_module(tmp_path, monkeypatch, f"grade_{kind}", GRADERS[kind])
+    module = write_hook_module(tmp_path, monkeypatch, f"grade_{kind}", GRADERS[kind])
     rewards = _rewards(_episode(stub_engine, tiny_model_dir, plugins=[module]))
     solver = 1.0 if kind == "async_defers" else 0.25
     assert rewards["solver-0"] == rewards["solver-1"] == solver
@@ -82,9 +75,9 @@ def test_an_awaited_none_defers_to_the_next_grader(kind, stub_engine, tiny_model
 def test_a_deferring_async_grader_hands_over_to_the_next_plugin(stub_engine, tiny_model_dir, tmp_path,
                                                                 monkeypatch):
     # pluggy asks the plugin registered last first: `late_defers`, then `early_half`, then the default
-    early = _write_module(tmp_path, monkeypatch, "early_half",
+    early = write_hook_module(tmp_path, monkeypatch, "early_half",
                           "@hookimpl\ndef mrlx_grade(agent):\n    return 0.5\n")
-    late = _write_module(tmp_path, monkeypatch, "late_defers",
+    late = write_hook_module(tmp_path, monkeypatch, "late_defers",
                          "@hookimpl\nasync def mrlx_grade(agent):\n    return None\n")
     rewards = _rewards(_episode(stub_engine, tiny_model_dir, plugins=[early, late]))
     assert set(rewards.values()) == {0.5}  # the selector earns the grade of the rewrite it picked
@@ -130,7 +123,7 @@ def test_plugins_are_asked_once_each_in_pluggys_call_order():
 
 
 def test_shaping_returns_rewards_by_transcript_position(stub_engine, tiny_model_dir, tmp_path, monkeypatch):
-    module = _write_module(tmp_path, monkeypatch, "shape_by_position", (
+    module = write_hook_module(tmp_path, monkeypatch, "shape_by_position", (
         "@hookimpl\ndef mrlx_shape_rewards(episode, team_shaping):\n"
         "    episode.metadata['team_shaping_seen'] = team_shaping\n"
         "    return {i: 10.0 + i for i, t in enumerate(episode.transcripts) if t.raw_reward is not None}\n"))
@@ -143,7 +136,7 @@ def test_shaping_returns_rewards_by_transcript_position(stub_engine, tiny_model_
 
 
 def test_a_deferring_shaper_leaves_the_default(stub_engine, tiny_model_dir, tmp_path, monkeypatch):
-    module = _write_module(tmp_path, monkeypatch, "shape_defers",
+    module = write_hook_module(tmp_path, monkeypatch, "shape_defers",
                            "@hookimpl\ndef mrlx_shape_rewards(episode, settings):\n    return None\n")
     out = _episode(stub_engine, tiny_model_dir, plugins=[module],
                    pipeline={"num_parallel": 2, "weighting": "offset"})
@@ -167,7 +160,7 @@ def test_a_wrong_shaping_answer_is_one_error_naming_the_plugin(case, stub_engine
                                                                monkeypatch):
     body, message = BAD_SHAPES[case]
     name = "bad_shape_" + case.replace(" ", "_")
-    module = _write_module(tmp_path, monkeypatch, name,
+    module = write_hook_module(tmp_path, monkeypatch, name,
                            f"@hookimpl\ndef mrlx_shape_rewards(episode):\n    return {body}\n")
     with pytest.raises(HookResultError) as info:
         _episode(stub_engine, tiny_model_dir, plugins=[module])
@@ -179,13 +172,13 @@ def test_a_wrong_shaping_answer_is_one_error_naming_the_plugin(case, stub_engine
 
 
 def test_a_system_registered_twice_names_both_plugins(tmp_path, monkeypatch):
-    quiet = _write_module(tmp_path, monkeypatch, "systems_none", "@hookimpl\ndef mrlx_register_systems():\n"
+    quiet = write_hook_module(tmp_path, monkeypatch, "systems_none", "@hookimpl\ndef mrlx_register_systems():\n"
                                                                   "    return None\n")
-    extra = _write_module(tmp_path, monkeypatch, "systems_extra", (
+    extra = write_hook_module(tmp_path, monkeypatch, "systems_extra", (
         "async def solo(episode):\n    pass\n\n"
         "@hookimpl\ndef mrlx_register_systems():\n    return {'solo': solo}\n"))
     assert set(collect_systems(make_plugin_manager([quiet, extra]))) == {"pipeline", "dialogue", "game", "debate", "solo"}
-    twice = _write_module(tmp_path, monkeypatch, "systems_twice", (
+    twice = write_hook_module(tmp_path, monkeypatch, "systems_twice", (
         "async def other(episode):\n    pass\n\n"
         "@hookimpl\ndef mrlx_register_systems():\n    return {'pipeline': other}\n"))
     with pytest.raises(ConfigError, match="'pipeline' is registered twice: by mrlx_plugin.defaults and by "
@@ -225,7 +218,7 @@ def test_peer_samples_need_an_open_step(tiny_model_dir):
 def test_a_hook_under_another_name_is_refused_at_start_up(tiny_model_dir, tmp_path, monkeypatch):
     # each plugin is asked alone through pm.subset_hook_caller, which leaves plugins out by the
     # hook's attribute name: a `specname` implementation could not be left out
-    module = _write_module(tmp_path, monkeypatch, "grade_by_specname",
+    module = write_hook_module(tmp_path, monkeypatch, "grade_by_specname",
                            "@hookimpl(specname='mrlx_grade')\ndef my_grade(agent):\n    return 0.5\n")
     args = slime_args("http://127.0.0.1:9", str(tiny_model_dir), _mrlx(plugins=[module]))
     with pytest.raises(ConfigError,

@@ -282,12 +282,10 @@ def test_top_p_training_path_is_refused_by_name(tmp_path, tiny_model_dir, stub_e
     _refused(run, stub_engine.url, "--rollout-top-p 0.9", "rollout_top_p_token_ids")
 
 
-@pytest.mark.slow
-def test_initiator_rollout_runs_slimes_default_rollout_and_hands_b_its_groups(tmp_path, tiny_model_dir, logs_dir,
-                                                                              start_coordinator):
-    """A multi-model job A in slime's synchronous loop: its rollout function wraps slime's default
-    rollout; A's step (one sample per dialogue episode) splits, and B's samples of the groups A
-    kept reach a real coordinator, one group per prompt group, whole."""
+def _initiator_step(tmp_path, tiny_model_dir, logs_dir, start_coordinator, run_id: str, **sections):
+    """Job A of a two-model dialogue run (a, b) through slime's loop for one step: its rollout
+    function is the initiator's, B's engine a stub of its own, the coordinator real. Returns
+    (the run, B's queue as the coordinator reports it, B's engine's generate calls)."""
     import json as _json
 
     from _coord_procs import TOKEN_ENV
@@ -295,12 +293,12 @@ def test_initiator_rollout_runs_slimes_default_rollout_and_hands_b_its_groups(tm
 
     from mrlx_plugin.local.processes import start_stub_engine
 
-    engine_a = start_stub_engine(log_dir=logs_dir, name="stub-slime-a")
-    engine_b = start_stub_engine(log_dir=logs_dir, name="stub-slime-b")
-    coord = start_coordinator(run_id="slime-mm", agents=("a", "b"))
+    engine_a = start_stub_engine(log_dir=logs_dir, name=f"stub-{run_id}-a")
+    engine_b = start_stub_engine(log_dir=logs_dir, name=f"stub-{run_id}-b")
+    coord = start_coordinator(run_id=run_id, agents=("a", "b"))
     try:
-        mrlx = two_job_config("a", run_id="slime-mm", urls={"b": engine_b.url}, coordinator=coord.url,
-                              coordinator_settings={"max_staleness": 1}, dialogue={"first": "a", "max_turns": 2})
+        mrlx = two_job_config("a", run_id=run_id, urls={"b": engine_b.url}, coordinator=coord.url,
+                              coordinator_settings={"max_staleness": 1}, **sections)
         os.environ[TOKEN_ENV] = coord.token
         try:
             run = run_slime(tmp_path, tiny_model_dir, engine_a.url, mrlx,
@@ -309,18 +307,28 @@ def test_initiator_rollout_runs_slimes_default_rollout_and_hands_b_its_groups(tm
                             "--micro-batch-size", "1", "--num-rollout", "1")
         finally:
             os.environ.pop(TOKEN_ENV, None)
-        assert not run.errors and run.proc.returncode == 0, run.explain()
-        (step,) = run.steps
-        assert step["num_samples"] == 4 and step["rank_sizes"] == [2, 2], step
-        status, _, body = coord.http("GET", "/v1/runs/slime-mm/queues/b")
+        status, _, body = coord.http("GET", f"/v1/runs/{run_id}/queues/b")
         assert status == 200, body
-        queue = _json.loads(body)
-        assert queue["queued_items"] == 4 and queue["ready_groups"] == 2, queue  # two prompt groups of two episodes
-        assert _stats(engine_b.url)["generate"] == 4  # B spoke once in each of the 4 episodes
+        return run, _json.loads(body), _stats(engine_b.url)["generate"]
     finally:
         coord.stop()
         engine_a.stop()
         engine_b.stop()
+
+
+@pytest.mark.slow
+def test_initiator_rollout_runs_slimes_default_rollout_and_hands_b_its_groups(tmp_path, tiny_model_dir, logs_dir,
+                                                                              start_coordinator):
+    """A multi-model job A in slime's synchronous loop: its rollout function wraps slime's default
+    rollout; A's step (one sample per dialogue episode) splits, and B's samples of the groups A
+    kept reach a real coordinator, one group per prompt group, whole."""
+    run, queue, b_calls = _initiator_step(tmp_path, tiny_model_dir, logs_dir, start_coordinator, "slime-mm",
+                                          dialogue={"first": "a", "max_turns": 2})
+    assert not run.errors and run.proc.returncode == 0, run.explain()
+    (step,) = run.steps
+    assert step["num_samples"] == 4 and step["rank_sizes"] == [2, 2], step
+    assert queue["queued_items"] == 4 and queue["ready_groups"] == 2, queue  # two prompt groups of two episodes
+    assert b_calls == 4  # B spoke once in each of the 4 episodes
 
 
 @pytest.mark.slow
@@ -352,37 +360,11 @@ def test_per_turn_samples_of_a_peer_agent_reach_its_queue_whole(tmp_path, tiny_m
     """Per-turn credit in a multi-model run: job A's step holds A's two turns of each episode, and
     B's two turns per episode go to B's queue, each prompt group whole (the responder expects the
     same fan-out x turns)."""
-    import json as _json
-
-    from _coord_procs import TOKEN_ENV
-    from _twojobs import two_job_config
-
-    from mrlx_plugin.local.processes import start_stub_engine
-
-    engine_a = start_stub_engine(log_dir=logs_dir, name="stub-slime-credit-a")
-    engine_b = start_stub_engine(log_dir=logs_dir, name="stub-slime-credit-b")
-    coord = start_coordinator(run_id="slime-credit-mm", agents=("a", "b"))
-    try:
-        mrlx = two_job_config("a", run_id="slime-credit-mm", urls={"b": engine_b.url}, coordinator=coord.url,
-                              coordinator_settings={"max_staleness": 1}, dialogue={"first": "a", "max_turns": 4},
-                              rewards={"credit": "turn", "gamma": 0.5})
-        os.environ[TOKEN_ENV] = coord.token
-        try:
-            run = run_slime(tmp_path, tiny_model_dir, engine_a.url, mrlx,
-                            "--rollout-function-path", "mrlx_plugin.rollout.initiator_rollout",
-                            "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--global-batch-size", "4",
-                            "--micro-batch-size", "1", "--num-rollout", "1")
-        finally:
-            os.environ.pop(TOKEN_ENV, None)
-        assert not run.errors and run.proc.returncode == 0, run.explain()
-        (step,) = run.steps
-        assert step["num_samples"] == 8 and step["rank_sizes"] == [4, 4], step
-        status, _, body = coord.http("GET", "/v1/runs/slime-credit-mm/queues/b")
-        assert status == 200, body
-        queue = _json.loads(body)
-        assert queue["queued_items"] == 8 and queue["ready_groups"] == 2, queue  # 2 turns x 4 episodes
-        assert _stats(engine_b.url)["generate"] == 8
-    finally:
-        coord.stop()
-        engine_a.stop()
-        engine_b.stop()
+    run, queue, b_calls = _initiator_step(tmp_path, tiny_model_dir, logs_dir, start_coordinator, "slime-credit-mm",
+                                          dialogue={"first": "a", "max_turns": 4},
+                                          rewards={"credit": "turn", "gamma": 0.5})
+    assert not run.errors and run.proc.returncode == 0, run.explain()
+    (step,) = run.steps
+    assert step["num_samples"] == 8 and step["rank_sizes"] == [4, 4], step
+    assert queue["queued_items"] == 8 and queue["ready_groups"] == 2, queue  # 2 turns x 4 episodes
+    assert b_calls == 8
