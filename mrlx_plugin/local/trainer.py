@@ -11,6 +11,7 @@ plugin's functions the way slime calls them:
         ppo_step(samples, advantages)                             # the trainer's own work
         save a checkpoint; push it to the engine                  # /update_weights_from_disk
         (the next rollout reports the new version to the coordinator)
+        every --eval-interval steps: rollout_fn(..., evaluation=True) on held-out prompts
 
 The loss is slime's shape: PPO-clip per token with separate low/high clip ranges, the ratio
 taken against the rollout log-probs (`--use-rollout-logprobs`), log-probs computed at the
@@ -65,6 +66,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save-samples", action="store_true", help="write every trained sample to samples.jsonl")
+    p.add_argument("--eval-interval", type=int, default=None,
+                   help="evaluate before the first step, after every N steps and after the last (slime's flag); "
+                        "needs --eval-prompt-data")
+    p.add_argument("--eval-prompt-data", default=None, help="JSONL of held-out prompts for evaluation episodes")
+    p.add_argument("--n-samples-per-eval-prompt", type=int, default=1, help="evaluation episodes per held-out prompt")
+    p.add_argument("--eval-config", action="append", default=[], metavar="[NAME=]FILE",
+                   help="YAML of the evaluation episodes (default: --config, as set `eval`); repeat for several "
+                        "sets, e.g. one per seat order of a game")
     add_host_arguments(p)
     return p
 
@@ -296,6 +305,61 @@ async def _push_weights(engines: list[str], path: Path, version: int, deadline_s
 
 
 # ----------------------------------------------------------------------------------------------
+# Evaluation (slime's --eval-interval): whole episodes on held-out prompts, nothing trained
+# ----------------------------------------------------------------------------------------------
+
+
+def evaluation_sets(ns: argparse.Namespace, args: Any) -> list[tuple[str, Any, Any]]:
+    """(name, args, data source) per evaluation set: the held-out prompts of --eval-prompt-data
+    under each --eval-config (default: the job's own config and args, as set `eval`)."""
+    from mrlx_plugin.core.config import ConfigError
+    from mrlx_plugin.local.fake_host import LocalDataSource, host_args, read_prompts
+
+    if ns.eval_interval is None:
+        return []
+    if not ns.eval_prompt_data:
+        raise ConfigError("--eval-interval: give the held-out prompts with --eval-prompt-data")
+    if ns.eval_interval < 1:
+        raise ConfigError(f"--eval-interval: got {ns.eval_interval}; expected at least 1")
+    prompts = read_prompts(ns.eval_prompt_data, ns.input_key, ns.label_key)
+    sets = []
+    for spec in ns.eval_config or [None]:
+        if spec is None:
+            name, eval_args = "eval", args
+        else:
+            name, _, path = spec.rpartition("=")
+            name = name or Path(path).stem
+            eval_args = host_args(ns, path)
+            eval_args.custom_generate_function_path = args.custom_generate_function_path
+            eval_args.rollout_function_path = args.rollout_function_path
+        eval_args.n_samples_per_eval_prompt = ns.n_samples_per_eval_prompt
+        sets.append((name, eval_args, LocalDataSource(prompts[:1], 1, eval_prompts=prompts)))
+    return sets
+
+
+def evaluate(sets: list[tuple[str, Any, Any]], rollout_fn: Any, rollout_id: int) -> dict[str, Any]:
+    """Run every evaluation set through the rollout function in evaluation mode, as slime's
+    `eval` does; `eval/<set>/reward_mean` is the mean reward of its episodes' final answers,
+    `eval/<set>/<metric>` the rollout metrics of its samples."""
+    from mrlx_plugin.core.metrics import compute_metrics
+
+    out: dict[str, Any] = {}
+    for name, eval_args, source in sets:
+        t0 = time.monotonic()
+        output = rollout_fn(eval_args, rollout_id, source, evaluation=True)
+        rewards: list[float] = []
+        samples: list[Any] = []
+        for entry in (output.data or {}).values():
+            rewards += [float(r) for r in entry.get("rewards") or []]
+            samples += list(entry.get("samples") or [])
+        out[f"eval/{name}/reward_mean"] = sum(rewards) / len(rewards) if rewards else None
+        out[f"eval/{name}/episodes"] = len(rewards)
+        out |= {f"eval/{name}/{k}": v for k, v in compute_metrics(samples).items()}
+        out[f"eval/{name}/seconds"] = time.monotonic() - t0
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
 # The loop
 # ----------------------------------------------------------------------------------------------
 
@@ -321,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     from mrlx_plugin.core.metrics import log_rollout
     from mrlx_plugin.rewards.shaping import normalize
     from mrlx_plugin.rollout import ack_trained_groups
-    from mrlx_plugin.runtime import runtime_for
+    from mrlx_plugin.runtime import cached_runtime, runtime_for
     from mrlx_plugin.local.fake_host import LocalDataSource
     from mrlx_plugin.local.model import load_model, load_tokenizer
     from mrlx_plugin.local.tasks import task_prompts
@@ -386,7 +450,12 @@ def main(argv: list[str] | None = None) -> int:
     # The KL reference is the policy RL starts from: the initial model after any warm-start.
     start_model = out / "warm_start" if (out / "warm_start" / "config.json").exists() else Path(ns.model)
     ref = load_model(start_model) if cfg.kl_coef else None
+    eval_sets: list[tuple[str, Any, Any]] = []
     try:
+        eval_sets = evaluation_sets(ns, args)
+        if eval_sets and start == 0:  # the starting policy, before any RL step (weight version 0)
+            _append(out / "metrics.jsonl", {"step": -1, "eval/before_training": True,
+                                            **evaluate(eval_sets, rollout_fn, 0)})
         for rollout_id in range(start, ns.num_rollout):
             t0 = time.monotonic()
             output = rollout_fn(args, rollout_id, data_source, evaluation=False)
@@ -414,6 +483,8 @@ def main(argv: list[str] | None = None) -> int:
                    "engine/weight_versions": [engine_version(url) for url in ns.engine_url], **metrics, **train}
             if resumed_from and rollout_id == start:
                 row["resumed_from"] = resumed_from
+            if eval_sets and ((rollout_id + 1) % ns.eval_interval == 0 or rollout_id + 1 == ns.num_rollout):
+                row |= evaluate(eval_sets, rollout_fn, rollout_id + 1)  # the weights this step made
             _append(out / "metrics.jsonl", row)
             log.info("step %d: %d samples, reward %.3f, rollout %.1fs, train %.1fs", rollout_id, len(samples),
                      row["raw_reward_mean"], rollout_s, row["train_s"])
@@ -422,6 +493,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     finally:  # also on errors: close the rollout loop's connections (no "unclosed session" noise)
         run_in_host_loop(runtime_for(args).aclose())
+        for _, eval_args, _ in eval_sets:
+            if eval_args is not args and cached_runtime(eval_args) is not None:
+                run_in_host_loop(cached_runtime(eval_args).aclose())
     return 0
 
 
