@@ -467,7 +467,16 @@ def chain_part(ns: argparse.Namespace, root: Path, base_model: Path) -> dict[str
             "held_out_episodes": len(held) * eval_samples,
         }
         arms[arm] = summary
+    # The budget above is the same bound per step; the calls actually spent differ (an episode
+    # stops at its first wrong step, and best-of-K candidates go on more often). So the arms are
+    # also compared at the same engine calls: the smallest total any arm spent.
+    budget = min((a["engine_calls"] for a in arms.values()), default=0.0)
+    for arm in arms.values():
+        within = [p for p in arm["eval"] if p["engine_calls"] <= budget]
+        arm["at_equal_calls"] = {"engine_calls": budget, "after_steps": within[-1]["after_steps"] if within else None,
+                                 "success": within[-1]["value"] if within else None}
     return {
+        "equal_calls": budget,
         "task": (f"chains of {ns.chain_length} steps (game `chain`; start 0-{ns.chain_max_start}, steps "
                  f"{'/'.join(ns.chain_ops)} 1 to {ns.chain_max_step}); success = every step right"),
         "threshold": ns.threshold,
@@ -572,6 +581,9 @@ def print_tables(report: dict[str, Any]) -> None:
             ("engine calls to reach it", [f"{a['engine_calls_to_threshold']:,.0f}" if a["engine_calls_to_threshold"]
                                           is not None else "-" for a in arms.values()]),
             ("final held-out success", [_fmt(a["after"]) for a in arms.values()]),
+            (f"held-out success at {chain['equal_calls']:,.0f} engine calls",
+             [f"{_fmt(a['at_equal_calls']['success'])} (step {a['at_equal_calls']['after_steps']})"
+              for a in arms.values()]),
             ("wall time (s)", [f"{a['wall_time_s']:.0f}" for a in arms.values()]),
         ]
         _table(list(arms), rows)
@@ -606,6 +618,8 @@ def _table(names: list[str], rows: list[tuple[str, list[str]]]) -> None:
 
 
 def plot(report: dict[str, Any], path: Path) -> Path | None:
+    """Success (chain) and win rate (nim) at each evaluation, per arm: the chain against training
+    steps and against engine calls spent, nim against training steps."""
     try:
         import matplotlib
     except ImportError:
@@ -613,23 +627,24 @@ def plot(report: dict[str, Any], path: Path) -> Path | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    parts = [p for p in ("chain", "nim") if report.get(p)]
-    fig, axes = plt.subplots(1, len(parts), figsize=(6.5 * len(parts), 4), dpi=120, squeeze=False)
-    for ax, part in zip(axes[0], parts):
+    panels = [(p, x) for p, xs in (("chain", ("after_steps", "engine_calls")), ("nim", ("after_steps",)))
+              if report.get(p) for x in xs]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), dpi=120, squeeze=False)
+    for ax, (part, x) in zip(axes[0], panels):
         for name, arm in report[part]["arms"].items():
             points = [p for p in arm["eval"] if p["value"] is not None]
-            ax.plot([p["after_steps"] for p in points], [p["value"] for p in points], marker="o", ms=3, label=name)
+            ax.plot([p[x] for p in points], [p["value"] for p in points], marker="o", ms=3, label=name)
         if part == "chain":
             ax.axhline(report["chain"]["threshold"], color="grey", lw=0.8, ls="--")
-            ax.set_title("chain: held-out success (same engine calls per step)")
+            ax.set_title("chain: held-out success")
             ax.set_ylabel("success rate (every step right)")
         else:
             ax.set_title(f"nim: win rate vs {VS_RANDOM} (both seat orders)")
             ax.set_ylabel("win rate")
-        ax.set_xlabel("training step")
+        ax.set_xlabel("training step" if x == "after_steps" else "engine calls spent in training")
         ax.set_ylim(-0.02, 1.02)
         ax.grid(alpha=0.3)
-        ax.legend(loc="lower right")
+        ax.legend(loc="upper left")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

@@ -6,32 +6,17 @@ and timings are the benchmark's to report, never asserted here."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from _procs import processes_naming
 
 pytestmark = pytest.mark.slow  # five short training runs and two warm-starts (about 90 s)
 
 REPO = Path(__file__).resolve().parent.parent
 STEPS, PROMPTS, PER_PROMPT, BRANCH, LENGTH = 2, 2, 4, 4, 3
-
-
-def processes_naming(text: str) -> list[str]:
-    """Command lines of live processes that mention `text` (the run's own directory)."""
-    found = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit() or int(pid) == os.getpid():
-            continue
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if text in cmdline:
-            found.append(f"{pid}: {cmdline[:200]}")
-    return found
 
 
 def test_quick_run_runs_every_arm_and_counts_its_engine_calls(tmp_path: Path):

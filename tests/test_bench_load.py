@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from _procs import processes_naming
 
 pytestmark = pytest.mark.slow  # runs the load benchmark end to end (about a minute)
 
@@ -28,21 +29,6 @@ def tiny_run(workdir: Path, out: Path, soak_minutes: float = 0.1) -> list[str]:
             "--prompt-tokens", "64", "--response-tokens", "16", "--max-depth", str(MAX_DEPTH),
             "--consumer-rate", "100", "--lease-groups", "2", "--sample-interval", "1", "--metrics-interval", "0.2",
             "--warmup-s", "1", "--window-s", "2", "--workdir", str(workdir), "--out", str(out), "--quiet"]
-
-
-def processes_naming(text: str) -> list[str]:
-    """Command lines of live processes that mention `text` (the run's own directory)."""
-    found = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit() or int(pid) == os.getpid():
-            continue
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if text in cmdline:
-            found.append(f"{pid}: {cmdline[:200]}")
-    return found
 
 
 @pytest.fixture(scope="module")
