@@ -8,6 +8,8 @@ checkout, not in the installed package.
     mrlx bench demo          the CPU demo and its frozen-B baseline: time, rewards, memory
     mrlx bench load          10,000 concurrent two-model episodes, the coordinator under
                              backpressure, and a 10-minute soak watching memory and open files
+    mrlx bench answers       how long hostile engine answers hold the rollout's event loop, and
+                             their memory, against a well-formed answer
     mrlx bench credit        episode vs turn credit vs tree sampling on a multi-turn task, and
                              nim by self-play vs against a frozen copy (small CPU models)
 """
@@ -30,9 +32,11 @@ def main(argv: list[str]) -> int:
         from benchmarks.demo import main as run
     elif name == "load":
         from benchmarks.load import main as run
+    elif name == "answers":
+        from benchmarks.answer_stall import main as run
     elif name == "credit":
         from benchmarks.credit import main as run
     else:
-        print(f"mrlx bench: unknown benchmark {name!r} (rollout, coordinator, demo, load, credit)", file=sys.stderr)
+        print(f"mrlx bench: unknown benchmark {name!r} (rollout, coordinator, demo, load, answers, credit)", file=sys.stderr)
         return 2
     return run(rest)

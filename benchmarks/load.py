@@ -270,7 +270,10 @@ def consumer_worker(ns: argparse.Namespace) -> int:
 
 def scrape_metrics(url: str, token: str) -> dict[str, float]:
     """The coordinator's /metrics as {'name{labels}': value} (blocking; the driver has no event loop)."""
-    req = urllib.request.Request(url + "/metrics", headers={"Authorization": f"Bearer {token}"})
+    from mrlx_plugin.link.auth import request_target, signed_headers
+
+    signed = signed_headers(token, "GET", request_target(url + "/metrics"))
+    req = urllib.request.Request(url + "/metrics", headers=signed)
     with urllib.request.urlopen(req, timeout=10) as resp:
         text = resp.read().decode()
     out: dict[str, float] = {}

@@ -8,18 +8,18 @@
 #   bash launch/run_agents.sh [ENV_FILE]        (default: launch/mrlx.env)
 # The env file lists the agents (MRLX_AGENTS, see agents.sh); launch/debate.env is a three-model
 # example. For agents on several nodes, run the steps' scripts on each node instead, with the
-# same env file. MRLX_DRY_RUN=1 prints the commands, in order, instead of running them.
+# same env file. MRLX_DRY_RUN=1 prints the commands, in order, instead of running them. The env
+# file is read as data (see agents.sh).
 set -euo pipefail
 here="$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")" && pwd)"
 env_file="${1:-$here/mrlx.env}"
-# shellcheck source=/dev/null
-source "$env_file"
-# shellcheck source=agents.sh
+# shellcheck source-path=SCRIPTDIR source=agents.sh
 source "$here/agents.sh"
+read_env_file "$env_file"
 require_agents
 initiator="$(agents_with_role initiator)"
 initiator_config="$(agent_var "$initiator" CONFIG)"
-wait_s="${MRLX_START_TIMEOUT:-3600}"
+wait_s="$(int_var MRLX_START_TIMEOUT 1 86400 3600)"  # the most `mrlx check --wait` takes: a day
 
 run "$PYTHON" -m mrlx_plugin.cli check --offline "${CHECK_ARGS[@]}"
 

@@ -4,17 +4,18 @@
 # It serves the trained agents of the env file (initiator and responders; frozen agents have no
 # trainer). Writes its pid to $MRLX_RUN_DIR/coordinator.pid and its log to
 # $MRLX_RUN_DIR/coordinator.log. Creates a random token in $MRLX_TOKEN_FILE (mode 600) when the
-# file does not exist yet. MRLX_DRY_RUN=1 prints the command instead.
+# file does not exist yet. MRLX_DRY_RUN=1 prints the command instead. The env file is read as
+# data (see agents.sh).
 set -euo pipefail
 here="$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")" && pwd)"
-# shellcheck source=/dev/null
-source "${1:-$here/mrlx.env}"
-# shellcheck source=agents.sh
+# shellcheck source-path=SCRIPTDIR source=agents.sh
 source "$here/agents.sh"
+read_env_file "${1:-$here/mrlx.env}"
 require_agents
+port="$(int_var MRLX_COORDINATOR_PORT 1 65535)"; max_depth="$(int_var MRLX_MAX_DEPTH 1 1000000000)"
 cmd=("$PYTHON" -m mrlx_plugin.cli coordinator --db "$MRLX_COORDINATOR_DB"
-  --host "$MRLX_COORDINATOR_HOST" --port "$MRLX_COORDINATOR_PORT" --run-id "$MRLX_RUN_ID" --agents "$TRAINED_NAMES"
-  --token-file "$MRLX_TOKEN_FILE" --max-depth "$MRLX_MAX_DEPTH")
+  --host "$MRLX_COORDINATOR_HOST" --port "$port" --run-id "$MRLX_RUN_ID" --agents "$TRAINED_NAMES"
+  --token-file "$MRLX_TOKEN_FILE" --max-depth "$max_depth")
 if [ "${MRLX_DRY_RUN:-0}" = 1 ]; then run "${cmd[@]}"; exit 0; fi
 
 mkdir -p "$MRLX_RUN_DIR" "$(dirname "$MRLX_COORDINATOR_DB")" "$(dirname "$MRLX_TOKEN_FILE")"

@@ -156,6 +156,32 @@ class FirstResult:
             return result
         return None
 
+    def named(self, **kwargs: Any) -> Any:
+        """As calling it, with the answer's producer: (the plugin that answered, its result), or an
+        awaitable of that pair once a plugin answers with an awaitable; (None, None) when every
+        plugin deferred. A value the caller refuses is then blamed on the plugin that gave it."""
+        callers = self.callers()
+        for i, (name, call) in enumerate(callers):
+            result = call(**kwargs)
+            if result is None:
+                continue
+            if inspect.isawaitable(result):
+                return self._finish_named(name, result, callers[i + 1:], kwargs)
+            return name, result
+        return None, None
+
+    @staticmethod
+    async def _finish_named(name: str, pending: Awaitable[Any], rest: list[tuple[str, Any]],
+                            kwargs: dict[str, Any]) -> tuple[str | None, Any]:
+        result = await pending
+        for other, call in rest:
+            if result is not None:
+                break
+            name, result = other, call(**kwargs)
+            if inspect.isawaitable(result):
+                result = await result
+        return (name, result) if result is not None else (None, None)
+
     @staticmethod
     async def _finish(pending: Awaitable[Any], rest: list[tuple[str, Any]], kwargs: dict[str, Any]) -> Any:
         result = await pending

@@ -31,8 +31,8 @@ from mrlx_plugin.core.host import HOST_PROCESS, router_url
 from mrlx_plugin.core.tokenizer import AgentTokenizer, TokenizerCache
 from mrlx_plugin.hostcheck import check_rollout_mode, check_step_split
 from mrlx_plugin.link.client import CoordinatorClient
-from mrlx_plugin.link.peers import PeerOutbox, ResponderState, make_client
-from mrlx_plugin.plugins import FirstResult, SystemFn, collect_systems, make_plugin_manager
+from mrlx_plugin.link.peers import PeerOutbox, ResponderState, make_client, read_model_limits
+from mrlx_plugin.plugins import FirstResult, SystemFn, collect_systems, make_plugin_manager, plugin_callers
 from mrlx_plugin.rewards.grading import MathVerifier
 from mrlx_plugin.rewards.shaping import math_verifier
 
@@ -45,10 +45,15 @@ class HostLimits:
     max_context_eval: int | None
     max_response: int | None  # rollout_max_response_len
     default_sampling: dict[str, Any]  # used when the host passes no sampling_params (CLI)
+    # The host model's own position limit (`--max-position-embeddings`, else the checkpoint's
+    # config.json): a longer sample has positions the trainer's model has no embedding for.
+    model_max: int | None = None
 
     @classmethod
     def from_args(cls, args: Any) -> HostLimits:
+        """Blocking (reads the checkpoint's config.json): called while the Runtime is built."""
         ctx = getattr(args, "rollout_max_context_len", None)
+        model = read_model_limits(args, getattr(args, "hf_checkpoint", None))
         sampling = {
             "temperature": getattr(args, "rollout_temperature", 1.0),
             "top_p": getattr(args, "rollout_top_p", 1.0),
@@ -65,6 +70,7 @@ class HostLimits:
             max_context_eval=getattr(args, "eval_max_context_len", None) or ctx,
             max_response=getattr(args, "rollout_max_response_len", None),
             default_sampling={k: v for k, v in sampling.items() if v is not None},
+            model_max=model.max_length,
         )
 
 
@@ -203,12 +209,27 @@ class Runtime:
             await self._coordinator.close()
         await self.verifier.aclose()
 
+    def callers_of(self, hook: str) -> list[tuple[str, Any]]:
+        """(plugin name, a caller of that plugin's `hook` alone) for each plugin implementing it,
+        in pluggy's list order: for systems that must say which plugin gave what."""
+        return plugin_callers(self.pm, hook, call_order=False)
+
     def trains_here(self, agent: str) -> bool:
         """Whether this job's trainer trains `agent` (its samples go back to the host)."""
         a = self.settings.agents[agent]
         if self.settings.self_agent is not None:
             return agent == self.settings.self_agent
         return bool(a.trainable) and a.url == "self"
+
+    def context_limit(self, agent: str, evaluation: bool = False) -> int | None:
+        """The most tokens one sample of `agent` may hold (None: no limit known): the host's
+        `--rollout-max-context-len` (`--eval-max-context-len` in evaluation) and, for an agent
+        the host's model serves or trains, that model's position limit. A peer agent's samples
+        are checked against its own model when they are committed (`PeerOutbox`)."""
+        host = self.limits.max_context_eval if evaluation else self.limits.max_context
+        on_host_model = self.settings.agents[agent].url == "self" or self.trains_here(agent)
+        known = [n for n in (host, self.limits.model_max if on_host_model else None) if n is not None]
+        return min(known) if known else None
 
 
 def build_runtime(args: Any, tokenizers: bool = True) -> Runtime:

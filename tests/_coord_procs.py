@@ -3,7 +3,8 @@
 kill), with its database and log in the test's directory (`CoordinatorProcess`; the `coordinator`
 fixture of conftest.py starts them and stops them after the test). Tests that need a special start
 (a shim before the server, other flags) subclass it or pass `extra`. Also a raw HTTP helper for
-requests the client would never send, and a factory of queue items."""
+requests the client would never send (signed with the token as the client signs, see
+mrlx_plugin.link.auth), and a factory of queue items."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import aiohttp
 import numpy as np
 from _wait import wait_until
 
+from mrlx_plugin.link.auth import request_target, signed_headers
 from mrlx_plugin.link.client import CoordinatorClient
 from mrlx_plugin.link.wire import QueueItem
 from mrlx_plugin.local.processes import popen_tied
@@ -149,7 +151,7 @@ class CoordinatorProcess:
         token: str | None = "default",
         headers: dict[str, str] | None = None,
     ) -> tuple[int, dict[str, str], bytes]:
-        """A raw request (token "default": this coordinator's token; None: no Authorization header)."""
+        """A raw request (token "default": signed with this coordinator's token; None: not signed)."""
         return http(
             method, self.url + path, body, token=self.token if token == "default" else token, headers=headers
         )
@@ -163,13 +165,13 @@ def http(
     token: str | None = None,
     headers: dict[str, str] | None = None,
 ) -> tuple[int, dict[str, str], bytes]:
-    """(status, headers, body) of one request; HTTP errors are returned, not raised."""
+    """(status, headers, body) of one request, signed with `token` unless it is None (`headers`
+    given override the signature's); HTTP errors are returned, not raised."""
     data = json.dumps(body).encode() if isinstance(body, dict) else body
-    request = urllib.request.Request(url, data=data, method=method, headers=dict(headers or {}))
+    signature = {} if token is None else signed_headers(token, method, request_target(url), data)
+    request = urllib.request.Request(url, data=data, method=method, headers={**signature, **(headers or {})})
     if isinstance(body, dict):
         request.add_header("Content-Type", "application/json")
-    if token is not None:
-        request.add_header("Authorization", f"Bearer {token}")
     try:
         with urllib.request.urlopen(request, timeout=30) as response:
             return response.status, dict(response.headers), response.read()

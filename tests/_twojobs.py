@@ -21,6 +21,7 @@ import yaml
 from _coord_procs import TOKEN_ENV, CoordinatorProcess
 from _wait import wait_until
 
+from mrlx_plugin.link.auth import signed_headers
 from mrlx_plugin.local.processes import ManagedProcess, start_engine
 
 TOKEN = "two-jobs-test-token"
@@ -155,8 +156,9 @@ class TwoJobs:
     def queue(self, consumer: str = "b") -> dict[str, Any]:
         import urllib.request
 
-        req = urllib.request.Request(f"http://127.0.0.1:{self.coord_port}/v1/runs/jobs/queues/{consumer}",
-                                     headers={"Authorization": f"Bearer {TOKEN}"})
+        path = f"/v1/runs/jobs/queues/{consumer}"
+        req = urllib.request.Request(f"http://127.0.0.1:{self.coord_port}{path}",
+                                     headers=signed_headers(TOKEN, "GET", path))
         with urllib.request.urlopen(req, timeout=5) as resp:
             return json.loads(resp.read())
 
@@ -179,7 +181,7 @@ class TwoJobs:
         import urllib.request
 
         req = urllib.request.Request(f"http://127.0.0.1:{self.coord_port}{url_path}",
-                                     headers={"Authorization": f"Bearer {TOKEN}"})
+                                     headers=signed_headers(TOKEN, "GET", url_path))
         with urllib.request.urlopen(req, timeout=5) as resp:
             return resp.read().decode()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import textwrap
 
 import pytest
@@ -236,8 +237,13 @@ def test_the_reference_table_lists_every_key_with_type_default_and_description()
     rows = {line.split(" | ")[0].strip("| `"): line for line in lines[2:]}
     fields = sum(len(m.model_fields) for m in _sections())
     assert len(rows) == fields, sorted(rows)
-    assert "| `mrlx.agents.NAME.sampling.top_p` | a number or null | `null` | nucleus sampling mass" in table
-    assert "| `mrlx.engine.max_retries` | an integer | `3` |" in table
+    assert ("| `mrlx.agents.NAME.sampling.top_p` | a number (more than 0, at most 1) or null | `null` | "
+            "nucleus sampling mass") in table
+    assert "| `mrlx.engine.max_retries` | an integer (0 to 100) | `3` |" in table
+    # an upper bound says what it protects
+    assert "| `mrlx.rewards.branch` | an integer (1 to 64) | `1` |" in table
+    assert rows["mrlx.rewards.branch"].endswith(
+        "(the limit: each candidate is one more model call per trainable turn) |")
     assert "mrlx.self" in rows and "`mrlx.extra`" not in table and "mrlx.<system name>" in rows
     assert "'offset' \\| 'multiplicative' \\| 'none'" in rows["mrlx.pipeline.weighting"]  # no stray column
     assert all(line.replace("\\|", "").count("|") == 5 for line in lines), table  # four columns on every line
@@ -301,3 +307,67 @@ def test_sections_built_in_python_fill_in_what_follows_from_the_url():
     assert peer.trainable is False and peer.retry_on_abort is True
     assert AgentSettings().trainable is True and AgentSettings().retry_on_abort is False
     assert EngineSettings(max_retries=1, backoff_s=0.01).request_timeout_s == 900.0
+
+
+def _numeric_keys():
+    """(dotted path under mrlx, the YAML to put a number there, int or float) of every numeric
+    setting, walked from the models: a new setting is covered without a line here."""
+    import typing
+
+    from pydantic import BaseModel
+
+    from mrlx_plugin.core.config import Settings, _unwrap
+
+    out, todo = [], [(Settings, [])]
+    while todo:
+        model, path = todo.pop()
+        for name, f in model.model_fields.items():
+            key, tp = f.alias or name, _unwrap(f.annotation)
+            if isinstance(tp, type) and issubclass(tp, BaseModel):
+                todo.append((tp, path + [key]))
+            elif typing.get_origin(tp) is dict and isinstance(_unwrap(typing.get_args(tp)[1]), type) \
+                    and issubclass(_unwrap(typing.get_args(tp)[1]), BaseModel):
+                todo.append((_unwrap(typing.get_args(tp)[1]), path + [key, "a"]))
+            elif typing.get_origin(tp) is dict and typing.get_origin(_unwrap(typing.get_args(tp)[1])) is dict:
+                out.append((path + [key, "a", "b"], float))  # rewards.coupling: agent -> agent -> weight
+            elif typing.get_origin(tp) is list and _unwrap(typing.get_args(tp)[0]) in (int, float):
+                out.append((path + [key], list))
+            elif tp in (int, float):
+                out.append((path + [key], tp))
+    return out
+
+
+def _with(path: list[str], value) -> dict:
+    data = {"system": "dialogue", "agents": {"a": {}, "b": {}}}
+    holder = data
+    for part in path[:-1]:
+        holder = holder.setdefault(part, {})
+    holder[path[-1]] = value
+    return data
+
+
+# outcomes and weights of either sign
+SIGNED = {"game.illegal_penalty", "debate.win_reward", "debate.lose_reward", "rewards.coupling.a.b"}
+
+
+def test_every_numeric_setting_is_finite_and_bounded_below_naming_its_key():
+    keys = _numeric_keys()
+    assert len(keys) > 40, keys  # the walk found the settings
+    for path, kind in keys:
+        dotted = "mrlx." + ".".join(path)
+        if kind is float:
+            for bad in (math.inf, -math.inf, math.nan):
+                msg = errors_of(_with(path, bad))
+                assert f"{dotted}: got {bad}; expected a finite number" in msg and "1 problem(s)" in msg, msg
+        if ".".join(path) not in SIGNED:
+            bad = [-(10**30)] if kind is list else -(10**30)
+            msg = errors_of(_with(path, bad))
+            assert "1 problem(s)" in msg and f"{dotted}" in msg and "expected" in msg, msg
+
+
+def test_a_one_line_text_longer_than_a_file_name_is_text():
+    # 300 characters on one line: no file system takes it as a name (ENAMETOOLONG), so it is text.
+    from mrlx_plugin.core.config import read_text_setting
+
+    prompt = "You are a careful solver. " * 12
+    assert read_text_setting(prompt, key="mrlx.agents.solver.system_prompt") == prompt

@@ -12,6 +12,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import yaml
 
 from mrlx_plugin.core.config import ConfigError, looks_like_a_path, parse_settings, settings_from_yaml
 from mrlx_plugin.core.netutil import free_port
@@ -222,3 +223,55 @@ def test_check_names_the_variable_of_an_unreachable_url_and_of_two_jobs_that_dif
     assert SECRET not in r.stdout + r.stderr
     assert "mrlx.run_id '${RT_RUN_B}' differs from" in r.stdout
     assert "agent 'b' at ${RT_SECRET_URL} is unreachable" in r.stdout
+
+
+# --------------------------------------------------------------------------------------------
+# Numbers out of bounds: refused when the file is read, not when the value is used
+# --------------------------------------------------------------------------------------------
+
+TWO_AGENTS = "mrlx:\n  system: dialogue\n  agents:\n    a: {url: self}\n    b: {url: self}\n"
+
+
+@pytest.mark.parametrize("section, key, value, expected", [
+    ("engine", "request_timeout_s", ".inf", "got inf; expected a finite number"),
+    ("engine", "max_connections", "-5", "got -5; expected at least 1"),
+    ("engine", "backoff_s", "-1", "got -1; expected 0 or more"),
+    ("engine", "peer_deadline_s", "1e12", "got 1000000000000.0; expected at most 86400 (a day"),
+    ("agents.a.sampling", "top_k", str(10**30), f"got {10**30}; expected at most 2147483647 ("),
+    ("agents.a.sampling", "top_k", "0", "got 0; expected -1 (every token) or at least 1"),
+    ("agents.a.sampling", "temperature", ".inf", "got inf; expected a finite number"),
+    ("debate", "win_reward", ".nan", "got nan; expected a finite number"),
+    ("game", "illegal_penalty", "-.inf", "got -inf; expected a finite number"),
+    ("coordinator", "lease_s", "1e12", "got 1000000000000.0; expected at most 604800 (a week"),
+    ("rewards", "branch", "1000000", "got 1000000; expected at most 64 ("),
+    ("pipeline", "num_parallel", "1000000", "got 1000000; expected at most 256 ("),
+    ("trainer", "lr", ".nan", "got nan; expected a finite number"),
+], ids=lambda v: v if isinstance(v, str) and len(v) < 30 else None)
+def test_a_number_out_of_bounds_is_one_message_from_check_and_at_start_up(tmp_path, section, key, value,
+                                                                         expected):
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text(TWO_AGENTS + ("  rewards: {credit: turn}\n" if key == "branch" else ""))
+    data = yaml.safe_load(cfg.read_text())
+    holder = data["mrlx"]
+    for part in section.split("."):
+        holder = holder.setdefault(part, {})
+    holder[key] = yaml.safe_load(value)
+    cfg.write_text(yaml.safe_dump(data))
+    where = f"mrlx.{section}.{key}"
+    msg = one_message(check("--offline", "--config", str(cfg), "--skip-tokenizers"))
+    assert msg.startswith(f"mrlx check: {cfg}: 1 problem(s):"), msg
+    assert f"{where}: {expected}" in msg, msg
+    args = argparse.Namespace(custom_config_path=str(cfg), hf_checkpoint=None, sglang_router_ip="127.0.0.1",
+                              sglang_router_port=9)
+    with pytest.raises(ConfigError) as info:  # the rollout's own start-up reads the file the same way
+        build_runtime(args, tokenizers=False)
+    assert f"{where}: {expected}" in str(info.value) and "1 problem(s)" in str(info.value)
+
+
+@pytest.mark.parametrize("flag, value, shown", [("--wait", "nan", "nan"), ("--wait", "inf", "inf"),
+                                               ("--timeout", "-1", "-1"), ("--timeout", "1e9", "1e+09")])
+def test_check_refuses_seconds_out_of_bounds_on_its_command_line(tmp_path, flag, value, shown):
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text(TWO_AGENTS)
+    r = check("--config", str(cfg), flag, value)
+    assert r.returncode == 2 and f"mrlx check: error: {flag} {shown}: expected seconds" in r.stderr, r.stderr

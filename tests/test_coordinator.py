@@ -200,11 +200,11 @@ def test_backpressure_429_at_max_depth_writes_nothing(start_coordinator):
 
 def test_auth_health_metrics_and_openapi(start_coordinator):
     coord = start_coordinator()
-    status, _, body = coord.http("GET", "/health", token=None)
+    status, _, body = coord.http("GET", "/health")
     assert status == 200 and json.loads(body)["run_id"] == "run1" and json.loads(body)["status"] == "ok"
     for token in (None, "wrong"):
         status, headers, body = coord.http("GET", "/v1/runs/run1/agents/doctor/version", token=token)
-        assert status == 401 and "bearer token" in error_of(body) and "Bearer" in headers["WWW-Authenticate"]
+        assert status == 401 and "signed" in error_of(body) and "Mrlx-HMAC" in headers["WWW-Authenticate"]
         assert frame_post(coord, make_items(1, "g0"), token=token)[0] == 401
         assert coord.http("GET", "/metrics", token=token)[0] == 401
     assert coord.http("GET", "/v1/runs/run1", token=None)[0] == 401
@@ -276,6 +276,11 @@ def test_bad_input_is_422_or_404_and_writes_nothing(start_coordinator):
     positive = make_items(1, "g0", start=4)[0]
     positive.rollout_log_probs = [0.5] * positive.response_length
     assert "positive" in error_of(frame_post(coord, [positive])[2])
+    # Finite float32 but no model's output: a trainer's loss over it would be infinite.
+    tiny = make_items(1, "g0", start=5)[0]
+    tiny.rollout_log_probs = [-1e30] * tiny.response_length
+    status, _, body = frame_post(coord, [tiny])
+    assert status == 422 and "below -10000" in error_of(body) and "'ep5:patient'" in error_of(body)
     nan_reward = make_items(1, "g0", start=5)[0]
     nan_reward.fields["reward"] = float("nan")
     assert "reward" in error_of(frame_post(coord, [nan_reward])[2])

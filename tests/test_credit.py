@@ -168,12 +168,14 @@ def test_branching_without_per_turn_credit_is_refused():
         parse_settings(_mrlx(credit="turn", gamma=1.5))
 
 
-def test_a_turn_score_that_is_no_number_names_the_hook(stub_engine, tiny_model_dir, tmp_path, monkeypatch):
+def test_a_turn_score_that_is_no_number_names_the_plugin(stub_engine, tiny_model_dir, tmp_path, monkeypatch):
+    # A NaN or infinite score ends its episode only (tests/faults/test_nonfinite_rewards.py); a
+    # score that is no number at all breaks the hook's contract on every turn.
     mrlx = _mrlx(credit="turn")
-    mrlx["plugins"] = [write_hook_module(tmp_path, monkeypatch, "turns_nan",
+    mrlx["plugins"] = [write_hook_module(tmp_path, monkeypatch, "turns_text",
                                "@hookimpl\ndef mrlx_turn_reward(episode, transcript, index, turn):\n"
-                               "    return float('nan')\n")]
-    with pytest.raises(ValueError, match="mrlx_turn_reward hook returned nan"):
+                               "    return 'high'\n")]
+    with pytest.raises(ValueError, match="mrlx_turn_reward of plugin 'turns_text' returned 'high'"):
         _run(stub_engine, tiny_model_dir, mrlx)
 
 

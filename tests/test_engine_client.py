@@ -20,7 +20,8 @@ import pytest
 from _raw_server import HANG_UP, ScriptedServer, answer
 
 from mrlx_plugin.core.config import EngineSettings
-from mrlx_plugin.core.engine_client import EngineClient, EngineError
+from mrlx_plugin.core.engine_client import (MIN_LOG_PROB, EngineClient, EngineError, MalformedAnswer,
+                                           answer_limits)
 
 OK_BODY = orjson.dumps({
     "text": "hi",
@@ -243,3 +244,75 @@ def test_get_json_reads_an_endpoint():
 def test_a_url_that_is_not_http_is_refused_with_what_to_give():
     with pytest.raises(ValueError, match="is not an http"):
         EngineClient("localhost:30000")
+
+
+def logprob_answer(entries: list, text: str = "hi") -> bytes:
+    return answer(200, orjson.dumps({"text": text, "meta_info": {"finish_reason": {"type": "stop"},
+                                                                 "output_token_logprobs": entries}}))
+
+
+def test_a_log_prob_as_low_as_a_sampled_token_can_have_is_taken_and_a_lower_one_refused():
+    """A log-prob's floor is MIN_LOG_PROB (-1e4): far below a token sampled from a float32
+    softmax (about -103.3) and any logit gap of a real model; -1e30 is no token's, and -1e39 is
+    past float32 (a trainer's loss or the coordinator's frames could not take it)."""
+    async def run():
+        script = (logprob_answer([[-9999.5, 7], [-103.3, 8]]), logprob_answer([[-0.5, 7], [-1e30, 8]]),
+                  logprob_answer([[-1e39, 7]]))
+        async with ScriptedServer(*script) as server:
+            client = EngineClient(server.url, settings())
+            try:
+                low = await client.generate([1], {"max_new_tokens": 4})
+                errors = []
+                for _ in range(2):
+                    with pytest.raises(MalformedAnswer) as info:
+                        await client.generate([1], {"max_new_tokens": 4})
+                    errors.append(info.value)
+            finally:
+                await client.close()
+            return low, errors
+
+    low, errors = asyncio.run(run())
+    assert low.logprobs == [-9999.5, -103.3] and MIN_LOG_PROB == -1e4
+    assert [e.detail for e in errors] == [
+        "log-prob -1e+30 is below -10000, lower than a sampled token's can be",
+        "log-prob -1e+39 is below -10000, lower than a sampled token's can be",
+    ]
+
+
+def test_a_long_real_answer_is_within_its_request_limits():
+    """The request's limits leave room for a real answer's worst case: every one of 1,024 tokens
+    a 128-character text full of JSON punctuation, written twice (in `text` and in each entry)."""
+    piece = '{"a": [1, 2]}, ' + "x" * 113
+    entries = [[-0.5, 7, piece] for _ in range(1024)]
+    body = orjson.dumps({"text": piece * 1024, "meta_info": {"finish_reason": {"type": "length"},
+                                                             "output_token_logprobs": entries}})
+    size, values = answer_limits(1024)
+    assert 2 * values < len(body) < size, "the answer's values are counted, and it fits the byte allowance"
+
+    async def run():
+        async with ScriptedServer(answer(200, body)) as server:
+            client = EngineClient(server.url, settings())
+            try:
+                return await client.generate([1], {"max_new_tokens": 1024})
+            finally:
+                await client.close()
+
+    result = asyncio.run(run())
+    assert len(result.token_ids) == 1024 and result.finish_reason == "length"
+
+
+def test_an_error_answer_past_the_request_allowance_is_still_an_http_error():
+    """Only a 200 answer is held to what its request allows: a proxy's large error page is the
+    retryable HTTP error it is, quoted."""
+    page = b"<html>" + b"busy " * 30_000
+
+    async def run():
+        async with ScriptedServer(answer(503, page)) as server:
+            with pytest.raises(EngineError) as info:
+                await call(EngineClient(server.url, settings(max_retries=0)))
+            return info.value
+
+    error = asyncio.run(run())
+    assert len(page) > answer_limits(16)[0]
+    assert error.retryable and not isinstance(error, MalformedAnswer)
+    assert error.reason.startswith("HTTP 503: <html>busy"), error.reason

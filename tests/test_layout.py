@@ -15,13 +15,14 @@ import setuptools
 ROOT = Path(__file__).resolve().parents[1]
 
 # What each area may import (besides itself). The plugin core sits at the bottom; the
-# coordinator service shares only the wire protocol (and network plumbing) with the plugin.
+# coordinator service shares only the wire protocol, its request signing (and network plumbing)
+# with the plugin.
 ALLOWED = {
     "core": set(),
     "systems": {"core"},
     "rewards": {"core"},
     "link": {"core"},
-    "coordinator": {"link.wire", "core.netutil"},
+    "coordinator": {"link.wire", "link.auth", "core.netutil"},
     "root": {"core", "systems", "rewards", "link"},
     "local": {"core", "systems", "rewards", "link", "root"},
     "cli": {"core", "systems", "rewards", "link", "root", "local", "coordinator", "benchmarks"},

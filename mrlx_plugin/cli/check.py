@@ -8,29 +8,29 @@
 
 Each config is loaded exactly as the rollout process would load it (plugins imported, every key
 validated). Then every agent URL gets a `/health` and `/get_model_info` call, tokenizers are
-loaded, and the coordinator (if configured) is asked for its health and, with the token, its
-metrics. Two or more configs (one per slime job of a multi-model run) are also checked against
-each other: the same run id, coordinator and system, the same agents with the same settings
-(`trainable`, `url`, `tokenizer`; `url: self` is the job's own router, given with
-`--router-url`), a different `self` in each job, a job for every trainable agent and none for a
-frozen one (`trainable: false`: served by its own SGLang servers, launch/serve_frozen.sh), and,
-with `--role`, exactly one initiator. Exit status: 0 all good, 1 something unreachable or
-inconsistent, 2 a config error.
+loaded, and the coordinator (if configured) is asked for its health by a call signed with the
+job's token (it must take the signature and prove it holds the same token). Two or more configs
+(one per slime job of a multi-model run) are also checked against each other: the same run id,
+coordinator and system, the same agents with the same settings (`trainable`, `url`, `tokenizer`;
+`url: self` is the job's own router, given with `--router-url`), a different `self` in each job,
+a job for every trainable agent and none for a frozen one (`trainable: false`: served by its own
+SGLang servers, launch/serve_frozen.sh), and, with `--role`, exactly one initiator. Exit status:
+0 all good, 1 something unreachable or inconsistent, 2 a config error.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import aiohttp
-
 from mrlx_plugin.core.config import (
+    DAY_S,
     ConfigError,
     Settings,
     config_dir,
@@ -41,6 +41,7 @@ from mrlx_plugin.core.config import (
 )
 from mrlx_plugin.core.engine_client import EngineClient, EngineError
 from mrlx_plugin.core.retry import Backoff, Deadline, wait_until
+from mrlx_plugin.link.client import CoordinatorClient, CoordinatorError
 from mrlx_plugin.plugins import collect_systems, make_plugin_manager
 from mrlx_plugin.runtime import samples_per_agent
 
@@ -95,37 +96,40 @@ async def check_coordinator(path: str, settings: Settings, timeout: float, repor
         return
     client = EngineClient(c.url)
     try:
-        health = await client.get_json("/health", timeout=timeout)
+        await client.get_json("/health", timeout=timeout)  # reachable at all (no token needed)
     except EngineError as exc:
         report.fail(f"{path}: mrlx.coordinator.url {public_text(c.url)} is unreachable: {exc.reason}; "
                     "start it with launch/start_coordinator.sh")
-        await client.close()
         return
+    finally:
+        await client.close()
+    # Signed, as the job's calls are: the answer names the run only when the coordinator took this
+    # job's signature and proved it holds the same token.
+    token = _token(c)
+    coordinator = CoordinatorClient(c.url, run_id=settings.run_id, agent=settings.self_agent or "check",
+                                    token=token, request_timeout_s=timeout, outage_deadline_s=timeout,
+                                    max_retries=1)
+    how = (f"set {c.token_env} or mrlx.coordinator.token_file to the coordinator's token; or is another "
+           "process on its port?")
+    try:
+        health = await coordinator.health()
+    except CoordinatorError as exc:
+        report.fail(f"{path}: the coordinator refused the token, or could not prove it holds it ({how}): "
+                    f"{exc}")
+        return
+    finally:
+        await coordinator.close()
     run = health.get("run_id") if isinstance(health, dict) else None
-    if run is not None and run != settings.run_id:
+    if run is None:  # the answer to a call without a token, of a coordinator that wants one
+        report.fail(f"{path}: the coordinator refused the token: this job has none ({how})")
+        return
+    if run != settings.run_id:
         report.fail(f"{path}: the coordinator at {public_text(c.url)} serves run {run!r}, but mrlx.run_id is "
                     f"{settings.run_id!r}")
     else:
         report.ok(f"{path}: coordinator at {public_text(c.url)} answers (run {run})")
-    token = _token(c)
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-    try:
-        async with aiohttp.ClientSession(headers=headers) as session, \
-                session.get(c.url.rstrip("/") + "/metrics", timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
-            status = resp.status
-        if status == 401:
-            report.fail(
-                f"{path}: the coordinator refused the token (set {c.token_env} or mrlx.coordinator.token_file "
-                "to the coordinator's token)"
-            )
-        elif status != 200:
-            report.fail(f"{path}: coordinator /metrics answered HTTP {status}")
-        else:
-            report.ok(f"{path}: coordinator accepts this job's token")
-    except Exception as exc:  # noqa: BLE001 - any failure here is reported, not raised
-        report.fail(f"{path}: coordinator /metrics failed: {exc}")
-    finally:
-        await client.close()
+    report.ok(f"{path}: coordinator accepts this job's token" if token else
+              f"{path}: coordinator takes calls without a token (it listens on a loopback address only)")
 
 
 def _token(c: Any) -> str | None:
@@ -306,6 +310,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
                    help="repeat the checks until they pass or SECONDS have gone by (to gate a launch)")
     ns = p.parse_args(argv)
+    # The same bounds as the settings' seconds: `inf` or `nan` would wait forever or not at all.
+    if not (math.isfinite(ns.timeout) and 0 < ns.timeout <= DAY_S):
+        p.error(f"--timeout {ns.timeout:g}: expected seconds, more than 0 and at most {DAY_S} (a day)")
+    if not (math.isfinite(ns.wait) and 0 <= ns.wait <= DAY_S):
+        p.error(f"--wait {ns.wait:g}: expected seconds, 0 to {DAY_S} (a day)")
     if ns.role is not None and len(ns.role) != len(ns.config):
         p.error(f"give one --role per --config ({len(ns.config)} configs, {len(ns.role)} roles)")
     reports = []

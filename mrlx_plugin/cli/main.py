@@ -115,7 +115,7 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "rollout": (_rollout, "run N episodes of a system against engines; print a summary; write samples as JSONL"),
     "check": (_check, "validate configs (and two jobs' configs against each other); reach every URL"),
     "coordinator": (_coordinator, "the durable coordinator of a multi-model run"),
-    "bench": (_bench, "benchmarks: rollout, coordinator, demo, load, credit"),
+    "bench": (_bench, "benchmarks: rollout, coordinator, demo, load, answers, credit"),
 }
 
 

@@ -4,9 +4,11 @@ weight-version registry that keeps two training jobs within a staleness bound.
 One coordinator serves one run (`--run-id`) and the agents named at start (`--agents`). Routes,
 all under /v1 except health, metrics and the OpenAPI document:
 
-    GET  /health                                       no auth: status, run id, uptime, db path
+    GET  /health                                       no auth: {"ok": true}; signed: also the status,
+                                                       run id, uptime and database path
     GET  /metrics                                      Prometheus text
-    GET  /openapi.json                                 no auth: OpenAPI 3 description of all routes
+    GET  /openapi.json                                 no auth: OpenAPI 3 description of all routes (signed:
+                                                       with the run id and agents as the path values)
     GET  /v1/runs/{run}                                agents (version, last seen) and queue depths
     POST /v1/runs/{run}/queues/{consumer}/commit       body: a wire frame of items (see `wire`)
     POST /v1/runs/{run}/queues/{consumer}/lease        JSON in, wire frame out (lease id in its header)
@@ -29,7 +31,9 @@ A group leased `--max-deliveries` times and never acknowledged, or rejected by i
 aside (dead-lettered): kept in the database, never delivered again, reported in lease answers
 (`dead`) so that the consumer can keep its step's shape, and counted in /metrics.
 
-Every call but /health and /openapi.json needs `Authorization: Bearer TOKEN`. Clients name
+With a token, every call but /health and /openapi.json must be signed with keys derived from it
+(the token never travels; `mrlx_plugin.link.auth` has the scheme), and every answer to a signed
+request carries a proof that the coordinator holds the token (X-Mrlx-Proof). Clients name
 themselves with `X-Mrlx-Agent`, `X-Mrlx-Pid`, `X-Mrlx-Host`; any such call counts as a heartbeat.
 Errors are JSON `{"error": message}` with the status saying what kind (401, 404, 409, 413, 422,
 429 with Retry-After, 503/507 when the database cannot be written).
@@ -39,7 +43,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hmac
+import hashlib
 import logging
 import math
 import re
@@ -73,6 +77,8 @@ from mrlx_plugin.link.wire import (
     MAX_GROUP_SIZE,
     MAX_KEY_CHARS,
     BufferPool,
+    FrameLimits,
+    FrameTooLarge,
     FrameView,
     WireError,
     encode_frame,
@@ -82,6 +88,17 @@ from mrlx_plugin.link.wire import (
     validate_frame,
 )
 from mrlx_plugin.core.netutil import is_loopback, write_port_file
+from mrlx_plugin.link.auth import (
+    CONTENT_HEADER,
+    MAX_SKEW_S,
+    PROOF_HEADER,
+    SCHEME,
+    ReplayGuard,
+    answer_mac,
+    check_request,
+    content_sha256,
+    derive_keys,
+)
 
 log = logging.getLogger("mrlx.coordinator")
 
@@ -89,10 +106,18 @@ NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 INT64_MAX = (1 << 63) - 1
 MAX_WAIT_S = 300.0  # longest single long poll; clients loop for longer waits
 MAX_LEASE_GROUPS = 4096
+# What a commit's frame may hold (413 past it), checked while it is read, before any item is unpacked:
+# each item costs ~2 KB of objects however few bytes it takes, each record batch ~4 KB. The client
+# sends one batch of at most 1024 items; the per-request item limit is also --max-depth when lower.
+MAX_COMMIT_ITEMS = 4096
+MAX_FRAME_BATCHES = 1024
+MAX_FRAME_MESSAGE_BYTES = 64 << 10  # a message's metadata; the schema's holds the frame header
 HEARTBEAT_FLUSH_S = 2.0
 RETRY_AFTER_S = 1
 AGENT_HEADER, PID_HEADER, HOST_HEADER = "X-Mrlx-Agent", "X-Mrlx-Pid", "X-Mrlx-Host"
 LEASE_HEADER = "X-Mrlx-Lease-Id"
+NONCE_KEY, CONTENT_KEY = "mrlx_nonce", "mrlx_content"  # on a request: its signature checked out
+CHALLENGE = f'{SCHEME} realm="mrlx-coordinator"'  # the WWW-Authenticate of a 401
 IDLE_TIMEOUT_S = 30.0  # longer than the client's own keep-alive (15 s), so the client closes first
 MAX_CONNECTIONS = 1000
 LISTEN_BACKLOG = 128
@@ -277,6 +302,13 @@ def _seen_phrase(beat: tuple[float, int | None, str | None] | None, now: float) 
     return f"last seen {max(0.0, now - seen):.1f} s ago" + (f" ({' '.join(who)})" if who else "")
 
 
+def _sha256_of(pieces: list[bytes]) -> str:
+    digest = hashlib.sha256()
+    for piece in pieces:
+        digest.update(piece)
+    return digest.hexdigest()
+
+
 def _pulse(events: dict[str, asyncio.Event], name: str) -> None:
     """Wake everyone waiting on `name` and arm a fresh event for the next waiters.
 
@@ -451,7 +483,9 @@ class Coordinator:
         self._cpu = ThreadPoolExecutor(max_workers=2, thread_name_prefix="mrlx-coord-cpu")
         self._buffers = BufferPool(keep=4)
         self._flusher: asyncio.Task[None] | None = None
-        self._token = config.token.encode() if config.token else None
+        # Keys derived from the token: one checks requests, one proves answers (the token is not kept).
+        self._keys = derive_keys(config.token) if config.token else None
+        self._replays = ReplayGuard()
 
     # ----------------------------------------------------------------- plumbing
 
@@ -517,7 +551,16 @@ class Coordinator:
             log.exception("unexpected error on %s %s", request.method, request.path)
             response = self._error_response(500, f"internal error: {type(exc).__name__}: {exc}", None)
         self.metrics.inc("mrlx_coordinator_requests_total", endpoint=endpoint, status=str(response.status))
+        if isinstance(response, web.Response) and not response.prepared:
+            self._prove(request, response, content_sha256(response.body))  # type: ignore[arg-type]
         return response
+
+    def _prove(self, request: web.Request, response: web.StreamResponse, content: str) -> None:
+        """Sign an answer to a request whose signature checked out (errors included), so that its
+        client can tell it from one of another process on this port."""
+        nonce = request.get(NONCE_KEY)
+        if nonce is not None and self._keys is not None:
+            response.headers[PROOF_HEADER] = answer_mac(self._keys[1], nonce, response.status, content)
 
     @staticmethod
     def _error_response(status: int, message: str, headers: dict[str, str] | None) -> web.Response:
@@ -532,20 +575,24 @@ class Coordinator:
     async def _auth(
         self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
     ) -> web.StreamResponse:
-        """Bearer token on everything but /health and /openapi.json; size limit; heartbeats."""
+        """A signed request on everything but /health and /openapi.json; size limit; heartbeats."""
+        problem = self._authenticate(request)
+        if problem is None and request.method == "GET" and request.get(CONTENT_KEY) is not None:
+            # The handlers of GET routes read no body: its hash is checked here (POST handlers check theirs).
+            try:
+                await self._check_content(request, await request.read())
+            except HttpProblem as exc:
+                problem = exc.status, exc.message
+                del request[CONTENT_KEY]
         if request.path in ("/health", "/openapi.json"):
-            return await handler(request)
-        if self._token is not None:
-            header = request.headers.get("Authorization", "")
-            scheme, _, given = header.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(
-                given.strip().encode("utf-8", "surrogateescape"), self._token  # headers may hold any bytes
-            ):
-                raise HttpProblem(
-                    401,
-                    "missing or wrong bearer token: send 'Authorization: Bearer <token>' with the run's token",
-                    {"WWW-Authenticate": 'Bearer realm="mrlx-coordinator"'},
-                )
+            return await handler(request)  # open: a signed request gets the details, others do not
+        if problem is not None:
+            status, message = problem
+            raise HttpProblem(
+                status,
+                message,
+                {"Retry-After": "0"} if status == 503 else {"WWW-Authenticate": CHALLENGE},
+            )
         for param, what in (("consumer", "consumer"), ("agent", "agent")):
             # an unknown path is 404 whatever the body (checked again by the handler)
             if param in request.match_info and "run" in request.match_info:
@@ -567,6 +614,59 @@ class Coordinator:
             self._check_run(request.match_info["run"])
             self._record_identity(request)
         return await handler(request)
+
+    def _authenticate(self, request: web.Request) -> tuple[int, str] | None:
+        """Check a request's signature (with a token configured): None when it may go on, else the
+        status and message of its refusal. A request whose MAC matches is marked (its nonce kept
+        on it), and its answer is signed even when it is refused for its time or as a replay."""
+        if self._keys is None:
+            return None
+        # The path as the request line carries it (query included), as the client signed it.
+        nonce, problem, stamp = check_request(
+            self._keys[0], request.method, request.raw_path, request.headers
+        )
+        if nonce is None:
+            return 401, (
+                f"{problem}: every call but /health and /openapi.json must be signed with keys derived from "
+                f"the run's token ({SCHEME}: the headers X-Mrlx-Time, X-Mrlx-Nonce, {CONTENT_HEADER} and "
+                "X-Mrlx-Signature, see /openapi.json); the plugin's client signs its calls, and "
+                "`mrlx coordinator call METHOD PATH` signs one from a shell"
+            )
+        request[NONCE_KEY] = nonce
+        now = time.time()
+        if abs(now - stamp) > MAX_SKEW_S:
+            return 401, (
+                f"the request's X-Mrlx-Time is {stamp - now:+.0f} s from the coordinator's clock (at most "
+                f"{MAX_SKEW_S:.0f} s either way): synchronise the clocks of the client's and the "
+                "coordinator's hosts"
+            )
+        seen = self._replays.admit(nonce, stamp, now)
+        if seen == "replay":
+            return 401, "the request's X-Mrlx-Nonce was used before: a replayed request is refused"
+        if seen == "forgotten":
+            return 503, (
+                "the request is older than those the coordinator can still tell from replays: sign it afresh"
+            )
+        request[CONTENT_KEY] = request.headers[CONTENT_HEADER].strip().lower()
+        return None
+
+    async def _check_content(self, request: web.Request, body: bytes | memoryview) -> None:
+        """The body of a signed request must be the one its signature names (hashed on a worker
+        thread when large)."""
+        expected = request.get(CONTENT_KEY)
+        if expected is None:
+            return
+        if len(body) > (256 << 10):
+            given = await asyncio.get_running_loop().run_in_executor(self._cpu, content_sha256, body)
+        else:
+            given = content_sha256(body)
+        if given != expected:
+            raise HttpProblem(
+                401,
+                f"{request.method} {request.path}: the body is not the one the request's signed "
+                f"{CONTENT_HEADER} names (changed or cut on the way); nothing was done",
+                {"WWW-Authenticate": CHALLENGE},
+            )
 
     def _check_run(self, run: str) -> None:
         if run != self.config.run_id:
@@ -629,7 +729,9 @@ class Coordinator:
             await self._flush_heartbeats()
 
     async def _read_json(self, request: web.Request, model: type[B]) -> B:
-        return parse_body(await request.read(), model, f"{request.method} {request.path}")
+        raw = await request.read()
+        await self._check_content(request, raw)
+        return parse_body(raw, model, f"{request.method} {request.path}")
 
     @staticmethod
     def _json(data: Any, status: int = 200) -> web.Response:
@@ -645,9 +747,16 @@ class Coordinator:
 
     # ----------------------------------------------------------------- unauthenticated
 
+    def _authenticated(self, request: web.Request) -> bool:
+        """Signed with the token (or no token is configured): may learn the run's details."""
+        return self._keys is None or request.get(CONTENT_KEY) is not None
+
     async def health(self, request: web.Request) -> web.Response:
+        if not self._authenticated(request):
+            return self._json({"ok": True})  # alive, and nothing about the run
         return self._json(
             {
+                "ok": True,
                 "status": "ok",
                 "run_id": self.config.run_id,
                 "uptime_s": round(time.time() - self.started, 3),
@@ -656,6 +765,8 @@ class Coordinator:
         )
 
     async def openapi(self, request: web.Request) -> web.Response:
+        if not self._authenticated(request):
+            return self._json(openapi_document())
         return self._json(openapi_document(self.config.run_id, self.agents))
 
     # ----------------------------------------------------------------- queues
@@ -691,8 +802,14 @@ class Coordinator:
 
     def _scan(self, body: memoryview, consumer: str) -> FrameView:
         """Read and check a commit's frame, and cut it into the records the store keeps (on a
-        worker thread: the arrays are checked and copied here, not on the event loop)."""
-        frame = scan_frame(body)
+        worker thread: the arrays are checked and copied here, not on the event loop). The frame's
+        limits are checked as its messages are read, so that memory follows the bytes accepted."""
+        limits = FrameLimits(
+            max_message_bytes=MAX_FRAME_MESSAGE_BYTES,
+            max_batches=MAX_FRAME_BATCHES,
+            max_items=min(MAX_COMMIT_ITEMS, self.config.max_depth),  # more could never be queued at once
+        )
+        frame = scan_frame(body, limits)
         for record in frame.records:
             producer = record.meta["producer"]
             if producer not in self.agents:
@@ -710,10 +827,13 @@ class Coordinator:
         body, buf = await self._read_body(request)
         reusable = True
         try:
+            await self._check_content(request, body)
             try:
                 frame = await asyncio.get_running_loop().run_in_executor(
                     self._cpu, self._scan, body, consumer
                 )
+            except FrameTooLarge as exc:
+                raise HttpProblem(413, f"commit to {consumer!r} rejected, nothing written: {exc}") from None
             except WireError as exc:
                 raise HttpProblem(422, f"commit to {consumer!r} rejected, nothing written: {exc}") from None
             outcome = await self.store.commit(consumer, frame.records, time.time(), self.config.max_depth)
@@ -824,6 +944,13 @@ class Coordinator:
         # The stored records go out as they are, one write each: no frame is assembled in memory.
         response = web.StreamResponse(headers={LEASE_HEADER: grant.lease_id, "Content-Type": CONTENT_TYPE})
         response.content_length = len(head) + sum(len(record) for record in flat) + len(END_OF_STREAM)
+        if request.get(NONCE_KEY) is not None:  # the proof covers the body: hashed before it is sent
+            pieces = [head, *flat, END_OF_STREAM]
+            if response.content_length > (256 << 10):
+                content = await asyncio.get_running_loop().run_in_executor(self._cpu, _sha256_of, pieces)
+            else:
+                content = _sha256_of(pieces)
+            self._prove(request, response, content)
         try:
             await response.prepare(request)
             await response.write(head)
@@ -1117,6 +1244,19 @@ def body_schema(model: type[Body]) -> dict[str, Any]:
     return _openapi30(model.model_json_schema())
 
 
+SIGNATURE_SCHEME_TEXT = (
+    f"{SCHEME}: the token never travels. Keys: client_key = HMAC-SHA256(token, 'mrlx client'), "
+    "server_key = HMAC-SHA256(token, 'mrlx server'). A request carries X-Mrlx-Time (Unix seconds, within "
+    f"{MAX_SKEW_S:.0f} s of the coordinator's clock), X-Mrlx-Nonce (16 to 64 hex digits, never reused), "
+    "X-Mrlx-Content-Sha256 (hex SHA-256 of the body, of nothing when there is none) and X-Mrlx-Signature = "
+    "hex HMAC-SHA256(client_key, 'mrlx-v1' LF METHOD LF PATH LF NONCE LF TIME LF CONTENT_SHA256), PATH as on "
+    "the request line. Every answer to a request signed so carries X-Mrlx-Proof = hex HMAC-SHA256("
+    "server_key, 'mrlx-v1' LF NONCE LF STATUS LF hex SHA-256 of the answer body); use no answer without "
+    "it. `mrlx coordinator call METHOD PATH` makes one signed call from a shell; mrlx_plugin.link.auth "
+    "has the code."
+)
+
+
 def openapi_document(run_id: str | None = None, agents: list[str] | None = None) -> dict[str, Any]:
     """The OpenAPI 3.0 description of every route in `ROUTES` (served auth-free at /openapi.json),
     request bodies from their models.
@@ -1164,12 +1304,19 @@ def openapi_document(run_id: str | None = None, agents: list[str] | None = None)
         "openapi": "3.0.3",
         "info": {"title": "mrlx coordinator", "version": "1"},
         "components": {
-            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+            "securitySchemes": {
+                "mrlxSignature": {
+                    "type": "apiKey",
+                    "in": "header",
+                    "name": "X-Mrlx-Signature",
+                    "description": SIGNATURE_SCHEME_TEXT,
+                }
+            },
             "schemas": {
                 "Error": {"type": "object", "properties": {"error": {"type": "string"}}, "required": ["error"]}
             },
         },
-        "security": [{"bearer": []}],
+        "security": [{"mrlxSignature": []}],
         "paths": paths,
     }
 
@@ -1192,16 +1339,23 @@ def add_coordinator_arguments(parser: argparse.ArgumentParser) -> argparse.Argum
     )
     parser.add_argument("--port", type=int, default=18888, help="port (0: any free port, see --port-file)")
     parser.add_argument(
-        "--token-env", default="MRLX_TOKEN", help="environment variable holding the bearer token"
+        "--token-env", default="MRLX_TOKEN", help="environment variable holding the run's token (calls are "
+        "signed with keys derived from it; the token itself never travels)"
     )
     parser.add_argument(
-        "--token-file", default=None, help="file holding the bearer token (instead of --token-env)"
+        "--token-file", default=None, help="file holding the run's token (instead of --token-env)"
     )
     parser.add_argument(
         "--max-depth", type=int, default=65536, help="most unacked items per queue before commits get 429"
     )
     parser.add_argument(
-        "--max-request-mb", type=float, default=512.0, help="largest request body in MB (413 above)"
+        "--max-request-mb",
+        type=float,
+        default=512.0,
+        help="largest request body in MB (413 above). A commit's frame also gets 413, before any item "
+        f"is unpacked, past {MAX_COMMIT_ITEMS} items (or --max-depth when lower), {MAX_FRAME_BATCHES} "
+        f"record batches, or {MAX_FRAME_MESSAGE_BYTES >> 10} KiB of metadata in one message (the frame "
+        "header's included)",
     )
     parser.add_argument("--port-file", default=None, help="write the bound port to this file once ready")
     parser.add_argument(
@@ -1453,10 +1607,18 @@ async def serve(config: CoordinatorConfig, *, stop: asyncio.Event | None = None)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`mrlx coordinator ...`: parse options, check them, serve until interrupted."""
+    """`mrlx coordinator ...`: parse options, check them, serve until interrupted (`mrlx coordinator
+    call METHOD PATH`: one signed request to a running coordinator, see `mrlx_plugin.link.auth`)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["call"]:
+        from mrlx_plugin.link.auth import call_main
+
+        return call_main(argv[1:])
     parser = add_coordinator_arguments(
         argparse.ArgumentParser(
-            prog="mrlx coordinator", description="Run the mrlx coordinator for one training run."
+            prog="mrlx coordinator",
+            description="Run the mrlx coordinator for one training run. (`mrlx coordinator call METHOD PATH "
+            "--url URL`: send one signed request to a running one and print its answer; see its --help.)",
         )
     )
     args = parser.parse_args(argv)

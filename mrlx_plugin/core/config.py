@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
 import os
 import re
 import reprlib
@@ -125,14 +126,59 @@ def _yaml_number(value: Any) -> Any:
     # YAML 1.1 reads 3e-4 (no dot) as a string: take it as the number meant.
     if isinstance(value, str):
         try:
-            return float(value)
+            value = float(value)
         except ValueError:
             pass
+    # Checked before any bound: NaN passes every comparison, and infinity reads as "too large".
+    if isinstance(value, float) and not math.isfinite(value):
+        raise PydanticCustomError("finite_number", "Input should be a finite number")
     return value
 
 
 Text = Annotated[str, AfterValidator(_expand_env)]  # every string setting may name ${VARIABLES}
-Number = Annotated[float, BeforeValidator(_yaml_number)]
+# Every number a setting holds is finite: YAML's .inf and .nan are no timeout, weight or temperature.
+Number = Annotated[float, Field(allow_inf_nan=False), BeforeValidator(_yaml_number)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Bounds: each number has the range a user would expect, checked when the file is read (by `mrlx
+# check` and at start-up alike), so that a value past one is refused naming its key instead of
+# failing, or quietly costing the run its time, when it is used
+# ---------------------------------------------------------------------------------------------
+
+DAY_S = 86_400
+INT32_MAX = 2**31 - 1  # what SGLang and torch read token counts and ids as
+# The coordinator's own bounds on a lease (mrlx_plugin.coordinator.server refuses any other).
+MIN_LEASE_S, MAX_LEASE_S = 0.05, 7 * DAY_S
+
+
+class Why(str):
+    """Why a setting has its upper bound; a message about a value past it says so."""
+
+
+def bounded(kind: type, *, ge: float | None = None, gt: float | None = None, le: float | None = None,
+            lt: float | None = None, why: str | None = None) -> Any:
+    """`kind` (int, or float: finite, and read as YAML writes numbers) within the bounds given, as
+    an annotated type: the bounds are pydantic's own (they show in the JSON Schema and the
+    reference), `why` says what an upper bound protects."""
+    # The bounds before the validator: pydantic then puts them in the JSON Schema as minimum/maximum.
+    meta: list[Any] = [Field(ge=ge, gt=gt, le=le, lt=lt)]
+    if kind is float:
+        meta = [Field(ge=ge, gt=gt, le=le, lt=lt, allow_inf_nan=False), BeforeValidator(_yaml_number)]
+    return Annotated[(kind, *meta, *([Why(why)] if why else []))]
+
+
+_SECONDS_WHY = "a day; these are seconds, and a longer wait only hides a run that has stopped"
+Seconds = bounded(float, gt=0, le=DAY_S, why=_SECONDS_WHY)  # a timeout or deadline
+Pause = bounded(float, ge=0, le=DAY_S, why=_SECONDS_WHY)  # a wait between tries (0: none)
+Tokens = bounded(int, ge=1, le=INT32_MAX, why="the engine reads token counts as 32-bit integers")
+TURNS_WHY = "each turn is one more model call, and the transcript grows with each"
+
+
+def _top_k(value: int) -> int:
+    if value != -1 and value < 1:
+        raise _problem(f"got {value}; expected -1 (every token) or at least 1")
+    return value
 
 
 # ---------------------------------------------------------------------------------------------
@@ -156,14 +202,16 @@ class SamplingSettings(_Section):
     """Per-agent overrides of the host's sampling parameters (None keeps the host's value)."""
 
     # The bounds go inside the optional type, where the JSON Schema shows them.
-    temperature: Annotated[float, Field(ge=0), BeforeValidator(_yaml_number)] | None = Field(
-        None, description="sampling temperature (0 or more)")
-    top_p: Annotated[float, Field(gt=0, le=1), BeforeValidator(_yaml_number)] | None = Field(
-        None, description="nucleus sampling mass, in (0, 1]")
-    top_k: int | None = Field(None, description="sample from the k likeliest tokens")
-    max_new_tokens: int | None = Field(None, ge=1, description="per-turn cap on generated tokens")
+    temperature: bounded(float, ge=0) | None = Field(None, description="sampling temperature (0: greedy)")
+    top_p: bounded(float, gt=0, le=1) | None = Field(None, description="nucleus sampling mass")
+    top_k: Annotated[bounded(int, ge=-1, le=INT32_MAX, why="the engine reads it as a 32-bit integer"),
+                     AfterValidator(_top_k)] | None = Field(
+        None, description="sample from the k likeliest tokens, 1 or more (-1: every token)")
+    max_new_tokens: Tokens | None = Field(None, description="per-turn cap on generated tokens")
     stop: list[Text] | None = Field(None, description="strings that end a turn")
-    stop_token_ids: list[int] | None = Field(None, description="token ids that end a turn")
+    stop_token_ids: list[bounded(int, ge=0, le=INT32_MAX, why="the engine reads token ids as 32-bit "
+                                                                "integers")] | None = Field(
+        None, description="token ids that end a turn")
 
 
 class AgentSettings(_Section):
@@ -209,17 +257,19 @@ class AgentSettings(_Section):
 class EngineSettings(_Section):
     """How the engine client talks to `/generate` (applies to every agent)."""
 
-    request_timeout_s: Number = Field(900.0, gt=0, description="one `/generate` call, connect to last byte")
-    connect_timeout_s: Number = Field(10.0, gt=0, description="opening a connection to an engine")
-    max_retries: int = Field(
-        3, ge=0, description="retries after the first try, for 5xx/429, broken JSON, resets, timeouts")
-    backoff_s: Number = Field(0.5, description="first wait between tries; doubles each time, with jitter")
-    max_backoff_s: Number = Field(8.0, description="cap on the wait between tries")
-    abort_retry_wait_s: Number = Field(2.0, description="wait before retrying a turn a peer engine aborted")
-    peer_deadline_s: Number = Field(
-        600.0, gt=0, description="give up on an aborting/unreachable peer after this long")
-    max_connections: int = Field(1024, description="connection pool size per engine URL")
-    sampling_seed: int | None = Field(
+    request_timeout_s: Seconds = Field(900.0, description="one `/generate` call, connect to last byte")
+    connect_timeout_s: Seconds = Field(10.0, description="opening a connection to an engine")
+    max_retries: bounded(int, ge=0, le=100, why="each retry waits up to max_backoff_s: more only keeps "
+                                               "calling an engine that is down") = Field(
+        3, description="retries after the first try, for 5xx/429, broken JSON, resets, timeouts")
+    backoff_s: Pause = Field(0.5, description="first wait between tries; doubles each time, with jitter")
+    max_backoff_s: Pause = Field(8.0, description="cap on the wait between tries")
+    abort_retry_wait_s: Pause = Field(2.0, description="wait before retrying a turn a peer engine aborted")
+    peer_deadline_s: Seconds = Field(
+        600.0, description="give up on an aborting/unreachable peer after this long")
+    max_connections: bounded(int, ge=1, le=65_535, why="each open connection takes a local port") = Field(
+        1024, description="connection pool size per engine URL")
+    sampling_seed: bounded(int, ge=0, le=2**63 - 1, why="it is sent as a 64-bit integer") | None = Field(
         None, description="send each call a `sampling_seed` derived from this, the episode and the turn "
                           "(SGLang honours it with deterministic inference; the embedded engine always)")
 
@@ -227,16 +277,18 @@ class EngineSettings(_Section):
 class PipelineSettings(_Section):
     """The solver -> rewriter -> selector system (agents `solver`, `rewriter`, `selector`)."""
 
-    num_parallel: int = Field(5, description="solvers, and rewriters, per episode (at least 1)")
-    correct_weight: Number = Field(
-        1.2, description="team weight when the selected answer is right (0 or more)")
-    incorrect_weight: Number = Field(
-        0.8, description="team weight when it is wrong or none was selected (0 or more)")
+    num_parallel: bounded(int, ge=1, le=256, why="each is a solver and a rewriter call per episode, and the "
+                                                 "selector reads every one in one prompt") = Field(
+        5, description="solvers, and rewriters, per episode")
+    correct_weight: bounded(float, ge=0) = Field(
+        1.2, description="team weight when the selected answer is right")
+    incorrect_weight: bounded(float, ge=0) = Field(
+        0.8, description="team weight when it is wrong or none was selected")
     weighting: Literal["offset", "multiplicative", "none"] = Field(
         "offset", description="how the team weight meets each sample's own reward: `offset` adds weight - 1 "
                               "(wrong answers also feel the team outcome), `multiplicative` multiplies, "
                               "`none` leaves rewards unweighted")
-    max_solution_tokens: int | None = Field(
+    max_solution_tokens: Tokens | None = Field(
         None, description="cut each solution quoted to the rewriters and the selector to its last N tokens")
 
 
@@ -247,16 +299,17 @@ class RewardSettings(_Section):
         "independent", description="episode reward shaping for systems other than the pipeline")
     coupling: dict[str, dict[str, Number]] = Field(
         default_factory=dict, description="`asymmetric` shaping: `agent: {agent: weight}` rows")
-    grade_timeout_s: Number = Field(
+    grade_timeout_s: Seconds = Field(
         30.0, description="deadline of one grade (above the math verifier's own 10 s, which scores a hung "
                           "parse 0); a grade past it aborts the episode")
     credit: Literal["episode", "turn"] = Field(
         "episode", description="`episode`: one sample per transcript (all of an agent's turns, one reward); `turn`: "
                                "one sample per model turn, its reward the turn's own plus the discounted outcome, "
                                "normalised per (prompt group, agent, role, turn index)")
-    gamma: Number = Field(
-        1.0, description="`credit: turn`: discount per turn by which the outcome reaches earlier turns (0 to 1)")
-    branch: int = Field(
+    gamma: bounded(float, ge=0, le=1, why="a discount: more than 1 would weigh the outcome more the "
+                                           "further a turn is from it") = Field(
+        1.0, description="`credit: turn`: discount per turn by which the outcome reaches earlier turns")
+    branch: bounded(int, ge=1, le=64, why="each candidate is one more model call per trainable turn") = Field(
         1, description="`credit: turn`: candidates sampled per trainable turn from one context (tree sampling); "
                        "the K are scored, trained as one advantage group, and the episode goes on from one")
     branch_pick: Literal["best", "sample"] = Field(
@@ -267,7 +320,7 @@ class RewardSettings(_Section):
 class DialogueSettings(_Section):
     first: Text | None = Field(None, description="who speaks first; none = the first agent listed")
     order: list[Text] | None = Field(None, description="turn order; none = the agents in the order listed")
-    max_turns: int = Field(8, description="turn limit (at least 1)")
+    max_turns: bounded(int, ge=1, le=1024, why=TURNS_WHY) = Field(8, description="turn limit")
     stop_patterns: dict[str, Text] = Field(
         default_factory=dict, description="agent -> regular expression that ends the episode")
     final_answer_agent: Text | None = Field(
@@ -291,7 +344,8 @@ class GameSettings(_Section):
     opponents: list[Text] = Field(
         default_factory=list, description="the opponent pool of a `pool` seat: agents (frozen models, past "
                                           "checkpoints behind their own URL) or `script:NAME` players")
-    max_turns: int = Field(16, description="moves per episode, all seats together (at least 1)")
+    max_turns: bounded(int, ge=1, le=1024, why=TURNS_WHY) = Field(
+        16, description="moves per episode, all seats together")
     illegal_penalty: Number = Field(
         -1.0, description="outcome of a seat whose move is illegal (the episode ends there; counted)")
     options: dict[str, Any] = Field(default_factory=dict, description="the game's own options (see the game)")
@@ -303,7 +357,7 @@ class DebateSettings(_Section):
     debaters: list[Text] | None = Field(
         None, description="the two debating agents, first speaker first; none = the first two agents listed")
     judge: Text | None = Field(None, description="the judging agent (usually `trainable: false`); none = the third agent")
-    rounds: int = Field(2, description="speeches per debater (at least 1)")
+    rounds: bounded(int, ge=1, le=512, why=TURNS_WHY) = Field(2, description="speeches per debater")
     win_reward: Number = Field(1.0, description="outcome of the debater the judge picks")
     lose_reward: Number = Field(-0.5, description="outcome of the other debater")
 
@@ -314,43 +368,55 @@ class CoordinatorSettings(_Section):
     token_env: Text = Field(
         "MRLX_TOKEN", description="environment variable this job reads the coordinator's token from")
     token_file: Text | None = Field(None, description="file this job reads the coordinator's token from")
-    max_staleness: int = Field(
-        1, ge=0, description="how many versions the initiator may run ahead of a peer")
-    wait_deadline_s: Number = Field(1800.0, gt=0, description="how long a barrier or lease wait may take")
-    lease_s: Number = Field(600.0, gt=0, description="length of a lease on delivered samples")
-    request_timeout_s: Number = Field(60.0, gt=0, description="one coordinator call")
-    outage_deadline_s: Number = Field(
-        600.0, gt=0, description="each coordinator call rides out an outage this long, then fails")
+    max_staleness: bounded(int, ge=0, le=1024, why="every version the initiator runs ahead keeps its samples "
+                                                   "queued for the peer") = Field(
+        1, description="how many versions the initiator may run ahead of a peer")
+    wait_deadline_s: Seconds = Field(1800.0, description="how long a barrier or lease wait may take")
+    lease_s: bounded(float, ge=MIN_LEASE_S, le=MAX_LEASE_S,
+                     why="a week; the coordinator refuses a longer lease") = Field(
+        600.0, description="length of a lease on delivered samples")
+    request_timeout_s: Seconds = Field(60.0, description="one coordinator call")
+    outage_deadline_s: Seconds = Field(
+        600.0, description="each coordinator call rides out an outage this long, then fails")
+
+
+_LR_WHY = "a step as large as the weights themselves diverges at once"
+_BETA_WHY = "torch's Adam needs a beta below 1; at 1 it would never forget a gradient"
 
 
 class TrainerSettings(_Section):
     """The embedded CPU trainer's loss and optimizer (`mrlx_plugin.local.trainer`); slime jobs
     ignore this section (their own flags of the same names apply)."""
 
-    lr: Number = Field(1e-4, description="learning rate")
-    lr_warmup_steps: int = Field(
+    lr: bounded(float, ge=0, le=1, why=_LR_WHY) = Field(1e-4, description="learning rate")
+    lr_warmup_steps: bounded(int, ge=0) = Field(
         0, description="RL steps over which the learning rate rises linearly from lr / steps to lr")
     lr_decay_style: Literal["constant", "cosine"] = Field(
         "constant", description="after warm-up: keep lr, or cosine down to lr_min")
-    lr_min: Number = Field(0.0, description="the learning rate cosine decay ends at")
-    eps_clip: Number = Field(0.2, description="PPO clip range below 1")
-    eps_clip_high: Number = Field(0.28, description="PPO clip range above 1")
-    kl_coef: Number = Field(0.0, description="KL to the initial (reference) model, low-variance estimator")
-    weight_decay: Number = Field(0.0, description="AdamW weight decay")
-    adam_beta1: Number = Field(0.9, description="Adam beta1")
-    adam_beta2: Number = Field(0.98, description="Adam beta2")
+    lr_min: bounded(float, ge=0, le=1, why=_LR_WHY) = Field(
+        0.0, description="the learning rate cosine decay ends at")
+    eps_clip: bounded(float, ge=0, le=1, why="the ratio's lower clip is 1 - eps_clip, which must stay 0 or "
+                                              "more") = Field(0.2, description="PPO clip range below 1")
+    eps_clip_high: bounded(float, ge=0) = Field(0.28, description="PPO clip range above 1")
+    kl_coef: bounded(float, ge=0) = Field(
+        0.0, description="KL to the initial (reference) model, low-variance estimator")
+    weight_decay: bounded(float, ge=0) = Field(0.0, description="AdamW weight decay")
+    adam_beta1: bounded(float, ge=0, lt=1, why=_BETA_WHY) = Field(0.9, description="Adam beta1")
+    adam_beta2: bounded(float, ge=0, lt=1, why=_BETA_WHY) = Field(0.98, description="Adam beta2")
     # A large epsilon scales Adam's steps with the gradient where the gradient is tiny: RL's noisy
     # small gradients then do not push every weight by a full `lr` (which wrecks small models).
-    adam_eps: Number = Field(
+    adam_eps: bounded(float, gt=0) = Field(
         1e-8, description="Adam epsilon (a large one keeps tiny noisy gradients from moving every weight by "
                           "a full lr)")
-    max_grad_norm: Number = Field(1.0, description="gradient clipping norm")
-    micro_batch_size: int = Field(32, description="samples per forward/backward pass")
-    ppo_epochs: int = Field(1, description="passes over each step's samples")
-    warmup_sft_steps: int = Field(
+    max_grad_norm: bounded(float, gt=0) = Field(1.0, description="gradient clipping norm")
+    micro_batch_size: bounded(int, ge=1) = Field(32, description="samples per forward/backward pass")
+    ppo_epochs: bounded(int, ge=1) = Field(1, description="passes over each step's samples")
+    warmup_sft_steps: bounded(int, ge=0) = Field(
         0, description="supervised warm-start steps on the task's format before RL")
-    warmup_sft_lr: Number = Field(3e-3, description="learning rate of the supervised warm-start")
-    threads: int = Field(1, description="torch threads per trainer")
+    warmup_sft_lr: bounded(float, ge=0, le=1, why=_LR_WHY) = Field(
+        3e-3, description="learning rate of the supervised warm-start")
+    threads: bounded(int, ge=1, le=1024, why="torch threads per trainer: more than the machine's cores only "
+                                             "slows it") = Field(1, description="torch threads per trainer")
 
 
 class _AnyKey(dict):
@@ -450,22 +516,12 @@ def _cross_problems(s: Settings, path: str, known_systems: set[str] | None) -> l
         if missing:
             errors.append(f"{path}.agents: the pipeline system needs agents {', '.join(PIPELINE_AGENTS)}; "
                           f"missing {', '.join(missing)} (add e.g. `{missing[0]}: {{url: self}}`)")
-        p = s.pipeline
-        if p.num_parallel < 1:
-            errors.append(f"{path}.pipeline.num_parallel: got {p.num_parallel}; expected at least 1")
-        for key in ("correct_weight", "incorrect_weight"):
-            if getattr(p, key) < 0:
-                errors.append(f"{path}.pipeline.{key}: got {getattr(p, key)}; expected 0 or more")
     if s.system == "dialogue":
         errors += _dialogue_problems(s, f"{path}.dialogue", names)
         if len(names) < 2:
             errors.append(f"{path}.agents: the dialogue system needs at least two agents; got {len(names)}")
     r = s.rewards
-    if not 0.0 <= r.gamma <= 1.0:
-        errors.append(f"{path}.rewards.gamma: got {r.gamma}; expected a number from 0 to 1")
-    if r.branch < 1:
-        errors.append(f"{path}.rewards.branch: got {r.branch}; expected at least 1 (1: no tree sampling)")
-    elif r.branch > 1 and r.credit != "turn":
+    if r.branch > 1 and r.credit != "turn":
         errors.append(f"{path}.rewards.branch: {r.branch} candidates per turn are trained as one group per turn; "
                       f"set {path}.rewards.credit: turn (or branch: 1)")
     if s.system == "game":
@@ -513,8 +569,6 @@ def _game_problems(s: Settings, path: str, names: list[str]) -> list[str]:
         check_player(f"{path}.opponents[{i}]", who, pool_ok=False)
     if g.seats is not None and len(g.seats) < 1:
         errors.append(f"{path}.seats: list at least one seat")
-    if g.max_turns < 1:
-        errors.append(f"{path}.max_turns: got {g.max_turns}; expected at least 1")
     return errors
 
 
@@ -532,8 +586,6 @@ def _debate_problems(s: Settings, path: str, names: list[str]) -> list[str]:
         errors.append(f"{path}.judge: {_show(judge)} is not an agent {agents}")
     elif judge in debaters:
         errors.append(f"{path}.judge: {_show(judge)} also debates; the judge must be another agent")
-    if d.rounds < 1:
-        errors.append(f"{path}.rounds: got {d.rounds}; expected at least 1")
     return errors
 
 
@@ -562,8 +614,6 @@ def _dialogue_problems(s: Settings, path: str, names: list[str]) -> list[str]:
         except (KeyError, IndexError, ValueError, AttributeError) as exc:
             errors.append(f"{path}.openings.{who}: cannot fill in {exc}; use {{problem}}, {{label}} or "
                           "{metadata[KEY]} (double the braces for literal ones)")
-    if d.max_turns < 1:
-        errors.append(f"{path}.max_turns: got {d.max_turns}; expected at least 1")
     return errors
 
 
@@ -637,6 +687,38 @@ def _type_name(tp: Any, plural: bool = False) -> str:
     return _NAMES[tp][plural] if tp in _NAMES else str(tp)
 
 
+def _why_at(loc: tuple) -> str | None:
+    """What the upper bound of the setting at a pydantic error's location protects: the `Why` in
+    its type (in the field's own metadata, or inside `X | None` and list items)."""
+    tp: Any = Settings
+    found: list[Any] = []
+    for part in loc:
+        tp = _unwrap(tp)
+        if isinstance(tp, type) and issubclass(tp, BaseModel):
+            fields = {f.alias or name: f for name, f in tp.model_fields.items()}
+            if part not in fields:
+                return None
+            tp, found = fields[part].annotation, list(fields[part].metadata)
+        elif typing.get_origin(tp) in (dict, list):
+            tp, found = typing.get_args(tp)[-1], []
+        else:
+            return None
+    todo = [tp]
+    while todo:
+        tp = todo.pop()
+        if typing.get_origin(tp) is Annotated:
+            found += typing.get_args(tp)[1:]
+            todo.append(typing.get_args(tp)[0])
+        elif typing.get_origin(tp) in (Union, types.UnionType):
+            todo += typing.get_args(tp)
+    return next((str(m) for m in found if isinstance(m, Why)), None)
+
+
+def _bound(value: Any) -> Any:
+    """A bound as a message shows it: 86400, not 86400.0."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
 def _dotted(loc: tuple) -> str:
     out = TOP_KEY
     for part in loc:
@@ -658,15 +740,19 @@ def _message(error: dict) -> list[str]:
     if kind == "extra_forbidden":
         model = _type_at(loc[:-1])
         return [_unknown_key(path, loc[-1], model)]
+    unit = " of seconds" if str(loc[-1]).endswith("_s") else ""
     if kind == "greater_than_equal":
-        bound = "0 or more" if ctx["ge"] == 0 else f"at least {ctx['ge']}"
+        bound = "0 or more" if ctx["ge"] == 0 else f"at least {_bound(ctx['ge'])}"
         return [f"{path}: got {_show(value)}; expected {bound}"]
     if kind == "greater_than":
-        unit = " of seconds" if str(loc[-1]).endswith("_s") else ""
         return [f"{path}: got {_show(value)}; expected " +
-                (f"a positive number{unit}" if ctx["gt"] == 0 else f"more than {ctx['gt']}")]
-    if kind == "less_than_equal":
-        return [f"{path}: got {_show(value)}; expected at most {ctx['le']}"]
+                (f"a positive number{unit}" if ctx["gt"] == 0 else f"more than {_bound(ctx['gt'])}")]
+    if kind in ("less_than_equal", "less_than"):
+        bound = f"at most {_bound(ctx['le'])}" if "le" in ctx else f"less than {_bound(ctx['lt'])}"
+        why = _why_at(loc)
+        return [f"{path}: got {_show(value)}; expected {bound}" + (f" ({why})" if why else "")]
+    if kind == "finite_number":
+        return [f"{path}: got {_show(value)}; expected a finite number{unit}"]
     if kind in ("literal_error", "bool_type"):
         return [f"{path}: got {_show(value)}; expected {_type_name(_type_at(loc))}"]
     if kind in ("model_type", "model_attributes_type"):
@@ -755,9 +841,42 @@ def _reference_rows(model: type[BaseModel], prefix: str) -> list[tuple[str, str,
             rows += _reference_rows(inner, f"{path}.NAME")
         else:
             default = f.get_default(call_default_factory=True)
-            kind = "any mapping" if name == "extra" else _type_name(tp) + (" or null" if optional else "")
-            rows.append((path, kind, json.dumps(default), f.description or ""))
+            bounds, why = _bounds_text(f)
+            kind = _type_name(tp) + bounds + (" or null" if optional else "")
+            kind = "any mapping" if name == "extra" else kind
+            meaning = (f.description or "") + (f" (the limit: {why})" if why else "")
+            rows.append((path, kind, json.dumps(default), meaning))
     return rows
+
+
+def _bounds_text(f: Any) -> tuple[str, str | None]:
+    """A field's bounds as the reference writes them after its type (` from 1 to 64`), and what
+    its upper bound protects."""
+    found: dict[str, Any] = {}
+    why = None
+    todo: list[Any] = [*f.metadata, f.annotation]
+    while todo:
+        item = todo.pop()
+        origin = typing.get_origin(item)
+        if origin is Annotated:
+            todo += typing.get_args(item)
+        elif origin in (Union, types.UnionType, list):
+            todo += typing.get_args(item)
+        elif isinstance(item, Why):
+            why = str(item)
+        elif hasattr(item, "metadata") and not isinstance(item, type):  # a FieldInfo inside Annotated
+            todo += item.metadata
+        else:
+            found.update({k: _bound(getattr(item, k)) for k in ("ge", "gt", "le", "lt") if hasattr(item, k)})
+    low = f"from {found['ge']}" if "ge" in found else f"more than {found['gt']}" if "gt" in found else ""
+    high = f"at most {found['le']}" if "le" in found else f"less than {found['lt']}" if "lt" in found else ""
+    if "ge" in found and "le" in found:
+        return f" ({found['ge']} to {found['le']})", why
+    if low and high:
+        return f" ({low}, {high})", why
+    if "ge" in found:
+        return f" ({found['ge']} or more)", why
+    return (f" ({low or high})" if low or high else ""), why
 
 
 def settings_reference_markdown() -> str:
@@ -1039,7 +1158,11 @@ def read_text_setting(value: str | None, base: Path | None = None, key: str = "s
         candidate = base / candidate
     # The file as a message may name it (a path from the environment stays `${NAME}`).
     file = _show(value) if isinstance(value, EnvValue) else str(candidate)
-    if candidate.is_file():
+    try:
+        is_file = candidate.is_file()
+    except OSError:  # e.g. a one-line text longer than a file name may be (ENAMETOOLONG): not a path
+        return value
+    if is_file:
         try:
             return candidate.read_text()
         except (OSError, UnicodeDecodeError) as exc:

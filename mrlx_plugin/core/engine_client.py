@@ -5,7 +5,10 @@ connections) per event loop, so a rollout reuses its connections across thousand
 Every call has a deadline and a cap on the size of the answer. Faults that may pass (connection
 resets, timeouts, HTTP 5xx/429, an answer that is not valid HTTP, not the protocol's JSON or
 larger than the cap) are retried a bounded number of times with exponential backoff and jitter
-(`mrlx_plugin.core.retry`); the rest raise `EngineError` at once.
+(`mrlx_plugin.core.retry`); the rest raise `EngineError` at once. An answer larger than its
+request's `max_new_tokens` allows, in bytes or in JSON values (`answer_limits`), is malformed, and
+refused before it is read in full or parsed: one answer cannot hold the event loop or the
+process's memory for long.
 
 The generated token ids and their log-probs are read from `meta_info.output_token_logprobs`,
 never re-tokenised from text, and checked before anyone trains on them: an answer whose values
@@ -36,8 +39,32 @@ RETRYABLE_STATUS = {429, 500, 502, 503, 504}
 # Log-probs must be <= 0; a sampler's float arithmetic can land a hair above zero for a token of
 # probability ~1. The coordinator accepts the same (mrlx_plugin.link.wire.LOG_PROB_EPSILON).
 LOG_PROB_EPSILON = 1e-3
+# The lowest log-prob accepted. An engine samples a token from a float32 softmax, in which a
+# probability below the smallest positive float32 (about 1.4e-45, log -103.3) is zero and never
+# sampled; a log-prob reported from another distribution than the one sampled from (before the
+# temperature, or for a token a grammar forced) is lower by the logit gap, a few hundred at most
+# for real models. -1e4 accepts all of these and keeps every accepted value, and its difference
+# to any other log-prob, an ordinary float32, while -1e30 makes a trainer's loss infinite and
+# -1e39 is past float32 (the coordinator's frames cannot carry it).
+MIN_LOG_PROB = -1e4
 MAX_TOKEN_ID = 2**31 - 1  # token ids travel as int32 (mrlx_plugin.link.wire)
-MAX_BODY_BYTES = 32 * 1024 * 1024  # a 32k-token answer with its log-probs is about 1.2 MB
+MAX_BODY_BYTES = 32 * 1024 * 1024  # a 32k-token answer with its log-probs is about 1.4 MB
+# What an answer to a request for N new tokens may take: N x ANSWER_BYTES_PER_TOKEN +
+# ANSWER_BYTES_FIXED bytes (never more than the client's `max_answer_bytes`). A token costs its
+# log-prob entry (`[-0.0001234567890123,151643,null],` is 35 bytes), its id where the engine also
+# lists ids, and its text (a few bytes; a vocabulary's longest tokens are about 128; twice with
+# `return_text_in_logprobs`); the fixed part is the meta info (finish reason, counts, latency).
+ANSWER_BYTES_PER_TOKEN = 512
+ANSWER_BYTES_FIXED = 64 * 1024
+# And the JSON values (Python objects, once parsed) it may hold, counted by their delimiters
+# (`_check_values`): a token's entry has 5 (`[`, `]`, two commas and the one after it), the
+# quotes, commas, brackets and colons of its text count too. Bytes alone do not bound the parse:
+# tiny entries (`[0,0],` repeated) make 3 objects of 6 bytes, and building them holds the event
+# loop (orjson keeps the GIL, so parsing in a worker thread would not free it): seconds and over
+# 1 GiB for 32 MiB. Within this allowance a parse builds at most a few times the objects of a
+# real answer of N tokens (benchmarks/answer_stall.py measures the stall).
+ANSWER_VALUES_PER_TOKEN = 32
+ANSWER_VALUES_FIXED = 4096
 # Idle connections are dropped before SGLang's HTTP server (uvicorn, 5 s keep-alive) drops them,
 # so a call rarely lands on a connection the server is closing at that moment.
 KEEPALIVE_S = 4.0
@@ -102,8 +129,11 @@ def parse_generate_response(
 
     Raises _BadResponse for a body that is not the protocol's shape (retried) and _Malformed for
     values that cannot be right: ids that are not integers in [0, 2**31), log-probs that are not
-    finite numbers <= 0, more ids than `max_new_tokens`, counts that are not integers.
+    finite numbers in [MIN_LOG_PROB, 0], more ids than `max_new_tokens`, more JSON values than an
+    answer of `max_new_tokens` tokens holds (checked before parsing), counts that are not integers.
     """
+    if max_new_tokens is not None:
+        _check_values(body, max_new_tokens)
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
@@ -129,6 +159,8 @@ def parse_generate_response(
         raise _BadResponse("meta_info.output_token_logprobs is not a list")
     ids: list[Any] = []
     logprobs: list[Any] = []
+    if max_new_tokens is not None and len(entries) > max_new_tokens:
+        raise _Malformed(f"{len(entries)} tokens for a request of max_new_tokens {max_new_tokens}")
     if entries:
         try:
             columns = list(zip(*entries))  # [(logprob, ...), (token_id, ...), ...] in one C-level pass
@@ -144,8 +176,6 @@ def parse_generate_response(
         low, high = min(ids), max(ids)
         if low < 0 or high > MAX_TOKEN_ID:
             raise _Malformed(f"token id {low if low < 0 else high} is not a token id")
-        if max_new_tokens is not None and len(ids) > max_new_tokens:
-            raise _Malformed(f"{len(ids)} tokens for a request of max_new_tokens {max_new_tokens}")
         kinds = set(map(type, logprobs))
         if kinds != {float}:
             if not kinds <= {float, int}:
@@ -160,11 +190,39 @@ def parse_generate_response(
             raise _Malformed(f"log-prob {top!r} is positive (log-probabilities are <= 0)")
         if not math.isfinite(bottom):
             raise _Malformed(f"log-prob {bottom!r} is not a finite number")
+        if bottom < MIN_LOG_PROB:
+            raise _Malformed(f"log-prob {bottom!r} is below {MIN_LOG_PROB:g}, "
+                             "lower than a sampled token's can be")
     text = data.get("text", "")
     if not isinstance(text, str):
         raise _BadResponse("text is not a string")
     version = meta.get("weight_version")
     return ids, logprobs, text, finish_type, (None if version is None else str(version)), meta
+
+
+def answer_limits(max_new_tokens: int) -> tuple[int, int]:
+    """(bytes, JSON values) an answer to a request for `max_new_tokens` new tokens may have."""
+    return (ANSWER_BYTES_FIXED + ANSWER_BYTES_PER_TOKEN * max_new_tokens,
+            ANSWER_VALUES_FIXED + ANSWER_VALUES_PER_TOKEN * max_new_tokens)
+
+
+_DELIMITERS = b'"[]{},:'
+
+
+def _check_values(body: bytes, max_new_tokens: int) -> None:
+    """Refuse a body that holds more JSON values than an answer of `max_new_tokens` tokens,
+    before any is built. Every value is a string (two quotes), an array or object (its brackets
+    or braces) or a scalar after `[`, `,` or `:`, so the count of these delimiters bounds the
+    values a parse builds (nesting aside, which orjson stops at depth 1024). A body of at most
+    twice the limit in bytes cannot hold more (a value and its separator take two bytes), so most
+    real answers (about 45 bytes a token) are not counted; a count is one C-level pass."""
+    limit = answer_limits(max_new_tokens)[1]
+    if len(body) <= 2 * limit:
+        return
+    count = len(body) - len(body.translate(None, _DELIMITERS))
+    if count > limit:
+        raise _Malformed(f"the answer holds up to {count} JSON values, more than an answer of max_new_tokens "
+                         f"{max_new_tokens} holds ({limit})")
 
 
 def _requested_max(sampling_params: dict[str, Any]) -> int | None:
@@ -254,11 +312,13 @@ class EngineClient:
 
     # --- one HTTP exchange -----------------------------------------------------------------
 
-    async def _request(self, method: str, url: URL, body: bytes | None, timeout: float) -> tuple[int, bytes]:
+    async def _request(self, method: str, url: URL, body: bytes | None, timeout: float,
+                       max_new_tokens: int | None = None) -> tuple[int, bytes]:
         """Send one request and return (status, body).
 
         Raises _Passing for whatever may pass: no connection, no answer within `timeout`, an
-        answer that is not HTTP/1.1, or one over `max_answer_bytes`."""
+        answer that is not HTTP/1.1, or one over `max_answer_bytes`; _Malformed for a 200 answer
+        larger than a request for `max_new_tokens` new tokens allows."""
         try:
             async with self._session().request(
                 method,
@@ -268,7 +328,7 @@ class EngineClient:
                 allow_redirects=False,
             ) as resp:
                 try:
-                    return resp.status, await self._read_capped(resp)
+                    return resp.status, await self._read_capped(resp, max_new_tokens)
                 except BaseException:
                     resp.close()  # a cut-off or abandoned answer: the connection is not reused
                     raise
@@ -289,12 +349,27 @@ class EngineClient:
         except (aiohttp.ClientError, OSError) as exc:
             raise _Passing(f"{type(exc).__name__}: {_first_line(str(exc))}") from None
 
-    async def _read_capped(self, resp: aiohttp.ClientResponse) -> bytes:
+    async def _read_capped(self, resp: aiohttp.ClientResponse, max_new_tokens: int | None = None) -> bytes:
         """The answer's body, read in chunks and refused once past the cap: an endless body
-        costs one chunk of memory beyond the cap, not the bytes the server keeps sending."""
+        costs one chunk of memory beyond the cap, not the bytes the server keeps sending.
+
+        The cap is `max_answer_bytes` (past it: _Passing), and for a 200 answer to a request for
+        `max_new_tokens` new tokens what such an answer may take (`answer_limits`; past it:
+        _Malformed, as an answer of more tokens than asked is; refused by its declared length
+        before a byte of it is read)."""
         cap = self.max_answer_bytes
+        allowed = None
+        if max_new_tokens is not None and resp.status == 200:
+            allowed = answer_limits(max_new_tokens)[0]
+            if allowed < cap:
+                cap = allowed
+            else:
+                allowed = None
         length = resp.content_length
         if length is not None and length > cap:
+            if allowed is not None:
+                raise _Malformed(f"the answer is {length} bytes, more than an answer of max_new_tokens "
+                                 f"{max_new_tokens} may take ({cap} bytes)")
             raise _Passing(f"the answer is {length} bytes, over the {cap}-byte limit")
         content = resp.content
         chunks: list[bytes] = []
@@ -303,6 +378,9 @@ class EngineClient:
             size += len(chunk)
             if size > cap:
                 chunks.clear()
+                if allowed is not None:
+                    raise _Malformed(f"the answer is over {cap} bytes, more than an answer of max_new_tokens "
+                                     f"{max_new_tokens} may take")
                 raise _Passing(f"the answer is over the {cap}-byte limit")
             chunks.append(chunk)
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
@@ -343,7 +421,7 @@ class EngineClient:
             if timeout <= 0:
                 raise EngineError(where, f"deadline passed; last error: {last}", n)
             try:
-                status, raw = await self._request("POST", self._generate_url, payload, timeout)
+                status, raw = await self._request("POST", self._generate_url, payload, timeout, max_new)
                 if status == 200:
                     try:
                         ids, logprobs, text, finish, version, meta = parse_generate_response(raw, max_new)
@@ -365,6 +443,8 @@ class EngineClient:
                 if status not in RETRYABLE_STATUS:
                     raise EngineError(where, reason, n + 1, retryable=False)
                 raise _Passing(reason)
+            except _Malformed as exc:  # an answer larger than its request allows
+                raise MalformedAnswer(where, str(exc), n + 1) from None
             except _Passing as exc:
                 last = str(exc)
                 raise

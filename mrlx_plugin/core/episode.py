@@ -37,6 +37,23 @@ class EpisodeAborted(Exception):
     """Raised inside a system when its episode cannot go on; run_episode turns it into samples."""
 
 
+class RewardError(ValueError):
+    """A reward that is not a finite number, its message naming who made it (a plugin, a game, a
+    setting). It ends the episode like a failed grade: ABORTED samples, never a 0.0 in its place."""
+
+
+def finite_reward(value: Any, producer: str) -> float:
+    """`value` as a float when it is a finite number; else RewardError naming `producer`, e.g.
+    "game 'nim' (registered by plugin 'my_games'): move_reward of seat first's move 2"."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError, OverflowError):
+        number = math.nan
+    if isinstance(value, bool) or not math.isfinite(number):
+        raise RewardError(f"{producer} gave {value!r}; expected a finite number")
+    return number
+
+
 def problem_text(prompt: Any) -> str:
     """The task text of a host sample: the prompt string, or the last user message of a chat."""
     if isinstance(prompt, str):
@@ -81,24 +98,56 @@ class Episode:
 
     def new_transcript(self, agent: str, messages: list[dict[str, str]], label: str = "", role: str = "") -> Transcript:
         """Open `agent`'s view starting from `messages` (its system prompt is put first). `role`
-        names a role within the agent (a game seat): samples are normalised per role."""
+        names a role within the agent (a game seat): samples are normalised per role.
+
+        A prompt that leaves no room for one generated token within the agent's context limit
+        (`context_limit`) ends the episode before any engine call: its samples are ABORTED and
+        counted as over the context (`multi_agent/over_context_samples`). A system that may go
+        on without this view checks `fits` first."""
+        limit = self.context_limit(agent)
         t = Transcript.start(
             agent,
             self.runtime.tokenizers[agent],
             self.with_system_prompt(agent, messages),
             trainable=bool(self.settings.agents[agent].trainable),
-            max_context=self.max_context,
+            max_context=limit,
             max_response=self.runtime.limits.max_response,
             label=label or agent,
             role=role,
         )
+        if t.over_context:
+            self.over_context(f"the prompt of {t.label} is {len(t.prompt_ids)} tokens, which leaves no room "
+                              f"for a turn within its context limit of {limit} tokens")
+            self.abort(self.metadata["over_context"])
+            raise EpisodeAborted(self.abort_reason)
         self.transcripts.append(t)
         return t
 
     @property
     def max_context(self) -> int | None:
+        """The context limit of an agent on the host's model (`context_limit`)."""
         limits = self.runtime.limits
-        return limits.max_context_eval if self.evaluation else limits.max_context
+        host = limits.max_context_eval if self.evaluation else limits.max_context
+        known = [n for n in (host, limits.model_max) if n is not None]
+        return min(known) if known else None
+
+    def context_limit(self, agent: str) -> int | None:
+        """The most tokens a sample of `agent` may hold (None: unbounded): the host's context limit
+        (`--rollout-max-context-len`, or `--eval-max-context-len` in evaluation) and, for an agent
+        on the host's model, that model's position limit (see `Runtime.context_limit`)."""
+        return self.runtime.context_limit(agent, self.evaluation)
+
+    def fits(self, agent: str, messages: list[dict[str, str]]) -> bool:
+        """Whether a view of `agent` opened with `messages` leaves room for a turn (the prompt's
+        tokens are cached: opening it afterwards costs nothing more)."""
+        limit = self.context_limit(agent)
+        return limit is None or self.prompt_tokens(agent, messages) < limit
+
+    def over_context(self, reason: str) -> None:
+        """Record that something of this episode did not fit a context limit: the samples the
+        episode cannot fill (all of them when it is aborted, its fillers otherwise) are counted
+        as over the context."""
+        self.metadata.setdefault("over_context", reason)
 
     def with_system_prompt(self, agent: str, messages: list[dict[str, str]]) -> list[dict[str, str]]:
         if agent not in self.settings.agents:
@@ -117,6 +166,14 @@ class Episode:
             self.aborted = True
             self.abort_reason = reason
 
+    def fail_reward(self, reason: str, exc: BaseException) -> EpisodeAborted:
+        """A reward that failed (a grade, a turn score, a shaping, a value that is not a finite
+        number): logged and counted as a failed grade, the episode aborted. Returns the
+        EpisodeAborted to raise where the episode cannot go on."""
+        self.runtime.grade_failures.record(f"episode {self.id}: {reason}", exc)
+        self.abort(reason)
+        return EpisodeAborted(self.abort_reason)
+
     def _check_alive(self) -> None:
         if not self.aborted and self.host_aborted():
             self.abort("the host ended the rollout")
@@ -133,7 +190,8 @@ class Episode:
         params.update(overrides)
         return params
 
-    async def generate(self, transcript: Transcript, score: Callable[[Turn], Any] | None = None,
+    async def generate(self, transcript: Transcript, score: Callable[[Turn], Any] | None = None, *,
+                       on_fault: Callable[[EngineError], Awaitable[str | None]] | None = None,
                        **sampling_overrides: Any) -> Turn:
         """One model turn for the transcript's agent, appended to the transcript.
 
@@ -153,6 +211,10 @@ class Episode:
         hook; the episode goes on from the best one (`rewards.branch_pick: best`, first on ties)
         or one drawn by softmax of the scores (`sample`). The others are kept for the samples
         (`transcript.branches`) and the taken one's score becomes its turn reward.
+
+        `on_fault(error)`, awaited on each engine fault that would be retried until the peer
+        deadline, may end the episode at once: it returns the reason (e.g. the peer is known to
+        be down), or None to go on retrying.
         """
         self._check_alive()
         agent = self.settings.agents[transcript.agent]
@@ -165,11 +227,12 @@ class Episode:
             return Turn(transcript.agent, [], [], "", "length", None)
         k = self.branch_width(transcript)
         if k == 1:
-            turn = await self._sample_turn(transcript, agent, params, 0)
+            turn = await self._sample_turn(transcript, agent, params, 0, on_fault)
             transcript.append_generated(turn)
             self.turns += 1
             return turn
-        candidates = await self.gather(*(self._sample_turn(transcript, agent, params, c) for c in range(k)))
+        candidates = await self.gather(*(self._sample_turn(transcript, agent, params, c, on_fault)
+                                         for c in range(k)))
         index = len(transcript.turns)
         scores = [await self._score(transcript, index, turn, score) for turn in candidates]
         taken = self._pick(scores, transcript, index)
@@ -197,32 +260,48 @@ class Episode:
 
     async def _score(self, transcript: Transcript, index: int, turn: Turn,
                      score: Callable[[Turn], Any] | None) -> float:
-        """A turn's score from `score` or the mrlx_turn_reward hook (None -> 0.0); a score that
-        is not a finite number is the system's or plugin's error, raised with its value."""
-        where = "the system's score function" if score is not None else "the mrlx_turn_reward hook"
+        """A turn's score from `score` or the mrlx_turn_reward hook (None -> 0.0).
+
+        A score that fails (it raises, runs past `rewards.grade_timeout_s`, or is a number that is
+        not finite) ends the episode as a failed grade would, the reason naming its producer
+        (the plugin, or what a system's RewardError names: a game and its plugin). A score that is
+        no number at all breaks the hook's contract on every turn: HookResultError, naming it."""
+        plugin = None
+        where = (f"the score function of system {self.settings.system!r}" if score is not None
+                 else "the mrlx_turn_reward hook")
         try:
             if score is not None:
                 value = score(turn)
+                if inspect.isawaitable(value):
+                    value = await asyncio.wait_for(value, self.settings.rewards.grade_timeout_s)
             else:
-                value = self.runtime.turn_reward_hook(episode=self, transcript=transcript, index=index, turn=turn)
-            if inspect.isawaitable(value):
-                value = await asyncio.wait_for(value, self.settings.rewards.grade_timeout_s)
+                found = self.runtime.turn_reward_hook.named(episode=self, transcript=transcript, index=index,
+                                                            turn=turn)
+                if inspect.isawaitable(found):
+                    found = await asyncio.wait_for(found, self.settings.rewards.grade_timeout_s)
+                plugin, value = found
         except (ConfigError, HookResultError, EpisodeAborted, asyncio.CancelledError):
             raise
+        except RewardError as exc:  # a system's score that is not finite, named by the system
+            raise self.fail_reward(f"scoring turn {index} of {transcript.label}: {exc}", exc) from None
         except Exception as exc:  # noqa: BLE001 - as a failed grade: the episode ends, not the rollout
             reason = f"scoring turn {index} of {transcript.label} with {where} failed: {type(exc).__name__}: {exc}"
-            self.runtime.grade_failures.record(reason, exc)
-            self.abort(reason)
-            raise EpisodeAborted(reason) from None
+            raise self.fail_reward(reason, exc) from None
         if value is None:
             return 0.0
-        if not _finite_number(value):
+        if plugin is not None:
+            where = f"mrlx_turn_reward of plugin {plugin!r}"
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
             raise HookResultError(f"{where} returned {value!r} for turn {index} of {transcript.label} in episode "
                                   f"{self.id}; expected a finite number (or None)")
-        return float(value)
+        try:
+            return finite_reward(value, f"{where} for turn {index} of {transcript.label}")
+        except RewardError as exc:
+            raise self.fail_reward(str(exc), exc) from None
 
     async def _sample_turn(self, transcript: Transcript, agent: AgentSettings, params: dict[str, Any],
-                           candidate: int) -> Turn:
+                           candidate: int,
+                           on_fault: Callable[[EngineError], Awaitable[str | None]] | None = None) -> Turn:
         """One engine call for the transcript's next turn (not appended), with the episode's
         retry and abort rules (see `generate`)."""
         params = dict(params)
@@ -251,6 +330,10 @@ class Episode:
                 # peer deadline. This job's own engines had their retries in the client.
                 wait = e.abort_retry_wait_s
                 if agent.retry_on_abort and exc.retryable and time.monotonic() + wait < deadline:
+                    why = await on_fault(exc) if on_fault is not None else None
+                    if why is not None:  # the system knows this peer will not come back soon
+                        self.abort(why)
+                        raise EpisodeAborted(self.abort_reason) from None
                     retried = True
                     await asyncio.sleep(wait)
                     self._check_alive()
@@ -290,27 +373,33 @@ class Episode:
 
         A grade that fails (its deadline `rewards.grade_timeout_s` passes, a remote reward model
         is down, the hook raises or returns no finite number) aborts the episode: its samples
-        leave ABORTED with a zero loss mask rather than with a reward nobody computed.
+        leave ABORTED with a zero loss mask rather than with a reward nobody computed. A grade
+        that is no finite number is blamed on the plugin that gave it.
         """
         timeout = self.settings.rewards.grade_timeout_s
         try:
             # One plugin at a time (runtime.grade_hook): an awaited None defers like a returned None.
-            result = self.runtime.grade_hook(agent=transcript.agent, transcript=transcript, episode=self)
-            if inspect.isawaitable(result):
-                result = await asyncio.wait_for(result, timeout)
-            value = 0.0 if result is None else float(result)
+            found = self.runtime.grade_hook.named(agent=transcript.agent, transcript=transcript, episode=self)
+            if inspect.isawaitable(found):
+                found = await asyncio.wait_for(found, timeout)
+            plugin, result = found
+            try:  # as float() reads it (a bool grade is 0 or 1)
+                value = 0.0 if result is None else float(result)
+            except (TypeError, ValueError, OverflowError):
+                value = math.nan
             if not math.isfinite(value):
-                raise ValueError(f"mrlx_grade returned {result!r}; expected a finite number")
+                raise RewardError(f"mrlx_grade of plugin {plugin!r} gave {result!r}; expected a finite "
+                                  "number")
         except (ConfigError, asyncio.CancelledError):
             raise
         except Exception as exc:  # noqa: BLE001 - one failed grade must not end the host's rollout
             if isinstance(exc, asyncio.TimeoutError):
                 reason = f"grading agent {transcript.agent!r} took longer than rewards.grade_timeout_s ({timeout:g} s)"
+            elif isinstance(exc, RewardError):
+                reason = f"grading agent {transcript.agent!r} failed: {exc}"
             else:
                 reason = f"grading agent {transcript.agent!r} failed: {type(exc).__name__}: {exc}"
-            self.runtime.grade_failures.record(reason, exc)
-            self.abort(reason)
-            raise EpisodeAborted(reason) from None
+            raise self.fail_reward(reason, exc) from None
         transcript.raw_reward = transcript.reward = value
         return value
 
@@ -357,6 +446,7 @@ class Episode:
                     own += self.turn_samples(t)
                 else:
                     own.append(t.to_sample(self.sample, self.rollout_id, aborted=self.aborted, meta=self.sample_meta(t)))
+            own = self._within_context(agent, own)
             if fan_out is not None:
                 want = fan_out.get(agent, 0)
                 if len(own) > want:
@@ -373,16 +463,44 @@ class Episode:
             out.append(self.fallback_sample(agents[0]))
         return out
 
+    def _within_context(self, agent: str, samples: list[Any]) -> list[Any]:
+        """`samples` with any one longer than the agent's context limit replaced by an ABORTED
+        filler, counted as over the context. The transcripts of `new_transcript` never grow past
+        it; this keeps a system that builds its own from sending the host a sample it cannot pad."""
+        limit = self.context_limit(agent)
+        if limit is None or all(len(s.tokens) <= limit for s in samples):
+            return samples
+        out = []
+        for s in samples:
+            if len(s.tokens) > limit:
+                reason = (f"system {self.settings.system!r} made a sample of agent {agent!r} of "
+                          f"{len(s.tokens)} tokens, past its context limit of {limit}")
+                logger.warning("%s (episode %s); it is replaced by an ABORTED filler", reason, self.id)
+                self.over_context(reason)
+                s = self.fallback_sample(agent)
+            out.append(s)
+        return out
+
     def turn_returns(self, t: Transcript) -> list[float]:
         """Each turn's trained reward under per-turn credit: its own reward plus the outcome
         (the transcript's reward) carried back with discount `rewards.gamma`:
-        G_last = r_last + outcome, G_i = r_i + gamma * G_(i+1)."""
+        G_last = r_last + outcome, G_i = r_i + gamma * G_(i+1).
+
+        Nothing that is not finite is carried into a return: a turn reward a system set (the
+        hook's are checked as they come), the outcome, or a sum that overflows raises
+        RewardError naming it (`run_episode` checks the returns before any sample is made)."""
         gamma = float(self.settings.rewards.gamma)
-        g = float(t.reward if t.reward is not None else 0.0)
+        g = finite_reward(t.reward if t.reward is not None else 0.0, f"the reward of {t.label}")
         returns = [0.0] * len(t.turns)
         for i in reversed(range(len(t.turns))):
             own = t.turn_rewards[i]
-            g = (0.0 if own is None else float(own)) + (g if i == len(t.turns) - 1 else gamma * g)
+            if own is not None:
+                own = finite_reward(own, f"system {self.settings.system!r}: the own reward of turn {i} of "
+                                         f"{t.label}")
+            g = (0.0 if own is None else own) + (g if i == len(t.turns) - 1 else gamma * g)
+            if not math.isfinite(g):
+                raise RewardError(f"the return of turn {i} of {t.label} overflows to {g!r} (its own reward "
+                                  f"{own!r}, gamma {gamma:g}); keep the rewards within a float's range")
             returns[i] = g
         return returns
 
@@ -428,6 +546,8 @@ class Episode:
             "conversation_tokens": self.conversation_tokens(),
             "aborted": self.aborted,
             "abort_reason": self.abort_reason,
+            # An ABORTED sample standing for what did not fit a context limit (fillers: fallback_sample).
+            "over_context": "over_context" in self.metadata and self.aborted,
             "retried_turns": self.retried_turns,
             "aborted_turns": self.aborted_turns,
             "stopped_early": self.stopped_early,
@@ -441,8 +561,12 @@ class Episode:
         """A failed sample (in `agent`'s token space) for an agent that has no transcript."""
         agent = agent or next(iter(self.settings.agents))
         messages = self.with_system_prompt(agent, [{"role": "user", "content": self.problem}])
-        t = Transcript.start(agent, self.runtime.tokenizers[agent], messages, trainable=False)
-        return t.to_sample(self.sample, self.rollout_id, aborted=True, meta=self.sample_meta(t))
+        # Cut to the agent's limit (to_sample): the host pads a filler like any other sample.
+        t = Transcript.start(agent, self.runtime.tokenizers[agent], messages, trainable=False,
+                             max_context=self.context_limit(agent))
+        meta = self.sample_meta(t)
+        meta["over_context"] = "over_context" in self.metadata  # the episode stopped where it did not fit
+        return t.to_sample(self.sample, self.rollout_id, aborted=True, meta=meta)
 
 
 class GradeFailures:
@@ -467,7 +591,9 @@ class HookResultError(ValueError):
 def shaped_rewards(episode: Episode, rewards: Any, plugin: str | None) -> dict[int, float]:
     """The rewards an `mrlx_shape_rewards` implementation decided, checked against its contract:
     a dict of position in `episode.transcripts` -> finite float, one entry per graded transcript.
-    Raises one HookResultError naming the plugin and everything wrong with the answer."""
+    Raises one HookResultError naming the plugin and everything wrong with the answer; an answer
+    whose only fault is numbers that are not finite (a NaN of one episode's arithmetic) raises
+    RewardError naming the plugin, which ends that episode only."""
     graded = {i for i, t in enumerate(episode.transcripts) if t.raw_reward is not None}
     where = f"mrlx_shape_rewards of plugin {plugin!r}"
     expected = ("expected a dict mapping the position in episode.transcripts of each graded transcript "
@@ -492,9 +618,14 @@ def shaped_rewards(episode: Episode, rewards: Any, plugin: str | None) -> dict[i
     if bad:
         problems.append("rewards that are not finite numbers: "
                         + ", ".join(f"{k!r}: {v!r}" for k, v in list(bad.items())[:5]))
-    if problems:
+    only_not_finite = bool(bad) and len(problems) == 1 and all(_real_number(v) for v in bad.values())
+    if problems and not only_not_finite:
         raise HookResultError(f"{where} returned a wrong answer for episode {episode.id}: "
                               + "; ".join(problems) + f"; {expected}")
+    if bad:
+        shown = ", ".join(f"{v!r} for {k} ({episode.transcripts[positions[k]].label})"
+                          for k, v in list(bad.items())[:5])
+        raise RewardError(f"{where} gave {shown}; expected finite numbers")
     return {positions[k]: float(v) for k, v in rewards.items()}
 
 
@@ -502,6 +633,24 @@ def _finite_number(value: Any) -> bool:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         return False
     return math.isfinite(float(value))
+
+
+def _real_number(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _check_system_rewards(episode: Episode) -> None:
+    """The rewards the system itself set (raw and trained rewards of its transcripts, the team's
+    reward): RewardError naming the system when one is not finite. The built-in systems check
+    theirs where they are made, naming the game or the setting; this catches any other."""
+    system = episode.runtime.system
+    who = f"system {episode.settings.system!r} ({getattr(system, '__module__', None) or 'unknown module'})"
+    for t in episode.transcripts:
+        for value, what in ((t.raw_reward, "raw reward"), (t.reward, "reward")):
+            if value is not None:
+                finite_reward(value, f"{who}: the {what} of {t.label}")
+    if episode.team_reward is not None:
+        finite_reward(episode.team_reward, f"{who}: the team reward")
 
 
 async def run_episode(runtime: Any, sample: Any, sampling_params: dict[str, Any] | None, evaluation: bool,
@@ -516,8 +665,11 @@ async def run_episode(runtime: Any, sample: Any, sampling_params: dict[str, Any]
     episode = Episode(runtime, sample, sampling_params, evaluation, host_aborted)
     try:
         await runtime.system(episode)
+        _check_system_rewards(episode)
     except EpisodeAborted:
         pass
+    except RewardError as exc:  # a reward the system made (a game's, a setting's) that is not finite
+        episode.fail_reward(str(exc), exc)
     except asyncio.CancelledError:
         raise
     if not episode.aborted:
@@ -540,11 +692,18 @@ async def run_episode(runtime: Any, sample: Any, sampling_params: dict[str, Any]
         except EpisodeAborted:
             pass
     if not episode.aborted:
-        plugin, rewards = runtime.shape_hook.answer(episode=episode, settings=runtime.settings,
-                                                    team_shaping=runtime.team_shaping)
-        if rewards is not None:
-            for i, value in shaped_rewards(episode, rewards, plugin).items():
-                episode.transcripts[i].reward = value
+        try:
+            plugin, rewards = runtime.shape_hook.answer(episode=episode, settings=runtime.settings,
+                                                        team_shaping=runtime.team_shaping)
+            if rewards is not None:
+                for i, value in shaped_rewards(episode, rewards, plugin).items():
+                    episode.transcripts[i].reward = value
+            if not evaluation and runtime.settings.rewards.credit == "turn":
+                for t in episode.transcripts:
+                    if t.trainable:
+                        episode.turn_returns(t)  # checked here: the samples are made from them below
+        except RewardError as exc:  # a shaped reward or a return that is not finite: this episode only
+            episode.fail_reward(str(exc), exc)
     if evaluation:
         samples = [_evaluation_sample(episode)]
     else:

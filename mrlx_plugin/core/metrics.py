@@ -15,6 +15,7 @@ token counts, aborted/retried turns, ...), so the metrics are computed from the 
 | `multi_agent/invalid_selection_rate` | pipeline episodes whose selector named no valid rewrite |
 | `multi_agent/aborted_episodes`, `multi_agent/aborted_turns` | engine faults and aborts |
 | `multi_agent/malformed_answers` | episodes ended by an engine answer no one may train on |
+| `multi_agent/over_context_samples` | ABORTED samples standing for what did not fit the context limit |
 | `multi_agent/retried_turns` | turns that needed a retry (engine fault or peer abort) |
 | `loss_mask/role_split/<agent>` | share of all trainable tokens that belong to the agent |
 | `samples/<agent>` | samples of the agent in the rollout (ABORTED ones, fillers included, left out) |
@@ -23,6 +24,7 @@ token counts, aborted/retried turns, ...), so the metrics are computed from the 
 | `game/win_rate/<seat>` | finished game episodes the seat won (highest outcome, alone; a one-seat game: outcome above 0) |
 | `game/win_rate/vs/<opponent>` | the first agent seat's win rate per opponent it met (an agent or `script:NAME`, as seated or drawn from the pool) |
 | `game/draw_rate` | finished game episodes no seat won (only when there were some) |
+| `multi_agent/opponent_down` | game episodes ended at once because the pool member they drew was down |
 | `debate/invalid_verdict_rate` | finished debate episodes whose judge named no winner (`system: debate`) |
 | `debate/win_rate/<side>` | finished debate episodes the side (`A`: the first debater, `B`) won |
 | `credit/branch_candidates` | engine calls per episode on tree-sampling candidates the episode did not go on from |
@@ -51,12 +53,14 @@ def compute_metrics(samples: list[Any]) -> dict[str, float]:
     trained_tokens: dict[str, int] = defaultdict(int)
     episodes: dict[str, dict[str, Any]] = {}
     turn_samples = 0
+    over_context = 0
     for s in samples:
         m = _meta(s)
         if not m:
             continue
         agent = m.get("agent") or "unknown"
         episodes.setdefault(m["episode_id"], m)
+        over_context += bool(m.get("over_context"))
         if m.get("aborted") or getattr(s, "remove_sample", False):  # an aborted episode's, or a filler
             continue
         if m.get("turn") is not None:
@@ -88,6 +92,7 @@ def compute_metrics(samples: list[Any]) -> dict[str, float]:
         out["multi_agent/malformed_answers"] = float(
             sum(bool((e.get("episode") or {}).get("malformed_answer")) for e in eps)
         )
+        out["multi_agent/over_context_samples"] = float(over_context)
         finished = [e for e in eps if not e.get("aborted")]
         if finished:
             out["multi_agent/team_reward"] = sum(float(e.get("team_reward") or 0.0) for e in finished) / len(finished)
@@ -125,6 +130,8 @@ def _game_metrics(eps: list[dict[str, Any]]) -> dict[str, float]:
     if not games:
         return out
     out["game/episodes"] = float(len(games))
+    # Ended at once because the opponent-pool member they drew was down (systems.game).
+    out["multi_agent/opponent_down"] = float(sum(bool(e["episode"].get("opponent_down")) for e in games))
     if not finished:
         return out
     n = len(finished)

@@ -91,7 +91,7 @@ class Transcript:
         t.prompt_messages = list(messages)
         t.prompt_ids = ids
         t._held = [text]
-        if t.max_context is not None and len(t.prompt_ids) >= t.max_context:
+        if t.over_context:  # the episode aborts it (Episode.new_transcript); it never holds a turn
             t.truncated = True
         return t
 
@@ -109,6 +109,11 @@ class Transcript:
         if self.max_response is not None:
             limits.append(self.max_response - len(self.response_ids))
         return max(0, min(limits)) if limits else None
+
+    @property
+    def over_context(self) -> bool:
+        """The prompt alone leaves no room for one generated token within `max_context`."""
+        return self.max_context is not None and len(self.prompt_ids) >= self.max_context
 
     @property
     def full(self) -> bool:
@@ -213,13 +218,18 @@ class Transcript:
         Aborted (and untrainable) samples follow the host's failed-sample pattern: reward 0.0,
         loss mask all zero, `remove_sample`. A response must have at least one token (a
         zero-length response makes the host's `[-response_length:]` slices cover the whole
-        sequence), so an empty one gets the end-of-sequence id with loss mask 0.
+        sequence), so an empty one gets the end-of-sequence id with loss mask 0. An aborted
+        sample trains nothing, yet the host still pads it into a micro-batch: one past
+        `max_context` keeps only the start of its prompt and that one pad token.
         """
         response = list(self.response_ids)
         mask = list(self.loss_mask)
         logprobs = list(self.logprobs)
+        pad = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else 0
+        prompt = list(self.prompt_ids)
+        if aborted and self.max_context is not None and len(prompt) + len(response) > self.max_context:
+            prompt, response = prompt[: max(0, self.max_context - 1)], []
         if not response:
-            pad = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else 0
             response, mask, logprobs = [pad], [0], [0.0]
         if aborted:
             status = Status.ABORTED
@@ -231,7 +241,7 @@ class Transcript:
             template,
             rollout_id=rollout_id,
             prompt=self.prompt_messages,
-            tokens=[*self.prompt_ids, *response],
+            tokens=[*prompt, *response],
             response_length=len(response),
             response="".join(t.text for t in self.turns),
             loss_mask=[0] * len(mask) if aborted else mask,

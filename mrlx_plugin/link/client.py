@@ -9,6 +9,12 @@ the job; while it waits, the client logs what it waits for every few seconds ("c
 unreachable for N s"). Errors the caller must fix (401, 404, 409, 413, 422, 507) are raised at once
 as `CoordinatorError` with the server's message. Every call names the caller (`X-Mrlx-Agent`, pid, host), which the coordinator records
 as a heartbeat.
+
+With the run's token, the token itself is never sent: every attempt is signed, and an answer is
+used only once it proves that it comes from a holder of the token (`mrlx_plugin.link.auth`).
+Another process answering on the coordinator's address (bound to its port during an outage) learns
+no token, and its answers are refused: as a passing failure, retried until the deadline like an
+outage, with a message naming the cause; an unproven 401 is raised at once (the token differs).
 """
 
 from __future__ import annotations
@@ -19,14 +25,16 @@ import os
 import socket
 import time
 import weakref
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 import orjson
+from yarl import URL
 
 from mrlx_plugin.core.retry import Backoff, Deadline, RetriesExhausted, retry
+from mrlx_plugin.link.auth import NONCE_HEADER, PROOF_HEADER, content_sha256, derive_keys, proven, sign
 from mrlx_plugin.link.wire import CONTENT_TYPE, BufferPool, QueueItem, decode_frame, encode_items_into
 
 log = logging.getLogger("mrlx.coordinator.client")
@@ -150,8 +158,8 @@ class CoordinatorClient:
             "X-Mrlx-Pid": str(os.getpid()),
             "X-Mrlx-Host": socket.gethostname(),
         }
-        if token:
-            self._headers["Authorization"] = f"Bearer {token}"
+        # Keys derived from the token sign requests and check answers; the token is not kept.
+        self._keys = derive_keys(token) if token else None
         self._buffers = BufferPool(keep=self.commit_concurrency + 2)
         self._sessions: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, aiohttp.ClientSession] = (
             weakref.WeakKeyDictionary()
@@ -201,12 +209,12 @@ class CoordinatorClient:
         deadline_s: float | None = None,
         max_retries: int | None = None,
         extra_timeout_s: float = 0.0,
-        reader: Callable[[aiohttp.ClientResponse], Awaitable[Any]] | None = None,
+        frame_answer: bool = False,
     ) -> tuple[int, Any, Any]:
         """One logical call: retried for passing failures until `deadline_s` (seconds from now;
         default `outage_deadline_s`) and at most `max_retries` retries (default the client's; None:
-        until the deadline). Returns (status, headers, body), the body as `reader` returns it
-        (default: bytes)."""
+        until the deadline). Returns (status, headers, body): the body as bytes, or with
+        `frame_answer` the decoded frame (header, items) of a successful answer."""
         deadline = Deadline(deadline_s if deadline_s is not None else self.outage_deadline_s)
         if max_retries is None:
             max_retries = self.max_retries
@@ -218,16 +226,36 @@ class CoordinatorClient:
         elif data is not None:
             headers["Content-Type"] = CONTENT_TYPE
         timeout = aiohttp.ClientTimeout(total=self.request_timeout_s + extra_timeout_s)
+        content = None if self._keys is None else await _off_loop(content_sha256, payload)
+        target = URL(url).raw_path_qs  # the path as the request line carries it: what is signed
 
         async def attempt(_: int) -> tuple[int, Any, Any]:
+            sent, nonce = headers, None
+            if self._keys is not None and content is not None:
+                sent = {**headers, **sign(self._keys[0], method, target, content)}
+                nonce = sent[NONCE_HEADER]  # fresh for every attempt: the coordinator refuses a repeat
             try:
                 async with self._session().request(
-                    method, url, data=payload, headers=headers, timeout=timeout
+                    method, url, data=payload, headers=sent, timeout=timeout
                 ) as resp:
+                    frame = frame_answer and resp.status < 400
+                    buf, body = await self._read_frame(resp) if frame else (None, await resp.read())
+                    if nonce is not None and self._keys is not None:
+                        answer = await _off_loop(content_sha256, body)
+                        proof = resp.headers.get(PROOF_HEADER)
+                        if not proven(self._keys[1], nonce, resp.status, answer, proof):
+                            if buf is not None:
+                                self._buffers.give(buf)
+                            self._unproven(method, url, resp.status, body)
                     if resp.status < 400:
                         self._reached()
-                        return resp.status, resp.headers, await (reader or _read_all)(resp)
-                    body = await resp.read()
+                        if not frame:
+                            return resp.status, resp.headers, body
+                        decoded = await _off_loop(decode_frame, body)
+                        # the decoded items hold no reference to it (not reused if cancelled)
+                        if buf is not None:
+                            self._buffers.give(buf)
+                        return resp.status, resp.headers, decoded
                     problem = f"HTTP {resp.status}: {_error_text(body)}"
                     if resp.status not in RETRYABLE_STATUS:
                         self._reached()
@@ -256,6 +284,23 @@ class CoordinatorClient:
                 f"coordinator {method} {url} did not succeed after {exc.attempts} attempts: {last.problem}",
                 last.status,
             ) from None
+
+    def _unproven(self, method: str, url: str, status: int, body: bytes | memoryview) -> None:
+        """An answer without a valid proof: never used. A 401 is raised at once (the likely cause
+        is a token that differs from the coordinator's); any other is retried like an outage."""
+        if status == 401:
+            raise CoordinatorError(
+                f"coordinator {method} {url} refused this job's signature (HTTP 401, unverified: "
+                f"{_error_text(bytes(body[:500]))}): the token this job reads (mrlx.coordinator.token_env or "
+                "token_file) is not the coordinator's, or another process, which could not prove it holds "
+                "the run's token, answers on its port",
+                401,
+            )
+        raise _Passing(
+            f"the coordinator at {self.url} could not prove it holds the run's token (HTTP {status} "
+            f"without a valid {PROOF_HEADER}; its answer was not used): is another process on its port? "
+            "(Or does the coordinator run with another token, or none?)"
+        )
 
     def _waiting(self, method: str, url: str, problem: str, status: int | None, remaining: float) -> None:
         """Say what the job waits for, at the first failure and every few seconds after."""
@@ -288,7 +333,8 @@ class CoordinatorClient:
     # ----------------------------------------------------------------- agents
 
     async def health(self) -> dict[str, Any]:
-        """GET /health (no auth needed)."""
+        """GET /health: signed, so the answer has the run id, uptime and database path (a request
+        without the token gets only {"ok": true})."""
         return await self._json_call("GET", f"{self.url}/health")
 
     async def run_info(self) -> dict[str, Any]:
@@ -467,7 +513,7 @@ class CoordinatorClient:
             json=body,
             deadline_s=wait_s + self.outage_deadline_s,
             extra_timeout_s=wait_s,
-            reader=self._read_frame,
+            frame_answer=True,
         )
         groups: list[list[QueueItem]] = []
         start = 0
@@ -523,31 +569,38 @@ class CoordinatorClient:
             {"group": group, "reason": reason[:1000]},
         )
 
-    async def _read_frame(self, resp: aiohttp.ClientResponse) -> tuple[dict[str, Any], list[QueueItem]]:
-        """Read a frame into a reused buffer and decode it (on a worker thread when large)."""
+    async def _read_frame(self, resp: aiohttp.ClientResponse) -> tuple[bytearray | None, bytes | memoryview]:
+        """A frame answer's bytes (and the buffer to give back once decoded): into a reused buffer
+        when one of its Content-Length is at hand, else into one grown as the bytes arrive, so that
+        memory follows the bytes received, never a length the answer declares before it is proven."""
         length = resp.content_length
         if length is None:
-            raw: bytes | memoryview = await resp.read()
-            buf = None
-        else:
-            buf = self._buffers.take(length)
-            view = memoryview(buf)
-            position = 0
+            return None, await resp.read()
+        kept = self._buffers.take_existing(length)
+        buf = bytearray() if kept is None else kept
+        view = None if kept is None else memoryview(kept)
+        position = 0
+        try:
             while position < length:
                 chunk = await resp.content.readany()
-                if not chunk or position + len(chunk) > length:
+                end = position + len(chunk)
+                if not chunk or end > length:
                     raise aiohttp.ClientPayloadError(f"the frame does not match its Content-Length {length}")
-                view[position : position + len(chunk)] = chunk
-                position += len(chunk)
-            raw = view[:length]
-        if len(raw) > THREAD_FRAME_BYTES:
-            decoded = await asyncio.get_running_loop().run_in_executor(None, decode_frame, raw)
-        else:
-            decoded = decode_frame(raw)
-        if buf is not None:  # the decoded items hold no reference to it (not reused if cancelled)
-            self._buffers.give(buf)
-        return decoded
+                if view is None:
+                    buf += chunk  # amortised growth (bytearray over-allocates)
+                else:
+                    view[position:end] = chunk
+                position = end
+        except BaseException:
+            del view
+            self._buffers.give(buf)  # nothing else reads it
+            raise
+        return buf, (memoryview(buf) if view is None else view)[:length]
 
 
-async def _read_all(resp: aiohttp.ClientResponse) -> bytes:
-    return await resp.read()
+async def _off_loop(function: Callable[[Any], Any], data: Any) -> Any:
+    """`function(data)` on a worker thread when `data` is large (hashing or decoding megabytes would
+    hold up the event loop's other calls), inline otherwise."""
+    if data is not None and len(data) > THREAD_FRAME_BYTES:
+        return await asyncio.get_running_loop().run_in_executor(None, function, data)
+    return function(data)

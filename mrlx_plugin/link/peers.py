@@ -43,7 +43,8 @@ from typing import TYPE_CHECKING, Any
 from mrlx_plugin.core.config import ConfigError
 from mrlx_plugin.core.host import Sample, Status
 from mrlx_plugin.link.client import CoordinatorClient, CoordinatorError
-from mrlx_plugin.link.wire import SAMPLE_FIELDS, QueueItem, as_list, token_from_env_or_file
+from mrlx_plugin.link.wire import (SAMPLE_FIELDS, QueueItem, WireError, as_list, items_batch,
+                                   token_from_env_or_file)
 
 if TYPE_CHECKING:
     from mrlx_plugin.core.config import CoordinatorSettings, Settings
@@ -184,8 +185,8 @@ class PeerOutbox:
     request, and drops the rest (groups the host over-sampled and then filtered out or aborted):
     so every peer gets exactly this step's prompt groups, one step's worth per step, and its queue
     does not grow with the host's over-sampling. A sample the peer's model could not take
-    (`limits`, read once by the rollout function) is committed as an ABORTED filler instead, and
-    counted.
+    (`limits`, read once by the rollout function), or that the coordinator's frames cannot carry,
+    is committed as an ABORTED filler instead, and counted.
     """
 
     def __init__(self, settings: Settings, source: str, peer_agents: Sequence[str]):
@@ -258,6 +259,21 @@ class PeerOutbox:
                              rollout_id=getattr(sample, "rollout_id", None), reason=problem, metadata=metadata,
                              pad_id=self.pad_ids.get(agent, 0))
 
+    def _unencodable(self, agent: str, sample: Any, problem: str) -> Any:
+        """An ABORTED filler for a sample the coordinator's frames cannot carry: it keeps the
+        sample's place in its group and nothing of its values (one of them is what failed)."""
+        self.stats["items_refused"] += 1
+        logger.warning("a sample for %r cannot be encoded for the coordinator (%s); "
+                       "it is sent as an ABORTED filler", agent, problem)
+        metadata = getattr(sample, "metadata", None)
+        mrlx = metadata.get("mrlx") if isinstance(metadata, dict) else None
+        episode = mrlx.get("episode_id") if isinstance(mrlx, dict) else None
+        meta = {"refused": problem, **({"episode_id": episode} if isinstance(episode, str) else {})}
+        return filler_sample(agent, group_index=_plain(getattr(sample, "group_index", None)),
+                             index=_plain(getattr(sample, "index", None)),
+                             rollout_id=_plain(getattr(sample, "rollout_id", None)), reason=problem,
+                             metadata={"mrlx": meta}, pad_id=self.pad_ids.get(agent, 0))
+
     async def _send(self, client: CoordinatorClient, group_index: Any, group: _Group, step: int) -> list[str]:
         producer = self.settings.self_agent
         failures = []
@@ -268,11 +284,31 @@ class PeerOutbox:
                 # groups per step, and a missing group would leave its step short.
                 self.stats["groups_all_aborted"] += 1
             name = f"{producer}:{group_index}"
-            items = [item_from_sample(s, key=k, group=name, group_size=len(keyed), producer=producer, step=step)
-                     for k, s in keyed]
+
+            def item(key: str, sample: Any) -> QueueItem:
+                return item_from_sample(sample, key=key, group=name, group_size=len(keyed), producer=producer,
+                                        step=step)
+
+            items = []
+            for k, s in keyed:
+                try:
+                    items.append(item(k, s))
+                except (ValueError, TypeError) as exc:
+                    items.append(item(k, self._unencodable(agent, s, f"item {k!r}: {exc}")))
             try:
-                result = await client.commit(agent, items)
-            except CoordinatorError as exc:
+                try:
+                    result = await client.commit(agent, items)
+                except ValueError:  # WireError: the frame encoder refused a value
+                    # Find the items it refuses (one encode each, off the event loop) and send
+                    # fillers in their place: one bad sample must not fail the step. Items of the
+                    # group that were stored before the refusal count as duplicates.
+                    problems = await asyncio.to_thread(_encoding_problems, items)
+                    if not problems:
+                        raise
+                    for i, problem in problems.items():
+                        items[i] = item(keyed[i][0], self._unencodable(agent, keyed[i][1], problem))
+                    result = await client.commit(agent, items)
+            except (CoordinatorError, ValueError) as exc:
                 failures.append(f"group {name} for {agent!r}: {exc}")
                 continue
             self.stats["groups_sent"] += 1
@@ -298,6 +334,22 @@ class PeerOutbox:
         if failures:
             raise CoordinatorError(f"could not hand {len(failures)} group(s) to the coordinator: " + "; ".join(failures[:3]))
         return step_stats
+
+
+def _encoding_problems(items: Sequence[QueueItem]) -> dict[int, str]:
+    """The frame encoder's refusal of each item it refuses, by position (blocking)."""
+    problems = {}
+    for i, item in enumerate(items):
+        try:
+            items_batch([item])
+        except WireError as exc:
+            problems[i] = str(exc)
+    return problems
+
+
+def _plain(value: Any) -> Any:
+    """`value` where any frame carries it (an int or a string), else None."""
+    return value if type(value) in (int, str) else None
 
 
 def items_per_step(args: Any, fan_out: Mapping[str, int] | None, agent: str) -> tuple[int, str]:

@@ -43,6 +43,10 @@ END_OF_STREAM = CONTINUATION + b"\x00\x00\x00\x00"
 # Log-probs must be <= 0; a sampler's float arithmetic can land a hair above zero for a token of
 # probability ~1, so values up to this epsilon are accepted as they are (not clamped).
 LOG_PROB_EPSILON = 1e-3
+# The lowest log-prob a frame may carry, the engine client's floor for an engine's answer
+# (mrlx_plugin.core.engine_client.MIN_LOG_PROB says why): lower is no model's output, and a
+# trainer's loss over it is infinite.
+MIN_LOG_PROB = -1e4
 MAX_KEY_CHARS = 256
 MAX_GROUP_SIZE = 1 << 16
 MAX_TOKENS_PER_ITEM = 1 << 24
@@ -67,7 +71,7 @@ COLUMNS = tuple(SCHEMA.names)
 # The keys of a scanned item's metadata (`RecordView.meta`).
 META_KEYS = frozenset(
     {"key", "group", "group_size", "producer", "step", "n_tokens", "response_length", "n_log_probs",
-     "n_loss_mask", "fields"}
+     "n_loss_mask"}
 )
 
 # Sample attributes carried in `QueueItem.fields` (when the sample has them and they are not None).
@@ -94,6 +98,22 @@ _ARROW_ERRORS = (pa.ArrowException, OSError, ValueError, EOFError, IndexError, s
 
 class WireError(ValueError):
     """A frame or an item in it is malformed; the message names the item key and the field."""
+
+
+class FrameTooLarge(WireError):
+    """A frame past the reader's `FrameLimits` (the coordinator answers 413)."""
+
+
+@dataclass(frozen=True)
+class FrameLimits:
+    """What a reader takes of a frame, checked message by message while it reads, before any item is
+    unpacked (None: no limit). A frame's arrays cost nothing to read (they are views of its bytes),
+    but every message, batch and item costs Python and Arrow objects: a frame of tens of MiB made of
+    tiny items, of empty batches or of one huge header would otherwise cost hundreds of MiB."""
+
+    max_message_bytes: int | None = None  # the metadata of each message (the schema's holds the header)
+    max_batches: int | None = None
+    max_items: int | None = None
 
 
 @dataclass(slots=True)
@@ -132,6 +152,22 @@ class RecordView:
     @property
     def key(self) -> str:
         return self.meta["key"]
+
+    def fields(self) -> dict[str, Any]:
+        """The item's `fields`, parsed anew on each call (kept parsed, the fields of a request's
+        items could cost many times their text: JSON of small values is many small objects)."""
+        column = self.batch.column(9)
+        _, offsets, data = column.buffers()
+        start, end = np.frombuffer(offsets, dtype="<i4", count=2, offset=4 * (column.offset + self.row))
+        text = memoryview(data or b"")[start:end]  # a view of the frame: the text is not copied
+        where = f"item {self.meta['key']!r}"
+        try:
+            fields = orjson.loads(text)
+        except orjson.JSONDecodeError as exc:
+            raise WireError(f"{where}: 'fields' is not JSON: {exc}") from None
+        if not isinstance(fields, dict):
+            raise WireError(f"{where}: 'fields' must be a JSON object")
+        return fields
 
     def record(self) -> pa.Buffer:
         """The item as a stored record: a one-row record batch message (its arrays copied once,
@@ -381,10 +417,14 @@ def _check_schema(schema: pa.Schema) -> dict[str, Any]:
     return header
 
 
-def read_frame(buf: bytes | bytearray | memoryview) -> tuple[dict[str, Any], list[pa.RecordBatch]]:
+def read_frame(
+    buf: bytes | bytearray | memoryview, limits: FrameLimits | None = None
+) -> tuple[dict[str, Any], list[pa.RecordBatch]]:
     """The header and record batches of a frame, checked as an Arrow stream of `SCHEMA`
     (uncompressed, no dictionaries, ending with the end-of-stream marker and nothing after it,
-    every array valid); raises `WireError`. Arrays are views of `buf` (nothing is copied)."""
+    every array valid); raises `WireError`, `FrameTooLarge` past `limits` (checked message by
+    message: the schema message's size before it is parsed, each batch's before it is checked).
+    Arrays are views of `buf` (nothing is copied)."""
     view = memoryview(buf).cast("B")
     total = len(view)
     if total < 8 or bytes(view[:4]) != CONTINUATION:
@@ -394,8 +434,17 @@ def read_frame(buf: bytes | bytearray | memoryview) -> tuple[dict[str, Any], lis
         )
     if bytes(view[total - 8 :]) != END_OF_STREAM:
         raise WireError("frame does not end with the Arrow end-of-stream marker (cut short?)")
+    limits = limits or FrameLimits()
+    most_bytes = limits.max_message_bytes
+    declared = struct.unpack_from("<i", view, 4)[0]  # the schema message's metadata, header included
+    if most_bytes is not None and most_bytes < declared <= total - 8:
+        raise FrameTooLarge(
+            f"the frame's schema message (which carries the frame header) is {declared} bytes; at most "
+            f"{most_bytes} are accepted: keep the frame header small"
+        )
     source = pa.BufferReader(pa.py_buffer(view))
     batches: list[pa.RecordBatch] = []
+    items = 0
     try:
         reader = pa.ipc.MessageReader.open_stream(source)
         first = reader.read_next_message()
@@ -410,9 +459,25 @@ def read_frame(buf: bytes | bytearray | memoryview) -> tuple[dict[str, Any], lis
                 break
             if message.type != "record batch":
                 raise WireError(f"frame holds a {message.type} message; only record batches may follow the schema")
+            if limits.max_batches is not None and len(batches) >= limits.max_batches:
+                raise FrameTooLarge(
+                    f"frame holds more than {limits.max_batches} record batches; send the items in fewer "
+                    "batches (one is enough)"
+                )
+            if most_bytes is not None and message.metadata.size > most_bytes:
+                raise FrameTooLarge(
+                    f"record batch {len(batches)} of the frame has {message.metadata.size} bytes of "
+                    f"metadata; at most {most_bytes} are accepted"
+                )
             if _body_compressed(message.metadata):
                 raise WireError("frame holds a compressed record batch; send it uncompressed")
-            batch = pa.ipc.read_record_batch(message, schema)
+            batch = pa.ipc.read_record_batch(message, schema)  # views of the body: no array is read yet
+            items += batch.num_rows
+            if limits.max_items is not None and items > limits.max_items:
+                raise FrameTooLarge(
+                    f"frame holds more than {limits.max_items} items (at least {items}); commit them in "
+                    f"requests of at most {limits.max_items} items"
+                )
             batch.validate(full=True)
             batches.append(batch)
     except WireError:
@@ -434,11 +499,12 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def scan_frame(buf: bytes | bytearray | memoryview) -> FrameView:
+def scan_frame(buf: bytes | bytearray | memoryview, limits: FrameLimits | None = None) -> FrameView:
     """Read a frame and every item's metadata without converting any array to Python values;
-    checks the structure, the metadata's types and ranges, and that no value is null. The
-    samples themselves are checked by `validate_record` (or `validate_frame`)."""
-    header, batches = read_frame(buf)
+    checks the structure, `limits` (before any item is unpacked), the metadata's types and ranges,
+    and that no value is null. The samples themselves, their `fields` included, are checked by
+    `validate_record` (or `validate_frame`)."""
+    header, batches = read_frame(buf, limits)
     records: list[RecordView] = []
     for batch in batches:
         for column in batch.columns:
@@ -451,7 +517,6 @@ def scan_frame(buf: bytes | bytearray | memoryview) -> FrameView:
         steps = batch.column(4).to_pylist()
         responses = batch.column(5).to_pylist()
         n_tokens, n_mask, n_log_probs = (_lengths(batch.column(i)).tolist() for i in (6, 7, 8))
-        fields_text = batch.column(9).to_pylist()
         for row, key in enumerate(keys):
             position = len(records)
             if not 0 < len(key) <= MAX_KEY_CHARS:
@@ -480,12 +545,6 @@ def scan_frame(buf: bytes | bytearray | memoryview) -> FrameView:
             for name in ("n_tokens", "n_log_probs", "n_loss_mask", "response_length"):
                 if not 0 <= meta[name] <= MAX_TOKENS_PER_ITEM:
                     raise WireError(f"{where}: {name!r} must be an integer in [0, {MAX_TOKENS_PER_ITEM}], got {meta[name]!r}")
-            try:
-                meta["fields"] = orjson.loads(fields_text[row])
-            except orjson.JSONDecodeError as exc:
-                raise WireError(f"{where}: 'fields' is not JSON: {exc}") from None
-            if not isinstance(meta["fields"], dict):
-                raise WireError(f"{where}: 'fields' must be a JSON object")
             records.append(RecordView(meta, batch, row))
     return FrameView(header, records)
 
@@ -506,7 +565,7 @@ def validate_record(record: RecordView) -> None:
         raise WireError(f"{where}: tokens hold a negative id ({int(tokens.min())})")
     _check_log_probs(_row_values(batch.column(8), row), where)
     _check_mask(_row_values(batch.column(7), row), where)
-    _check_fields(meta["fields"], where)
+    _check_fields(record.fields(), where)
 
 
 def validate_frame(frame: FrameView) -> None:
@@ -520,7 +579,7 @@ def validate_frame(frame: FrameView) -> None:
     for records in by_batch.values():
         batch = records[0].batch
         ok = True
-        for index, bad in ((6, lambda v: v.min() < 0), (8, lambda v: not np.isfinite(v).all() or v.max() > LOG_PROB_EPSILON), (7, lambda v: v.max() > 1)):
+        for index, bad in ((6, lambda v: v.min() < 0), (8, lambda v: not np.isfinite(v).all() or v.max() > LOG_PROB_EPSILON or v.min() < MIN_LOG_PROB), (7, lambda v: v.max() > 1)):
             column = batch.column(index)
             offsets = column.offsets.to_numpy()
             values = column.values.to_numpy()[offsets[0] : offsets[-1]]
@@ -530,7 +589,7 @@ def validate_frame(frame: FrameView) -> None:
             for record in records:
                 validate_record(record)
     for record in frame.records:
-        _check_fields(record.meta["fields"], f"item {record.meta['key']!r}")
+        _check_fields(record.fields(), f"item {record.meta['key']!r}")  # one item's fields at a time
 
 
 def _row_values(column: pa.ListArray, row: int) -> np.ndarray:
@@ -561,6 +620,11 @@ def _check_log_probs(log_probs: np.ndarray, where: str) -> None:
     if log_probs.size and log_probs.max() > LOG_PROB_EPSILON:
         raise WireError(
             f"{where}: rollout_log_probs hold a positive value ({float(log_probs.max())}); log-probs are <= 0"
+        )
+    if log_probs.size and log_probs.min() < MIN_LOG_PROB:
+        raise WireError(
+            f"{where}: rollout_log_probs hold {float(log_probs.min())}, below {MIN_LOG_PROB:g}: no model "
+            "samples such a token, and a loss over it is infinite"
         )
 
 

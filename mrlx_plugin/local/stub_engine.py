@@ -24,7 +24,8 @@ Fault injection for tests: `POST /_stub/faults {"mode": M, "count": k}` makes th
 - "abort": HTTP 200, finish_reason abort, zero tokens;
 - malformed answers, HTTP 200 in the protocol's shape with values no engine can produce:
   "out_of_vocab" (the first id is `--vocab-size`), "negative_id" (-1), "huge_id" (2**40),
-  "null_logprob" (the first log-prob is null), "positive_logprob" (+3.0), "too_many_tokens"
+  "null_logprob" (the first log-prob is null), "positive_logprob" (+3.0), "tiny_logprob" (-1e30,
+  finite but below any sampled token's), "overflow_logprob" (-1e39, past float32), "too_many_tokens"
   (500 ids whatever `max_new_tokens` asked), "wrong_text" (a `text` the ids do not spell:
   `\\boxed{7}`), "bad_prompt_tokens" (`prompt_tokens` is a string), "bad_cached_tokens"
   (`cached_tokens` is an object);
@@ -68,6 +69,8 @@ MALFORMED_MODES = (
     "huge_id",
     "null_logprob",
     "positive_logprob",
+    "tiny_logprob",
+    "overflow_logprob",
     "too_many_tokens",
     "wrong_text",
     "bad_prompt_tokens",
@@ -725,7 +728,8 @@ def _answer(
     if return_logprob:
         entries: list[list[Any]] = [[-0.01 - ((seed + i) % 97) / 100.0, t, None] for i, t in enumerate(ids)]
         meta["output_token_logprobs"] = entries
-        if entries and fault in ("out_of_vocab", "negative_id", "huge_id", "null_logprob", "positive_logprob"):
+        if entries and fault in ("out_of_vocab", "negative_id", "huge_id", "null_logprob", "positive_logprob",
+                                 "tiny_logprob", "overflow_logprob"):
             first = entries[0]
             if fault == "out_of_vocab":
                 first[1] = cfg.vocab_size
@@ -735,6 +739,10 @@ def _answer(
                 first[1] = 2**40
             elif fault == "null_logprob":
                 first[0] = None
+            elif fault == "tiny_logprob":
+                first[0] = -1e30
+            elif fault == "overflow_logprob":
+                first[0] = -1e39
             else:
                 first[0] = 3.0
     if fault == "bad_prompt_tokens":

@@ -121,7 +121,9 @@ def ppo_loss(model: Any, ref: Any, samples: list[Any], advantages: list[float], 
     ids, attention, mask, old = _batch(samples)
     adv = torch.tensor(advantages, dtype=torch.float32)[:, None]
     new = token_logprobs(model, ids, attention, temperature)
-    ratio = torch.exp((new - old) * mask)  # 1 off the trainable tokens
+    # The log-ratio is clamped before exp: a token the old policy gave -100 and the new one ~0 would
+    # overflow float32 (exp(100)) and make the loss inf; past e^20 the clip decides anyway.
+    ratio = torch.exp(torch.clamp((new - old) * mask, -20.0, 20.0))  # 1 off the trainable tokens
     unclipped = -adv * ratio
     clip = -adv * torch.clamp(ratio, 1 - cfg.eps_clip, 1 + cfg.eps_clip_high)
     per_token = torch.maximum(unclipped, clip)

@@ -56,7 +56,11 @@ async def reward(args: Any, samples: Any, **_: Any) -> Any:
 async def _reward_one(args: Any, sample: Any) -> Any:
     rm_type = (sample.metadata or {}).get("rm_type") or getattr(args, "rm_type", None)
     if HOST is not None and rm_type:
-        return await host_reward(_WithoutCustomRm(args), sample)
+        value = await host_reward(_WithoutCustomRm(args), sample)
+        if isinstance(value, (int, float)) and not math.isfinite(value):
+            raise ValueError(f"the host's grader (--rm-type {rm_type}) gave {value!r} for sample "
+                             f"{sample.index}; rewards must be finite numbers")
+        return value
     return await grade_math(strip_reasoning(sample.response or ""), sample.label, math_verifier(args))
 
 
@@ -90,8 +94,15 @@ def _reward_value(sample: Any, reward_key: str | None) -> float:
         value = value[reward_key]
     if value is None:
         return 0.0
-    value = float(value)
-    return value if math.isfinite(value) else 0.0
+    number = float(value)
+    if not math.isfinite(number):
+        # Every reward mrlx makes is checked where it is made; one that is not finite here came
+        # from elsewhere, and a 0.0 in its place would train on a reward nobody computed.
+        meta = (sample.metadata or {}).get("mrlx") or {}
+        who = (f" (agent {meta.get('agent')!r}, episode {meta.get('episode_id')!r})" if meta
+               else " (not an mrlx sample: the host's own grader or generate function made it)")
+        raise ValueError(f"sample {sample.index}{who} has reward {value!r}; rewards must be finite numbers")
+    return number
 
 
 def group_key(sample: Any) -> tuple[Any, Any]:

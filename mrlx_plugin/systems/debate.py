@@ -5,15 +5,17 @@ One episode per input sample (`mrlx.debate`):
    Each keeps its own transcript (its own chat template and token space); the other side's
    speeches reach it as plain-text user messages (context, loss mask 0), as in the dialogue.
 2. The judge (`judge`, usually `trainable: false`, its own model behind its own URL) reads the
-   whole debate in one user message, every speech labelled by its side, and must end with a line
-   "Winner: A" or "Winner: B" (the last such line counts).
+   whole debate in one user message, every speech quoted (`systems.quoting.quote`) under its
+   side's heading, and must end its answer with the line "Winner: A" or "Winner: B": the last
+   line of the answer, nothing else on it, is the verdict.
 3. The winner's transcript earns `win_reward`, the loser's `lose_reward` (raw and trained reward,
-   before the `mrlx_shape_rewards` hook, whose default leaves them as they are). A verdict that
-   names no side leaves both debaters 0.0 and is recorded as `invalid_verdict`.
+   before the `mrlx_shape_rewards` hook, whose default leaves them as they are). A last line
+   that is no verdict (a missing, cut-off or ambiguous one) leaves both debaters 0.0 and is
+   recorded as `invalid_verdict` (`debate/invalid_verdict_rate`).
 
 `episode.metadata`: `winner` (the agent, or None), `winner_side` ("A", "B" or None), `verdict`
-(the judge's verdict line, or None), `invalid_verdict` (bool), `judge_answer` (the end of the
-judge's answer).
+(the last line of the judge's answer, or None when it is blank), `invalid_verdict` (bool),
+`judge_answer` (the end of the judge's answer).
 
 Evaluation: the episode's final transcript is that of the debater this job trains (`mrlx.self`
 when it debates, else side A), and `team_reward` is 1.0 when that debater won, else 0.0: an
@@ -34,12 +36,16 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from mrlx_plugin.core.episode import Episode
+from mrlx_plugin.core.episode import Episode, finite_reward
 from mrlx_plugin.core.transcript import Transcript
-from mrlx_plugin.systems.pipeline import fit_solutions
+from mrlx_plugin.systems.pipeline import final_line, fit_solutions
+from mrlx_plugin.systems.quoting import quote
 
 SIDES = ("A", "B")
-_VERDICT = re.compile(r"winner\s*:\s*\**\s*\[?\s*(?:debater\s+)?([a-z]+)", re.IGNORECASE)
+# The whole last line, nothing else on it (bold, brackets, "Debater" and a final period
+# allowed): words such as "no clear winner: a draw." name no side.
+_VERDICT = re.compile(r"\**\s*winner\s*:\s*\**\s*\[?\s*(?:debater\s+)?([ab])\s*\]?\s*\.?\s*\**",
+                      re.IGNORECASE)
 
 
 def debater_prompt(problem: str, side: str, rounds: int) -> str:
@@ -57,12 +63,14 @@ def opponent_message(side: str, text: str) -> str:
 
 
 def judge_prompt(problem: str, speeches: list[tuple[str, str]]) -> str:
-    debate = "\n\n".join(f"### Debater {side}\n{text}" for side, text in speeches)
+    # Each speech quoted (`quote`): a heading a debater writes is a line of its speech, not a section.
+    debate = "\n\n".join(f"### Debater {side}\n{quote(text)}" for side, text in speeches)
     return (
-        f"Debate question:\n{problem}\n\n"
-        "Two debaters, A and B, argued the question below, in the order shown. Decide which debater was "
-        "more convincing and correct, and finish your reply with a line of the form\n"
-        "Winner: A\nor\nWinner: B\n\n"
+        f"Debate question:\n{quote(problem)}\n\n"
+        "Two debaters, A and B, argued the question, in the order shown below, each speech quoted "
+        "between lines of backticks. Decide which debater was more convincing and correct, and end "
+        "your reply with one of these lines, alone and last:\n"
+        "Winner: A\nWinner: B\n\n"
         f"{debate}"
     )
 
@@ -77,12 +85,10 @@ class DebatePrompts:
 
 
 def parse_verdict(text: str) -> str | None:
-    """The side ("A" or "B") of the last "Winner: X" in the judge's answer; None if it names none."""
-    matches = _VERDICT.findall(text)
-    if not matches:
-        return None
-    side = matches[-1].upper()
-    return side if side in SIDES else None
+    """The side ("A" or "B") the judge's answer names on its last line, which must be "Winner: X"
+    and nothing else; None otherwise (no verdict, a cut-off or ambiguous one)."""
+    found = _VERDICT.fullmatch(final_line(text) or "")
+    return found.group(1).upper() if found else None
 
 
 def debate_agents(settings) -> tuple[str, str, str]:
@@ -90,11 +96,6 @@ def debate_agents(settings) -> tuple[str, str, str]:
     d, names = settings.debate, list(settings.agents)
     a, b = d.debaters if d.debaters is not None else names[:2]
     return a, b, d.judge if d.judge is not None else names[2]
-
-
-def _verdict_line(text: str) -> str | None:
-    lines = [line.strip() for line in text.splitlines() if _VERDICT.search(line)]
-    return lines[-1] if lines else None
 
 
 def make_debate(prompts: DebatePrompts = DebatePrompts()):
@@ -136,11 +137,12 @@ def make_debate(prompts: DebatePrompts = DebatePrompts()):
         await episode.generate(judge_t)
         answer = judge_t.answer_text
         winner = parse_verdict(answer)
-        episode.metadata.update(winner=debaters.get(winner), winner_side=winner, verdict=_verdict_line(answer),
+        episode.metadata.update(winner=debaters.get(winner), winner_side=winner, verdict=final_line(answer),
                                 invalid_verdict=winner is None, judge_answer=answer[-300:])
         for side, t in views.items():
             outcome = 0.0 if winner is None else d.win_reward if side == winner else d.lose_reward
-            t.raw_reward = t.reward = float(outcome)
+            setting = "mrlx.debate." + ("win_reward" if side == winner else "lose_reward")
+            t.raw_reward = t.reward = finite_reward(outcome, f"the setting {setting}")  # no NaN trained on
         me = episode.settings.self_agent
         focus = next((side for side, agent in debaters.items() if agent == me), "A")
         if focus in views:

@@ -8,7 +8,10 @@ agent's transcript opens at its first turn, so it starts from everything said be
 Settings (`mrlx.dialogue`): `first`, `order`, `max_turns`, `stop_patterns` per agent,
 `openings` per agent (its first message, a template over the input sample), and
 `final_answer_agent` (default: whoever spoke last). The `mrlx_should_stop` hook may end the
-episode after any turn; a stop before `max_turns` counts as an early termination.
+episode after any turn; a stop before `max_turns` counts as an early termination. A full context
+stops it too (`stopped_by: context full (AGENT)`): messages an agent's view cannot hold are cut
+to fit, and an agent whose first view would leave no room for a turn does not speak (its samples
+are ABORTED fillers, counted as over the context).
 """
 
 from __future__ import annotations
@@ -57,8 +60,17 @@ async def run_dialogue(episode: Episode) -> None:
         agent = order[turn % len(order)]
         t = views.get(agent)
         if t is None:
-            t = views[agent] = episode.new_transcript(agent, [opening(episode, agent)] + unread[agent])
-        elif not t.append_messages(unread[agent]):
+            messages = [opening(episode, agent)] + unread[agent]
+            if turn and not episode.fits(agent, messages):
+                # The history has outgrown this agent's context before it spoke: the turns so far
+                # stand, its samples are ABORTED fillers counted as over the context. (On the first
+                # turn there is nothing to keep: new_transcript aborts the episode.)
+                episode.over_context(f"the history is past the context limit of {agent!r} before its first "
+                                     "turn")
+                episode.metadata["stopped_by"] = f"context full ({agent})"
+                break
+            t = views[agent] = episode.new_transcript(agent, messages)
+        elif not t.append_messages(unread[agent]) or t.full:  # cut to the context: no room for a turn
             episode.metadata["stopped_by"] = f"context full ({agent})"
             break
         unread[agent] = []

@@ -23,13 +23,16 @@ One episode per input sample (`mrlx.game`):
 
 Three ways to play: self-play (`seats: [p, p]`, one model in both seats, a baseline per seat),
 against a frozen model (`seats: [p, opp]`, `opp` with `trainable: false` behind its own URL)
-and against an opponent pool (`seats: [p, pool]`, `opponents: [agents and script:NAME]`).
+and against an opponent pool (`seats: [p, pool]`, `opponents: [agents and script:NAME]`). A
+frozen pool member found down (nothing accepts a connection at its URL) ends its episodes at
+once for `POOL_DOWN_S`, recorded as `opponent_down`, instead of waiting `engine.peer_deadline_s`.
 
 `episode.metadata` (read by the `game/` metrics): `game`, `seats` (their names), `players` (who
 played each seat), `first_seat` (the seat whose result the episode reports: `first_agent_seat`), `opponent` (who played the
 other seat(s) against it), `winner` (a seat name, or None for a draw), `outcome` (per seat),
 `moves`, `illegal_move` (the seat, when one was), `stopped_by` (`max_turns` or
-`context full (SEAT)`, when the game was cut short: a draw, every seat 0).
+`context full (SEAT)`, when the game was cut short: a draw, every seat 0), `opponent_down` (the
+pool member that was down, in an episode that ended for it).
 
 Evaluation (`mrlx rollout --evaluation`): the final transcript is the first seat's, and
 `team_reward` its outcome, so an evaluation's mean reward is that seat's mean result.
@@ -37,17 +40,25 @@ Evaluation (`mrlx rollout --evaluation`): the final transcript is the first seat
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
 import random
+import time
+import urllib.parse
 import weakref
 import zlib
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from mrlx_plugin.core.config import POOL_SEAT, SCRIPT_PREFIX, ConfigError
-from mrlx_plugin.core.episode import Episode
+from mrlx_plugin.core.engine_client import EngineError
+from mrlx_plugin.core.episode import Episode, EpisodeAborted, finite_reward
 from mrlx_plugin.core.transcript import Transcript, strip_reasoning
 from mrlx_plugin.systems.games import BUILT_IN_GAMES, boxed, boxed_move
+from mrlx_plugin.systems.quoting import quote
 
-__all__ = ["Game", "boxed", "run_game"]
+__all__ = ["Game", "boxed", "quote", "run_game"]
 
 
 class Game:
@@ -78,7 +89,9 @@ class Game:
 
     def observation(self, state: Any, seat: int) -> str:
         """What `seat` is shown before its move, as plain text: only what it may know (hidden
-        information stays hidden) and how to answer (e.g. "answer with \\boxed{N}")."""
+        information stays hidden) and how to answer (e.g. "answer with \\boxed{N}"). Text the game
+        did not write (from the prompt, a seat's free-text move) goes in through `quote` when the
+        observation lays out sections of its own, so that text cannot open one."""
         raise NotImplementedError
 
     def legal_moves(self, state: Any, seat: int) -> list[Any]:
@@ -97,11 +110,13 @@ class Game:
         raise NotImplementedError
 
     def move_reward(self, state: Any, seat: int, move: Any, next_state: Any) -> float:
-        """The move's own reward for `seat` (its turn reward under `credit: turn`); default 0."""
+        """The move's own reward for `seat` (its turn reward under `credit: turn`); default 0. A
+        finite number: NaN or infinity ends the episode ABORTED, the error naming this game."""
         return 0.0
 
     def outcome(self, state: Any) -> list[float]:
-        """Each seat's result, in seat order, once the game is over (e.g. +1 win / -1 loss)."""
+        """Each seat's result, in seat order, once the game is over (e.g. +1 win / -1 loss); finite
+        numbers, as `move_reward`'s."""
         raise NotImplementedError
 
     def max_moves(self, options: dict[str, Any]) -> dict[int, int]:
@@ -118,28 +133,46 @@ class Game:
         raise ValueError(f"no scripted player {script!r} (this game has: {', '.join(self.scripts)})")
 
     def describe_move(self, state: Any, seat: int, move: Any) -> str:
-        """How the other seats are told of `seat`'s `move` (made from `state`), as plain text."""
+        """How the other seats are told of `seat`'s `move` (made from `state`), as plain text
+        (a move that is text the seat wrote: through `quote`, as in `observation`)."""
         return f"{self.seats[seat]} plays {move}."
 
 
 # --- which game, who plays ------------------------------------------------------------------
 
-# The games each runtime's plugins register, collected on its first episode.
+logger = logging.getLogger(__name__)
+
+# The games each runtime's plugins register, and the plugin that registered each, collected on
+# its first episode.
 _REGISTRIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def registered_games(runtime: Any) -> dict[str, Any]:
     """Every game the plugins register (`mrlx_register_games`), by name; a name twice is an error."""
-    games = _REGISTRIES.get(runtime)
-    if games is None:
-        games = {}
-        for result in runtime.hooks.mrlx_register_games():
-            for name, game in (result or {}).items():
+    return _registry(runtime)[0]
+
+
+def game_producer(runtime: Any, name: str) -> str:
+    """How errors name game `name`'s values: the game and the plugin that registered it."""
+    return f"game {name!r} (registered by plugin {_registry(runtime)[1].get(name, 'unknown')!r})"
+
+
+def _registry(runtime: Any) -> tuple[dict[str, Any], dict[str, str]]:
+    found = _REGISTRIES.get(runtime)
+    if found is None:
+        games: dict[str, Any] = {}
+        owners: dict[str, str] = {}
+        # One plugin at a time: the hook's combined results cannot say which plugin registered what.
+        for plugin, call in runtime.callers_of("mrlx_register_games"):
+            results = call()
+            for name, game in ((results[0] if results else None) or {}).items():
                 if name in games and games[name] is not game:
-                    raise ConfigError(f"{runtime.source}: game {name!r} is registered twice (by two plugins)")
+                    raise ConfigError(f"{runtime.source}: game {name!r} is registered twice: by "
+                                      f"{owners[name]} and by {plugin}")
                 games[name] = game
-        _REGISTRIES[runtime] = games
-    return games
+                owners.setdefault(name, plugin)
+        found = _REGISTRIES[runtime] = (games, owners)
+    return found
 
 
 def the_game(runtime: Any) -> Any:
@@ -206,16 +239,31 @@ def is_script(player: str) -> bool:
 # --- one episode ----------------------------------------------------------------------------
 
 
-def judge_move(game: Any, state: Any, seat: int, text: str, penalty: float) -> tuple[Any, Any, float, float]:
+def judge_move(game: Any, state: Any, seat: int, text: str, penalty: float,
+               producer: str = "the game") -> tuple[Any, Any, float, float]:
     """(move, next state, own reward, score) of an answer. The own reward is the move's
     (`move_reward`); the score adds the seat's outcome when the move ends the game. An answer
-    that makes no legal move: (None, None, 0.0, penalty), the penalty being its outcome."""
+    that makes no legal move: (None, None, 0.0, penalty), the penalty being its outcome.
+
+    A reward that is not a finite number raises RewardError naming `producer` (`game_producer`:
+    the game and its plugin), or the setting for the penalty: it is never trained on."""
     move = game.parse_move(state, seat, text)
     if move is None:
-        return None, None, 0.0, float(penalty)
+        return None, None, 0.0, finite_reward(penalty, "the setting mrlx.game.illegal_penalty")
     after = game.play(state, seat, move)
-    own = float(game.move_reward(state, seat, move, after))
-    return move, after, own, own + (float(game.outcome(after)[seat]) if game.to_move(after) is None else 0.0)
+    own = finite_reward(game.move_reward(state, seat, move, after),
+                        f"{producer}: move_reward of seat {game.seats[seat]}'s move {move!r}")
+    if game.to_move(after) is not None:
+        return move, after, own, own
+    score = own + game_outcome(game, after, producer)[seat]
+    return move, after, own, finite_reward(score, f"{producer}: move_reward plus outcome of seat "
+                                                  f"{game.seats[seat]}")
+
+
+def game_outcome(game: Any, state: Any, producer: str = "the game") -> list[float]:
+    """`game.outcome(state)` as floats, each a finite number (else RewardError naming `producer`)."""
+    return [finite_reward(x, f"{producer}: outcome of seat {game.seats[i] if i < len(game.seats) else i}")
+            for i, x in enumerate(game.outcome(state))]
 
 
 def winner_of(outcome: list[float], names: tuple[str, ...]) -> str | None:
@@ -231,9 +279,12 @@ class _Stop(Exception):
 
 
 async def _agent_move(episode: Episode, game: Any, views: dict[int, Transcript], player: str, seat: int,
-                      state: Any, text: str) -> tuple[Any, Any]:
+                      state: Any, text: str,
+                      on_fault: Callable[[EngineError], Awaitable[str | None]] | None = None
+                      ) -> tuple[Any, Any]:
     """One model turn of `player` in `seat`, shown `text`: (move, next state), move None if illegal."""
     name, penalty = game.seats[seat], episode.settings.game.illegal_penalty
+    producer = game_producer(episode.runtime, episode.settings.game.name)
     message = [{"role": "user", "content": text}]
     t = views.get(seat)
     if t is None:
@@ -242,13 +293,13 @@ async def _agent_move(episode: Episode, game: Any, views: dict[int, Transcript],
         raise _Stop(f"context full ({name})")
 
     def score(turn: Any) -> float:  # a candidate move, for tree sampling
-        return judge_move(game, state, seat, strip_reasoning(turn.text), penalty)[3]
+        return judge_move(game, state, seat, strip_reasoning(turn.text), penalty, producer)[3]
 
     before = len(t.turns)
-    await episode.generate(t, score=score)
+    await episode.generate(t, score=score, on_fault=on_fault)
     if len(t.turns) == before:  # no room was left for a turn
         raise _Stop(f"context full ({name})")
-    move, after, own, _ = judge_move(game, state, seat, t.answer_text, penalty)
+    move, after, own, _ = judge_move(game, state, seat, t.answer_text, penalty, producer)
     # The turn's own reward, without the outcome: the outcome (the transcript's reward) reaches
     # every turn through the return, the last turn's undiscounted; counted here it would count
     # twice. A candidate of tree sampling is compared by its score, outcome included.
@@ -267,6 +318,10 @@ async def run_game(episode: Episode) -> None:
     episode.metadata.update(game=g.name, seats=list(names), players=players,
                             first_seat=None if first is None else names[first],
                             opponent=" + ".join(others) if first is not None and others else None)
+    watched = {i: _watch_member(episode, players[i]) for i, who in enumerate(seat_players(episode.settings))
+               if who == POOL_SEAT and _frozen_agent(episode.settings, players[i])}
+    for i in watched:
+        _check_member(episode, players[i])  # a member known to be down: no move is made at all
     rng = random.Random(zlib.crc32(episode.id.encode()))
     state = game.start(episode.problem, episode.label, rng, dict(g.options))
     bound = game.max_moves(dict(g.options))
@@ -287,10 +342,13 @@ async def run_game(episode: Episode) -> None:
             after = game.play(state, seat, move)
             made[seat] += 1
         else:
+            if seat in watched:  # another episode may have found the member down since
+                _check_member(episode, player)
             text = " ".join([*unread[seat], game.observation(state, seat)])
             unread[seat] = []
             try:
-                move, after = await _agent_move(episode, game, views, player, seat, state, text)
+                move, after = await _agent_move(episode, game, views, player, seat, state, text,
+                                                watched.get(seat))
             except _Stop as stop:
                 episode.metadata["stopped_by"] = str(stop)
                 break
@@ -298,14 +356,15 @@ async def run_game(episode: Episode) -> None:
             if move is None:  # illegal: the episode ends, this seat penalised
                 episode.metadata["illegal_move"] = names[seat]
                 outcome = [0.0] * len(names)
-                outcome[seat] = float(g.illegal_penalty)
+                outcome[seat] = finite_reward(g.illegal_penalty, "the setting mrlx.game.illegal_penalty")
                 break
         for other in range(len(names)):
             if other != seat:
                 unread[other].append(game.describe_move(state, seat, move))
         state = after
     if outcome is None:  # a game cut short (max_turns, a full context) is a draw
-        outcome = [float(x) for x in game.outcome(state)] if game.to_move(state) is None else [0.0] * len(names)
+        producer = game_producer(episode.runtime, g.name)
+        outcome = game_outcome(game, state, producer) if game.to_move(state) is None else [0.0] * len(names)
     episode.metadata.update(winner=winner_of(outcome, names), outcome=outcome, moves=sum(made))
     for seat, t in views.items():
         t.raw_reward = t.reward = outcome[seat]
@@ -314,6 +373,75 @@ async def run_game(episode: Episode) -> None:
         if first in views:
             episode.final_transcript = views[first]
             episode.final_answer = views[first].answer_text
+
+
+# --- an opponent-pool member that is down ---------------------------------------------------
+
+# A frozen pool member found down (nothing accepts a connection at its URL) is not called again
+# for this long: the episodes that draw it end at once, counted as `opponent_down`, rather than
+# each waiting out `engine.peer_deadline_s` (a frozen model has no weight update to wait for).
+POOL_DOWN_S = 30.0
+# Per runtime: pool member -> (the monotonic time its mark ends, why it is down).
+_DOWN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _frozen_agent(settings: Any, player: str) -> bool:
+    """An agent that no job trains, served at its own URL (a past checkpoint, a fixed model)."""
+    agent = settings.agents.get(player)
+    return agent is not None and not agent.trainable and agent.url != "self"
+
+
+def _member_down(episode: Episode, player: str) -> str | None:
+    """Why pool member `player` is marked down, or None when it is not (or no longer) marked."""
+    mark = _DOWN.get(episode.runtime, {}).get(player)
+    return mark[1] if mark is not None and mark[0] > time.monotonic() else None
+
+
+def _down_reason(episode: Episode, player: str, why: str) -> str:
+    episode.metadata["opponent_down"] = player
+    return (f"opponent-pool member {player!r} is down ({why}); the episodes that draw it end at once for "
+            f"{POOL_DOWN_S:g} s after it was found down, instead of waiting engine.peer_deadline_s")
+
+
+def _check_member(episode: Episode, player: str) -> None:
+    why = _member_down(episode, player)
+    if why is not None:
+        episode.abort(_down_reason(episode, player, why))
+        raise EpisodeAborted(episode.abort_reason)
+
+
+async def _unreachable(url: str, timeout: float) -> str | None:
+    """Why nothing accepts a TCP connection at `url`'s host and port, or None when something does."""
+    parts = urllib.parse.urlsplit(url)
+    host, port = parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+    except asyncio.TimeoutError:
+        return f"{url}: no connection within engine.connect_timeout_s ({timeout:g} s)"
+    except OSError as exc:
+        return f"{url}: {exc.strerror or exc}"
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
+    return None
+
+
+def _watch_member(episode: Episode, player: str) -> Callable[[EngineError], Awaitable[str | None]]:
+    """The `on_fault` of pool member `player`'s turns: on an engine fault (its client's retries
+    spent), probe its address; nothing listening marks it down (`POOL_DOWN_S`) and ends the
+    episode at once. An engine that accepts connections but fails is waited for as before."""
+    async def on_fault(error: EngineError) -> str | None:
+        why = _member_down(episode, player)
+        if why is None:
+            why = await _unreachable(episode.runtime.urls[player], episode.settings.engine.connect_timeout_s)
+            if why is None:
+                return None
+            _DOWN.setdefault(episode.runtime, {})[player] = (time.monotonic() + POOL_DOWN_S, why)
+            logger.warning("opponent-pool member %r is down (%s; the last call: %s): the episodes that draw "
+                           "it end at once for the next %g s", player, why, error, POOL_DOWN_S)
+        return _down_reason(episode, player, why)
+
+    return on_fault
 
 
 def _seats_of(settings: Any) -> dict[str, list[int]]:

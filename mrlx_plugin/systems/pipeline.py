@@ -4,9 +4,10 @@ One episode per input sample:
 1. `num_parallel` solvers answer the problem independently; each is graded against the label.
 2. `num_parallel` rewriters each read every solver's answer and write an improved solution;
    each is graded.
-3. One selector reads the rewrites and picks one ("Judgment: IDX", 1-based). It earns the
-   grade of the rewrite it picked. A missing or out-of-range index earns 0.0 and leaves the
-   team without a final answer (counted as `multi_agent/invalid_selection_rate`).
+3. One selector reads the rewrites and picks one: the last line of its answer is
+   "Judgment: IDX" (1-based). It earns the grade of the rewrite it picked. A last line that is
+   no such line, or an out-of-range index, earns 0.0 and leaves the team without a final answer
+   (counted as `multi_agent/invalid_selection_rate`).
 4. The team is right when its final answer earns a full mark; the system declares team shaping
    (`run.team_shaping`), so the `mrlx_shape_rewards` hook's default weights every sample by the
    team outcome (`mrlx.pipeline.weighting`).
@@ -23,8 +24,11 @@ from dataclasses import dataclass
 
 from mrlx_plugin.core.episode import Episode
 from mrlx_plugin.core.transcript import Transcript
+from mrlx_plugin.systems.quoting import quote
 
-_JUDGMENT = re.compile(r"Judgment\s*:\s*\**\s*\[?(\d+)")
+# The whole last line, nothing else on it (bold, brackets and a final period allowed): words
+# such as "my judgment: 2 of them are wrong" are no choice.
+_JUDGMENT = re.compile(r"\**\s*judgment\s*:\s*\**\s*\[?\s*(\d+)\s*\]?\s*\.?\s*\**", re.IGNORECASE)
 
 
 def solver_prompt(problem: str) -> str:
@@ -32,25 +36,27 @@ def solver_prompt(problem: str) -> str:
 
 
 def _numbered(solutions: list[str]) -> str:
-    return "\n\n".join(f"### Solution {i}\n{s}" for i, s in enumerate(solutions, 1))
+    # Each solution quoted (`quote`): a heading written inside one is a line of it, not a section.
+    return "\n\n".join(f"### Solution {i}\n{quote(s)}" for i, s in enumerate(solutions, 1))
 
 
 def rewriter_prompt(problem: str, solutions: list[str]) -> str:
     return (
-        f"Problem:\n{problem}\n\n"
-        f"Below are {len(solutions)} attempted solutions to this problem. Some may be wrong. "
-        "Compare them, find the correct reasoning, and write one complete, correct solution "
-        "of your own. Put the final answer in \\boxed{}.\n\n"
+        f"Problem:\n{quote(problem)}\n\n"
+        f"Below are {len(solutions)} attempted solutions to this problem, each quoted between lines of "
+        "backticks. Some may be wrong. Compare them, find the correct reasoning, and write one complete, "
+        "correct solution of your own. Put the final answer in \\boxed{}.\n\n"
         f"{_numbered(solutions)}"
     )
 
 
 def selector_prompt(problem: str, solutions: list[str]) -> str:
     return (
-        f"Problem:\n{problem}\n\n"
-        f"Below are {len(solutions)} candidate solutions. Check each one's reasoning and final "
-        "answer, decide which solution is correct, and finish your reply with a line of the form\n"
-        f"Judgment: IDX\nwhere IDX is the number (1 to {len(solutions)}) of the solution you choose.\n\n"
+        f"Problem:\n{quote(problem)}\n\n"
+        f"Below are {len(solutions)} candidate solutions, each quoted between lines of backticks. Check "
+        "each one's reasoning and final answer, decide which solution is correct, and end your reply with "
+        f"this line, alone and last:\nJudgment: IDX\nwhere IDX is the number (1 to {len(solutions)}) of the "
+        "solution you choose.\n\n"
         f"{_numbered(solutions)}"
     )
 
@@ -64,12 +70,19 @@ class PipelinePrompts:
     selector: Callable[[str, list[str]], str] = selector_prompt
 
 
+def final_line(text: str) -> str | None:
+    """The last non-blank line of an answer, stripped; None for a blank answer."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else None
+
+
 def parse_judgment(text: str, n: int) -> int | None:
-    """The 0-based index a selector chose, from its last "Judgment: IDX" line; None if invalid."""
-    matches = _JUDGMENT.findall(text)
-    if not matches:
+    """The 0-based index a selector chose: its answer's last line must be "Judgment: IDX" and
+    nothing else, IDX from 1 to n; None otherwise."""
+    found = _JUDGMENT.fullmatch(final_line(text) or "")
+    if found is None:
         return None
-    idx = int(matches[-1]) - 1
+    idx = int(found.group(1)) - 1
     return idx if 0 <= idx < n else None
 
 
@@ -88,8 +101,17 @@ def fit_solutions(episode: Episode, agent: str, build: Callable[[list[str]], str
     if episode.prompt_tokens(agent, [{"role": "user", "content": prompt}]) <= budget:
         return prompt
     overhead = episode.prompt_tokens(agent, [{"role": "user", "content": build([""] * len(solutions))}])
-    per_solution = max(16, (budget - overhead) // max(1, len(solutions)))
-    return build([_tail(tok, s, per_solution) for s in solutions])
+    n = max(1, len(solutions))
+    per_solution = max(16, (budget - overhead) // n)
+    while True:
+        prompt = build([_tail(tok, s, per_solution) for s in solutions])
+        over = episode.prompt_tokens(agent, [{"role": "user", "content": prompt}]) - budget
+        # A quote's fence is longer than any backtick run in the text it holds, so a text of
+        # long runs costs more than its own tokens: cut further, by the excess and at least a
+        # tenth each round, until the prompt fits or the solutions are at their floor.
+        if over <= 0 or per_solution <= 16:
+            return prompt
+        per_solution = max(16, per_solution - max(-(-over // n), per_solution // 10))
 
 
 def _tail(tok, text: str, max_tokens: int) -> str:

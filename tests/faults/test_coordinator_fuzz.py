@@ -17,7 +17,9 @@ must get:
 JSON bodies are judged against the server's own published /openapi.json: a body the document allows
 is never refused as invalid (422), and one it forbids always is. Frames start from valid ones made
 by `wire.encode_items` and are cut, flipped, given lying lengths, columns, values and headers. Path parameters,
-methods, Authorization and identity headers, oversized bodies and malformed HTTP get their own tests.
+methods, signatures and identity headers, oversized bodies and malformed HTTP get their own tests.
+Every request is signed with the run's token as the client signs (mrlx_plugin.link.auth) unless a
+test says otherwise.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from hypothesis import strategies as st
 
 import pyarrow as pa
 
+from mrlx_plugin.link.auth import derive_keys, request_mac, signed_headers
 from mrlx_plugin.link.wire import (
     CONTENT_TYPE,
     HEADER_KEY,
@@ -64,7 +67,6 @@ TOKEN = "fuzz-token-7f3a"
 MAX_REQUEST_MB = 0.25
 LIMIT = int(MAX_REQUEST_MB * (1 << 20))
 MIN_REQUESTS = 1000
-AUTH = ("Authorization", f"Bearer {TOKEN}")
 INT64_MAX = (1 << 63) - 1
 
 FUZZ = settings(
@@ -123,7 +125,8 @@ class Api:
     ) -> Answer:
         if count:
             SENT[self.test] += 1
-        all_headers = [AUTH, *headers] if auth else list(headers)
+        signature = list(signed_headers(TOKEN, method, path, body).items()) if auth else []
+        all_headers = [*signature, *headers]
         for attempt in (0, 1):
             if self.conn is None:
                 self.conn = http.client.HTTPConnection("127.0.0.1", self.coord.port, timeout=30)
@@ -936,28 +939,63 @@ def test_items_for_an_unknown_run_or_agent_are_rejected_and_never_queued(fuzz_ap
 
 # --------------------------------------------------------------------------- headers
 
-TOKEN_BYTES = TOKEN.encode()
-AUTH_VARIANTS: list[tuple[bytes | None, bool]] = [
-    (None, False),
-    (b"", False),
-    (b"Bearer", False),
-    (b"Bearer ", False),
-    (b"Bearer " + TOKEN_BYTES + b"x", False),
-    (b"Bearer " + TOKEN_BYTES[:-1], False),
-    (b"Bearer x" + TOKEN_BYTES, False),
-    (b"Basic Zm9vOmJhcg==", False),
-    (b"Token " + TOKEN_BYTES, False),
-    (TOKEN_BYTES, False),
-    (b"Bearer\t" + TOKEN_BYTES, False),
-    (b"Bearer " + TOKEN_BYTES.upper(), False),
-    (b"Bearer \xff\xfe" + TOKEN_BYTES, False),
-    (b"Bearer " + TOKEN_BYTES + b"\xc3\xa9", False),
-    (b"Bearer " + b"y" * 4000, False),
-    (b"Bearer " + TOKEN_BYTES * 50, False),
-    (b"bearer " + TOKEN_BYTES, True),
-    (b"BEARER " + TOKEN_BYTES, True),
-    (b"Bearer  " + TOKEN_BYTES, True),
-    (b"Bearer " + TOKEN_BYTES + b" ", True),
+def signature(
+    method: str, path: str, body: bytes | None, *, token: str = TOKEN, stamp: str | None = None,
+    nonce: str | None = None, **replace: str | bytes | None,
+) -> list[tuple[str, str | bytes]]:
+    """Signature headers of a request, made with `token` (at `stamp`, with `nonce` when given), then
+    with the headers named in `replace` (X_Mrlx_Time=...) replaced or, for None, left out."""
+    headers: dict[str, str | bytes] = dict(signed_headers(token, method, path, body))
+    if stamp is not None or nonce is not None:
+        stamp = stamp or str(headers["X-Mrlx-Time"])
+        nonce = nonce or str(headers["X-Mrlx-Nonce"])
+        content = str(headers["X-Mrlx-Content-Sha256"])
+        mac = request_mac(derive_keys(token)[0], method, path, nonce, stamp, content)
+        headers.update({"X-Mrlx-Time": stamp, "X-Mrlx-Nonce": nonce, "X-Mrlx-Signature": mac})
+    for name, value in replace.items():
+        headers[name.replace("_", "-")] = value  # type: ignore[assignment]
+    return [(name, value) for name, value in headers.items() if value is not None]
+
+
+def _now(offset: float) -> str:
+    import time
+
+    return f"{time.time() + offset:.3f}"
+
+
+# (what, headers of a request (method, path, body), valid)
+AUTH_VARIANTS: list[tuple[str, Any, bool]] = [
+    ("unsigned", lambda m, p, b: [], False),
+    ("the token as a bearer token", lambda m, p, b: [("Authorization", f"Bearer {TOKEN}")], False),
+    ("the token itself as the signature", lambda m, p, b: signature(m, p, b, X_Mrlx_Signature=TOKEN), False),
+    ("signed with another token", lambda m, p, b: signature(m, p, b, token=TOKEN + "x"), False),
+    ("signed with a prefix of the token", lambda m, p, b: signature(m, p, b, token=TOKEN[:-1]), False),
+    ("signed for another path", lambda m, p, b: signature(m, p + "x", b), False),
+    ("signed for another method", lambda m, p, b: signature("PUT", p, b), False),
+    ("signed for another body", lambda m, p, b: signature(m, p, (b or b"") + b" "), False),
+    ("another body's hash", lambda m, p, b: signature(m, p, b, X_Mrlx_Content_Sha256="0" * 64), False),
+    ("no signature", lambda m, p, b: signature(m, p, b, X_Mrlx_Signature=None), False),
+    ("no time", lambda m, p, b: signature(m, p, b, X_Mrlx_Time=None), False),
+    ("no nonce", lambda m, p, b: signature(m, p, b, X_Mrlx_Nonce=None), False),
+    ("no body hash", lambda m, p, b: signature(m, p, b, X_Mrlx_Content_Sha256=None), False),
+    ("signature cut short", lambda m, p, b: [(k, v[:-1] if k == "X-Mrlx-Signature" else v)
+                                             for k, v in signature(m, p, b)], False),
+    ("signature in upper case", lambda m, p, b: [(k, v.upper() if k == "X-Mrlx-Signature" else v)
+                                                 for k, v in signature(m, p, b)], False),
+    ("signature with bytes past it", lambda m, p, b: [(k, v + "\xe9" if k == "X-Mrlx-Signature" else v)
+                                                      for k, v in signature(m, p, b)], False),
+    ("signed 10 minutes ago", lambda m, p, b: signature(m, p, b, stamp=_now(-600)), False),
+    ("signed 10 minutes ahead", lambda m, p, b: signature(m, p, b, stamp=_now(600)), False),
+    ("a time that is no number", lambda m, p, b: signature(m, p, b, stamp="soon"), False),
+    ("a time that is not finite", lambda m, p, b: signature(m, p, b, stamp="inf"), False),
+    ("a short nonce", lambda m, p, b: signature(m, p, b, nonce="abc123"), False),
+    ("a nonce that is not hex", lambda m, p, b: signature(m, p, b, nonce="z" * 32), False),
+    ("a huge header", lambda m, p, b: signature(m, p, b, X_Mrlx_Signature="y" * 4000), False),
+    ("replayed", lambda m, p, b: signature(m, p, b), False),  # sent once before the exchange
+    ("signed", lambda m, p, b: signature(m, p, b), True),
+    ("signed, with spaces around the signature", lambda m, p, b: [
+        (k, f"  {v} " if k == "X-Mrlx-Signature" else v) for k, v in signature(m, p, b)], True),
+    ("signed a minute ago", lambda m, p, b: signature(m, p, b, stamp=_now(-60)), True),
 ]
 header_bytes = st.binary(max_size=60).map(
     lambda raw: bytes(b for b in raw if b >= 0x20 and b != 0x7F)  # no control bytes: that is malformed HTTP
@@ -967,25 +1005,31 @@ header_bytes = st.binary(max_size=60).map(
 @settings(FUZZ, max_examples=160)
 @given(
     route=st.sampled_from(AUTHED_ROUTES),
-    variant=st.sampled_from(AUTH_VARIANTS) | header_bytes.map(lambda raw: (raw, False)),
+    variant=st.sampled_from(AUTH_VARIANTS)
+    | header_bytes.map(
+        lambda raw: ("random signature", lambda m, p, b: signature(m, p, b, X_Mrlx_Signature=raw), False)
+    ),
     agent=st.sampled_from(AGENTS),
 )
 def test_missing_or_wrong_token_is_401_and_health_stays_open(fuzz_api, route, variant, agent):
-    value, valid = variant
-    if value is not None:  # as the server reads it: the scheme in any case, then the exact token
-        scheme, _, given_token = value.strip().partition(b" ")
-        valid = scheme.lower() == b"bearer" and given_token.strip() == TOKEN_BYTES
-    headers = [] if value is None else [("Authorization", value)]
+    what, make, valid = variant
     body = plain_body(route)
-    answer, _, _ = exchange(fuzz_api, route.method, route.path(agent=agent_for(route, agent)), body, headers, auth=False)
+    path = route.path(agent=agent_for(route, agent))
+    headers = make(route.method, path, body)
+    if what == "replayed":  # the same signed request once more: refused
+        first = fuzz_api.send(route.method, path, body, headers, auth=False)
+        assert first.status != 401, f"{what}: the first time: {first.describe()}"
+    answer, _, _ = exchange(fuzz_api, route.method, path, body, headers, auth=False)
     if valid:
-        assert answer.status != 401, answer.describe()
+        assert answer.status != 401, f"{what}: {answer.describe()}"
     else:
-        assert answer.status == 401, f"{value!r}: {answer.describe()}"
-        assert "bearer token" in answer.json()["error"] and "Bearer" in answer.headers["WWW-Authenticate"]
+        assert answer.status == 401, f"{what} {headers!r}: {answer.describe()}"
+        assert "X-Mrlx-" in answer.json()["error"] and "Mrlx-HMAC" in answer.headers["WWW-Authenticate"]
     for open_path in ("/health", "/openapi.json"):
         answer = fuzz_api.send("GET", open_path, None, headers, auth=False)
         assert answer.status == 200 and answer.headers["Content-Type"].startswith("application/json")
+        # signed for another request, so not a signed one: nothing about the run
+        assert RUN not in answer.body.decode() and "doctor" not in answer.body.decode(), answer.describe()
 
 
 @settings(FUZZ, max_examples=100)
@@ -1076,13 +1120,25 @@ def test_schemathesis_against_the_published_document(fuzz_api):
     schemathesis = pytest.importorskip(
         "schemathesis", reason="schemathesis is not installed (optional; pip install schemathesis to run this)"
     )
+    import requests
     from hypothesis import given as given_
 
+    class Sign(requests.auth.AuthBase):
+        """Every request signed as the plugin's client signs it (the path as its request line has it)."""
+
+        def __call__(self, r: requests.PreparedRequest) -> requests.PreparedRequest:
+            body = r.body.encode() if isinstance(r.body, str) else r.body
+            r.headers.update(signed_headers(TOKEN, str(r.method), r.path_url, body))
+            return r
+
     url = f"{fuzz_api.coord.url}/openapi.json"
+    signed = signed_headers(TOKEN, "GET", "/openapi.json")  # the document with the run's names
     if hasattr(schemathesis, "openapi") and hasattr(schemathesis.openapi, "from_url"):
-        schema = schemathesis.openapi.from_url(url)
+        schema = schemathesis.openapi.from_url(url, headers=signed)
     else:  # schemathesis 3.x
-        schema = schemathesis.from_uri(url, base_url=fuzz_api.coord.url)
+        schema = schemathesis.from_uri(url, base_url=fuzz_api.coord.url, headers=signed)
+    session = requests.Session()
+    session.auth = Sign()
     from schemathesis.checks import not_a_server_error
 
     checks = [not_a_server_error]
@@ -1102,7 +1158,7 @@ def test_schemathesis_against_the_published_document(fuzz_api):
                 tame_waits(body)
             SENT["schemathesis"] += 1
             try:
-                case.call_and_validate(headers={"Authorization": f"Bearer {TOKEN}"}, checks=checks)
+                case.call_and_validate(session=session, checks=checks)
             except Exception as exc:  # collected, so every operation is tried
                 failures.append(f"{operation.method.upper()} {operation.path}: {exc}"[:2000])
                 raise

@@ -32,6 +32,7 @@ import pytest
 from _coord_procs import REPO, CoordinatorProcess, make_items
 from _wait import wait_until
 
+from mrlx_plugin.link.auth import signed_headers
 from mrlx_plugin.link.wire import CONTENT_TYPE, encode_items
 from mrlx_plugin.local.procstat import memory_mib
 
@@ -266,9 +267,14 @@ def test_a_trickled_header_is_cut_off_after_the_idle_timeout(tmp_path):
 def hanging_commit(coord: CoordinatorProcess, declared: int, pid: int) -> socket.socket:
     """A commit that declares `declared` body bytes, sends 4, and keeps the connection open."""
     sock = socket.create_connection(("127.0.0.1", coord.port), timeout=30)
+    path = f"/v1/runs/{coord.run_id}/queues/patient/commit"
+    assert coord.token is not None
+    # signed for a body it never sends: the signature is checked before the body is read
+    signed = signed_headers(coord.token, "POST", path, b"MRLX")
+    signature = "".join(f"{k}: {v}\r\n" for k, v in signed.items())
     head = (
-        f"POST /v1/runs/{coord.run_id}/queues/patient/commit HTTP/1.1\r\n"
-        f"Host: 127.0.0.1\r\nAuthorization: Bearer {coord.token}\r\n"
+        f"POST {path} HTTP/1.1\r\n"
+        f"Host: 127.0.0.1\r\n{signature}"
         f"Content-Type: {CONTENT_TYPE}\r\nContent-Length: {declared}\r\n"
         f"X-Mrlx-Agent: doctor\r\nX-Mrlx-Pid: {pid}\r\n\r\n"
     ).encode()
