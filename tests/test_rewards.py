@@ -137,3 +137,13 @@ def test_coupling_matrices():
     assert coupling_matrix("bilateral", agents, {})["b"] == {"a": 0.5, "b": 0.5}
     asym = coupling_matrix("asymmetric", agents, {"a": {"a": 1.0, "b": 0.3}})
     assert asym == {"a": {"a": 1.0, "b": 0.3}, "b": {"a": 0.0, "b": 1.0}}
+
+
+@pytest.mark.parametrize("value", [10**400, 10**5000, float("nan"), float("-inf"), True],
+                         ids=["1e400", "1e5000", "nan", "-inf", "bool"])
+def test_a_reward_past_a_floats_range_is_refused_naming_its_producer(value):
+    from mrlx_plugin.core.episode import RewardError, _finite_number, finite_reward
+
+    assert not _finite_number(value)
+    with pytest.raises(RewardError, match="plugin 'my_grader'"):
+        finite_reward(value, "plugin 'my_grader'")

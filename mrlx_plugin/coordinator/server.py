@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
+import hmac
 import logging
 import math
 import re
@@ -267,6 +268,9 @@ class CoordinatorConfig:
     host: str = "127.0.0.1"
     port: int = 18888
     token: str | None = field(default=None, repr=False)
+    # A second, read-only secret for GET /metrics alone (a Prometheus scraper sends it as a bearer
+    # token; it cannot sign requests). It opens nothing else.
+    metrics_token: str | None = field(default=None, repr=False)
     max_depth: int = 65536
     max_request_mb: float = 512.0
     port_file: str | None = None
@@ -485,7 +489,11 @@ class Coordinator:
         self._flusher: asyncio.Task[None] | None = None
         # Keys derived from the token: one checks requests, one proves answers (the token is not kept).
         self._keys = derive_keys(config.token) if config.token else None
+        # Nonces live in memory: a request signed before this process started cannot be told from
+        # a replay of one its predecessor served, so it is refused as retryable (the client signs
+        # it afresh; a client whose clock runs behind waits out the difference).
         self._replays = ReplayGuard()
+        self._replays.floor = time.time()
 
     # ----------------------------------------------------------------- plumbing
 
@@ -621,6 +629,8 @@ class Coordinator:
         on it), and its answer is signed even when it is refused for its time or as a replay."""
         if self._keys is None:
             return None
+        if self._metrics_reader(request):
+            return None
         # The path as the request line carries it (query included), as the client signed it.
         nonce, problem, stamp = check_request(
             self._keys[0], request.method, request.raw_path, request.headers
@@ -642,13 +652,23 @@ class Coordinator:
             )
         seen = self._replays.admit(nonce, stamp, now)
         if seen == "replay":
-            return 401, "the request's X-Mrlx-Nonce was used before: a replayed request is refused"
+            # Retryable: a replay changes nothing, and the true sender (whose nonce a copy took
+            # first) signs again.
+            return 503, "the request's X-Mrlx-Nonce was used before: a replayed request is refused; sign it afresh"
         if seen == "forgotten":
             return 503, (
                 "the request is older than those the coordinator can still tell from replays: sign it afresh"
             )
         request[CONTENT_KEY] = request.headers[CONTENT_HEADER].strip().lower()
         return None
+
+    def _metrics_reader(self, request: web.Request) -> bool:
+        """A GET /metrics with the bearer --metrics-token-env names (its answer is not signed)."""
+        token = self.config.metrics_token
+        if not token or request.method != "GET" or request.path != "/metrics":
+            return False
+        given = request.headers.get("Authorization", "")
+        return hmac.compare_digest(given.encode("utf-8", "surrogateescape"), f"Bearer {token}".encode())
 
     async def _check_content(self, request: web.Request, body: bytes | memoryview) -> None:
         """The body of a signed request must be the one its signature names (hashed on a worker
@@ -807,7 +827,7 @@ class Coordinator:
         limits = FrameLimits(
             max_message_bytes=MAX_FRAME_MESSAGE_BYTES,
             max_batches=MAX_FRAME_BATCHES,
-            max_items=min(MAX_COMMIT_ITEMS, self.config.max_depth),  # more could never be queued at once
+            max_items=MAX_COMMIT_ITEMS,
         )
         frame = scan_frame(body, limits)
         for record in frame.records:
@@ -1353,7 +1373,7 @@ def add_coordinator_arguments(parser: argparse.ArgumentParser) -> argparse.Argum
         type=float,
         default=512.0,
         help="largest request body in MB (413 above). A commit's frame also gets 413, before any item "
-        f"is unpacked, past {MAX_COMMIT_ITEMS} items (or --max-depth when lower), {MAX_FRAME_BATCHES} "
+        f"is unpacked, past {MAX_COMMIT_ITEMS} items, {MAX_FRAME_BATCHES} "
         f"record batches, or {MAX_FRAME_MESSAGE_BYTES >> 10} KiB of metadata in one message (the frame "
         "header's included)",
     )
@@ -1380,6 +1400,13 @@ def add_coordinator_arguments(parser: argparse.ArgumentParser) -> argparse.Argum
         default=IDLE_TIMEOUT_S,
         help="close a connection that has not sent a complete request header for this long, counted "
         f"from its start or from its last answer (default {IDLE_TIMEOUT_S:g})",
+    )
+    parser.add_argument(
+        "--metrics-token-env",
+        default=None,
+        help="environment variable holding a second, read-only token that opens GET /metrics alone, sent "
+        "as `Authorization: Bearer ...` (for a Prometheus scraper, which cannot sign requests); unset: "
+        "/metrics takes signed calls only",
     )
     parser.add_argument(
         "--max-connections",
@@ -1409,8 +1436,8 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
         raise ValueError("--max-depth must be at least 1")
     if args.max_deliveries < 1:
         raise ValueError("--max-deliveries must be at least 1")
-    if args.max_request_mb <= 0:
-        raise ValueError("--max-request-mb must be positive")
+    if not (math.isfinite(args.max_request_mb) and args.max_request_mb > 0):
+        raise ValueError("--max-request-mb must be a positive number")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port {args.port} is not a port number")
     if not (math.isfinite(args.idle_timeout_s) and args.idle_timeout_s > 0):
@@ -1418,6 +1445,11 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
     if args.max_connections < 1:
         raise ValueError("--max-connections must be at least 1")
     token = token_from_env_or_file(args.token_env, args.token_file)
+    metrics_token = token_from_env_or_file(args.metrics_token_env, None) if args.metrics_token_env else None
+    if args.metrics_token_env and not metrics_token:
+        raise ValueError(f"--metrics-token-env: ${args.metrics_token_env} is unset or empty")
+    if metrics_token is not None and token is not None and hmac.compare_digest(metrics_token, token):
+        raise ValueError("--metrics-token-env: the metrics token must differ from the run's token (it is sent as is)")
     if token is None and not is_loopback(args.host):
         raise ValueError(
             f"refusing to listen on {args.host!r} without a token: anyone who can reach it could inject training "
@@ -1430,6 +1462,7 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
         host=args.host,
         port=args.port,
         token=token,
+        metrics_token=metrics_token,
         max_depth=args.max_depth,
         max_request_mb=args.max_request_mb,
         port_file=args.port_file,

@@ -50,7 +50,11 @@ def finite_reward(value: Any, producer: str) -> float:
     except (TypeError, ValueError, OverflowError):
         number = math.nan
     if isinstance(value, bool) or not math.isfinite(number):
-        raise RewardError(f"{producer} gave {value!r}; expected a finite number")
+        try:
+            shown = repr(value)
+        except ValueError:  # an int of more digits than Python will print
+            shown = f"an int of {value.bit_length()} bits"
+        raise RewardError(f"{producer} gave {shown[:200]}; expected a finite number")
     return number
 
 
@@ -632,7 +636,10 @@ def shaped_rewards(episode: Episode, rewards: Any, plugin: str | None) -> dict[i
 def _finite_number(value: Any) -> bool:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         return False
-    return math.isfinite(float(value))
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:  # an int past a float's range, e.g. 10**400
+        return False
 
 
 def _real_number(value: Any) -> bool:
@@ -720,6 +727,8 @@ def _evaluation_sample(episode: Episode) -> Any:
         return episode.fallback_sample()
     t = episode.final_transcript or episode.transcripts[-1]
     s = t.to_sample(episode.sample, episode.rollout_id, aborted=False, meta=episode.sample_meta(t))
+    if episode._within_context(t.agent, [s])[0] is not s:  # a system's own transcript past the limit
+        return episode.fallback_sample(t.agent)
     s.response = episode.final_answer or ""
     s.reward = float(episode.team_reward or 0.0) if episode.final_transcript is not None else 0.0
     return s

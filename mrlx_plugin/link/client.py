@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import socket
 import time
@@ -44,6 +45,11 @@ OUTAGE_DEADLINE_S = 600.0  # how long a call rides out an unreachable coordinato
 OUTAGE_LOG_EVERY_S = 5.0
 # Frames above this size are encoded/decoded on a worker thread so the loop keeps serving turns.
 THREAD_FRAME_BYTES = 256 << 10
+# The most bytes of a JSON answer (every answer but a lease's frame) read before its proof is
+# checked: the coordinator's JSON answers are a few KiB; an impostor's endless body is cut here.
+MAX_JSON_ANSWER_BYTES = 16 << 20
+# Retry-After is outside an answer's proof: honoured up to this many seconds.
+MAX_RETRY_AFTER_S = 60.0
 
 
 class CoordinatorError(RuntimeError):
@@ -94,11 +100,13 @@ class _Passing(Exception):
 
 
 def _retry_after(value: str | None) -> float:
-    """Seconds of a Retry-After header (0 when absent or not a number of seconds)."""
+    """Seconds of a Retry-After header (0 when absent or not a number of seconds), at most
+    MAX_RETRY_AFTER_S: the header is not covered by the answer's proof."""
     try:
-        return max(0.0, float(value or 0))
+        seconds = float(value or 0)
     except ValueError:
         return 0.0
+    return min(max(0.0, seconds), MAX_RETRY_AFTER_S) if math.isfinite(seconds) else 0.0
 
 
 def _error_text(body: bytes) -> str:
@@ -239,7 +247,7 @@ class CoordinatorClient:
                     method, url, data=payload, headers=sent, timeout=timeout
                 ) as resp:
                     frame = frame_answer and resp.status < 400
-                    buf, body = await self._read_frame(resp) if frame else (None, await resp.read())
+                    buf, body = await self._read_frame(resp) if frame else (None, await _read_json_answer(resp))
                     if nonce is not None and self._keys is not None:
                         answer = await _off_loop(content_sha256, body)
                         proof = resp.headers.get(PROOF_HEADER)
@@ -596,6 +604,19 @@ class CoordinatorClient:
             self._buffers.give(buf)  # nothing else reads it
             raise
         return buf, (memoryview(buf) if view is None else view)[:length]
+
+
+async def _read_json_answer(resp: aiohttp.ClientResponse) -> bytes:
+    """A JSON answer's body, refused (as a passing failure) past MAX_JSON_ANSWER_BYTES."""
+    if resp.content_length is not None and resp.content_length > MAX_JSON_ANSWER_BYTES:
+        raise _Passing(f"an answer of {resp.content_length} bytes, past the {MAX_JSON_ANSWER_BYTES}-byte limit")
+    chunks, size = [], 0
+    while chunk := await resp.content.readany():
+        size += len(chunk)
+        if size > MAX_JSON_ANSWER_BYTES:
+            raise _Passing(f"an answer past the {MAX_JSON_ANSWER_BYTES}-byte limit")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 async def _off_loop(function: Callable[[Any], Any], data: Any) -> Any:

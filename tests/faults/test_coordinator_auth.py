@@ -213,9 +213,10 @@ def test_replays_stale_times_and_other_bodies_are_refused(start_coordinator):
     headers = signed_headers(coord.token, "GET", path)
     assert coord.http("GET", path, token=None, headers=headers)[0] == 200
     status, answer_headers, body = coord.http("GET", path, token=None, headers=headers)
-    assert status == 401 and "used before" in error_of(body), body
+    # retryable: a copy that went first must not end the true sender's call (it signs again)
+    assert status == 503 and "used before" in error_of(body), body
     # the refusal of a request whose signature checks out is proven too
-    assert proven(derive_keys(coord.token)[1], headers[NONCE_HEADER], 401, content_sha256(body),
+    assert proven(derive_keys(coord.token)[1], headers[NONCE_HEADER], 503, content_sha256(body),
                   answer_headers.get(PROOF_HEADER))
 
     stamp, nonce = f"{time.time() - 3600:.3f}", "ab" * 16
@@ -250,3 +251,66 @@ def test_the_replay_memory_is_bounded_and_refuses_only_what_it_cannot_tell_apart
     assert guard.floor == now + 1
     assert guard.admit("later", now + 1000, now + 1000) is None  # the window moved: old entries go
     assert len(guard._seen) == 1
+
+
+def test_a_request_signed_before_a_restart_cannot_be_replayed_after_it(start_coordinator):
+    """Nonces live in memory: the restarted coordinator refuses what was signed before it started."""
+    coord = start_coordinator()
+    commit = f"/v1/runs/{coord.run_id}/queues/patient/commit"
+    frame = encode_items(make_items(2, "once"))
+    headers = {**signed_headers(coord.token, "POST", commit, frame), "Content-Type": CONTENT_TYPE}
+    status, _, body = coord.http("POST", commit, frame, token=None, headers=headers)
+    assert status == 200, body
+    ack = f"/v1/runs/{coord.run_id}/queues/patient/ack_through"
+    ack_body = json.dumps({"step": 0}).encode()
+    recorded = {**signed_headers(coord.token, "POST", ack, ack_body), "Content-Type": "application/json"}
+    coord.kill()
+    coord.start(same_port=True)
+    status, _, body = coord.http("POST", ack, ack_body, token=None, headers=recorded)
+    assert status == 503 and "sign it afresh" in error_of(body), (status, body)
+    status, _, body = coord.http("GET", f"/v1/runs/{coord.run_id}/queues/patient")
+    assert status == 200 and json.loads(body)["queued_items"] == 2, body
+
+
+def test_a_metrics_token_opens_metrics_alone(start_coordinator, monkeypatch):
+    monkeypatch.setenv("MRLX_METRICS_TOKEN", "scraper-secret-123")
+    coord = start_coordinator(extra=["--metrics-token-env", "MRLX_METRICS_TOKEN"])
+    scraper = {"Authorization": "Bearer scraper-secret-123"}
+    status, _, body = coord.http("GET", "/metrics", token=None, headers=scraper)
+    assert status == 200 and b"mrlx_coordinator" in body, body[:300]
+    for method, path in [("GET", f"/v1/runs/{coord.run_id}"), ("POST", f"/v1/runs/{coord.run_id}/queues/patient/lease")]:
+        status, _, body = coord.http(method, path, {} if method == "POST" else None, token=None, headers=scraper)
+        assert status == 401, (method, path, status, body)
+    status, _, _ = coord.http("GET", "/metrics", token=None, headers={"Authorization": f"Bearer {coord.token}"})
+    assert status == 401  # the run's token is never taken as a bearer
+
+
+def test_an_endless_answer_is_cut_before_its_proof_is_checked():
+    """Another process on the port streams a JSON answer without end: the client stops reading at
+    its limit and refuses it, as any unproven answer."""
+
+    async def scenario() -> None:
+        async def endless(request: web.Request) -> web.StreamResponse:
+            response = web.StreamResponse(headers={"Content-Type": "application/json"})
+            await response.prepare(request)
+            chunk = b" " * (1 << 20)
+            for _ in range(64):  # 64 MiB, four times the limit; the client hangs up long before
+                await response.write(chunk)
+            return response
+
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", endless)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        client = CoordinatorClient(f"http://127.0.0.1:{port}", run_id="run1", agent="doctor", token="t" * 32,
+                                   outage_deadline_s=1, backoff_max_s=0.2)
+        with pytest.raises(CoordinatorError) as refused:
+            await client.health()
+        assert "byte limit" in str(refused.value), refused.value
+        await client.close()
+        await runner.cleanup()
+
+    asyncio.run(scenario())
