@@ -650,21 +650,29 @@ def _unwrap(tp: Any) -> Any:
             return tp
 
 
-def _type_at(loc: tuple) -> Any:
-    """The declared type of the value at a pydantic error's location, walking from Settings."""
+def _declared_at(loc: tuple) -> tuple[Any, list[Any]] | None:
+    """(declared type, the field's own metadata) of the value at a pydantic error's location,
+    walking from Settings; None when the location names no declared value."""
     tp: Any = Settings
+    found: list[Any] = []
     for part in loc:
         tp = _unwrap(tp)
         if isinstance(tp, type) and issubclass(tp, BaseModel):
             fields = {f.alias or name: f for name, f in tp.model_fields.items()}
             if part not in fields:
                 return None
-            tp = fields[part].annotation
+            tp, found = fields[part].annotation, list(fields[part].metadata)
         elif typing.get_origin(tp) in (dict, list):
-            tp = typing.get_args(tp)[-1]
+            tp, found = typing.get_args(tp)[-1], []
         else:
             return None
-    return _unwrap(tp)
+    return tp, found
+
+
+def _type_at(loc: tuple) -> Any:
+    """The declared type of the value at a pydantic error's location, walking from Settings."""
+    declared = _declared_at(loc)
+    return None if declared is None else _unwrap(declared[0])
 
 
 _NAMES = {str: ("a string", "strings"), int: ("an integer", "integers"), float: ("a number", "numbers"),
@@ -690,19 +698,10 @@ def _type_name(tp: Any, plural: bool = False) -> str:
 def _why_at(loc: tuple) -> str | None:
     """What the upper bound of the setting at a pydantic error's location protects: the `Why` in
     its type (in the field's own metadata, or inside `X | None` and list items)."""
-    tp: Any = Settings
-    found: list[Any] = []
-    for part in loc:
-        tp = _unwrap(tp)
-        if isinstance(tp, type) and issubclass(tp, BaseModel):
-            fields = {f.alias or name: f for name, f in tp.model_fields.items()}
-            if part not in fields:
-                return None
-            tp, found = fields[part].annotation, list(fields[part].metadata)
-        elif typing.get_origin(tp) in (dict, list):
-            tp, found = typing.get_args(tp)[-1], []
-        else:
-            return None
+    declared = _declared_at(loc)
+    if declared is None:
+        return None
+    tp, found = declared
     todo = [tp]
     while todo:
         tp = todo.pop()
