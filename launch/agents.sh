@@ -117,6 +117,14 @@ read_env_file() {
     else
       refuse "$file, line $n: not a setting; write each as : \"\${NAME:=VALUE}\" (an env file is data, not run)"
     fi
+    # Only the launch's own names: BASH_ENV, LD_PRELOAD, PATH and their kind would change how
+    # every later program runs, which data may not do.
+    case "$name" in
+      MRLX_* | AGENT_* | SLIME_DIR | MEGATRON_DIR | PYTHON) ;;
+      *) refuse "$file, line $n: $name is not a launch setting (MRLX_*, AGENT_*, SLIME_DIR, MEGATRON_DIR," \
+           "PYTHON); a variable that changes how programs run (BASH_ENV, LD_PRELOAD, PATH, ...) belongs in" \
+           "the environment, not in an env file" ;;
+    esac
     # As `source` would: a variable the environment (or a line above) already set keeps its value.
     if [ -z "${!name:-}" ]; then
       case "$value" in *'"'*) not_data "$file, line $n: $name" "'\"'" ;; esac

@@ -357,6 +357,24 @@ def test_an_env_file_is_read_as_data(line, message, tmp_path):
     assert not r.stdout
 
 
+@pytest.mark.parametrize("name", ["BASH_ENV", "ENV", "LD_PRELOAD", "PATH", "PYTHONSTARTUP"])
+def test_an_env_file_sets_no_variable_that_changes_how_programs_run(name, tmp_path):
+    # BASH_ENV names a file every later non-interactive bash runs: data must not set it.
+    made = tmp_path / "made"
+    hook = tmp_path / "hook.sh"
+    hook.write_text(f"touch {made}\n")
+    env_file = tmp_path / "run.env"
+    env_file.write_text(f'# a run\n: "${{{name}:={hook}}}"\n{(LAUNCH / "mrlx.env").read_text()}')
+    e = env(tmp_path, MRLX_DRY_RUN="1")
+    e.pop(name, None) if name != "PATH" else None
+    script = "run_agents.sh"
+    r = subprocess.run(["bash", str(LAUNCH / script), str(env_file)], env=e, capture_output=True,
+                       text=True, timeout=60, check=False, cwd=tmp_path)
+    assert not made.exists(), f"{name} from the env file ran a file"
+    assert r.returncode == 2 and f"{env_file}, line 2: {name} is not a launch setting" in r.stderr, (
+        r.returncode, r.stderr)
+
+
 def test_an_env_file_value_with_shell_characters_is_kept_as_written(tmp_path):
     env_file = tmp_path / "run.env"
     defaults = [line for line in (LAUNCH / "mrlx.env").read_text().splitlines() if "AGENT_A_HF:=" not in line]

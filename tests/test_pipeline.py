@@ -390,3 +390,12 @@ def test_an_engine_behind_an_api_key_gets_the_key(stub_engine, tiny_model_dir, m
     refused = asyncio.run(run(False))
     assert all(s.status == Status.ABORTED for s in refused)
     assert len(seen) == 2  # 401 is the engine's answer, not a passing fault: one call per solver, no retries
+
+
+@pytest.mark.parametrize("last_line", ["Judgment: " + "0" * 4400 + "1", "Judgment: \uff12", "Judgment: \u0661",
+                                       "Judgment: 1e3", "Judgment: -1"])
+def test_a_judgment_that_is_no_plain_small_number_is_invalid(last_line):
+    from mrlx_plugin.systems.pipeline import parse_judgment
+
+    assert parse_judgment(f"It is \\boxed{{42}}.\n{last_line}", 3) is None
+    assert parse_judgment("It is \\boxed{42}.\nJudgment: 2", 3) == 1

@@ -196,6 +196,13 @@ def cross_check(configs: list[tuple[str, Settings]], report: Report, routers: di
         report.ok(f"{len(configs)} configs agree: run {s0.run_id!r}, agents {sorted(s0.agents)}")
 
 
+def _samples_per_agent(path: str, s: Settings) -> dict[str, int] | None:
+    """What start-up computes of the system's declarations (its fan-out and turns, with the
+    system's own checks of its settings, such as a built-in game's options)."""
+    systems = collect_systems(make_plugin_manager(s.plugins, source=f"{path}: mrlx.plugins"))
+    return samples_per_agent(systems[s.system], s, path)
+
+
 def _same_samples_per_episode(configs: list[tuple[str, Settings]], report: Report) -> None:
     """Every job counts the same samples per episode for every agent: the initiator sends that
     many of each episode to a responder, which expects its own count (`rewards.credit`,
@@ -204,11 +211,9 @@ def _same_samples_per_episode(configs: list[tuple[str, Settings]], report: Repor
     counts: dict[str, dict[str, int] | None] = {}
     for path, s in configs:
         try:
-            systems = collect_systems(make_plugin_manager(s.plugins, source=f"{path}: mrlx.plugins"))
-            counts[path] = samples_per_agent(systems[s.system], s, path)
-        except (ConfigError, KeyError) as exc:
-            report.fail(f"{path}: cannot count the samples of an episode: {exc}")
-            return
+            counts[path] = _samples_per_agent(path, s)
+        except (ConfigError, KeyError):
+            return  # said once, by run_checks' own check of this config
     (p0, c0), rest = next(iter(counts.items())), list(counts.items())[1:]
     for path, c in rest:
         for agent in sorted(set(c0 or {}) | set(c or {})):
@@ -250,7 +255,12 @@ async def run_checks(paths: list[str], router_urls: list[str], timeout: float, t
     configs = []
     for path in paths:
         settings = load_config(path)
-        report.ok(f"{path}: settings valid (system {settings.system!r}, agents {', '.join(settings.agents)})")
+        try:
+            _samples_per_agent(path, settings)
+        except (ConfigError, KeyError) as exc:  # what start-up would refuse, said now
+            report.fail(f"{path}: {exc}")
+        else:
+            report.ok(f"{path}: settings valid (system {settings.system!r}, agents {', '.join(settings.agents)})")
         configs.append((path, settings))
     routers = {path: url for (path, _), url in zip(configs, router_urls)}
     cross_check(configs, report, routers, roles)

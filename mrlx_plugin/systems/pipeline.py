@@ -28,7 +28,9 @@ from mrlx_plugin.systems.quoting import quote
 
 # The whole last line, nothing else on it (bold, brackets and a final period allowed): words
 # such as "my judgment: 2 of them are wrong" are no choice.
-_JUDGMENT = re.compile(r"\**\s*judgment\s*:\s*\**\s*\[?\s*(\d+)\s*\]?\s*\.?\s*\**", re.IGNORECASE)
+# ASCII digits, a few of them: \d would take other scripts' digits, and int() refuses (raises on)
+# a string of more than 4,300 digits, which a model may write.
+_JUDGMENT = re.compile(r"\**\s*judgment\s*:\s*\**\s*\[?\s*([0-9]{1,6})\s*\]?\s*\.?\s*\**", re.IGNORECASE)
 
 
 def solver_prompt(problem: str) -> str:
