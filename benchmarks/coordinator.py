@@ -127,9 +127,12 @@ def _start_coordinator(
         str(max_depth),
     ]
     proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
     def started() -> bool:
         if proc.poll() is not None:
-            raise RuntimeError(f"the coordinator exited: {proc.stderr.read().decode() if proc.stderr else ''}")
+            raise RuntimeError(
+                f"the coordinator exited: {proc.stderr.read().decode() if proc.stderr else ''}"
+            )
         return os.path.exists(port_file)
 
     try:
@@ -140,7 +143,6 @@ def _start_coordinator(
     with open(port_file) as handle:
         port = int(handle.read())
     return proc, f"http://127.0.0.1:{port}"
-
 
 
 def _server_cpu(pid: int | None) -> float | None:
@@ -644,6 +646,7 @@ def run_coordinator_bench(
             )
             server.start()
             try:
+
                 def listening() -> bool:
                     if not server.is_alive():
                         raise RuntimeError("the baseline queue exited at start")

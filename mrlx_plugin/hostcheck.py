@@ -66,17 +66,24 @@ def host_split(args: Any) -> HostSplit | None:
         episodes = per_rollout // (_int(args, "num_steps_per_rollout") or 1)
     dp = _int(args, "data_parallel_size")
     if dp is None:
-        world = _int(args, "world_size") or _int(args, "actor_num_nodes", 1) * _int(args, "actor_num_gpus_per_node", 1)
-        model_parallel = (_int(args, "tensor_model_parallel_size", 1) * _int(args, "pipeline_model_parallel_size", 1)
-                          * _int(args, "context_parallel_size", 1))
+        world = _int(args, "world_size") or _int(args, "actor_num_nodes", 1) * _int(
+            args, "actor_num_gpus_per_node", 1
+        )
+        model_parallel = (
+            _int(args, "tensor_model_parallel_size", 1)
+            * _int(args, "pipeline_model_parallel_size", 1)
+            * _int(args, "context_parallel_size", 1)
+        )
         dp = max(1, world // max(1, model_parallel))
     vpp = _int(args, "virtual_pipeline_model_parallel_size", 1)
     group = _int(args, "microbatch_group_size_per_vp_stage") or _int(args, "pipeline_model_parallel_size", 1)
     return HostSplit(episodes, dp, group if vpp > 1 else 1, None if dynamic else mbs, dynamic)
 
 
-_DP = ("the data-parallel size: --actor-num-nodes x --actor-num-gpus-per-node / (--tensor-model-parallel-size x "
-       "--pipeline-model-parallel-size x --context-parallel-size)")
+_DP = (
+    "the data-parallel size: --actor-num-nodes x --actor-num-gpus-per-node / (--tensor-model-parallel-size x "
+    "--pipeline-model-parallel-size x --context-parallel-size)"
+)
 _DYNAMIC = "--use-dynamic-batch-size --max-tokens-per-gpu N"
 
 
@@ -99,7 +106,11 @@ def check_step_split(args: Any, per_episode: int | None, system: str, source: st
     samples = split.episodes_per_step * per_episode
     if split.fits(samples):
         return
-    group = f" x the micro-batch group ({split.mb_group}, --microbatch-group-size-per-vp-stage)" if split.mb_group > 1 else ""
+    group = (
+        f" x the micro-batch group ({split.mb_group}, --microbatch-group-size-per-vp-stage)"
+        if split.mb_group > 1
+        else ""
+    )
     head = (
         f"{source}: the host could not split this job's steps across its data-parallel ranks. Each episode of "
         f"system {system!r} returns {per_episode} sample(s) to this job, so a step of {split.episodes_per_step} "
@@ -124,7 +135,10 @@ def check_step_split(args: Any, per_episode: int | None, system: str, source: st
     )
 
 
-_PLUGIN_ROLLOUTS = {("mrlx_plugin.rollout", "initiator_rollout"), ("mrlx_plugin.rollout", "responder_rollout")}
+_PLUGIN_ROLLOUTS = {
+    ("mrlx_plugin.rollout", "initiator_rollout"),
+    ("mrlx_plugin.rollout", "responder_rollout"),
+}
 
 
 def check_rollout_mode(args: Any, source: str, peer_agents: Sequence[str]) -> None:

@@ -83,9 +83,17 @@ class Runtime:
     shared with the `reward` function.
     """
 
-    def __init__(self, args: Any, settings: Settings, pm: pluggy.PluginManager, source: str,
-                 base: Path | None = None, tokenizers: bool = True,
-                 systems: dict[str, SystemFn] | None = None, verifier: MathVerifier | None = None):
+    def __init__(
+        self,
+        args: Any,
+        settings: Settings,
+        pm: pluggy.PluginManager,
+        source: str,
+        base: Path | None = None,
+        tokenizers: bool = True,
+        systems: dict[str, SystemFn] | None = None,
+        verifier: MathVerifier | None = None,
+    ):
         self.args = args
         self.settings = settings
         self.pm = pm
@@ -120,10 +128,13 @@ class Runtime:
             key = self._api_key(name, agent)
             client = by_url.get((self.urls[name], key))
             if client is None:
-                client = by_url[(self.urls[name], key)] = EngineClient(self.urls[name], settings.engine, api_key=key)
+                client = by_url[(self.urls[name], key)] = EngineClient(
+                    self.urls[name], settings.engine, api_key=key
+                )
             self.clients[name] = client
-            self.system_prompts[name] = read_text_setting(agent.system_prompt, base,
-                                                          key=f"{source}: mrlx.agents.{name}.system_prompt")
+            self.system_prompts[name] = read_text_setting(
+                agent.system_prompt, base, key=f"{source}: mrlx.agents.{name}.system_prompt"
+            )
             if tokenizers:  # a responder job runs no episodes and may not have the others' tokenizers
                 self.tokenizers[name] = self._load_tokenizer(name, agent, base)
         peers = self.peer_agents()
@@ -192,10 +203,12 @@ class Runtime:
                 f"{self.source}: mrlx.agents.{name}.tokenizer: not set and the host gave no --hf-checkpoint; "
                 "give the path of this agent's tokenizer"
             )
-        template = read_text_setting(agent.chat_template, base,
-                                     key=f"{self.source}: mrlx.agents.{name}.chat_template")
-        return self._tokenizer_cache.load(str(path), template,
-                                          key_hint=f"{self.source}: mrlx.agents.{name}.tokenizer")
+        template = read_text_setting(
+            agent.chat_template, base, key=f"{self.source}: mrlx.agents.{name}.chat_template"
+        )
+        return self._tokenizer_cache.load(
+            str(path), template, key_hint=f"{self.source}: mrlx.agents.{name}.tokenizer"
+        )
 
     async def aclose(self) -> None:
         """Close this event loop's connections and the grading worker (CLI and tests; slime's
@@ -250,8 +263,9 @@ def build_runtime(args: Any, tokenizers: bool = True) -> Runtime:
             f"{source}: --partial-rollout resumes one half-generated sample, but a multi-agent episode is many "
             "samples; remove --partial-rollout (aborted episodes are returned as ABORTED samples instead)"
         )
-    runtime = Runtime(args, settings, pm, source, base, tokenizers=tokenizers, systems=systems,
-                      verifier=math_verifier(args))
+    runtime = Runtime(
+        args, settings, pm, source, base, tokenizers=tokenizers, systems=systems, verifier=math_verifier(args)
+    )
     check_rollout_mode(args, source, runtime.peer_agents())
     check_step_split(args, runtime.samples_per_episode(), settings.system, source)
     return runtime
@@ -265,7 +279,9 @@ def declared_counts(system: SystemFn, settings: Settings, source: str, what: str
     if declare is None:
         return None
     counts = declare(settings)
-    least, meaning = (0, "transcripts per episode") if what == "fan_out" else (1, "the most turns one transcript takes")
+    least, meaning = (
+        (0, "transcripts per episode") if what == "fan_out" else (1, "the most turns one transcript takes")
+    )
     if not isinstance(counts, dict) or not all(
         a in settings.agents and isinstance(n, int) and n >= least for a, n in counts.items()
     ):

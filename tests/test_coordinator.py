@@ -359,8 +359,11 @@ def test_wait_version_wakes_on_report_and_times_out_naming_the_agent(start_coord
         producer, consumer = clients(coord)
         await producer.report_version(1)
         waiter = asyncio.ensure_future(consumer.wait_version("doctor", 2, deadline_s=30))
-        await async_wait_until(lambda: waits_in_progress(coord, "version") >= 1, 30,
-                               what="the waiter's long poll at the coordinator")
+        await async_wait_until(
+            lambda: waits_in_progress(coord, "version") >= 1,
+            30,
+            what="the waiter's long poll at the coordinator",
+        )
         assert not waiter.done()
         assert await producer.report_version(2) == 2
         assert await asyncio.wait_for(waiter, 10) == 2

@@ -269,7 +269,9 @@ def make_owner_only(path: str) -> None:
                 log.warning(
                     "%s is readable or writable by other users (mode %04o) and could not be made "
                     "owner-only: %s; fix its mode or owner",
-                    name, mode, exc,
+                    name,
+                    mode,
+                    exc,
                 )
             else:
                 log.warning("%s had mode %04o; made it owner-only (0600)", name, mode)
@@ -422,20 +424,26 @@ class CoordinatorStore:
                 )
         try:
             columns = {row[1] for row in conn.execute("PRAGMA table_info(groups)")}
-            indexed = conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'index' AND name = 'groups_dead'").fetchone()
+            indexed = conn.execute(
+                "SELECT 1 FROM sqlite_master WHERE type = 'index' AND name = 'groups_dead'"
+            ).fetchone()
             if "dead" in columns and indexed and version >= SCHEMA_VERSION:
                 return
             with self._transaction():
                 if "dead" not in columns:
                     conn.execute("ALTER TABLE groups ADD COLUMN dead REAL")
                     conn.execute("ALTER TABLE groups ADD COLUMN dead_reason TEXT")
-                conn.execute("CREATE INDEX IF NOT EXISTS groups_dead ON groups (consumer, first_seq) WHERE dead IS NOT NULL")
+                conn.execute(
+                    "CREATE INDEX IF NOT EXISTS groups_dead ON groups (consumer, first_seq) WHERE dead IS NOT NULL"
+                )
                 if version < SCHEMA_VERSION:
                     conn.execute(
                         "UPDATE run_info SET value = ? WHERE name = 'schema_version'", (str(SCHEMA_VERSION),)
                     )
         except (sqlite3.Error, StoreError) as exc:
-            raise StoreOpenError(f"cannot bring the coordinator database {self.path!r} to schema {SCHEMA_VERSION}: {exc}") from None
+            raise StoreOpenError(
+                f"cannot bring the coordinator database {self.path!r} to schema {SCHEMA_VERSION}: {exc}"
+            ) from None
 
     def watermark(self, consumer: str) -> int | None:
         """The step `consumer` has acknowledged everything through (None: none yet)."""
@@ -684,14 +692,27 @@ class CoordinatorStore:
         self._after_write()
         return CommitOutcome(len(fresh), duplicates, completed, len(stale))
 
-    def _insert_stale(self, conn: sqlite3.Connection, consumer: str, stale: Sequence[RecordView], now: float) -> None:
+    def _insert_stale(
+        self, conn: sqlite3.Connection, consumer: str, stale: Sequence[RecordView], now: float
+    ) -> None:
         """Remember the keys of items of already-acknowledged steps, as acked items with no record."""
         seq = self._next_seq
         rows = []
         for record in stale:
             meta = record.meta
-            rows.append((seq, meta["key"], consumer, meta["group"], meta["producer"], meta["step"], meta["n_tokens"],
-                         now, now))
+            rows.append(
+                (
+                    seq,
+                    meta["key"],
+                    consumer,
+                    meta["group"],
+                    meta["producer"],
+                    meta["step"],
+                    meta["n_tokens"],
+                    now,
+                    now,
+                )
+            )
             seq += 1
         conn.executemany(
             "INSERT INTO items (seq, key, consumer, grp, producer, step, n_tokens, created, acked) "
@@ -774,7 +795,9 @@ class CoordinatorStore:
     ) -> LeaseGrant:
         """Lease up to `max_groups` complete groups, oldest first, until `now + lease_s`; a group
         already delivered `max_deliveries` times (and never acked) is set aside instead."""
-        return await self._in_writer(self._lease_sync, consumer, max_groups, lease_s, step, now, max_deliveries)
+        return await self._in_writer(
+            self._lease_sync, consumer, max_groups, lease_s, step, now, max_deliveries
+        )
 
     def _lease_sync(
         self,
@@ -804,9 +827,18 @@ class CoordinatorStore:
             if max_deliveries is not None:
                 for row in rows:
                     if row[4] >= max_deliveries:
-                        dead.append(DeadGroup(row[0], row[1], row[2], row[3], (
-                            f"delivered {row[4]} times and never acknowledged (its consumer failed or died "
-                            f"on it each time; --max-deliveries {max_deliveries})")))
+                        dead.append(
+                            DeadGroup(
+                                row[0],
+                                row[1],
+                                row[2],
+                                row[3],
+                                (
+                                    f"delivered {row[4]} times and never acknowledged (its consumer failed or died "
+                                    f"on it each time; --max-deliveries {max_deliveries})"
+                                ),
+                            )
+                        )
                 rows = [row for row in rows if row[4] < max_deliveries]
                 conn.executemany(
                     "UPDATE groups SET dead = ?, dead_reason = ?, lease_expires = NULL WHERE consumer = ? AND grp = ?",
@@ -833,7 +865,8 @@ class CoordinatorStore:
         if not rows and consumer in self._ended:
             end = (
                 conn.execute(
-                    "SELECT 1 FROM groups WHERE consumer = ? AND acked IS NULL AND dead IS NULL LIMIT 1", (consumer,)
+                    "SELECT 1 FROM groups WHERE consumer = ? AND acked IS NULL AND dead IS NULL LIMIT 1",
+                    (consumer,),
                 ).fetchone()
                 is None
             )
@@ -895,7 +928,9 @@ class CoordinatorStore:
             if dead is not None:
                 return DeadGroup(group, n_items, step, producer, old_reason), True
             if acked is not None:
-                raise Rejected(f"group {group!r} was acknowledged already; there is nothing left to set aside", 409)
+                raise Rejected(
+                    f"group {group!r} was acknowledged already; there is nothing left to set aside", 409
+                )
             conn.execute(
                 "UPDATE groups SET dead = ?, dead_reason = ?, lease_expires = NULL WHERE consumer = ? AND grp = ?",
                 (now, reason, consumer, group),
@@ -921,7 +956,8 @@ class CoordinatorStore:
                 (consumer, step),
             ).fetchall()
             conn.executemany(
-                "UPDATE groups SET acked = ? WHERE consumer = ? AND grp = ?", [(now, consumer, g) for g, _ in rows]
+                "UPDATE groups SET acked = ? WHERE consumer = ? AND grp = ?",
+                [(now, consumer, g) for g, _ in rows],
             )
             conn.executemany(
                 "DELETE FROM records WHERE seq IN (SELECT seq FROM items WHERE consumer = ? AND grp = ?)",

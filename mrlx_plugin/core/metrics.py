@@ -95,7 +95,9 @@ def compute_metrics(samples: list[Any]) -> dict[str, float]:
         out["multi_agent/over_context_samples"] = float(over_context)
         finished = [e for e in eps if not e.get("aborted")]
         if finished:
-            out["multi_agent/team_reward"] = sum(float(e.get("team_reward") or 0.0) for e in finished) / len(finished)
+            out["multi_agent/team_reward"] = sum(float(e.get("team_reward") or 0.0) for e in finished) / len(
+                finished
+            )
         selecting = [e for e in finished if "selected" in e["episode"] or "invalid_selection" in e["episode"]]
         if selecting:
             invalid = sum(bool(e["episode"].get("invalid_selection")) for e in selecting)
@@ -151,7 +153,9 @@ def _game_metrics(eps: list[dict[str, Any]]) -> dict[str, float]:
     return out
 
 
-def log_rollout(rollout_id: int, args: Any, samples: list[Any], rollout_extra_metrics: dict | None, rollout_time: float) -> bool:
+def log_rollout(
+    rollout_id: int, args: Any, samples: list[Any], rollout_extra_metrics: dict | None, rollout_time: float
+) -> bool:
     """`--custom-rollout-log-function-path`: add the multi-agent metrics to the host's log.
 
     The host logs `rollout_extra_metrics` with its own metrics right after this returns False,
@@ -199,7 +203,9 @@ def log_through_host(args: Any, metrics: dict[str, float], rollout_id: int, eval
 
     modules = _HOST_LOGGING.get(HOST or "")
     if modules is None:
-        logger.info("rollout %s %smulti-agent metrics: %s", rollout_id, "eval " if evaluation else "", metrics)
+        logger.info(
+            "rollout %s %smulti-agent metrics: %s", rollout_id, "eval " if evaluation else "", metrics
+        )
         return
     log_module = importlib.import_module(modules[0])
     step_module = importlib.import_module(modules[1])

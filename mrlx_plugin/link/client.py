@@ -247,7 +247,9 @@ class CoordinatorClient:
                     method, url, data=payload, headers=sent, timeout=timeout
                 ) as resp:
                     frame = frame_answer and resp.status < 400
-                    buf, body = await self._read_frame(resp) if frame else (None, await _read_json_answer(resp))
+                    buf, body = (
+                        await self._read_frame(resp) if frame else (None, await _read_json_answer(resp))
+                    )
                     if nonce is not None and self._keys is not None:
                         answer = await _off_loop(content_sha256, body)
                         proof = resp.headers.get(PROOF_HEADER)
@@ -317,7 +319,9 @@ class CoordinatorClient:
             self._reached()
             if now - self._down_logged >= 6 * OUTAGE_LOG_EVERY_S:
                 self._down_logged = now
-                log.info("coordinator %s %s: %s; retrying for up to %.0f s more", method, url, problem, remaining)
+                log.info(
+                    "coordinator %s %s: %s; retrying for up to %.0f s more", method, url, problem, remaining
+                )
             return
         if self._down_since is None:
             self._down_since, self._down_logged = now, -OUTAGE_LOG_EVERY_S
@@ -326,7 +330,11 @@ class CoordinatorClient:
             log.warning(
                 "coordinator unreachable for %.1f s (%s %s: %s); retrying for up to %.0f s more "
                 "(mrlx.coordinator.outage_deadline_s)",
-                now - self._down_since, method, url, problem, remaining,
+                now - self._down_since,
+                method,
+                url,
+                problem,
+                remaining,
             )
 
     def _reached(self) -> None:
@@ -609,7 +617,9 @@ class CoordinatorClient:
 async def _read_json_answer(resp: aiohttp.ClientResponse) -> bytes:
     """A JSON answer's body, refused (as a passing failure) past MAX_JSON_ANSWER_BYTES."""
     if resp.content_length is not None and resp.content_length > MAX_JSON_ANSWER_BYTES:
-        raise _Passing(f"an answer of {resp.content_length} bytes, past the {MAX_JSON_ANSWER_BYTES}-byte limit")
+        raise _Passing(
+            f"an answer of {resp.content_length} bytes, past the {MAX_JSON_ANSWER_BYTES}-byte limit"
+        )
     chunks, size = [], 0
     while chunk := await resp.content.readany():
         size += len(chunk)
