@@ -165,7 +165,8 @@ def settle(ns: argparse.Namespace) -> argparse.Namespace:
     if ns.samples_per_prompt % ns.branch and ns.prompts_per_step % ns.branch:
         raise ConfigError(
             f"--samples-per-prompt {ns.samples_per_prompt} and --prompts-per-step {ns.prompts_per_step}: the "
-            f"tree-sampling arm runs {ns.branch} times fewer episodes per step (each turn costs {ns.branch} engine "
+            f"tree-sampling arm runs {ns.branch} times fewer episodes per step (each turn costs {ns.branch} "
+            "engine "
             f"calls); make one of them a multiple of --branch"
         )
     known = CHAIN_ARMS + NIM_ARMS
@@ -700,7 +701,8 @@ def chain_part(ns: argparse.Namespace, root: Path, base_model: Path) -> dict[str
         "threshold": ns.threshold,
         "held_out_prompts": len(held),
         "budget": (
-            f"every arm {ns.steps} steps; without tree sampling {groups} prompts x {per_prompt} episodes per step "
+            f"every arm {ns.steps} steps; without tree sampling {groups} prompts x {per_prompt} episodes per "
+            "step "
             f"(1 engine call per turn); with branch {ns.branch}, {shrink[1]} x {shrink[0]} episodes per step "
             f"({ns.branch} calls per turn): the same engine calls per step at most"
         ),

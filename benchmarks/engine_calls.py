@@ -254,8 +254,8 @@ def _run_worker(
 
 def prepare(workdir: Path, prompt_tokens: int, seed: int) -> tuple[str, str, float]:
     """A realistic byte-level BPE tokenizer (8k vocab) and ~prompt_tokens-token problems."""
-    from mrlx_plugin.local.model import build_tokenizer
     from mrlx_plugin.core.tokenizer import load_tokenizer
+    from mrlx_plugin.local.model import build_tokenizer
 
     tok_dir = workdir / "tokenizer-8k"
     if not (tok_dir / "tokenizer.json").exists():

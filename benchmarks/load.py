@@ -44,8 +44,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from mrlx_plugin.local.procstat import cpu_seconds, memory_mib, open_fds
 from benchmarks.report import write_report
+from mrlx_plugin.local.procstat import cpu_seconds, memory_mib, open_fds
 
 RUN_ID = "load"
 PRODUCER, CONSUMER = "a", "b"
@@ -406,8 +406,8 @@ def _worker_argv(*args: str) -> list[str]:
 
 def run_load_bench(ns: argparse.Namespace) -> dict[str, Any]:
     """Start every process, run the load round and the soak, sample, stop everything; the report."""
-    from mrlx_plugin.local.processes import start_coordinator, start_stub_engine
     from benchmarks.engine_calls import prepare, stub_text
+    from mrlx_plugin.local.processes import start_coordinator, start_stub_engine
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     need = max(ns.episodes, ns.soak_episodes) + FD_HEADROOM
@@ -563,7 +563,8 @@ def run_load_bench(ns: argparse.Namespace) -> dict[str, Any]:
                     )
             if now >= next_procs:
                 next_procs += ns.sample_interval
-                # The machine's 1-minute load average: other work on it shows up here, not in the processes above.
+                # The machine's 1-minute load average: other work on it shows up here, not in the
+                # processes above.
                 row: dict[str, Any] = {"t": time.time(), "loadavg_1m": os.getloadavg()[0]}
                 for name, pid in pids.items():
                     try:
@@ -626,7 +627,8 @@ def _read_events(path: Path, pos: int, events: list[dict[str, Any]], quiet: bool
             print(
                 f"  round {event['round']:>3} ({event['phase']}): {event['episodes']} episodes, "
                 f"{event['max_in_flight']} in flight at once, {event['wall_s']:.1f} s "
-                f"(episodes {event['episodes_s']:.1f} s, waiting on the queue {event['drain_wait_s']:.1f} s), "
+                f"(episodes {event['episodes_s']:.1f} s, waiting on the queue {event['drain_wait_s']:.1f} "
+                "s), "
                 f"RSS {event['rss_after_mib']:.0f} MiB, {event['fds']} fds",
                 flush=True,
             )
@@ -853,7 +855,8 @@ def format_table(r: dict[str, Any]) -> str:
         ),
         (
             "load round, once groups were whole: items/s, queue empty",
-            f"{_fmt(lr['while_committing']['items_per_s'])}/s, {_fmt(lr['while_committing']['empty_queue_share'], '.0%')}"
+            f"{_fmt(lr['while_committing']['items_per_s'])}/s, "
+            f"{_fmt(lr['while_committing']['empty_queue_share'], '.0%')}"
             " of samples",
             "report",
         ),
@@ -869,7 +872,8 @@ def format_table(r: dict[str, Any]) -> str:
         ),
         (
             "items sent / enqueued / acked by consumer",
-            f"{coord['items_sent_by_rollout']} / {coord['items_enqueued_total']} / {coord['consumer']['items']}",
+            f"{coord['items_sent_by_rollout']} / {coord['items_enqueued_total']} / "
+            f"{coord['consumer']['items']}",
             "equal",
         ),
         (
@@ -914,8 +918,10 @@ def format_table(r: dict[str, Any]) -> str:
     width = max(len(row[0]) for row in rows)
     vwidth = max(len(row[1]) for row in rows)
     lines = [
-        f"mrlx bench load  ({c['episodes']} episodes of a 2-turn dialogue a -> b, stub latency {c['latency_s']:g} s, "
-        f"prompts ~{c['mean_prompt_tokens']} tokens, {c['response_tokens']}-token turns, max depth {c['max_depth']}, "
+        f"mrlx bench load  ({c['episodes']} episodes of a 2-turn dialogue a -> b, stub latency "
+        f"{c['latency_s']:g} s, "
+        f"prompts ~{c['mean_prompt_tokens']} tokens, {c['response_tokens']}-token turns, max depth "
+        f"{c['max_depth']}, "
         f"{r['machine']['cpus']} CPUs)",
         f"  {'measure':<{width}}  {'result':<{vwidth}}  goal",
     ]

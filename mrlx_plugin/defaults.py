@@ -8,8 +8,8 @@ from functools import lru_cache
 from typing import Any
 
 from mrlx_plugin.core.episode import RewardError, finite_reward
-from mrlx_plugin.rewards.grading import grade_math, quick_grade
 from mrlx_plugin.hookspecs import hookimpl
+from mrlx_plugin.rewards.grading import grade_math, quick_grade
 from mrlx_plugin.rewards.shaping import coupling_matrix, team_weighting
 
 

@@ -97,9 +97,11 @@ def check_step_split(args: Any, per_episode: int | None, system: str, source: st
     if per_episode is None:
         if not split.dynamic:
             raise ConfigError(
-                f"{source}: system {system!r} returns a varying number of samples per episode (it declares no "
+                f"{source}: system {system!r} returns a varying number of samples per episode (it declares "
+                "no "
                 f"fan_out), so a step's sample count is arbitrary and the host's fixed micro-batches "
-                f"(--micro-batch-size {split.micro_batch_size}) cannot split it across {split.dp_size} data-parallel "
+                f"(--micro-batch-size {split.micro_batch_size}) cannot split it across {split.dp_size} "
+                "data-parallel "
                 f"ranks; pass {_DYNAMIC}, or give the system a fixed fan_out"
             )
         return
@@ -112,9 +114,12 @@ def check_step_split(args: Any, per_episode: int | None, system: str, source: st
         else ""
     )
     head = (
-        f"{source}: the host could not split this job's steps across its data-parallel ranks. Each episode of "
-        f"system {system!r} returns {per_episode} sample(s) to this job, so a step of {split.episodes_per_step} "
-        f"episodes (--global-batch-size, or --rollout-batch-size x --n-samples-per-prompt / --num-steps-per-rollout) "
+        f"{source}: the host could not split this job's steps across its data-parallel ranks. Each episode "
+        "of "
+        f"system {system!r} returns {per_episode} sample(s) to this job, so a step of "
+        f"{split.episodes_per_step} "
+        "episodes (--global-batch-size, or --rollout-batch-size x --n-samples-per-prompt / "
+        "--num-steps-per-rollout) "
         f"holds {samples} samples"
     )
     if split.dynamic:
@@ -127,7 +132,8 @@ def check_step_split(args: Any, per_episode: int | None, system: str, source: st
     hint = f"--micro-batch-size {' or '.join(str(m) for m in sizes[-3:])}" if sizes else ""
     unit = split.align * split.micro_batch_size // math.gcd(split.align * split.micro_batch_size, per_episode)
     raise ConfigError(
-        f"{head}; with --micro-batch-size {split.micro_batch_size} that is {count} micro-batches, not a multiple "
+        f"{head}; with --micro-batch-size {split.micro_batch_size} that is {count} micro-batches, not a "
+        "multiple "
         f"of {split.align} ({_DP}{group}), and the host's split would stop the job at its first step. "
         f"Pass {_DYNAMIC} (any count splits), or sizes that divide: "
         + (f"{hint}, or " if hint else "")
@@ -152,14 +158,18 @@ def check_rollout_mode(args: Any, source: str, peer_agents: Sequence[str]) -> No
         # own method: every generate function that returns several samples fails there.
         raise ConfigError(
             f"{source}: --rollout-function-path {path}: slime's fully asynchronous rollout cannot take "
-            "generate functions that return several samples per input (it sorts groups by sample.index and fails "
+            "generate functions that return several samples per input (it sorts groups by sample.index and "
+            "fails "
             "on lists; THUDM/slime#2344), and every mrlx episode does; use slime's default rollout"
         )
     if HOST == "slime" and float(getattr(args, "rollout_top_p", 1.0) or 1.0) != 1.0:
         raise ConfigError(
-            f"{source}: --rollout-top-p {args.rollout_top_p}: with top-p below 1 slime's training expects the "
-            "sampled top-p token sets on every sample (rollout_top_p_token_ids), which mrlx episodes do not record; "
-            "remove --rollout-top-p (an agent's own mrlx.agents.NAME.sampling.top_p is sent to its engine only)"
+            f"{source}: --rollout-top-p {args.rollout_top_p}: with top-p below 1 slime's training expects "
+            "the "
+            "sampled top-p token sets on every sample (rollout_top_p_token_ids), which mrlx episodes do not "
+            "record; "
+            "remove --rollout-top-p (an agent's own mrlx.agents.NAME.sampling.top_p is sent to its engine "
+            "only)"
         )
     peers = list(peer_agents)
     if not peers:
@@ -167,8 +177,10 @@ def check_rollout_mode(args: Any, source: str, peer_agents: Sequence[str]) -> No
     what = f"{source}: agent {peers[0]!r} is trained by another job (a multi-model run)"
     if getattr(args, "fully_async", False):
         raise ConfigError(
-            f"{what}, which needs --rollout-function-path mrlx_plugin.rollout.initiator_rollout (or responder_rollout); "
-            "Miles' --fully-async selects its own rollout function and cannot be combined with it: remove --fully-async"
+            f"{what}, which needs --rollout-function-path mrlx_plugin.rollout.initiator_rollout (or "
+            "responder_rollout); "
+            "Miles' --fully-async selects its own rollout function and cannot be combined with it: remove "
+            "--fully-async"
         )
     if not hasattr(args, "rollout_function_path"):
         return  # no host rollout loop (the `mrlx rollout` command runs episodes itself)
@@ -180,6 +192,7 @@ def check_rollout_mode(args: Any, source: str, peer_agents: Sequence[str]) -> No
     if (getattr(fn, "__module__", None), getattr(fn, "__name__", None)) not in _PLUGIN_ROLLOUTS:
         raise ConfigError(
             f"{what}, but --rollout-function-path is {path or 'the host default'!s}. Set "
-            "--rollout-function-path mrlx_plugin.rollout.initiator_rollout in the job that runs the episodes and "
+            "--rollout-function-path mrlx_plugin.rollout.initiator_rollout in the job that runs the episodes "
+            "and "
             "mrlx_plugin.rollout.responder_rollout in each other agent's job"
         )

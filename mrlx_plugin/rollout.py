@@ -23,13 +23,6 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from mrlx_plugin.link.peers import (
-    durable_step_before,
-    initiator_barrier,
-    read_model_limits,
-    responder_finish,
-    responder_take,
-)
 from mrlx_plugin.core.episode import run_episode
 from mrlx_plugin.core.host import (
     RolloutFnTrainOutput,
@@ -40,6 +33,13 @@ from mrlx_plugin.core.host import (
     wrap_generate_output,
 )
 from mrlx_plugin.core.metrics import compute_metrics, log_eval_rollout, log_rollout
+from mrlx_plugin.link.peers import (
+    durable_step_before,
+    initiator_barrier,
+    read_model_limits,
+    responder_finish,
+    responder_take,
+)
 from mrlx_plugin.rewards.shaping import normalize, reward
 from mrlx_plugin.runtime import get_runtime, runtime_for
 

@@ -141,7 +141,8 @@ class Runtime:
         if peers and not settings.coordinator.url:
             raise ConfigError(
                 f"{source}: mrlx.agents.{peers[0]} is trainable but not trained by this job (mrlx.self is "
-                f"{settings.self_agent!r}); set mrlx.coordinator.url so its samples reach its trainer, or set "
+                f"{settings.self_agent!r}); set mrlx.coordinator.url so its samples reach its trainer, or "
+                "set "
                 f"mrlx.agents.{peers[0]}.trainable: false"
             )
         self._coordinator: CoordinatorClient | None = None
@@ -191,7 +192,8 @@ class Runtime:
         key = os.environ.get(agent.api_key_env, "").strip()
         if not key:
             raise ConfigError(
-                f"{self.source}: mrlx.agents.{name}.api_key_env: environment variable {agent.api_key_env} is not set "
+                f"{self.source}: mrlx.agents.{name}.api_key_env: environment variable {agent.api_key_env} is "
+                "not set "
                 "in the rollout process; pass it through the job's runtime env"
             )
         return key
@@ -255,12 +257,14 @@ def build_runtime(args: Any, tokenizers: bool = True) -> Runtime:
     settings = parse_settings(raw, source=source, known_systems=set(systems))
     if getattr(args, "apply_chat_template", False):
         raise ConfigError(
-            f"{source}: the host was started with --apply-chat-template, so prompts arrive already templated; "
+            f"{source}: the host was started with --apply-chat-template, so prompts arrive already "
+            "templated; "
             "remove that flag: mrlx renders each agent's prompt with that agent's own chat template"
         )
     if getattr(args, "partial_rollout", False):
         raise ConfigError(
-            f"{source}: --partial-rollout resumes one half-generated sample, but a multi-agent episode is many "
+            f"{source}: --partial-rollout resumes one half-generated sample, but a multi-agent episode is "
+            "many "
             "samples; remove --partial-rollout (aborted episodes are returned as ABORTED samples instead)"
         )
     runtime = Runtime(
@@ -286,7 +290,8 @@ def declared_counts(system: SystemFn, settings: Settings, source: str, what: str
         a in settings.agents and isinstance(n, int) and n >= least for a, n in counts.items()
     ):
         raise ConfigError(
-            f"{source}: system {settings.system!r}: {what}(settings) returned {counts!r}; expected a mapping of "
+            f"{source}: system {settings.system!r}: {what}(settings) returned {counts!r}; expected a mapping "
+            "of "
             f"configured agents ({', '.join(settings.agents)}) to {meaning} ({least} or more)"
         )
     return counts
@@ -301,7 +306,8 @@ def samples_per_agent(system: SystemFn, settings: Settings, source: str) -> dict
     turns = declared_counts(system, settings, source, "turns")
     if turns is None:
         raise ConfigError(
-            f"{source}: mrlx.rewards.credit is `turn`, but system {settings.system!r} declares no turns(settings) (the "
+            f"{source}: mrlx.rewards.credit is `turn`, but system {settings.system!r} declares no "
+            "turns(settings) (the "
             "most model turns one transcript takes), so the samples of an episode cannot be counted; set "
             "`run.turns = lambda settings: {agent: n}` on its run function, or use credit: episode"
         )

@@ -166,7 +166,7 @@ class TwoJobs:
             "--save-samples",
             *extra,
         ]
-        log = open(self.root / f"job_{me}.log", "ab")
+        log = open(self.root / f"job_{me}.log", "ab")  # noqa: SIM115 (the job writes to it for its whole life)
         job = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, **ENV))
         self.jobs[me] = job
         return job

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from mrlx_plugin.local.processes import router_available
 from mrlx_plugin.core.netutil import free_port
+from mrlx_plugin.local.processes import router_available
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -89,7 +89,10 @@ def test_check_names_the_bad_key_and_exits_2(tmp_path):
 def test_two_jobs_configs_are_checked_against_each_other(tmp_path):
     a = tmp_path / "a.yaml"
     b = tmp_path / "b.yaml"
-    body = "mrlx:\n  run_id: {run}\n  system: dialogue\n  self: {me}\n  agents: {{doctor: {{url: self}}, patient: {{url: self}}}}\n"
+    body = (
+        "mrlx:\n  run_id: {run}\n  system: dialogue\n  self: {me}\n"
+        "  agents: {{doctor: {{url: self}}, patient: {{url: self}}}}\n"
+    )
     a.write_text(body.format(run="r1", me="doctor"))
     b.write_text(body.format(run="r2", me="doctor"))
     r = mrlx("check", "--config", str(a), "--config", str(b), "--skip-tokenizers")

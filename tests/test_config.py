@@ -148,7 +148,8 @@ def test_plugin_that_cannot_import_is_named(tmp_path):
 
 def test_misspelled_hook_in_a_user_module_is_named(tmp_path, monkeypatch):
     (tmp_path / "typo_hooks.py").write_text(
-        "from mrlx_plugin import hookimpl\n\n@hookimpl\ndef mrlx_grades(agent, transcript, episode):\n    return 1.0\n"
+        "from mrlx_plugin import hookimpl\n\n@hookimpl\ndef mrlx_grades(agent, transcript, episode):\n    "
+        "return 1.0\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     args = _args(tmp_path, "mrlx: {plugins: [typo_hooks]}\n")

@@ -138,7 +138,8 @@ def test_ordinary_anchors_and_merge_keys_still_work(tmp_path):
         ),
         (
             "import mrlx_no_such_dependency\n",
-            "importing 'broken_hooks' failed at {file}, line 1: it imports 'mrlx_no_such_dependency', which is not "
+            "importing 'broken_hooks' failed at {file}, line 1: it imports 'mrlx_no_such_dependency', which "
+            "is not "
             "installed",
         ),
     ],
@@ -257,8 +258,8 @@ def test_a_bad_value_from_the_environment_is_named_by_its_variable(tmp_path):
     msg = one_message(r)
     assert SECRET not in r.stdout + r.stderr
     assert (
-        "mrlx.agents.b.url: got '${RT_SECRET_TOKEN}' (from the environment); expected 'self' or an http://host:port URL"
-        in msg
+        "mrlx.agents.b.url: got '${RT_SECRET_TOKEN}' (from the environment); expected 'self' or an "
+        "http://host:port URL" in msg
     )
 
 

@@ -10,13 +10,13 @@ import pytest
 from _coord_procs import CoordinatorProcess, attempts_of, make_items, waits_in_progress
 from _wait import async_wait_until
 
+from mrlx_plugin.core.netutil import free_port
 from mrlx_plugin.link.client import (
     CoordinatorClient,
     CoordinatorError,
     CoordinatorUnavailable,
     CoordinatorWaitTimeout,
 )
-from mrlx_plugin.core.netutil import free_port
 from mrlx_plugin.link.wire import token_from_env_or_file
 
 

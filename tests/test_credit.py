@@ -125,7 +125,7 @@ def test_tree_sampling_trains_k_candidates_per_turn_as_one_group(
         4 * 2
     }  # two not taken per turn
     taken_score: dict[tuple, float] = {}
-    for name, members in groups.items():
+    for _name, members in groups.items():
         taken = [s for s in members if not s.metadata["mrlx"]["candidate"]]
         assert len(taken) == 1
         prompt = taken[0].tokens[: len(taken[0].tokens) - taken[0].response_length]

@@ -176,7 +176,8 @@ def test_every_episode_returns_the_same_number_of_samples_whatever_its_length(cr
             for s in r:
                 m = s.metadata["mrlx"]
                 assert m["turn"] is not None and s.loss_mask == [1] * s.response_length
-                # gamma 1: every turn of the winner is worth +1, of the loser -1 (moves earn nothing of their own)
+                # gamma 1: every turn of the winner is worth +1, of the loser -1 (moves earn nothing
+                # of their own)
                 assert s.reward == (1.0 if m["role"] == facts(s)["winner"] else -1.0)
         assert compute_metrics([s for out in outs for s in out])["credit/turn_samples"] == 8
     for f in fillers:

@@ -107,7 +107,7 @@ def test_nim_max_moves_bounds_every_game():
     for max_stones in (1, 2, 5, 9):
         bound = NIM.max_moves({"max_stones": max_stones})
         state = NIM.start(f"Nim: {max_stones} stones", None, RNG, {"max_stones": max_stones})
-        for seat in (0, 1):  # taking one stone at a time is the longest game
+        for _seat in (0, 1):  # taking one stone at a time is the longest game
             s, moves = state, [0, 0]
             while (who := NIM.to_move(s)) is not None:
                 moves[who] += 1
@@ -279,5 +279,5 @@ def test_the_game_prompts_are_reproducible_and_start_their_games():
         assert label == (
             "first" if KUHN.outcome(KUHN.play(KUHN.play(s, 0, "check"), 1, "check"))[0] > 0 else "second"
         )
-    for prompt, label in chain_prompts(30, ops="+-"):
+    for _prompt, label in chain_prompts(30, ops="+-"):
         assert int(label) >= 0

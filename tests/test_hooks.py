@@ -137,7 +137,8 @@ def test_shaping_returns_rewards_by_transcript_position(stub_engine, tiny_model_
         (
             "@hookimpl\ndef mrlx_shape_rewards(episode, team_shaping):\n"
             "    episode.metadata['team_shaping_seen'] = team_shaping\n"
-            "    return {i: 10.0 + i for i, t in enumerate(episode.transcripts) if t.raw_reward is not None}\n"
+            "    return {i: 10.0 + i for i, t in enumerate(episode.transcripts) if t.raw_reward is not "
+            "None}\n"
         ),
     )
     out = _episode(stub_engine, tiny_model_dir, plugins=[module])

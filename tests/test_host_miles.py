@@ -74,7 +74,8 @@ class Run:
     def explain(self) -> str:
         error = self.error or {}
         return (
-            f"exit {self.proc.returncode}; {error.get('phase')}: {error.get('type')}: {error.get('message')}\n"
+            f"exit {self.proc.returncode}; {error.get('phase')}: {error.get('type')}: "
+            f"{error.get('message')}\n"
             f"{error.get('traceback', '')}\n--- driver output (tail) ---\n{self.output[-4000:]}"
         )
 
@@ -113,7 +114,7 @@ def run_miles(
     host, port = engine_url.removeprefix("http://").rsplit(":", 1)
     argv = [sys.executable, str(DRIVER), "--hf-checkpoint", str(tokenizer)]
     argv += ["--sglang-router-ip", host, "--sglang-router-port", port]
-    argv += ["--prompt-data", str(prompts), *"--input-key prompt --label-key label".split()]
+    argv += ["--prompt-data", str(prompts), "--input-key", "prompt", "--label-key", "label"]
     argv += ["--custom-generate-function-path", "mrlx_plugin.rollout.generate"]
     argv += ["--custom-reward-post-process-path", "mrlx_plugin.rollout.normalize"]
     argv += ["--custom-rollout-log-function-path", "mrlx_plugin.rollout.log_rollout"]
@@ -139,7 +140,16 @@ def run_miles(
     return Run(proc, report, lines)
 
 
-BATCH = "--rollout-batch-size 2 --n-samples-per-prompt 2 --global-batch-size 4 --micro-batch-size 1".split()
+BATCH = [
+    "--rollout-batch-size",
+    "2",
+    "--n-samples-per-prompt",
+    "2",
+    "--global-batch-size",
+    "4",
+    "--micro-batch-size",
+    "1",
+]
 
 
 def _assert_pipeline_steps(run: Run, steps: int) -> None:
@@ -263,7 +273,8 @@ def test_abort_stops_dialogues_between_turns(tmp_path, slow_engine, tiny_model_d
     assert aborted["pending_groups"] == 2 and running >= 1, aborted  # dialogues under way at the abort
     new_requests = drained["generate"] - aborted["generate"]
     assert new_requests <= running, (
-        f"{new_requests} /generate requests after state.aborted was set ({running} generate calls were running, "
+        f"{new_requests} /generate requests after state.aborted was set ({running} generate calls were "
+        "running, "
         f"{aborted['pending']} requests in flight)"
     )
     seconds = drained["t"] - aborted["t"]

@@ -266,7 +266,8 @@ def test_eval_and_rollout_metrics_reach_the_hosts_logger_under_its_step_keys(
     assert not run.errors and run.proc.returncode == 0, run.explain()
     assert [e["rollout_id"] for e in run.result["evals"]] == [0, 0]  # before training, and after step 0
     assert {line["step_key"] for line in run.log} <= {"eval/step", "rollout/step"}, (
-        f"metrics logged under a step key slime does not plot: {sorted({l['step_key'] for l in run.log})}"
+        "metrics logged under a step key slime does not plot: "
+        f"{sorted({line['step_key'] for line in run.log})}"
     )
 
     evals = [

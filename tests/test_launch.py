@@ -202,7 +202,10 @@ def _describe(argv: list[str]) -> str:
     if argv[:2] == ["ray", "start"]:
         return f"ray head :{after('--port')}"
     if argv[:3] == ["ray", "job", "submit"]:
-        return f"slime job {after('--rollout-function-path').rsplit('.', 1)[1]} {Path(after('--custom-config-path')).name}"
+        return (
+            f"slime job {after('--rollout-function-path').rsplit('.', 1)[1]} "
+            f"{Path(after('--custom-config-path')).name}"
+        )
     module = argv[argv.index("-m") + 1]
     if module == "mrlx_plugin.cli" and argv[argv.index("-m") + 2] == "check":
         configs = [Path(argv[i + 1]).name for i, a in enumerate(argv) if a == "--config"]

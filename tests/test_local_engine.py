@@ -108,8 +108,8 @@ def test_tokenizer_round_trips_any_text_and_has_chatml(tok):
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}]
     rendered = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
     assert (
-        rendered
-        == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"
+        rendered == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n"
+        "<|im_start|>assistant\n"
     )
     longer = msgs + [{"role": "assistant", "content": "4"}]
     assert tok.apply_chat_template(longer, tokenize=False).startswith(

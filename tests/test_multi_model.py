@@ -291,8 +291,8 @@ def test_evaluation_queues_nothing_and_a_missing_rollout_function_is_named(
     from _host import slime_args
 
     from mrlx_plugin.core.config import ConfigError
-    from mrlx_plugin.link.client import CoordinatorClient
     from mrlx_plugin.core.host import Sample, run_in_host_loop
+    from mrlx_plugin.link.client import CoordinatorClient
     from mrlx_plugin.local.fake_host import LocalDataSource
     from mrlx_plugin.rollout import generate, initiator_rollout, responder_rollout
     from mrlx_plugin.runtime import runtime_for

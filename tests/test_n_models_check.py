@@ -128,7 +128,8 @@ def test_a_job_for_the_frozen_judge_is_refused(run, tmp_path):
     r = check(run, jobs)
     assert r.returncode == 1
     assert (
-        f"{tmp_path / 'judge.yaml'}: mrlx.self is 'judge', a frozen agent (trainable: false in every config); "
+        f"{tmp_path / 'judge.yaml'}: mrlx.self is 'judge', a frozen agent (trainable: false in every "
+        "config); "
         "a frozen agent has no slime job"
     ) in r.stdout
     assert "mrlx check: 1 problem(s)" in r.stdout
@@ -168,8 +169,8 @@ def test_mismatched_agent_settings_are_named_one_message_each(run, tmp_path):
     ) in r.stdout
     # a.yaml serves `a` (url: self, its own --hf-checkpoint): the others' tokenizers are compared
     assert (
-        f"mrlx.agents.a.tokenizer differs between configs ({other_tokenizer} in {b}, {run['tokenizer']} in {c})"
-        in r.stdout
+        f"mrlx.agents.a.tokenizer differs between configs ({other_tokenizer} in {b}, {run['tokenizer']} in "
+        f"{c})" in r.stdout
     )
     assert "mrlx check: 3 problem(s)" in r.stdout
 

@@ -405,13 +405,15 @@ def test_an_engine_behind_an_api_key_gets_the_key(stub_engine, tiny_model_dir, m
             seen.append(request.headers.get("Authorization"))
             if request.headers.get("Authorization") != "Bearer sesame":
                 return web.json_response({"error": "bad key"}, status=401)
-            async with ClientSession() as http:
-                async with http.post(
+            async with (
+                ClientSession() as http,
+                http.post(
                     stub_engine.url + "/generate",
                     data=await request.read(),
                     headers={"Content-Type": "application/json"},
-                ) as r:
-                    return web.Response(body=await r.read(), status=r.status, content_type="application/json")
+                ) as r,
+            ):
+                return web.Response(body=await r.read(), status=r.status, content_type="application/json")
 
         app = web.Application()
         app.router.add_post("/generate", guard)

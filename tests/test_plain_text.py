@@ -19,11 +19,11 @@ import pytest
 from _host import group, params, slime_args
 
 from mrlx_plugin.core.host import Status
+from mrlx_plugin.core.tokenizer import AgentTokenizer, TemplateError, load_tokenizer
+from mrlx_plugin.core.transcript import Transcript, Turn
 from mrlx_plugin.local.processes import start_stub_engine
 from mrlx_plugin.rollout import generate
 from mrlx_plugin.runtime import get_runtime
-from mrlx_plugin.core.tokenizer import AgentTokenizer, TemplateError, load_tokenizer
-from mrlx_plugin.core.transcript import Transcript, Turn
 from mrlx_plugin.systems.quoting import quote
 
 IM_START, IM_END = 1, 2

@@ -9,8 +9,8 @@ import math
 import pytest
 
 from mrlx_plugin.core.config import PipelineSettings
-from mrlx_plugin.rewards.grading import MathVerifier, extract_answer, grade_math, quick_grade
 from mrlx_plugin.core.host import Sample, Status
+from mrlx_plugin.rewards.grading import MathVerifier, extract_answer, grade_math, quick_grade
 from mrlx_plugin.rewards.shaping import coupling_matrix, normalize, reward, team_weighting
 
 

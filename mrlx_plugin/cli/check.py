@@ -183,7 +183,8 @@ def cross_check(
             report.fail(f"{path}: mrlx.run_id {s.run_id!r} differs from {p0}'s {s0.run_id!r}")
         if (s.coordinator.url or "").rstrip("/") != (s0.coordinator.url or "").rstrip("/"):
             report.fail(
-                f"{path}: mrlx.coordinator.url {s.coordinator.url!r} differs from {p0}'s {s0.coordinator.url!r}"
+                f"{path}: mrlx.coordinator.url {s.coordinator.url!r} differs from {p0}'s "
+                f"{s0.coordinator.url!r}"
             )
         if s.system != s0.system:
             report.fail(f"{path}: mrlx.system {s.system!r} differs from {p0}'s {s0.system!r}")
@@ -210,7 +211,8 @@ def cross_check(
         if trainable == {False}:
             for p in jobs:
                 report.fail(
-                    f"{p}: mrlx.self is {name!r}, a frozen agent (trainable: false in every config); a frozen "
+                    f"{p}: mrlx.self is {name!r}, a frozen agent (trainable: false in every config); a "
+                    "frozen "
                     "agent has no slime job: serve it with launch/serve_frozen.sh and leave this config out"
                 )
         elif trainable == {True} and not jobs:
@@ -224,7 +226,8 @@ def cross_check(
         if len(initiators) != 1:
             which = ", ".join(initiators) if initiators else "none of them"
             report.fail(
-                f"{len(initiators)} jobs run the episodes (--role initiator: {which}); exactly one job is the "
+                f"{len(initiators)} jobs run the episodes (--role initiator: {which}); exactly one job is "
+                "the "
                 "initiator (mrlx_plugin.rollout.initiator_rollout), every other a responder"
             )
     if not report.problems:
@@ -327,7 +330,8 @@ async def run_checks(
             url = router if agent.url == "self" else agent.url
             if url is None:
                 report.lines.append(
-                    f"skip  {path}: agent {name!r} is url: self (pass --router-url to check this job's router)"
+                    f"skip  {path}: agent {name!r} is url: self (pass --router-url to check this job's "
+                    "router)"
                 )
                 continue
             if (name, url) in reached:  # an agent named by several configs is reached once

@@ -72,6 +72,18 @@ from prometheus_client import (
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from mrlx_plugin.coordinator.storage import CoordinatorStore, QueueStats, StoreError, StoreOpenError
+from mrlx_plugin.core.netutil import is_loopback, write_port_file
+from mrlx_plugin.link.auth import (
+    CONTENT_HEADER,
+    MAX_SKEW_S,
+    PROOF_HEADER,
+    SCHEME,
+    ReplayGuard,
+    answer_mac,
+    check_request,
+    content_sha256,
+    derive_keys,
+)
 from mrlx_plugin.link.wire import (
     CONTENT_TYPE,
     END_OF_STREAM,
@@ -87,18 +99,6 @@ from mrlx_plugin.link.wire import (
     scan_frame,
     token_from_env_or_file,
     validate_frame,
-)
-from mrlx_plugin.core.netutil import is_loopback, write_port_file
-from mrlx_plugin.link.auth import (
-    CONTENT_HEADER,
-    MAX_SKEW_S,
-    PROOF_HEADER,
-    SCHEME,
-    ReplayGuard,
-    answer_mac,
-    check_request,
-    content_sha256,
-    derive_keys,
 )
 
 log = logging.getLogger("mrlx.coordinator")
@@ -684,7 +684,8 @@ class Coordinator:
             # unpack far past the size limit, and the client never compresses.
             raise HttpProblem(
                 415,
-                f"{request.method} {request.path}: Content-Encoding {encoding!r} is not accepted; send the body uncompressed",
+                f"{request.method} {request.path}: Content-Encoding {encoding!r} is not accepted; send the "
+                "body uncompressed",
             )
         length = request.content_length
         if length is not None and length > self.config.max_request_mb * (1 << 20):
@@ -772,7 +773,8 @@ class Coordinator:
         if name not in self.agents:
             raise HttpProblem(
                 404,
-                f"unknown {what} {name!r}; the agents of run {self.config.run_id!r} are {', '.join(self.agents)}",
+                f"unknown {what} {name!r}; the agents of run {self.config.run_id!r} are "
+                f"{', '.join(self.agents)}",
             )
         return name
 
@@ -783,7 +785,8 @@ class Coordinator:
         if agent not in self.agents:
             raise HttpProblem(
                 422,
-                f"header {AGENT_HEADER} names unknown agent {agent!r}; the agents are {', '.join(self.agents)}",
+                f"header {AGENT_HEADER} names unknown agent {agent!r}; the agents are "
+                f"{', '.join(self.agents)}",
             )
         pid_text = request.headers.get(PID_HEADER)
         pid = None
@@ -1497,7 +1500,9 @@ def add_coordinator_arguments(parser: argparse.ArgumentParser) -> argparse.Argum
         "--synchronous",
         choices=("full", "normal"),
         default="full",
-        help="SQLite sync mode: full fsyncs every commit (survives power loss); normal survives process kills",
+        help=(
+            "SQLite sync mode: full fsyncs every commit (survives power loss); normal survives process kills"
+        ),
     )
     parser.add_argument(
         "--max-db-mb", type=float, default=None, help="cap on the database size; commits past it get 507"
@@ -1569,7 +1574,8 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
         )
     if token is None and not is_loopback(args.host):
         raise ValueError(
-            f"refusing to listen on {args.host!r} without a token: anyone who can reach it could inject training "
+            f"refusing to listen on {args.host!r} without a token: anyone who can reach it could inject "
+            "training "
             f"data. Set ${args.token_env} (or --token-file), or bind to 127.0.0.1"
         )
     return CoordinatorConfig(

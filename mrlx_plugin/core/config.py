@@ -965,9 +965,7 @@ def _bounds_text(f: Any) -> tuple[str, str | None]:
     while todo:
         item = todo.pop()
         origin = typing.get_origin(item)
-        if origin is Annotated:
-            todo += typing.get_args(item)
-        elif origin in (Union, types.UnionType, list):
+        if origin is Annotated or origin in (Union, types.UnionType, list):
             todo += typing.get_args(item)
         elif isinstance(item, Why):
             why = str(item)
@@ -1155,7 +1153,8 @@ class _StrictLoader(yaml.SafeLoader):
                 raise yaml.constructor.ConstructorError(
                     None,
                     None,
-                    f"key {key!r} appears twice in one mapping (lines {seen[key]} and {line}); YAML would keep "
+                    f"key {key!r} appears twice in one mapping (lines {seen[key]} and {line}); YAML would "
+                    "keep "
                     "only the last, silently dropping the other: rename or merge them",
                     key_node.start_mark,
                 )
@@ -1241,7 +1240,8 @@ def raw_settings_from_args(args: Any) -> tuple[Any, str, Path | None]:
         data = load_yaml(file_arg)
         if TOP_KEY not in data:
             raise ConfigError(
-                f"{config_label(file_arg)}: no top-level '{TOP_KEY}' key; put every plugin setting under '{TOP_KEY}:'"
+                f"{config_label(file_arg)}: no top-level '{TOP_KEY}' key; put every plugin setting under "
+                f"'{TOP_KEY}:'"
             )
         return data[TOP_KEY], config_label(file_arg), config_dir(file_arg)
     raise ConfigError(

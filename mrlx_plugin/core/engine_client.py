@@ -144,10 +144,7 @@ def parse_generate_response(
         raise _BadResponse(f"response has no meta_info; starts {body[:80]!r}")
     meta = data["meta_info"]
     finish = meta.get("finish_reason")
-    if isinstance(finish, dict):
-        finish_type = finish.get("type")
-    else:
-        finish_type = finish
+    finish_type = finish.get("type") if isinstance(finish, dict) else finish
     if finish_type not in ("stop", "length", "abort"):
         raise _BadResponse(f"unknown finish_reason {finish!r}")
     entries = meta.get("output_token_logprobs")

@@ -220,8 +220,8 @@ class Episode:
 
         Returns the turn. A transcript with no room left (`transcript.full`) is marked truncated
         and gets no call (the returned turn is empty, finish reason "length"). A turn that hits
-        its per-turn cap marks the sample TRUNCATED; the conversation may go on. Engine faults that outlast the
-        retries, and `abort` answers from an engine this job owns, end the episode
+        its per-turn cap marks the sample TRUNCATED; the conversation may go on. Engine faults that
+        outlast the retries, and `abort` answers from an engine this job owns, end the episode
         (EpisodeAborted). A peer engine's `abort` (it is updating its weights) is retried after
         `engine.abort_retry_wait_s`, until `engine.peer_deadline_s`; its partial text is dropped.
         A malformed answer (values no engine can have sampled, or ids outside the agent's
@@ -442,7 +442,10 @@ class Episode:
             raise
         except Exception as exc:  # noqa: BLE001 - one failed grade must not end the host's rollout
             if isinstance(exc, asyncio.TimeoutError):
-                reason = f"grading agent {transcript.agent!r} took longer than rewards.grade_timeout_s ({timeout:g} s)"
+                reason = (
+                    f"grading agent {transcript.agent!r} took longer than rewards.grade_timeout_s "
+                    f"({timeout:g} s)"
+                )
             elif isinstance(exc, RewardError):
                 reason = f"grading agent {transcript.agent!r} failed: {exc}"
             else:
@@ -504,8 +507,10 @@ class Episode:
                 if len(own) > want:
                     per = "samples (one per turn and candidate)" if per_turn else "transcripts"
                     raise RuntimeError(
-                        f"system {self.settings.system!r} declares {want} sample(s) of agent {agent!r} per episode "
-                        f"(its fan_out{' x turns x branch' if per_turn else ''}) but episode {self.id} made {len(own)} "
+                        f"system {self.settings.system!r} declares {want} sample(s) of agent {agent!r} per "
+                        "episode "
+                        f"(its fan_out{' x turns x branch' if per_turn else ''}) but episode {self.id} made "
+                        f"{len(own)} "
                         f"{per} for it; fix the system's fan_out/turns or the transcripts and turns it makes"
                     )
             else:

@@ -21,13 +21,13 @@ token counts, aborted/retried turns, ...), so the metrics are computed from the 
 | `samples/<agent>` | samples of the agent in the rollout (ABORTED ones, fillers included, left out) |
 | `game/episodes` | game episodes in the rollout (`system: game`) |
 | `game/illegal_rate` | finished game episodes that an illegal move ended |
-| `game/win_rate/<seat>` | finished game episodes the seat won (highest outcome, alone; a one-seat game: outcome above 0) |
-| `game/win_rate/vs/<opponent>` | the first agent seat's win rate per opponent it met (an agent or `script:NAME`, as seated or drawn from the pool) |
+| `game/win_rate/<seat>` | finished game episodes the seat won (highest outcome, alone; one seat: above 0) |
+| `game/win_rate/vs/<opponent>` | first agent seat's win rate per opponent met (an agent or `script:NAME`) |
 | `game/draw_rate` | finished game episodes no seat won (only when there were some) |
 | `multi_agent/opponent_down` | game episodes ended at once because the pool member they drew was down |
 | `debate/invalid_verdict_rate` | finished debate episodes whose judge named no winner (`system: debate`) |
 | `debate/win_rate/<side>` | finished debate episodes the side (`A`: the first debater, `B`) won |
-| `credit/branch_candidates` | engine calls per episode on tree-sampling candidates the episode did not go on from |
+| `credit/branch_candidates` | engine calls per episode on tree-sampling candidates not gone on from |
 | `credit/turn_samples` | samples that are one model turn (`rewards.credit: turn`), aborted ones left out |
 """
 

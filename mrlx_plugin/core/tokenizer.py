@@ -180,7 +180,8 @@ class AgentTokenizer:
     def render_text(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
         if getattr(self.hf, "chat_template", None) is None:
             raise TemplateError(
-                f"tokenizer {self.name} has no chat template; set `chat_template` for this agent in the config"
+                f"tokenizer {self.name} has no chat template; set `chat_template` for this agent in the "
+                "config"
             )
         return self.hf.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=add_generation_prompt

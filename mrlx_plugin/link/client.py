@@ -7,8 +7,8 @@ for a passing reason (connection refused while the coordinator restarts, a reque
 deadline: by default `outage_deadline_s` (minutes), so that a coordinator outage costs waiting, not
 the job; while it waits, the client logs what it waits for every few seconds ("coordinator
 unreachable for N s"). Errors the caller must fix (401, 404, 409, 413, 422, 507) are raised at once
-as `CoordinatorError` with the server's message. Every call names the caller (`X-Mrlx-Agent`, pid, host), which the coordinator records
-as a heartbeat.
+as `CoordinatorError` with the server's message. Every call names the caller (`X-Mrlx-Agent`,
+pid, host), which the coordinator records as a heartbeat.
 
 With the run's token, the token itself is never sent: every attempt is signed, and an answer is
 used only once it proves that it comes from a holder of the token (`mrlx_plugin.link.auth`).
@@ -126,8 +126,9 @@ class CoordinatorClient:
     default `consumer` of `lease`/`ack`, its own version the default of `report_version`).
     `request_timeout_s` bounds one HTTP exchange (long polls get their wait on top); a call that
     fails for a passing reason is retried until `outage_deadline_s` (and at most `max_retries` times
-    when that is set); `commit` retries until its own deadline, `wait_version` until its wait's. Commits are cut into requests of at most `max_commit_bytes` / `max_commit_items` and up
-    to `commit_concurrency` of them are in flight, so encoding overlaps the transfer.
+    when that is set); `commit` retries until its own deadline, `wait_version` until its wait's.
+    Commits are cut into requests of at most `max_commit_bytes` / `max_commit_items` and up to
+    `commit_concurrency` of them are in flight, so encoding overlaps the transfer.
     """
 
     def __init__(

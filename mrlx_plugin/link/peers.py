@@ -344,7 +344,7 @@ class PeerOutbox:
                 self.stats["groups_all_aborted"] += 1
             name = f"{producer}:{group_index}"
 
-            def item(key: str, sample: Any) -> QueueItem:
+            def item(key: str, sample: Any, name: str = name, keyed: list = keyed) -> QueueItem:
                 return item_from_sample(
                     sample, key=key, group=name, group_size=len(keyed), producer=producer, step=step
                 )
@@ -433,9 +433,11 @@ async def check_queue_depth(client: CoordinatorClient, agent: str, need: int, ho
     depth = info.get("max_depth")
     if isinstance(depth, int) and depth < need:
         raise ConfigError(
-            f"{source}: the coordinator's queue of {agent!r} holds at most {depth} items (--max-depth {depth}), "
+            f"{source}: the coordinator's queue of {agent!r} holds at most {depth} items (--max-depth "
+            f"{depth}), "
             f"but {how} makes {need}: the producer would wait for room that the consumer frees only once it "
-            f"has trained its step, and both jobs would stop. Restart the coordinator with --max-depth {need} "
+            "has trained its step, and both jobs would stop. Restart the coordinator with --max-depth "
+            f"{need} "
             "or more"
         )
 

@@ -551,7 +551,8 @@ def scan_frame(buf: bytes | bytearray | memoryview, limits: FrameLimits | None =
             position = len(records)
             if not 0 < len(key) <= MAX_KEY_CHARS:
                 raise WireError(
-                    f"record {position}: 'key' must be a non-empty string of at most {MAX_KEY_CHARS} characters"
+                    f"record {position}: 'key' must be a non-empty string of at most {MAX_KEY_CHARS} "
+                    "characters"
                 )
             where = f"item {key!r}"
             for name, value in (("group", groups[row]), ("producer", producers[row])):
@@ -579,7 +580,8 @@ def scan_frame(buf: bytes | bytearray | memoryview, limits: FrameLimits | None =
             for name in ("n_tokens", "n_log_probs", "n_loss_mask", "response_length"):
                 if not 0 <= meta[name] <= MAX_TOKENS_PER_ITEM:
                     raise WireError(
-                        f"{where}: {name!r} must be an integer in [0, {MAX_TOKENS_PER_ITEM}], got {meta[name]!r}"
+                        f"{where}: {name!r} must be an integer in [0, {MAX_TOKENS_PER_ITEM}], got "
+                        f"{meta[name]!r}"
                     )
             records.append(RecordView(meta, batch, row))
     return FrameView(header, records)

@@ -80,7 +80,8 @@ def _yaml(
         + agent(B)
         + f"  dialogue: {{first: {A}, max_turns: 2, final_answer_agent: {B}}}\n"
         "  rewards: {shaping: independent}\n"
-        f"  engine: {{request_timeout_s: 60, abort_retry_wait_s: 0.5, peer_deadline_s: 300, sampling_seed: {ns.seed}}}\n"
+        "  engine: {request_timeout_s: 60, abort_retry_wait_s: 0.5, peer_deadline_s: 300, sampling_seed: "
+        f"{ns.seed}}}\n"
         f"  coordinator: {{url: '{coordinator}', token_env: MRLX_DEMO_TOKEN, max_staleness: 1, "
         "wait_deadline_s: 900, lease_s: 120}\n"
         f"  trainer: {{lr: {ns.lr}, lr_warmup_steps: 10, lr_decay_style: cosine, lr_min: {ns.lr / 10}, "
@@ -388,12 +389,17 @@ def print_summary(s: dict[str, Any]) -> None:
         f"{s['peak_memory_mib']:.0f} MiB{'; frozen: ' + s['frozen'] if s['frozen'] else ''})"
     )
     print(
-        f"  {'agent':<10} {'rewarded for':<20} {'first step':>10} {'last step':>10} {'steps':>6} {'samples':>8}  warm-start"
+        f"  {'agent':<10} {'rewarded for':<20} {'first step':>10} {'last step':>10} {'steps':>6} "
+        f"{'samples':>8}  warm-start"
     )
+
+    def fmt(v: Any) -> str:
+        return f"{v:.3f}" if isinstance(v, float) else "-"
+
     for name, a in s["agents"].items():
-        fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else "-"
         print(
-            f"  {name:<10} {a['reward']:<20} {fmt(a['first_step_reward']):>10} {fmt(a['last_step_reward']):>10} "
+            f"  {name:<10} {a['reward']:<20} {fmt(a['first_step_reward']):>10} "
+            f"{fmt(a['last_step_reward']):>10} "
             f"{a['steps_trained']:>6} {a['samples_trained']:>8}  {a['warm_start_steps']} format-only steps"
         )
     print(

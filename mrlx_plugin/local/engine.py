@@ -29,6 +29,7 @@ from typing import Any
 import aiohttp
 import orjson
 from aiohttp import web
+
 from mrlx_plugin.core.netutil import free_port, public_bind_refusal, write_port_file
 from mrlx_plugin.core.retry import Backoff, Deadline, retry
 from mrlx_plugin.local.batcher import BatchWorker, Job, JobResult, WeightUpdate, load_torch

@@ -342,7 +342,7 @@ async def _push_weights(engines: list[str], path: Path, version: int, deadline_s
         for url in engines:
             deadline = Deadline(deadline_s)
 
-            async def attempt(_: int, url: str = url) -> dict[str, Any]:
+            async def attempt(_: int, url: str = url, deadline: Deadline = deadline) -> dict[str, Any]:
                 timeout = aiohttp.ClientTimeout(total=max(1.0, deadline.remaining()))
                 async with session.post(
                     url.rstrip("/") + "/update_weights_from_disk", json=body, timeout=timeout
@@ -450,14 +450,13 @@ def main(argv: list[str] | None = None) -> int:
 
     from mrlx_plugin.core.config import ConfigError
     from mrlx_plugin.core.host import load_function, run_in_host_loop
-    from mrlx_plugin.local.fake_host import host_args, read_prompts
     from mrlx_plugin.core.metrics import log_rollout
+    from mrlx_plugin.local.fake_host import LocalDataSource, host_args, read_prompts
+    from mrlx_plugin.local.model import load_model, load_tokenizer
+    from mrlx_plugin.local.tasks import task_prompts
     from mrlx_plugin.rewards.shaping import normalize
     from mrlx_plugin.rollout import ack_trained_groups
     from mrlx_plugin.runtime import cached_runtime, runtime_for
-    from mrlx_plugin.local.fake_host import LocalDataSource
-    from mrlx_plugin.local.model import load_model, load_tokenizer
-    from mrlx_plugin.local.tasks import task_prompts
 
     out = Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -20,9 +20,9 @@ from typing import Any
 import numpy as np
 
 from mrlx_plugin.core.config import PipelineSettings
-from mrlx_plugin.rewards.grading import MathVerifier, grade_math
 from mrlx_plugin.core.host import HOST, HOST_PROCESS, Status, host_reward
 from mrlx_plugin.core.transcript import strip_reasoning
+from mrlx_plugin.rewards.grading import MathVerifier, grade_math
 
 GRPO_FAMILY = ("grpo", "gspo", "cispo", "reinforce_plus_plus_baseline")
 STD_NORMALIZED = ("grpo", "gspo", "cispo")

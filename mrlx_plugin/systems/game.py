@@ -28,11 +28,11 @@ frozen pool member found down (nothing accepts a connection at its URL) ends its
 once for `POOL_DOWN_S`, recorded as `opponent_down`, instead of waiting `engine.peer_deadline_s`.
 
 `episode.metadata` (read by the `game/` metrics): `game`, `seats` (their names), `players` (who
-played each seat), `first_seat` (the seat whose result the episode reports: `first_agent_seat`), `opponent` (who played the
-other seat(s) against it), `winner` (a seat name, or None for a draw), `outcome` (per seat),
-`moves`, `illegal_move` (the seat, when one was), `stopped_by` (`max_turns` or
-`context full (SEAT)`, when the game was cut short: a draw, every seat 0), `opponent_down` (the
-pool member that was down, in an episode that ended for it).
+played each seat), `first_seat` (the seat whose result the episode reports: `first_agent_seat`),
+`opponent` (who played the other seat(s) against it), `winner` (a seat name, or None for a
+draw), `outcome` (per seat), `moves`, `illegal_move` (the seat, when one was), `stopped_by`
+(`max_turns` or `context full (SEAT)`, when the game was cut short: a draw, every seat 0),
+`opponent_down` (the pool member that was down, in an episode that ended for it).
 
 Evaluation (`mrlx rollout --evaluation`): the final transcript is the first seat's, and
 `team_reward` its outcome, so an evaluation's mean reward is that seat's mean result.

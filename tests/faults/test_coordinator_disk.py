@@ -63,7 +63,8 @@ def failing_file_writes(pid: int, error: str) -> Iterator[None]:
         while not all_threads_traced(pid):
             if tracer.poll() is not None:
                 pytest.skip(
-                    f"strace could not attach (ptrace not allowed here): {tracer.stderr.read().decode()[:300]}"
+                    "strace could not attach (ptrace not allowed here): "
+                    f"{tracer.stderr.read().decode()[:300]}"
                 )
             assert time.monotonic() < deadline, "strace did not attach to every thread in 20 s"
             time.sleep(0.02)

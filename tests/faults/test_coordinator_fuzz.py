@@ -16,10 +16,10 @@ must get:
 
 JSON bodies are judged against the server's own published /openapi.json: a body the document allows
 is never refused as invalid (422), and one it forbids always is. Frames start from valid ones made
-by `wire.encode_items` and are cut, flipped, given lying lengths, columns, values and headers. Path parameters,
-methods, signatures and identity headers, oversized bodies and malformed HTTP get their own tests.
-Every request is signed with the run's token as the client signs (mrlx_plugin.link.auth) unless a
-test says otherwise.
+by `wire.encode_items` and are cut, flipped, given lying lengths, columns, values and headers. Path
+parameters, methods, signatures and identity headers, oversized bodies and malformed HTTP get their
+own tests. Every request is signed with the run's token as the client signs (mrlx_plugin.link.auth)
+unless a test says otherwise.
 """
 
 from __future__ import annotations
@@ -39,12 +39,11 @@ from typing import Any
 from urllib.parse import quote
 
 import numpy as np
+import pyarrow as pa
 import pytest
 from _coord_procs import CoordinatorProcess
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-import pyarrow as pa
 
 from mrlx_plugin.link.auth import derive_keys, request_mac, signed_headers
 from mrlx_plugin.link.wire import (
@@ -57,7 +56,8 @@ from mrlx_plugin.link.wire import (
     items_batch,
 )
 
-# About a minute of generated requests: the full suite's; test_coordinator.py covers the service in the fast tier.
+# About a minute of generated requests: the full suite's; test_coordinator.py covers the service in
+# the fast tier.
 pytestmark = pytest.mark.slow
 
 RUN = "fuzz-run"
@@ -694,7 +694,8 @@ COLUMN_LIES: list[tuple[str, Any]] = [
     ("fields", '{"reward": 1, "remove_sample": "yes"}'),
     (
         "fields",
-        '{"reward": 18446744073709551615, "index": 9223372036854775808, "metadata": {"big": 9223372036854775808}}',
+        '{"reward": 18446744073709551615, "index": 9223372036854775808, "metadata": {"big": '
+        "9223372036854775808}}",
     ),
 ]
 # Lies that are still samples (a reward or index beyond 64 bits is a number): no refusal owed.
@@ -1233,7 +1234,8 @@ def test_schemathesis_against_the_published_document(fuzz_api):
             try:
                 case.call_and_validate(session=session, checks=checks)
             except Exception as exc:  # collected, so every operation is tried
-                failures.append(f"{operation.method.upper()} {operation.path}: {exc}"[:2000])
+                # run() is called below, within this iteration: `operation` is this one
+                failures.append(f"{operation.method.upper()} {operation.path}: {exc}"[:2000])  # noqa: B023
                 raise
 
         try:

@@ -307,7 +307,7 @@ def test_declared_body_sizes_cost_no_memory_until_the_bytes_arrive(tmp_path):
             socks.append(hanging_commit(coord, 400_000_000, pid))
             # the identity header is recorded just before the handler reads the body
             wait_until(
-                lambda: last_pid_seen(coord, "doctor") == pid,
+                lambda pid=pid: last_pid_seen(coord, "doctor") == pid,
                 timeout=60,
                 what=f"the coordinator to start reading commit {pid}",
             )

@@ -10,8 +10,8 @@ import pytest
 from _host import slime_args
 
 from mrlx_plugin.core.host import Status, run_in_host_loop
-from mrlx_plugin.local.fake_host import LocalDataSource, default_rollout
 from mrlx_plugin.core.metrics import compute_metrics
+from mrlx_plugin.local.fake_host import LocalDataSource, default_rollout
 from mrlx_plugin.rewards.shaping import normalize
 from mrlx_plugin.runtime import runtime_for
 

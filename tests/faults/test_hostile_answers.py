@@ -25,8 +25,9 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from _raw_server import RawServer, answer as http_answer
 from _host import group, params, slime_args
+from _raw_server import RawServer
+from _raw_server import answer as http_answer
 
 from mrlx_plugin.core.config import EngineSettings
 from mrlx_plugin.core.engine_client import (
@@ -38,9 +39,9 @@ from mrlx_plugin.core.engine_client import (
     MalformedAnswer,
 )
 from mrlx_plugin.core.host import Status, run_in_host_loop
+from mrlx_plugin.core.metrics import compute_metrics
 from mrlx_plugin.local.fake_host import LocalDataSource, default_rollout
 from mrlx_plugin.local.stub_engine import DEFAULT_TEXT, MALFORMED_MODES, WRONG_TEXT
-from mrlx_plugin.core.metrics import compute_metrics
 from mrlx_plugin.rewards.shaping import normalize
 from mrlx_plugin.rollout import generate
 from mrlx_plugin.runtime import get_runtime, runtime_for
@@ -118,7 +119,7 @@ def test_a_malformed_answer_fails_its_episode_not_the_rollout(mode, stub_engine,
             reason
         )
     for s in samples:  # no sample carries an id the trainer or the coordinator's int32 frames cannot hold
-        assert 0 <= min(s.tokens) and max(s.tokens) < 512
+        assert min(s.tokens) >= 0 and max(s.tokens) < 512
         assert len(s.loss_mask) == len(s.rollout_log_probs) == s.response_length
     assert get(stub_engine.url + "/_stub/stats")["faults_served"] == 1, "a malformed answer is not retried"
     metrics = compute_metrics(samples)

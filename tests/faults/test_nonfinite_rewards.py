@@ -244,7 +244,8 @@ def test_a_shaped_reward_that_is_not_finite_aborts_naming_the_plugin(
         module,
         (
             "@hookimpl\ndef mrlx_shape_rewards(episode):\n"
-            "    return {i: (math.nan if i == 0 else t.raw_reward) for i, t in enumerate(episode.transcripts)\n"
+            "    return {i: (math.nan if i == 0 else t.raw_reward) for i, t in "
+            "enumerate(episode.transcripts)\n"
             "            if t.raw_reward is not None}\n"
         ),
     )

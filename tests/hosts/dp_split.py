@@ -64,7 +64,8 @@ def split_by_dp(
             bins = [positions[i : i + mbs] for i in range(0, len(positions), mbs)]
             if len(bins) % align:
                 raise AssertionError(
-                    f"static path: num_mbs ({len(bins)}) is not a multiple of dp_size * mb_group ({align}); got "
+                    f"static path: num_mbs ({len(bins)}) is not a multiple of dp_size * mb_group ({align}); "
+                    "got "
                     f"step_size={len(positions)}, micro_batch_size={mbs}, dp_size={dp}"
                 )
         for k, b in enumerate(bins):
