@@ -37,6 +37,9 @@ def main(argv: list[str]) -> int:
     elif name == "credit":
         from benchmarks.credit import main as run
     else:
-        print(f"mrlx bench: unknown benchmark {name!r} (rollout, coordinator, demo, load, answers, credit)", file=sys.stderr)
+        print(
+            f"mrlx bench: unknown benchmark {name!r} (rollout, coordinator, demo, load, answers, credit)",
+            file=sys.stderr,
+        )
         return 2
     return run(rest)

@@ -44,17 +44,30 @@ def hostile_body(entries: int) -> bytes:
 def hostile_bodies(tokens: int) -> list[tuple[str, bytes, bool]]:
     """(name, body, chunked) of the hostile answers for a request of `tokens` new tokens."""
     size, values = answer_limits(tokens)
-    return [("32 MiB of [0,0] entries", hostile_body((MAX_BODY_BYTES - len(HEAD)) // 6), False),
-            ("byte allowance of [0,0], chunked", hostile_body((min(size, MAX_BODY_BYTES) - len(HEAD)) // 6),
-             True),
-            ("value allowance of [0,0]", hostile_body((values - 8) // 4), False)]  # 4 delimiters an entry
+    return [
+        ("32 MiB of [0,0] entries", hostile_body((MAX_BODY_BYTES - len(HEAD)) // 6), False),
+        (
+            "byte allowance of [0,0], chunked",
+            hostile_body((min(size, MAX_BODY_BYTES) - len(HEAD)) // 6),
+            True,
+        ),
+        ("value allowance of [0,0]", hostile_body((values - 8) // 4), False),
+    ]  # 4 delimiters an entry
 
 
 def wellformed_body(tokens: int) -> bytes:
     rng = random.Random(0)
     entries = [[-rng.random() * 3, rng.randrange(150_000), None] for _ in range(tokens)]
-    return orjson.dumps({"text": " word" * tokens, "meta_info": {
-        "finish_reason": {"type": "length"}, "output_token_logprobs": entries, "prompt_tokens": 3}})
+    return orjson.dumps(
+        {
+            "text": " word" * tokens,
+            "meta_info": {
+                "finish_reason": {"type": "length"},
+                "output_token_logprobs": entries,
+                "prompt_tokens": 3,
+            },
+        }
+    )
 
 
 def _serve(body: bytes, chunked: bool, ready: Any) -> None:
@@ -64,7 +77,9 @@ def _serve(body: bytes, chunked: bool, ready: Any) -> None:
         answer = head + b"".join(b"%x\r\n%s\r\n" % (len(part), part) for part in parts) + b"0\r\n\r\n"
     else:
         answer = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (
-            len(body), body)
+            len(body),
+            body,
+        )
 
     class Handler(socketserver.StreamRequestHandler):
         def handle(self) -> None:
@@ -75,8 +90,14 @@ def _serve(body: bytes, chunked: bool, ready: Any) -> None:
                     if not line:
                         return
                     head += line
-                length = next((int(x.split(b":")[1]) for x in head.split(b"\r\n")
-                               if x.lower().startswith(b"content-length:")), 0)
+                length = next(
+                    (
+                        int(x.split(b":")[1])
+                        for x in head.split(b"\r\n")
+                        if x.lower().startswith(b"content-length:")
+                    ),
+                    0,
+                )
                 self.rfile.read(length)
                 try:
                     self.wfile.write(answer)
@@ -134,8 +155,12 @@ async def one_round(url: str, concurrent: int, max_new_tokens: int) -> dict[str,
     stop.set()
     await prober
     await client.close()
-    return {"worst_stall_s": worst, "elapsed_s": elapsed, "peak_rss_growth_mib": peak_rss_mib() - before,
-            "outcome": sorted(set(outcomes))}
+    return {
+        "worst_stall_s": worst,
+        "elapsed_s": elapsed,
+        "peak_rss_growth_mib": peak_rss_mib() - before,
+        "outcome": sorted(set(outcomes)),
+    }
 
 
 def run(body: bytes, chunked: bool, concurrent: int, max_new_tokens: int) -> dict[str, Any]:
@@ -160,15 +185,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="runs/bench/answers.json", help="write the numbers as JSON here")
     ns = p.parse_args(argv)
     rows = []
-    print(f"{'answer':<34} {'MiB':>6} {'max_new':>8} {'worst stall':>12} {'elapsed':>9} {'peak RSS +':>11}  "
-          "outcome")
+    print(
+        f"{'answer':<34} {'MiB':>6} {'max_new':>8} {'worst stall':>12} {'elapsed':>9} {'peak RSS +':>11}  "
+        "outcome"
+    )
     for tokens in ns.tokens:
         for name, body, chunked in [*hostile_bodies(tokens), ("well-formed", wellformed_body(tokens), False)]:
             r = run(body, chunked, ns.concurrent, tokens)
             rows.append({"answer": name, "mib": len(body) / 2**20, "max_new_tokens": tokens, **r})
-            print(f"{name:<34} {len(body) / 2**20:>6.1f} {tokens:>8} {r['worst_stall_s'] * 1000:>10.1f}ms "
-                  f"{r['elapsed_s']:>8.2f}s {r['peak_rss_growth_mib']:>9.0f}MiB  "
-                  f"{'; '.join(r['outcome'])[:90]}")
+            print(
+                f"{name:<34} {len(body) / 2**20:>6.1f} {tokens:>8} {r['worst_stall_s'] * 1000:>10.1f}ms "
+                f"{r['elapsed_s']:>8.2f}s {r['peak_rss_growth_mib']:>9.0f}MiB  "
+                f"{'; '.join(r['outcome'])[:90]}"
+            )
     write_report(ns.out, {"concurrent": ns.concurrent, "rounds": rows})
     return 0
 

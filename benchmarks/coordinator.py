@@ -127,9 +127,12 @@ def _start_coordinator(
         str(max_depth),
     ]
     proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
     def started() -> bool:
         if proc.poll() is not None:
-            raise RuntimeError(f"the coordinator exited: {proc.stderr.read().decode() if proc.stderr else ''}")
+            raise RuntimeError(
+                f"the coordinator exited: {proc.stderr.read().decode() if proc.stderr else ''}"
+            )
         return os.path.exists(port_file)
 
     try:
@@ -140,7 +143,6 @@ def _start_coordinator(
     with open(port_file) as handle:
         port = int(handle.read())
     return proc, f"http://127.0.0.1:{port}"
-
 
 
 def _server_cpu(pid: int | None) -> float | None:
@@ -505,7 +507,8 @@ def _run_steps(
 
 
 def _timeline(marks: list[tuple[float, int]], t0: float, samples: int) -> dict[str, float]:
-    """Seconds from the first commit until the consumer held its first, 25, 50, 75 and 100 % of the samples."""
+    """Seconds from the first commit until the consumer held its first, 25, 50, 75 and 100 % of the
+    samples."""
     out = {}
     for label, fraction in (("first", 0.0), ("25%", 0.25), ("50%", 0.5), ("75%", 0.75), ("100%", 1.0)):
         need = max(1, int(fraction * samples))
@@ -644,6 +647,7 @@ def run_coordinator_bench(
             )
             server.start()
             try:
+
                 def listening() -> bool:
                     if not server.is_alive():
                         raise RuntimeError("the baseline queue exited at start")
@@ -690,17 +694,23 @@ def format_table(report: dict[str, Any]) -> str:
             f"(response {cfg['response_length']}), groups of {cfg['group_size']}, {cfg['steps']} steps, "
             f"synchronous={cfg['synchronous']}, {cfg['cpus']} CPUs"
         ),
-        f"{'path':<48} {'step':>5} {'seconds':>8} {'Mtok/s':>7} {'samples/s':>9} {'first':>6} {'cpu p/s/c':>16} {'ok':>3}",
+        f"{'path':<48} {'step':>5} {'seconds':>8} {'Mtok/s':>7} {'samples/s':>9} {'first':>6} "
+        f"{'cpu p/s/c':>16} {'ok':>3}",
     ]
     for name, label in (
         ("coordinator_steps", "coordinator (Arrow frames, SQLite, lease/ack)"),
         ("baseline_steps", "baseline (1 JSON item/request, in memory)"),
     ):
         for step, row in enumerate(report.get(name, [])):
-            cpu = f"{row['producer_cpu_s']:.2f}/{row.get('server_cpu_s', float('nan')):.2f}/{row['consumer_cpu_s']:.2f}"
+            cpu = (
+                f"{row['producer_cpu_s']:.2f}/{row.get('server_cpu_s', float('nan')):.2f}/"
+                f"{row['consumer_cpu_s']:.2f}"
+            )
             lines.append(
-                f"{label:<48} {step:>5} {row['seconds']:>8.3f} {row['tokens_per_s'] / 1e6:>7.2f} {row['samples_per_s']:>9.1f} "
-                f"{row['consumer_timeline_s'].get('first', float('nan')):>6.3f} {cpu:>16} {'yes' if row['checksum_ok'] else 'NO':>3}"
+                f"{label:<48} {step:>5} {row['seconds']:>8.3f} {row['tokens_per_s'] / 1e6:>7.2f} "
+                f"{row['samples_per_s']:>9.1f} "
+                f"{row['consumer_timeline_s'].get('first', float('nan')):>6.3f} {cpu:>16} "
+                f"{'yes' if row['checksum_ok'] else 'NO':>3}"
             )
     if "speedup_vs_baseline" in report:
         lines.append(
@@ -714,7 +724,8 @@ def format_table(report: dict[str, Any]) -> str:
             f"p99 {wake['p99']:.2f} ms, max {wake['max']:.2f} ms"
         )
     lines.append(
-        "first = seconds until the consumer held its first samples; cpu = producer/server/consumer CPU seconds"
+        "first = seconds until the consumer held its first samples; cpu = producer/server/consumer CPU "
+        "seconds"
     )
     return "\n".join(lines)
 

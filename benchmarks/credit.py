@@ -51,44 +51,90 @@ SUCCESS = "eval/eval/game/win_rate/solver"
 # the rollout, the engine idles while the trainer trains): each may use both cores.
 THREADS = 2
 # Settings that are not options: the demo's (docs/local.md), which a small model learns with.
-TRAINER = {"lr_warmup_steps": 10, "lr_decay_style": "cosine", "kl_coef": 0.1, "adam_eps": 1.0e-5,
-           "warmup_sft_lr": 1.0e-3, "micro_batch_size": 64, "threads": THREADS}
+TRAINER = {
+    "lr_warmup_steps": 10,
+    "lr_decay_style": "cosine",
+    "kl_coef": 0.1,
+    "adam_eps": 1.0e-5,
+    "warmup_sft_lr": 1.0e-3,
+    "micro_batch_size": 64,
+    "threads": THREADS,
+}
 MAX_NEW_TOKENS = 10  # per turn: "\\boxed{12}" and the end of the turn
 MAX_RESPONSE = 160  # per transcript: every turn of a seat and the messages between them
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mrlx bench credit", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default="runs/bench-credit/credit.json", help="the JSON report (the plot goes beside it)")
-    p.add_argument("--workdir", default=None, help="models, logs, configs, checkpoints (default: the --out folder)")
-    p.add_argument("--steps", type=int, default=None, help="training steps of each chain arm (default 180; --quick 2)")
-    p.add_argument("--nim-steps", type=int, default=None, help="training steps of each nim arm (default 30; --quick 2)")
-    p.add_argument("--prompts-per-step", type=int, default=None, help="--rollout-batch-size (default 8; --quick 2)")
-    p.add_argument("--samples-per-prompt", type=int, default=None,
-                   help="--n-samples-per-prompt of the arms without tree sampling (default 8; --quick 4); the tree "
-                        "sampling arm runs this / --branch, for the same engine calls per step")
+    p.add_argument(
+        "--out", default="runs/bench-credit/credit.json", help="the JSON report (the plot goes beside it)"
+    )
+    p.add_argument(
+        "--workdir", default=None, help="models, logs, configs, checkpoints (default: the --out folder)"
+    )
+    p.add_argument(
+        "--steps", type=int, default=None, help="training steps of each chain arm (default 180; --quick 2)"
+    )
+    p.add_argument(
+        "--nim-steps", type=int, default=None, help="training steps of each nim arm (default 30; --quick 2)"
+    )
+    p.add_argument(
+        "--prompts-per-step", type=int, default=None, help="--rollout-batch-size (default 8; --quick 2)"
+    )
+    p.add_argument(
+        "--samples-per-prompt",
+        type=int,
+        default=None,
+        help="--n-samples-per-prompt of the arms without tree sampling (default 8; --quick 4); the tree "
+        "sampling arm runs this / --branch, for the same engine calls per step",
+    )
     p.add_argument("--chain-length", type=int, default=2, help="steps of each chain (turns per episode)")
     p.add_argument("--chain-max-start", type=int, default=2, help="chains start at 0 to this")
     p.add_argument("--chain-max-step", type=int, default=2, help="each step adds (or takes) 1 to this")
     p.add_argument("--chain-ops", default="+", help="the operations of the steps, from + - * (e.g. '+-')")
     p.add_argument("--gamma", type=float, default=0.9, help="rewards.gamma of the turn-credit arms")
     p.add_argument("--branch", type=int, default=4, help="rewards.branch of the tree-sampling arm")
-    p.add_argument("--threshold", type=float, default=0.5, help="held-out success rate the chain arms race to")
-    p.add_argument("--eval-interval", type=int, default=None, help="evaluate every N steps (default 10; --quick 1)")
-    p.add_argument("--eval-prompts", type=int, default=None,
-                   help="held-out chains, at most a quarter of the distinct chains (default 48; --quick 2)")
-    p.add_argument("--eval-samples", type=int, default=None,
-                   help="evaluation episodes per held-out prompt (default 16 per chain, 8 per nim position and "
-                        "seat order; --quick 1)")
-    p.add_argument("--preset", default=None, help="model size, mrlx_plugin.local.model presets (default small; --quick tiny)")
+    p.add_argument(
+        "--threshold", type=float, default=0.5, help="held-out success rate the chain arms race to"
+    )
+    p.add_argument(
+        "--eval-interval", type=int, default=None, help="evaluate every N steps (default 10; --quick 1)"
+    )
+    p.add_argument(
+        "--eval-prompts",
+        type=int,
+        default=None,
+        help="held-out chains, at most a quarter of the distinct chains (default 48; --quick 2)",
+    )
+    p.add_argument(
+        "--eval-samples",
+        type=int,
+        default=None,
+        help="evaluation episodes per held-out prompt (default 16 per chain, 8 per nim position and "
+        "seat order; --quick 1)",
+    )
+    p.add_argument(
+        "--preset",
+        default=None,
+        help="model size, mrlx_plugin.local.model presets (default small; --quick tiny)",
+    )
     p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--warmup-steps", type=int, default=None, help="format-only supervised steps (default 80; --quick 2)")
+    p.add_argument(
+        "--warmup-steps", type=int, default=None, help="format-only supervised steps (default 80; --quick 2)"
+    )
     p.add_argument("--only", choices=("chain", "nim"), default=None, help="run one of the two parts")
-    p.add_argument("--arms", default=None,
-                   help=f"comma-separated arms to run (default: all: {', '.join(CHAIN_ARMS + NIM_ARMS)})")
-    p.add_argument("--ppo-epochs", type=int, default=2, help="mrlx.trainer.ppo_epochs: optimizer steps per step")
+    p.add_argument(
+        "--arms",
+        default=None,
+        help=f"comma-separated arms to run (default: all: {', '.join(CHAIN_ARMS + NIM_ARMS)})",
+    )
+    p.add_argument(
+        "--ppo-epochs", type=int, default=2, help="mrlx.trainer.ppo_epochs: optimizer steps per step"
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quick", action="store_true", help="tiny settings (seconds per arm; the test's smoke run)")
+    p.add_argument(
+        "--quick", action="store_true", help="tiny settings (seconds per arm; the test's smoke run)"
+    )
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     return p
 
@@ -96,28 +142,47 @@ def build_parser() -> argparse.ArgumentParser:
 def settle(ns: argparse.Namespace) -> argparse.Namespace:
     """Fill in the defaults that depend on --quick, and check the budget can be matched."""
     quick = ns.quick
-    defaults = {"steps": (180, 2), "nim_steps": (30, 2), "prompts_per_step": (8, 2), "samples_per_prompt": (8, 4),
-                "eval_interval": (10, 1), "eval_prompts": (48, 2), "eval_samples": (None, 1),
-                "preset": ("small", "tiny"), "warmup_steps": (80, 2)}
+    defaults = {
+        "steps": (180, 2),
+        "nim_steps": (30, 2),
+        "prompts_per_step": (8, 2),
+        "samples_per_prompt": (8, 4),
+        "eval_interval": (10, 1),
+        "eval_prompts": (48, 2),
+        "eval_samples": (None, 1),
+        "preset": ("small", "tiny"),
+        "warmup_steps": (80, 2),
+    }
     for key, (full, small) in defaults.items():
         if getattr(ns, key) is None:
             setattr(ns, key, small if quick else full)
     from mrlx_plugin.core.config import ConfigError
 
     if ns.branch < 2:
-        raise ConfigError(f"--branch: got {ns.branch}; the tree-sampling arm needs at least 2 candidates per turn")
+        raise ConfigError(
+            f"--branch: got {ns.branch}; the tree-sampling arm needs at least 2 candidates per turn"
+        )
     if ns.samples_per_prompt % ns.branch and ns.prompts_per_step % ns.branch:
         raise ConfigError(
             f"--samples-per-prompt {ns.samples_per_prompt} and --prompts-per-step {ns.prompts_per_step}: the "
-            f"tree-sampling arm runs {ns.branch} times fewer episodes per step (each turn costs {ns.branch} engine "
-            f"calls); make one of them a multiple of --branch")
+            f"tree-sampling arm runs {ns.branch} times fewer episodes per step (each turn costs {ns.branch} "
+            "engine "
+            f"calls); make one of them a multiple of --branch"
+        )
     known = CHAIN_ARMS + NIM_ARMS
     ns.arms = [a.strip() for a in ns.arms.split(",") if a.strip()] if ns.arms else list(known)
     for arm in ns.arms:
         if arm not in known:
             raise ConfigError(f"--arms: no arm {arm!r}; the arms are {', '.join(known)}")
-    for key in ("steps", "nim_steps", "prompts_per_step", "samples_per_prompt", "eval_interval", "eval_prompts",
-                "chain_length"):
+    for key in (
+        "steps",
+        "nim_steps",
+        "prompts_per_step",
+        "samples_per_prompt",
+        "eval_interval",
+        "eval_prompts",
+        "chain_length",
+    ):
         if getattr(ns, key) < 1:
             raise ConfigError(f"--{key.replace('_', '-')}: got {getattr(ns, key)}; expected at least 1")
     return ns
@@ -139,8 +204,14 @@ def chain_sets(ns: argparse.Namespace) -> tuple[list[tuple[str, str]], list[tupl
     from mrlx_plugin.systems.games import apply_step
 
     def draw(n: int, seed: int) -> list[tuple[str, str]]:
-        return chain_prompts(n, seed=seed, steps=ns.chain_length, max_start=ns.chain_max_start,
-                             max_step=ns.chain_max_step, ops=ns.chain_ops)
+        return chain_prompts(
+            n,
+            seed=seed,
+            steps=ns.chain_length,
+            max_start=ns.chain_max_start,
+            max_step=ns.chain_max_step,
+            ops=ns.chain_ops,
+        )
 
     def steps_of(prompt: str) -> set[tuple[int, int, str]]:
         value, *ops = prompt.split(":")[1].split()
@@ -162,8 +233,10 @@ def chain_sets(ns: argparse.Namespace) -> tuple[list[tuple[str, str]], list[tupl
         if all(steps_of(c) <= rest for c in [*held, chain]):
             held.append(chain)
     if not held:
-        raise RuntimeError(f"no chain of {len(order)} can be held out with its steps still trained; allow more "
-                           "chains (--chain-max-start, --chain-max-step, --chain-ops)")
+        raise RuntimeError(
+            f"no chain of {len(order)} can be held out with its steps still trained; allow more "
+            "chains (--chain-max-start, --chain-max-step, --chain-ops)"
+        )
     train = [(p, lab) for p, lab in draw(4096, ns.seed) if p not in held][:256]
     return train, sorted((p, distinct[p]) for p in held)
 
@@ -194,8 +267,10 @@ def chain_warmup(path: Path, prompts: list[tuple[str, str]], n: int, seed: int) 
             for _ in range(rng.randint(1, len(state.steps))):
                 if messages:
                     state = game.play(state, 0, game.right_value(state))
-                messages += [{"role": "user", "content": game.observation(state, 0)},
-                             {"role": "assistant", "content": f"\\boxed{{{game.right_value(state)}}}"}]
+                messages += [
+                    {"role": "user", "content": game.observation(state, 0)},
+                    {"role": "assistant", "content": f"\\boxed{{{game.right_value(state)}}}"},
+                ]
             messages[-1]["content"] = f"\\boxed{{{rng.randint(0, top)}}}"
             f.write(json.dumps({"messages": messages}) + "\n")
     return path
@@ -219,8 +294,10 @@ def nim_warmup(path: Path, prompts: list[tuple[str, str]], n: int, seed: int) ->
                 mover = game.to_move(state)
                 move = rng.choice(game.legal_moves(state, mover))
                 if mover == seat:
-                    messages += [{"role": "user", "content": " ".join([*unread, game.observation(state, seat)])},
-                                 {"role": "assistant", "content": f"\\boxed{{{move}}}"}]
+                    messages += [
+                        {"role": "user", "content": " ".join([*unread, game.observation(state, seat)])},
+                        {"role": "assistant", "content": f"\\boxed{{{move}}}"},
+                    ]
                     unread = []
                 else:
                     unread.append(game.describe_move(state, mover, move))
@@ -242,21 +319,42 @@ def write_prompts(path: Path, prompts: list[tuple[str, str]]) -> Path:
 # ----------------------------------------------------------------------------------------------
 
 
-def job_config(path: Path, run_id: str, agents: dict[str, dict[str, Any]], game: dict[str, Any],
-               rewards: dict[str, Any], ns: argparse.Namespace) -> Path:
-    doc = {"mrlx": {
-        "run_id": run_id, "system": "game", "agents": agents, "game": game, "rewards": rewards,
-        "engine": {"request_timeout_s": 120, "sampling_seed": ns.seed},
-        "trainer": {**TRAINER, "lr": ns.lr, "lr_min": ns.lr / 10, "warmup_sft_steps": ns.warmup_steps,
-                    "ppo_epochs": ns.ppo_epochs},
-    }}
+def job_config(
+    path: Path,
+    run_id: str,
+    agents: dict[str, dict[str, Any]],
+    game: dict[str, Any],
+    rewards: dict[str, Any],
+    ns: argparse.Namespace,
+) -> Path:
+    doc = {
+        "mrlx": {
+            "run_id": run_id,
+            "system": "game",
+            "agents": agents,
+            "game": game,
+            "rewards": rewards,
+            "engine": {"request_timeout_s": 120, "sampling_seed": ns.seed},
+            "trainer": {
+                **TRAINER,
+                "lr": ns.lr,
+                "lr_min": ns.lr / 10,
+                "warmup_sft_steps": ns.warmup_steps,
+                "ppo_epochs": ns.ppo_epochs,
+            },
+        }
+    }
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
     return path
 
 
 def agent_entry(model: Path, url: str = "self", trainable: bool = True) -> dict[str, Any]:
-    return {"url": url, "tokenizer": str(model), "trainable": trainable,
-            "sampling": {"max_new_tokens": MAX_NEW_TOKENS, "temperature": 1.0}}
+    return {
+        "url": url,
+        "tokenizer": str(model),
+        "trainable": trainable,
+        "sampling": {"max_new_tokens": MAX_NEW_TOKENS, "temperature": 1.0},
+    }
 
 
 def _rows(path: Path) -> list[dict[str, Any]]:
@@ -265,16 +363,21 @@ def _rows(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def run_trainer(argv: list[str], log_path: Path, out: Path, label: str, ns: argparse.Namespace,
-                show: Any = None) -> list[dict[str, Any]]:
+def run_trainer(
+    argv: list[str], log_path: Path, out: Path, label: str, ns: argparse.Namespace, show: Any = None
+) -> list[dict[str, Any]]:
     """Run one embedded trainer to its end, printing a line per evaluation; its metrics rows."""
     from mrlx_plugin.local.processes import popen_tied, stop_all
 
     job = None
     try:
         with open(log_path, "ab") as log:
-            job = popen_tied([sys.executable, "-m", "mrlx_plugin.local.trainer", *argv], stdout=log,
-                             stderr=subprocess.STDOUT, start_new_session=True)
+            job = popen_tied(
+                [sys.executable, "-m", "mrlx_plugin.local.trainer", *argv],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         shown, t0 = 0, time.monotonic()
         while True:
             done = job.poll() is not None
@@ -297,23 +400,49 @@ def run_trainer(argv: list[str], log_path: Path, out: Path, label: str, ns: argp
     return _rows(out / "metrics.jsonl")
 
 
-def warm_start(task: str, work: Path, base_model: Path, config: Path, data: Path, ns: argparse.Namespace) -> Path:
+def warm_start(
+    task: str, work: Path, base_model: Path, config: Path, data: Path, ns: argparse.Namespace
+) -> Path:
     """The format-only warm-start of `task`, once: every arm of the task starts from its result."""
     import hashlib
     import shutil
 
     out = work / "warm_start"
     # Done before with the same model, data and settings: reused (it is deterministic).
-    stamp = json.dumps({"model": str(base_model), "steps": ns.warmup_steps, "seed": ns.seed, "lr": ns.lr,
-                        "data": hashlib.sha256(data.read_bytes()).hexdigest()})
-    if (out / "warm_start" / "config.json").exists() and (out / "done").exists() and \
-            (out / "done").read_text() == stamp:
+    stamp = json.dumps(
+        {
+            "model": str(base_model),
+            "steps": ns.warmup_steps,
+            "seed": ns.seed,
+            "lr": ns.lr,
+            "data": hashlib.sha256(data.read_bytes()).hexdigest(),
+        }
+    )
+    if (
+        (out / "warm_start" / "config.json").exists()
+        and (out / "done").exists()
+        and (out / "done").read_text() == stamp
+    ):
         return out / "warm_start"
 
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    argv = ["--config", str(config), "--model", str(base_model), "--router-url", "http://127.0.0.1:9",
-            "--num-rollout", "0", "--warmup-data", str(data), "--out", str(out), "--seed", str(ns.seed)]
+    argv = [
+        "--config",
+        str(config),
+        "--model",
+        str(base_model),
+        "--router-url",
+        "http://127.0.0.1:9",
+        "--num-rollout",
+        "0",
+        "--warmup-data",
+        str(data),
+        "--out",
+        str(out),
+        "--seed",
+        str(ns.seed),
+    ]
     if not ns.quiet:
         print(f"  {task:<24} warm-start: {ns.warmup_steps} format-only steps", flush=True)
     run_trainer(argv, work / "logs" / "trainer-warm-start.log", out, f"{task} warm-start", ns)
@@ -323,9 +452,23 @@ def warm_start(task: str, work: Path, base_model: Path, config: Path, data: Path
     return out / "warm_start"
 
 
-def run_arm(label: str, work: Path, model: Path, config: Path, *, frozen: bool, prompts: Path, eval_prompts: Path,
-            eval_configs: list[str], steps: int, prompts_per_step: int, samples_per_prompt: int,
-            eval_samples: int, ns: argparse.Namespace, show: Any) -> tuple[list[dict[str, Any]], float]:
+def run_arm(
+    label: str,
+    work: Path,
+    model: Path,
+    config: Path,
+    *,
+    frozen: bool,
+    prompts: Path,
+    eval_prompts: Path,
+    eval_configs: list[str],
+    steps: int,
+    prompts_per_step: int,
+    samples_per_prompt: int,
+    eval_samples: int,
+    ns: argparse.Namespace,
+    show: Any,
+) -> tuple[list[dict[str, Any]], float]:
     """One arm from `model`: its engine (and the frozen copy's), its trainer; (metrics rows, wall s)."""
     import shutil
 
@@ -346,16 +489,42 @@ def run_arm(label: str, work: Path, model: Path, config: Path, *, frozen: bool, 
         url = engines[0].url
         text = config.read_text()
         if frozen:
-            engines.append(start_engine(model, log_dir=logs, name="engine-frozen", threads=threads, extra=extra))
+            engines.append(
+                start_engine(model, log_dir=logs, name="engine-frozen", threads=threads, extra=extra)
+            )
             text = text.replace("FROZEN_URL", engines[1].url)
         job = work / "job.yaml"
         job.write_text(text)
-        argv = ["--config", str(job), "--model", str(model), "--engine-url", url, "--router-url", url,
-                "--num-rollout", str(steps), "--prompt-data", str(prompts),
-                "--rollout-batch-size", str(prompts_per_step), "--n-samples-per-prompt", str(samples_per_prompt),
-                "--rollout-max-response-len", str(MAX_RESPONSE), "--out", str(work / "trainer"), "--seed", str(ns.seed),
-                "--eval-interval", str(ns.eval_interval), "--eval-prompt-data", str(eval_prompts),
-                "--n-samples-per-eval-prompt", str(eval_samples)]
+        argv = [
+            "--config",
+            str(job),
+            "--model",
+            str(model),
+            "--engine-url",
+            url,
+            "--router-url",
+            url,
+            "--num-rollout",
+            str(steps),
+            "--prompt-data",
+            str(prompts),
+            "--rollout-batch-size",
+            str(prompts_per_step),
+            "--n-samples-per-prompt",
+            str(samples_per_prompt),
+            "--rollout-max-response-len",
+            str(MAX_RESPONSE),
+            "--out",
+            str(work / "trainer"),
+            "--seed",
+            str(ns.seed),
+            "--eval-interval",
+            str(ns.eval_interval),
+            "--eval-prompt-data",
+            str(eval_prompts),
+            "--n-samples-per-eval-prompt",
+            str(eval_samples),
+        ]
         for spec in eval_configs:
             argv += ["--eval-config", spec]
         rows = run_trainer(argv, logs / "trainer.log", work / "trainer", label, ns, show)
@@ -371,7 +540,9 @@ def engine_calls(row: dict[str, Any]) -> float:
     """Engine calls of one training step: every model turn of its episodes (on every engine),
     plus the tree-sampling candidates the episodes did not go on from."""
     episodes = row.get("multi_agent/episodes") or 0.0
-    return episodes * ((row.get("multi_agent/avg_turns") or 0.0) + (row.get("credit/branch_candidates") or 0.0))
+    return episodes * (
+        (row.get("multi_agent/avg_turns") or 0.0) + (row.get("credit/branch_candidates") or 0.0)
+    )
 
 
 def curve(rows: list[dict[str, Any]], key: Any) -> list[dict[str, Any]]:
@@ -424,29 +595,53 @@ def chain_part(ns: argparse.Namespace, root: Path, base_model: Path) -> dict[str
     work = root / "chain"
     (work / "logs").mkdir(parents=True, exist_ok=True)
     train, held = chain_sets(ns)
-    prompts, eval_prompts = write_prompts(work / "prompts.jsonl", train), write_prompts(work / "heldout.jsonl", held)
-    game = {"name": "chain", "seats": [AGENT], "max_turns": ns.chain_length, "options": {"max_steps": ns.chain_length}}
+    prompts, eval_prompts = (
+        write_prompts(work / "prompts.jsonl", train),
+        write_prompts(work / "heldout.jsonl", held),
+    )
+    game = {
+        "name": "chain",
+        "seats": [AGENT],
+        "max_turns": ns.chain_length,
+        "options": {"max_steps": ns.chain_length},
+    }
     rewards = {
         "episode": {"credit": "episode"},
         "turn": {"credit": "turn", "gamma": ns.gamma},
         "turn+branch": {"credit": "turn", "gamma": ns.gamma, "branch": ns.branch, "branch_pick": "best"},
     }
-    warm = warm_start("chain", work, base_model,
-                      job_config(work / "warm.yaml", "bench-credit-chain", {AGENT: agent_entry(base_model)}, game,
-                                 rewards["episode"], ns),
-                      chain_warmup(work / "warmup.jsonl", train, 2000, ns.seed), ns)
+    warm = warm_start(
+        "chain",
+        work,
+        base_model,
+        job_config(
+            work / "warm.yaml",
+            "bench-credit-chain",
+            {AGENT: agent_entry(base_model)},
+            game,
+            rewards["episode"],
+            ns,
+        ),
+        chain_warmup(work / "warmup.jsonl", train, 2000, ns.seed),
+        ns,
+    )
     # The same engine calls per step in every arm: tree sampling spends `branch` calls on each
     # turn, so its arm runs `branch` times fewer episodes (fewer per prompt when that divides).
     per_prompt, groups = ns.samples_per_prompt, ns.prompts_per_step
-    shrink = (per_prompt // ns.branch, groups) if per_prompt % ns.branch == 0 else (per_prompt, groups // ns.branch)
+    shrink = (
+        (per_prompt // ns.branch, groups)
+        if per_prompt % ns.branch == 0
+        else (per_prompt, groups // ns.branch)
+    )
     eval_samples = ns.eval_samples or 16
     arms: dict[str, Any] = {}
     for arm in (a for a in CHAIN_ARMS if a in ns.arms):
         s, p = shrink if arm == "turn+branch" else (per_prompt, groups)
         # One run id for every arm: the sampling seeds come from it and the episode ids, so the arms
         # draw the same random numbers (the evaluations before training are the same episodes).
-        config = job_config(work / f"{arm}.yaml", "bench-credit-chain",
-                            {AGENT: agent_entry(warm)}, game, rewards[arm], ns)
+        config = job_config(
+            work / f"{arm}.yaml", "bench-credit-chain", {AGENT: agent_entry(warm)}, game, rewards[arm], ns
+        )
 
         def show(row: dict[str, Any]) -> str | None:
             if "eval/eval/episodes" not in row:
@@ -454,14 +649,33 @@ def chain_part(ns: argparse.Namespace, root: Path, base_model: Path) -> dict[str
             rate = row.get(SUCCESS) or 0.0
             return f"after {row['step'] + 1:>3} steps: held-out success {rate:.3f}"
 
-        rows, wall = run_arm(f"chain {arm}", work / arm, warm, config, frozen=False, prompts=prompts,
-                             eval_prompts=eval_prompts, eval_configs=[], steps=ns.steps, prompts_per_step=p,
-                             samples_per_prompt=s, eval_samples=eval_samples, ns=ns, show=show)
+        rows, wall = run_arm(
+            f"chain {arm}",
+            work / arm,
+            warm,
+            config,
+            frozen=False,
+            prompts=prompts,
+            eval_prompts=eval_prompts,
+            eval_configs=[],
+            steps=ns.steps,
+            prompts_per_step=p,
+            samples_per_prompt=s,
+            eval_samples=eval_samples,
+            ns=ns,
+            show=show,
+        )
         summary = arm_summary(rows, wall, lambda r: r.get(SUCCESS) or 0.0, "game/win_rate/solver")
         reached = steps_to(summary["eval"], ns.threshold)
         summary |= {
-            "rewards": rewards[arm], "prompts_per_step": p, "samples_per_prompt": s, "episodes_per_step": p * s,
-            "engine_calls_per_step_at_most": p * s * ns.chain_length * (ns.branch if arm == "turn+branch" else 1),
+            "rewards": rewards[arm],
+            "prompts_per_step": p,
+            "samples_per_prompt": s,
+            "episodes_per_step": p * s,
+            "engine_calls_per_step_at_most": p
+            * s
+            * ns.chain_length
+            * (ns.branch if arm == "turn+branch" else 1),
             "steps_to_threshold": reached["after_steps"] if reached else None,
             "engine_calls_to_threshold": reached["engine_calls"] if reached else None,
             "held_out_episodes": len(held) * eval_samples,
@@ -473,17 +687,25 @@ def chain_part(ns: argparse.Namespace, root: Path, base_model: Path) -> dict[str
     budget = min((a["engine_calls"] for a in arms.values()), default=0.0)
     for arm in arms.values():
         within = [p for p in arm["eval"] if p["engine_calls"] <= budget]
-        arm["at_equal_calls"] = {"engine_calls": budget, "after_steps": within[-1]["after_steps"] if within else None,
-                                 "success": within[-1]["value"] if within else None}
+        arm["at_equal_calls"] = {
+            "engine_calls": budget,
+            "after_steps": within[-1]["after_steps"] if within else None,
+            "success": within[-1]["value"] if within else None,
+        }
     return {
         "equal_calls": budget,
-        "task": (f"chains of {ns.chain_length} steps (game `chain`; start 0-{ns.chain_max_start}, steps "
-                 f"{'/'.join(ns.chain_ops)} 1 to {ns.chain_max_step}); success = every step right"),
+        "task": (
+            f"chains of {ns.chain_length} steps (game `chain`; start 0-{ns.chain_max_start}, steps "
+            f"{'/'.join(ns.chain_ops)} 1 to {ns.chain_max_step}); success = every step right"
+        ),
         "threshold": ns.threshold,
         "held_out_prompts": len(held),
-        "budget": (f"every arm {ns.steps} steps; without tree sampling {groups} prompts x {per_prompt} episodes per step "
-                   f"(1 engine call per turn); with branch {ns.branch}, {shrink[1]} x {shrink[0]} episodes per step "
-                   f"({ns.branch} calls per turn): the same engine calls per step at most"),
+        "budget": (
+            f"every arm {ns.steps} steps; without tree sampling {groups} prompts x {per_prompt} episodes per "
+            "step "
+            f"(1 engine call per turn); with branch {ns.branch}, {shrink[1]} x {shrink[0]} episodes per step "
+            f"({ns.branch} calls per turn): the same engine calls per step at most"
+        ),
         "warm_start": str(warm),
         "arms": arms,
     }
@@ -493,18 +715,38 @@ def nim_part(ns: argparse.Namespace, root: Path, base_model: Path) -> dict[str, 
     work = root / "nim"
     (work / "logs").mkdir(parents=True, exist_ok=True)
     train, positions = nim_sets(ns)
-    prompts, eval_prompts = write_prompts(work / "prompts.jsonl", train), write_prompts(work / "positions.jsonl", positions)
+    prompts, eval_prompts = (
+        write_prompts(work / "prompts.jsonl", train),
+        write_prompts(work / "positions.jsonl", positions),
+    )
     game = {"name": "nim", "options": {"max_take": 3, "max_stones": 9}}
     rewards = {"credit": "episode"}
-    warm = warm_start("nim", work, base_model,
-                      job_config(work / "warm.yaml", "bench-credit-nim", {AGENT: agent_entry(base_model)},
-                                 {**game, "seats": [AGENT, AGENT]}, rewards, ns),
-                      nim_warmup(work / "warmup.jsonl", train, 2000, ns.seed), ns)
+    warm = warm_start(
+        "nim",
+        work,
+        base_model,
+        job_config(
+            work / "warm.yaml",
+            "bench-credit-nim",
+            {AGENT: agent_entry(base_model)},
+            {**game, "seats": [AGENT, AGENT]},
+            rewards,
+            ns,
+        ),
+        nim_warmup(work / "warmup.jsonl", train, 2000, ns.seed),
+        ns,
+    )
     # Evaluation: the trained model against the scripted random player, in each seat order.
     eval_configs = []
     for name, seats in (("first", [AGENT, VS_RANDOM]), ("second", [VS_RANDOM, AGENT])):
-        path = job_config(work / f"eval-{name}.yaml", f"bench-credit-nim-eval-{name}", {AGENT: agent_entry(warm)},
-                          {**game, "seats": seats}, rewards, ns)
+        path = job_config(
+            work / f"eval-{name}.yaml",
+            f"bench-credit-nim-eval-{name}",
+            {AGENT: agent_entry(warm)},
+            {**game, "seats": seats},
+            rewards,
+            ns,
+        )
         eval_configs.append(f"{name}={path}")
     eval_samples = ns.eval_samples or 8
     key = f"game/win_rate/vs/{VS_RANDOM}"
@@ -519,8 +761,14 @@ def nim_part(ns: argparse.Namespace, root: Path, base_model: Path) -> dict[str, 
         agents = {AGENT: agent_entry(warm)}
         if frozen:
             agents[FROZEN] = agent_entry(warm, url="FROZEN_URL", trainable=False)
-        config = job_config(work / f"{arm.replace(' ', '-')}.yaml", "bench-credit-nim",  # one run id: as above
-                            agents, {**game, "seats": [AGENT, FROZEN if frozen else AGENT]}, rewards, ns)
+        config = job_config(
+            work / f"{arm.replace(' ', '-')}.yaml",
+            "bench-credit-nim",  # one run id: as above
+            agents,
+            {**game, "seats": [AGENT, FROZEN if frozen else AGENT]},
+            rewards,
+            ns,
+        )
 
         def show(row: dict[str, Any]) -> str | None:
             if "eval/first/episodes" not in row:
@@ -528,26 +776,46 @@ def nim_part(ns: argparse.Namespace, root: Path, base_model: Path) -> dict[str, 
             per = ", ".join(f"{s} seat {row.get(f'eval/{s}/{key}') or 0:.3f}" for s in NIM_SEATS)
             return f"after {row['step'] + 1:>3} steps: win rate vs {VS_RANDOM} {win_rate(row):.3f} ({per})"
 
-        rows, wall = run_arm(f"nim {arm}", work / arm.replace(" ", "-"), warm, config, frozen=frozen, prompts=prompts,
-                             eval_prompts=eval_prompts, eval_configs=eval_configs, steps=ns.nim_steps,
-                             prompts_per_step=ns.prompts_per_step, samples_per_prompt=ns.samples_per_prompt,
-                             eval_samples=eval_samples, ns=ns, show=show)
+        rows, wall = run_arm(
+            f"nim {arm}",
+            work / arm.replace(" ", "-"),
+            warm,
+            config,
+            frozen=frozen,
+            prompts=prompts,
+            eval_prompts=eval_prompts,
+            eval_configs=eval_configs,
+            steps=ns.nim_steps,
+            prompts_per_step=ns.prompts_per_step,
+            samples_per_prompt=ns.samples_per_prompt,
+            eval_samples=eval_samples,
+            ns=ns,
+            show=show,
+        )
         train_key = f"game/win_rate/vs/{FROZEN}" if frozen else "game/win_rate/first"
         summary = arm_summary(rows, wall, win_rate, train_key)
         evals = [r for r in rows if "eval/first/episodes" in r]
-        for when, row in (("before_by_seat", evals[0] if evals and evals[0]["step"] == -1 else None),
-                          ("after_by_seat", evals[-1] if evals else None)):
+        for when, row in (
+            ("before_by_seat", evals[0] if evals and evals[0]["step"] == -1 else None),
+            ("after_by_seat", evals[-1] if evals else None),
+        ):
             summary[when] = {s: (row or {}).get(f"eval/{s}/{key}") for s in NIM_SEATS}
             summary[when.replace("by_seat", "illegal_rate")] = {
-                s: (row or {}).get(f"eval/{s}/game/illegal_rate") for s in NIM_SEATS}
-        summary |= {"seats": [AGENT, FROZEN if frozen else AGENT], "prompts_per_step": ns.prompts_per_step,
-                    "samples_per_prompt": ns.samples_per_prompt,
-                    "evaluation_episodes": len(positions) * eval_samples * len(NIM_SEATS)}
+                s: (row or {}).get(f"eval/{s}/game/illegal_rate") for s in NIM_SEATS
+            }
+        summary |= {
+            "seats": [AGENT, FROZEN if frozen else AGENT],
+            "prompts_per_step": ns.prompts_per_step,
+            "samples_per_prompt": ns.samples_per_prompt,
+            "evaluation_episodes": len(positions) * eval_samples * len(NIM_SEATS),
+        }
         arms[arm] = summary
     return {
         "task": "nim, 3 to 9 stones, take 1 to 3, who takes the last stone wins",
-        "evaluation": (f"win rate against {VS_RANDOM} on {len(positions)} starting positions x {eval_samples} "
-                       f"episodes, in both seat orders (the mean of the two)"),
+        "evaluation": (
+            f"win rate against {VS_RANDOM} on {len(positions)} starting positions x {eval_samples} "
+            f"episodes, in both seat orders (the mean of the two)"
+        ),
         "warm_start": str(warm),
         "arms": arms,
     }
@@ -575,15 +843,30 @@ def print_tables(report: dict[str, Any]) -> None:
             ("episodes per step", [str(a["episodes_per_step"]) for a in arms.values()]),
             ("engine calls, all steps", [f"{a['engine_calls']:,.0f}" for a in arms.values()]),
             ("held-out success before training", [_fmt(a["before"]) for a in arms.values()]),
-            (f"steps to held-out success >= {chain['threshold']}",
-             [str(a["steps_to_threshold"]) if a["steps_to_threshold"] is not None else "not reached"
-              for a in arms.values()]),
-            ("engine calls to reach it", [f"{a['engine_calls_to_threshold']:,.0f}" if a["engine_calls_to_threshold"]
-                                          is not None else "-" for a in arms.values()]),
+            (
+                f"steps to held-out success >= {chain['threshold']}",
+                [
+                    str(a["steps_to_threshold"]) if a["steps_to_threshold"] is not None else "not reached"
+                    for a in arms.values()
+                ],
+            ),
+            (
+                "engine calls to reach it",
+                [
+                    f"{a['engine_calls_to_threshold']:,.0f}"
+                    if a["engine_calls_to_threshold"] is not None
+                    else "-"
+                    for a in arms.values()
+                ],
+            ),
             ("final held-out success", [_fmt(a["after"]) for a in arms.values()]),
-            (f"held-out success at {chain['equal_calls']:,.0f} engine calls",
-             [f"{_fmt(a['at_equal_calls']['success'])} (step {a['at_equal_calls']['after_steps']})"
-              for a in arms.values()]),
+            (
+                f"held-out success at {chain['equal_calls']:,.0f} engine calls",
+                [
+                    f"{_fmt(a['at_equal_calls']['success'])} (step {a['at_equal_calls']['after_steps']})"
+                    for a in arms.values()
+                ],
+            ),
             ("wall time (s)", [f"{a['wall_time_s']:.0f}" for a in arms.values()]),
         ]
         _table(list(arms), rows)
@@ -598,13 +881,25 @@ def print_tables(report: dict[str, Any]) -> None:
             ("win rate vs script:random, after", [_fmt(a["after"]) for a in arms.values()]),
         ]
         for seat in NIM_SEATS:
-            rows.append((f"  as the {seat} seat, before -> after",
-                         [f"{_fmt(a['before_by_seat'][seat])} -> {_fmt(a['after_by_seat'][seat])}"
-                          for a in arms.values()]))
-        rows += [("illegal moves after (first / second seat)",
-                  [f"{_fmt(a['after_illegal_rate']['first'])} / {_fmt(a['after_illegal_rate']['second'])}"
-                   for a in arms.values()]),
-                 ("wall time (s)", [f"{a['wall_time_s']:.0f}" for a in arms.values()])]
+            rows.append(
+                (
+                    f"  as the {seat} seat, before -> after",
+                    [
+                        f"{_fmt(a['before_by_seat'][seat])} -> {_fmt(a['after_by_seat'][seat])}"
+                        for a in arms.values()
+                    ],
+                )
+            )
+        rows += [
+            (
+                "illegal moves after (first / second seat)",
+                [
+                    f"{_fmt(a['after_illegal_rate']['first'])} / {_fmt(a['after_illegal_rate']['second'])}"
+                    for a in arms.values()
+                ],
+            ),
+            ("wall time (s)", [f"{a['wall_time_s']:.0f}" for a in arms.values()]),
+        ]
         _table(list(arms), rows)
     print(f"\n  total wall time {report['wall_time_s']:.0f} s; plot: {report.get('plot')}")
 
@@ -627,8 +922,12 @@ def plot(report: dict[str, Any], path: Path) -> Path | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [(p, x) for p, xs in (("chain", ("after_steps", "engine_calls")), ("nim", ("after_steps",)))
-              if report.get(p) for x in xs]
+    panels = [
+        (p, x)
+        for p, xs in (("chain", ("after_steps", "engine_calls")), ("nim", ("after_steps",)))
+        if report.get(p)
+        for x in xs
+    ]
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), dpi=120, squeeze=False)
     for ax, (part, x) in zip(axes[0], panels):
         for name, arm in report[part]["arms"].items():

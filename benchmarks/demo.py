@@ -28,7 +28,9 @@ def main(argv: list[str] | None = None) -> int:
     fresh = [] if {"--resume", "--overwrite"} & set(rest) else ["--overwrite"]
     for label, extra in (("co-training", fresh), ("frozen B", ["--freeze", "B", *fresh])):
         out = Path(ns.workdir) / label.replace(" ", "-")
-        args = build_parser().parse_args(["--out", str(out), "--seed", str(ns.seed), "--quiet", *extra, *rest])
+        args = build_parser().parse_args(
+            ["--out", str(out), "--seed", str(ns.seed), "--quiet", *extra, *rest]
+        )
         print(f"mrlx bench demo: running {label} in {out} ...", flush=True)
         runs[label] = run_demo(args)
 
@@ -41,16 +43,36 @@ def main(argv: list[str] | None = None) -> int:
     rows = [
         ("wall time (s)", f"{co['wall_time_s']:.0f}", f"{frozen['wall_time_s']:.0f}", "<= 600"),
         ("steps", str(co["steps"]), str(frozen["steps"]), ""),
-        (f"{A} (A) reward, first step", f"{agent(co, A, 'first_step_reward'):.3f}",
-         f"{agent(frozen, A, 'first_step_reward'):.3f}", "<= 0.2"),
-        (f"{A} (A) reward, last step", f"{agent(co, A, 'last_step_reward'):.3f}",
-         f"{agent(frozen, A, 'last_step_reward'):.3f}", ">= 0.8"),
-        ("team's final reward, last step", f"{agent(co, B, 'last_step_reward'):.3f}",
-         f"{agent(frozen, B, 'last_step_reward'):.3f}", ""),
-        ("team's final reward, mean of last 5 steps", f"{co['team_reward_last5']:.3f}",
-         f"{frozen['team_reward_last5']:.3f}", f"co-training - frozen = {gap:+.3f} (>= +0.15)"),
-        ("peak memory, all processes (MiB)", f"{co['peak_memory_mib']:.0f}", f"{frozen['peak_memory_mib']:.0f}",
-         "< 4096"),
+        (
+            f"{A} (A) reward, first step",
+            f"{agent(co, A, 'first_step_reward'):.3f}",
+            f"{agent(frozen, A, 'first_step_reward'):.3f}",
+            "<= 0.2",
+        ),
+        (
+            f"{A} (A) reward, last step",
+            f"{agent(co, A, 'last_step_reward'):.3f}",
+            f"{agent(frozen, A, 'last_step_reward'):.3f}",
+            ">= 0.8",
+        ),
+        (
+            "team's final reward, last step",
+            f"{agent(co, B, 'last_step_reward'):.3f}",
+            f"{agent(frozen, B, 'last_step_reward'):.3f}",
+            "",
+        ),
+        (
+            "team's final reward, mean of last 5 steps",
+            f"{co['team_reward_last5']:.3f}",
+            f"{frozen['team_reward_last5']:.3f}",
+            f"co-training - frozen = {gap:+.3f} (>= +0.15)",
+        ),
+        (
+            "peak memory, all processes (MiB)",
+            f"{co['peak_memory_mib']:.0f}",
+            f"{frozen['peak_memory_mib']:.0f}",
+            "< 4096",
+        ),
     ]
     width = max(len(r[0]) for r in rows)
     print(f"\n  {'measure':<{width}}  {'co-training':>12}  {'frozen B':>10}  goal")

@@ -31,8 +31,59 @@ from typing import Any
 
 from benchmarks.report import write_report
 
-WORDS = ["let", "the", "number", "of", "integers", "between", "positive", "real", "triangle", "sum", "product", "prime", "divisor", "coefficient", "sequence", "function", "polynomial", "probability", "circle", "radius", "angle", "area", "perimeter", "digit", "remainder", "modulo", "consider", "find", "compute", "show", "that", "such", "where", "each", "every", "value", "maximum", "minimum", "expected", "ordered", "pair"]
-MATH = ["x^2+y^2=25", "\\frac{a}{b}", "n!", "2^{10}", "\\sqrt{3}", "a_{n+1}=2a_n+1", "f(x)=x^3-3x", "\\binom{12}{4}"]
+WORDS = [
+    "let",
+    "the",
+    "number",
+    "of",
+    "integers",
+    "between",
+    "positive",
+    "real",
+    "triangle",
+    "sum",
+    "product",
+    "prime",
+    "divisor",
+    "coefficient",
+    "sequence",
+    "function",
+    "polynomial",
+    "probability",
+    "circle",
+    "radius",
+    "angle",
+    "area",
+    "perimeter",
+    "digit",
+    "remainder",
+    "modulo",
+    "consider",
+    "find",
+    "compute",
+    "show",
+    "that",
+    "such",
+    "where",
+    "each",
+    "every",
+    "value",
+    "maximum",
+    "minimum",
+    "expected",
+    "ordered",
+    "pair",
+]
+MATH = [
+    "x^2+y^2=25",
+    "\\frac{a}{b}",
+    "n!",
+    "2^{10}",
+    "\\sqrt{3}",
+    "a_{n+1}=2a_n+1",
+    "f(x)=x^3-3x",
+    "\\binom{12}{4}",
+]
 
 
 def make_problem(rng: random.Random, approx_words: int) -> str:
@@ -79,14 +130,20 @@ def _host_args(url: str, tokenizer_dir: str, response_tokens: int, num_parallel:
         apply_chat_template=False,
         partial_rollout=False,
         custom_config_path=None,
-        mrlx={"run_id": "bench", "system": "pipeline", "pipeline": {"num_parallel": num_parallel},
-              "engine": {"max_connections": 1024, "request_timeout_s": 120}},
+        mrlx={
+            "run_id": "bench",
+            "system": "pipeline",
+            "pipeline": {"num_parallel": num_parallel},
+            "engine": {"max_connections": 1024, "request_timeout_s": 120},
+        },
     )
     set_router(args, url)
     return args
 
 
-async def _drive(args: argparse.Namespace, problems: list[str], episodes: int, concurrency: int, start: int) -> int:
+async def _drive(
+    args: argparse.Namespace, problems: list[str], episodes: int, concurrency: int, start: int
+) -> int:
     from mrlx_plugin.core.host import Sample
     from mrlx_plugin.local.fake_host import sampling_params
     from mrlx_plugin.rollout import generate
@@ -96,8 +153,12 @@ async def _drive(args: argparse.Namespace, problems: list[str], episodes: int, c
 
     async def one(i: int) -> int:
         group = (start + i) // 8
-        s = Sample(group_index=group, index=start + i, prompt=[{"role": "user", "content": problems[group % len(problems)]}],
-                   label="42")
+        s = Sample(
+            group_index=group,
+            index=start + i,
+            prompt=[{"role": "user", "content": problems[group % len(problems)]}],
+            label="42",
+        )
         async with semaphore:
             out = await generate(args, s, dict(params))
         return out[0].metadata["mrlx"]["turns"]
@@ -145,14 +206,45 @@ def worker(ns: argparse.Namespace) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------
 
 
-def _run_worker(mode: str, url: str, tokenizer: str, problems: str, *, episodes: int, concurrency: int,
-                num_parallel: int, response_tokens: int, cpu: int | None, warmup: int) -> dict[str, Any]:
+def _run_worker(
+    mode: str,
+    url: str,
+    tokenizer: str,
+    problems: str,
+    *,
+    episodes: int,
+    concurrency: int,
+    num_parallel: int,
+    response_tokens: int,
+    cpu: int | None,
+    warmup: int,
+) -> dict[str, Any]:
     with tempfile.NamedTemporaryFile("r", suffix=".json", delete=False) as f:
         out = f.name
-    argv = [sys.executable, "-m", "benchmarks.engine_calls", "--worker", "--url", url, "--tokenizer", tokenizer,
-            "--problems", problems, "--episodes", str(episodes), "--concurrency", str(concurrency),
-            "--num-parallel", str(num_parallel), "--response-tokens", str(response_tokens), "--warmup", str(warmup),
-            "--result", out] + (["--cpu", str(cpu)] if cpu is not None else [])
+    argv = [
+        sys.executable,
+        "-m",
+        "benchmarks.engine_calls",
+        "--worker",
+        "--url",
+        url,
+        "--tokenizer",
+        tokenizer,
+        "--problems",
+        problems,
+        "--episodes",
+        str(episodes),
+        "--concurrency",
+        str(concurrency),
+        "--num-parallel",
+        str(num_parallel),
+        "--response-tokens",
+        str(response_tokens),
+        "--warmup",
+        str(warmup),
+        "--result",
+        out,
+    ] + (["--cpu", str(cpu)] if cpu is not None else [])
     subprocess.run(argv, check=True)
     result = json.loads(Path(out).read_text())
     os.unlink(out)
@@ -162,8 +254,8 @@ def _run_worker(mode: str, url: str, tokenizer: str, problems: str, *, episodes:
 
 def prepare(workdir: Path, prompt_tokens: int, seed: int) -> tuple[str, str, float]:
     """A realistic byte-level BPE tokenizer (8k vocab) and ~prompt_tokens-token problems."""
-    from mrlx_plugin.local.model import build_tokenizer
     from mrlx_plugin.core.tokenizer import load_tokenizer
+    from mrlx_plugin.local.model import build_tokenizer
 
     tok_dir = workdir / "tokenizer-8k"
     if not (tok_dir / "tokenizer.json").exists():
@@ -219,24 +311,61 @@ def main(argv: list[str] | None = None) -> int:
     response_words = max(8, ns.response_tokens // 2)
     text = stub_text(response_words)
     # The stub's answer ids spell its text in the agents' tokenizer, so peers read real answers.
-    common = ["--response-tokens", str(ns.response_tokens), "--vocab-size", "8192", "--text", text,
-              "--tokenizer", str(tokenizer)]
+    common = [
+        "--response-tokens",
+        str(ns.response_tokens),
+        "--vocab-size",
+        "8192",
+        "--text",
+        text,
+        "--tokenizer",
+        str(tokenizer),
+    ]
     cpus = sorted(os.sched_getaffinity(0))
     pin = len(cpus) >= 2
     instant = start_stub_engine(log_dir=workdir / "logs", name="stub-instant", extra=common)
-    slow = start_stub_engine(log_dir=workdir / "logs", name="stub-slow", extra=common + ["--latency", str(ns.latency)])
+    slow = start_stub_engine(
+        log_dir=workdir / "logs", name="stub-slow", extra=common + ["--latency", str(ns.latency)]
+    )
     try:
         if pin:
             os.sched_setaffinity(instant.proc.pid, {cpus[1]})
         kw = dict(num_parallel=ns.num_parallel, response_tokens=ns.response_tokens)
-        throughput = _run_worker("throughput", instant.url, tokenizer, problems, episodes=ns.episodes,
-                                 concurrency=ns.concurrency, cpu=cpus[0] if pin else None, warmup=32, **kw)
+        throughput = _run_worker(
+            "throughput",
+            instant.url,
+            tokenizer,
+            problems,
+            episodes=ns.episodes,
+            concurrency=ns.concurrency,
+            cpu=cpus[0] if pin else None,
+            warmup=32,
+            **kw,
+        )
         if pin:
             os.sched_setaffinity(slow.proc.pid, {cpus[1]})
-        path = _run_worker("critical_path", slow.url, tokenizer, problems, episodes=ns.path_episodes,
-                           concurrency=ns.path_episodes, cpu=cpus[0] if pin else None, warmup=ns.path_episodes, **kw)
-        memory = _run_worker("memory", slow.url, tokenizer, problems, episodes=ns.memory_episodes,
-                             concurrency=ns.memory_episodes, cpu=None, warmup=0, **kw)
+        path = _run_worker(
+            "critical_path",
+            slow.url,
+            tokenizer,
+            problems,
+            episodes=ns.path_episodes,
+            concurrency=ns.path_episodes,
+            cpu=cpus[0] if pin else None,
+            warmup=ns.path_episodes,
+            **kw,
+        )
+        memory = _run_worker(
+            "memory",
+            slow.url,
+            tokenizer,
+            problems,
+            episodes=ns.memory_episodes,
+            concurrency=ns.memory_episodes,
+            cpu=None,
+            warmup=0,
+            **kw,
+        )
     finally:
         instant.stop()
         slow.stop()
@@ -244,8 +373,12 @@ def main(argv: list[str] | None = None) -> int:
     critical = 3 * ns.latency
     result = {
         "machine": {"cpus": len(cpus), "python": sys.version.split()[0]},
-        "workload": {"mean_prompt_tokens": round(mean_prompt), "response_tokens": ns.response_tokens,
-                     "num_parallel": ns.num_parallel, "calls_per_episode": 2 * ns.num_parallel + 1},
+        "workload": {
+            "mean_prompt_tokens": round(mean_prompt),
+            "response_tokens": ns.response_tokens,
+            "num_parallel": ns.num_parallel,
+            "calls_per_episode": 2 * ns.num_parallel + 1,
+        },
         "throughput": throughput,
         "critical_path": {**path, "critical_path_s": critical, "ratio": path["wall_s"] / critical},
         "memory": memory,
@@ -253,12 +386,21 @@ def main(argv: list[str] | None = None) -> int:
     rows = [
         ("model calls/s on one core (instant engine)", f"{throughput['calls_per_s']:.0f}", ">= 1000"),
         ("plugin CPU ms per call", f"{throughput['cpu_ms_per_call']:.3f}", "<= 1"),
-        (f"{ns.path_episodes} episodes vs {ns.latency:g} s engine: wall / critical path",
-         f"{path['wall_s']:.2f} s / {critical:.0f} s = {path['wall_s'] / critical:.3f}", "<= 1.10"),
-        (f"peak RSS, {ns.memory_episodes} concurrent episodes", f"{memory['peak_rss_mib']:.0f} MiB", "report"),
+        (
+            f"{ns.path_episodes} episodes vs {ns.latency:g} s engine: wall / critical path",
+            f"{path['wall_s']:.2f} s / {critical:.0f} s = {path['wall_s'] / critical:.3f}",
+            "<= 1.10",
+        ),
+        (
+            f"peak RSS, {ns.memory_episodes} concurrent episodes",
+            f"{memory['peak_rss_mib']:.0f} MiB",
+            "report",
+        ),
     ]
-    print(f"mrlx bench rollout  (prompts ~{round(mean_prompt)} tokens, {ns.response_tokens}-token answers, "
-          f"num_parallel {ns.num_parallel}, {len(cpus)} CPUs{', rollout pinned to one core' if pin else ''})")
+    print(
+        f"mrlx bench rollout  (prompts ~{round(mean_prompt)} tokens, {ns.response_tokens}-token answers, "
+        f"num_parallel {ns.num_parallel}, {len(cpus)} CPUs{', rollout pinned to one core' if pin else ''})"
+    )
     width = max(len(r[0]) for r in rows)
     print(f"  {'measure':<{width}}  {'result':<28} goal")
     for name, value, goal in rows:

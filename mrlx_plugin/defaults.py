@@ -8,8 +8,8 @@ from functools import lru_cache
 from typing import Any
 
 from mrlx_plugin.core.episode import RewardError, finite_reward
-from mrlx_plugin.rewards.grading import grade_math, quick_grade
 from mrlx_plugin.hookspecs import hookimpl
+from mrlx_plugin.rewards.grading import grade_math, quick_grade
 from mrlx_plugin.rewards.shaping import coupling_matrix, team_weighting
 
 
@@ -50,7 +50,9 @@ async def _as_float(awaitable: Any, args: Any) -> float:
     if isinstance(value, dict):
         key = getattr(args, "reward_key", None)
         if not key:
-            raise ValueError(f"the host's grader returned a dict {sorted(value)}; set --reward-key to pick one")
+            raise ValueError(
+                f"the host's grader returned a dict {sorted(value)}; set --reward-key to pick one"
+            )
         value = value[key]
     # Named here: a NaN of the host's grader is not this module's, though this module asked for it.
     rm = getattr(args, "rm_type", None) or getattr(args, "custom_rm_path", None)
@@ -62,17 +64,21 @@ async def _as_float(awaitable: Any, args: Any) -> float:
 def mrlx_shape_rewards(episode: Any, settings: Any, team_shaping: bool) -> dict[int, float]:
     graded = [(i, t) for i, t in enumerate(episode.transcripts) if t.raw_reward is not None]
     if team_shaping:
-        weighted = {i: team_weighting(t.raw_reward, episode.team_reward, settings.pipeline)
-                    for i, t in graded}
+        weighted = {
+            i: team_weighting(t.raw_reward, episode.team_reward, settings.pipeline) for i, t in graded
+        }
         return _finite(weighted, episode, "mrlx.pipeline.correct_weight and incorrect_weight")
     agents = list(dict.fromkeys(t.agent for _, t in graded))
     matrix = coupling_matrix(settings.rewards.shaping, agents, settings.rewards.coupling)
-    own = {a: sum(t.raw_reward for _, t in graded if t.agent == a) / sum(1 for _, t in graded if t.agent == a)
-           for a in agents}
+    own = {
+        a: sum(t.raw_reward for _, t in graded if t.agent == a) / sum(1 for _, t in graded if t.agent == a)
+        for a in agents
+    }
     episode.metadata["coupling"] = matrix  # recorded in every sample's metadata
-    shaped = {i: sum(w * (t.raw_reward if other == t.agent else own[other])
-                     for other, w in matrix[t.agent].items())
-              for i, t in graded}
+    shaped = {
+        i: sum(w * (t.raw_reward if other == t.agent else own[other]) for other, w in matrix[t.agent].items())
+        for i, t in graded
+    }
     setting = "mrlx.rewards.coupling" if settings.rewards.shaping == "asymmetric" else "mrlx.rewards.shaping"
     return _finite(shaped, episode, setting)
 
@@ -83,8 +89,10 @@ def _finite(shaped: dict[int, float], episode: Any, setting: str) -> dict[int, f
     for i, value in shaped.items():
         if not math.isfinite(value):
             t = episode.transcripts[i]
-            raise RewardError(f"the built-in shaping gave {value!r} for {t.label} (raw reward "
-                              f"{t.raw_reward!r}) with the settings {setting}; give them finite values")
+            raise RewardError(
+                f"the built-in shaping gave {value!r} for {t.label} (raw reward "
+                f"{t.raw_reward!r}) with the settings {setting}; give them finite values"
+            )
     return shaped
 
 

@@ -66,17 +66,24 @@ def host_split(args: Any) -> HostSplit | None:
         episodes = per_rollout // (_int(args, "num_steps_per_rollout") or 1)
     dp = _int(args, "data_parallel_size")
     if dp is None:
-        world = _int(args, "world_size") or _int(args, "actor_num_nodes", 1) * _int(args, "actor_num_gpus_per_node", 1)
-        model_parallel = (_int(args, "tensor_model_parallel_size", 1) * _int(args, "pipeline_model_parallel_size", 1)
-                          * _int(args, "context_parallel_size", 1))
+        world = _int(args, "world_size") or _int(args, "actor_num_nodes", 1) * _int(
+            args, "actor_num_gpus_per_node", 1
+        )
+        model_parallel = (
+            _int(args, "tensor_model_parallel_size", 1)
+            * _int(args, "pipeline_model_parallel_size", 1)
+            * _int(args, "context_parallel_size", 1)
+        )
         dp = max(1, world // max(1, model_parallel))
     vpp = _int(args, "virtual_pipeline_model_parallel_size", 1)
     group = _int(args, "microbatch_group_size_per_vp_stage") or _int(args, "pipeline_model_parallel_size", 1)
     return HostSplit(episodes, dp, group if vpp > 1 else 1, None if dynamic else mbs, dynamic)
 
 
-_DP = ("the data-parallel size: --actor-num-nodes x --actor-num-gpus-per-node / (--tensor-model-parallel-size x "
-       "--pipeline-model-parallel-size x --context-parallel-size)")
+_DP = (
+    "the data-parallel size: --actor-num-nodes x --actor-num-gpus-per-node / (--tensor-model-parallel-size x "
+    "--pipeline-model-parallel-size x --context-parallel-size)"
+)
 _DYNAMIC = "--use-dynamic-batch-size --max-tokens-per-gpu N"
 
 
@@ -90,20 +97,29 @@ def check_step_split(args: Any, per_episode: int | None, system: str, source: st
     if per_episode is None:
         if not split.dynamic:
             raise ConfigError(
-                f"{source}: system {system!r} returns a varying number of samples per episode (it declares no "
+                f"{source}: system {system!r} returns a varying number of samples per episode (it declares "
+                "no "
                 f"fan_out), so a step's sample count is arbitrary and the host's fixed micro-batches "
-                f"(--micro-batch-size {split.micro_batch_size}) cannot split it across {split.dp_size} data-parallel "
+                f"(--micro-batch-size {split.micro_batch_size}) cannot split it across {split.dp_size} "
+                "data-parallel "
                 f"ranks; pass {_DYNAMIC}, or give the system a fixed fan_out"
             )
         return
     samples = split.episodes_per_step * per_episode
     if split.fits(samples):
         return
-    group = f" x the micro-batch group ({split.mb_group}, --microbatch-group-size-per-vp-stage)" if split.mb_group > 1 else ""
+    group = (
+        f" x the micro-batch group ({split.mb_group}, --microbatch-group-size-per-vp-stage)"
+        if split.mb_group > 1
+        else ""
+    )
     head = (
-        f"{source}: the host could not split this job's steps across its data-parallel ranks. Each episode of "
-        f"system {system!r} returns {per_episode} sample(s) to this job, so a step of {split.episodes_per_step} "
-        f"episodes (--global-batch-size, or --rollout-batch-size x --n-samples-per-prompt / --num-steps-per-rollout) "
+        f"{source}: the host could not split this job's steps across its data-parallel ranks. Each episode "
+        "of "
+        f"system {system!r} returns {per_episode} sample(s) to this job, so a step of "
+        f"{split.episodes_per_step} "
+        "episodes (--global-batch-size, or --rollout-batch-size x --n-samples-per-prompt / "
+        "--num-steps-per-rollout) "
         f"holds {samples} samples"
     )
     if split.dynamic:
@@ -116,7 +132,8 @@ def check_step_split(args: Any, per_episode: int | None, system: str, source: st
     hint = f"--micro-batch-size {' or '.join(str(m) for m in sizes[-3:])}" if sizes else ""
     unit = split.align * split.micro_batch_size // math.gcd(split.align * split.micro_batch_size, per_episode)
     raise ConfigError(
-        f"{head}; with --micro-batch-size {split.micro_batch_size} that is {count} micro-batches, not a multiple "
+        f"{head}; with --micro-batch-size {split.micro_batch_size} that is {count} micro-batches, not a "
+        "multiple "
         f"of {split.align} ({_DP}{group}), and the host's split would stop the job at its first step. "
         f"Pass {_DYNAMIC} (any count splits), or sizes that divide: "
         + (f"{hint}, or " if hint else "")
@@ -124,7 +141,10 @@ def check_step_split(args: Any, per_episode: int | None, system: str, source: st
     )
 
 
-_PLUGIN_ROLLOUTS = {("mrlx_plugin.rollout", "initiator_rollout"), ("mrlx_plugin.rollout", "responder_rollout")}
+_PLUGIN_ROLLOUTS = {
+    ("mrlx_plugin.rollout", "initiator_rollout"),
+    ("mrlx_plugin.rollout", "responder_rollout"),
+}
 
 
 def check_rollout_mode(args: Any, source: str, peer_agents: Sequence[str]) -> None:
@@ -138,14 +158,18 @@ def check_rollout_mode(args: Any, source: str, peer_agents: Sequence[str]) -> No
         # own method: every generate function that returns several samples fails there.
         raise ConfigError(
             f"{source}: --rollout-function-path {path}: slime's fully asynchronous rollout cannot take "
-            "generate functions that return several samples per input (it sorts groups by sample.index and fails "
+            "generate functions that return several samples per input (it sorts groups by sample.index and "
+            "fails "
             "on lists; THUDM/slime#2344), and every mrlx episode does; use slime's default rollout"
         )
     if HOST == "slime" and float(getattr(args, "rollout_top_p", 1.0) or 1.0) != 1.0:
         raise ConfigError(
-            f"{source}: --rollout-top-p {args.rollout_top_p}: with top-p below 1 slime's training expects the "
-            "sampled top-p token sets on every sample (rollout_top_p_token_ids), which mrlx episodes do not record; "
-            "remove --rollout-top-p (an agent's own mrlx.agents.NAME.sampling.top_p is sent to its engine only)"
+            f"{source}: --rollout-top-p {args.rollout_top_p}: with top-p below 1 slime's training expects "
+            "the "
+            "sampled top-p token sets on every sample (rollout_top_p_token_ids), which mrlx episodes do not "
+            "record; "
+            "remove --rollout-top-p (an agent's own mrlx.agents.NAME.sampling.top_p is sent to its engine "
+            "only)"
         )
     peers = list(peer_agents)
     if not peers:
@@ -153,8 +177,10 @@ def check_rollout_mode(args: Any, source: str, peer_agents: Sequence[str]) -> No
     what = f"{source}: agent {peers[0]!r} is trained by another job (a multi-model run)"
     if getattr(args, "fully_async", False):
         raise ConfigError(
-            f"{what}, which needs --rollout-function-path mrlx_plugin.rollout.initiator_rollout (or responder_rollout); "
-            "Miles' --fully-async selects its own rollout function and cannot be combined with it: remove --fully-async"
+            f"{what}, which needs --rollout-function-path mrlx_plugin.rollout.initiator_rollout (or "
+            "responder_rollout); "
+            "Miles' --fully-async selects its own rollout function and cannot be combined with it: remove "
+            "--fully-async"
         )
     if not hasattr(args, "rollout_function_path"):
         return  # no host rollout loop (the `mrlx rollout` command runs episodes itself)
@@ -166,6 +192,7 @@ def check_rollout_mode(args: Any, source: str, peer_agents: Sequence[str]) -> No
     if (getattr(fn, "__module__", None), getattr(fn, "__name__", None)) not in _PLUGIN_ROLLOUTS:
         raise ConfigError(
             f"{what}, but --rollout-function-path is {path or 'the host default'!s}. Set "
-            "--rollout-function-path mrlx_plugin.rollout.initiator_rollout in the job that runs the episodes and "
+            "--rollout-function-path mrlx_plugin.rollout.initiator_rollout in the job that runs the episodes "
+            "and "
             "mrlx_plugin.rollout.responder_rollout in each other agent's job"
         )

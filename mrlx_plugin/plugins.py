@@ -63,7 +63,7 @@ def _import(name: str, where: str) -> Any:
         if not missing or name == missing or name.startswith(missing + "."):  # the module (or its package)
             raise ConfigError(
                 f"{where}: cannot import {name!r} ({exc}); put its repository on PYTHONPATH of the rollout "
-                "process (slime: ray job submit --runtime-env-json '{\"env_vars\": {\"PYTHONPATH\": ...}}')"
+                'process (slime: ray job submit --runtime-env-json \'{"env_vars": {"PYTHONPATH": ...}}\')'
             ) from None
         raise ConfigError(
             f"{where}: importing {name!r} failed{_place(exc)}: it imports {missing!r}, which is not "
@@ -80,8 +80,11 @@ def _import(name: str, where: str) -> Any:
 
 def _place(exc: BaseException) -> str:
     """Where in the user's code an exception was raised (the innermost frame outside importlib)."""
-    frames = [f for f in traceback.extract_tb(exc.__traceback__)
-              if "importlib" not in f.filename and f.filename != __file__]
+    frames = [
+        f
+        for f in traceback.extract_tb(exc.__traceback__)
+        if "importlib" not in f.filename and f.filename != __file__
+    ]
     return f" at {frames[-1].filename}, line {frames[-1].lineno}" if frames else ""
 
 
@@ -152,7 +155,7 @@ class FirstResult:
             if result is None:
                 continue
             if inspect.isawaitable(result):
-                return self._finish(result, callers[i + 1:], kwargs)
+                return self._finish(result, callers[i + 1 :], kwargs)
             return result
         return None
 
@@ -166,13 +169,14 @@ class FirstResult:
             if result is None:
                 continue
             if inspect.isawaitable(result):
-                return self._finish_named(name, result, callers[i + 1:], kwargs)
+                return self._finish_named(name, result, callers[i + 1 :], kwargs)
             return name, result
         return None, None
 
     @staticmethod
-    async def _finish_named(name: str, pending: Awaitable[Any], rest: list[tuple[str, Any]],
-                            kwargs: dict[str, Any]) -> tuple[str | None, Any]:
+    async def _finish_named(
+        name: str, pending: Awaitable[Any], rest: list[tuple[str, Any]], kwargs: dict[str, Any]
+    ) -> tuple[str | None, Any]:
         result = await pending
         for other, call in rest:
             if result is not None:

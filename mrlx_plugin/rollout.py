@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from mrlx_plugin.link.peers import durable_step_before, initiator_barrier, read_model_limits, responder_finish, responder_take
 from mrlx_plugin.core.episode import run_episode
 from mrlx_plugin.core.host import (
     RolloutFnTrainOutput,
@@ -34,16 +33,34 @@ from mrlx_plugin.core.host import (
     wrap_generate_output,
 )
 from mrlx_plugin.core.metrics import compute_metrics, log_eval_rollout, log_rollout
+from mrlx_plugin.link.peers import (
+    durable_step_before,
+    initiator_barrier,
+    read_model_limits,
+    responder_finish,
+    responder_take,
+)
 from mrlx_plugin.rewards.shaping import normalize, reward
 from mrlx_plugin.runtime import get_runtime, runtime_for
 
 # Every function a host flag names is reachable here (the reward, normalisation and logging
 # functions live with their kind and are named through this module).
-__all__ = ["generate", "initiator_rollout", "responder_rollout", "normalize", "reward", "log_rollout",
-           "log_eval_rollout", "ack_trained_groups", "add_arguments"]
+__all__ = [
+    "generate",
+    "initiator_rollout",
+    "responder_rollout",
+    "normalize",
+    "reward",
+    "log_rollout",
+    "log_eval_rollout",
+    "ack_trained_groups",
+    "add_arguments",
+]
 
 
-async def generate(input: Any, sample: Any = None, sampling_params: Any = None, evaluation: bool = False) -> Any:
+async def generate(
+    input: Any, sample: Any = None, sampling_params: Any = None, evaluation: bool = False
+) -> Any:
     """Run one episode of the configured agent system on `sample`.
 
     `input` is slime's `args` (then `sample` and `sampling_params` follow), or Miles' one
@@ -63,11 +80,15 @@ async def generate(input: Any, sample: Any = None, sampling_params: Any = None, 
     outbox = None if evaluation else runtime.outbox  # evaluation sends nothing to other jobs
     if outbox is not None:
         outbox.require_step()  # before the episode: its peers' samples need a step to go to
-    episode, result = await run_episode(runtime, sample, sampling_params, evaluation,
-                                        host_aborted=host_abort_flag(miles_input))
+    episode, result = await run_episode(
+        runtime, sample, sampling_params, evaluation, host_aborted=host_abort_flag(miles_input)
+    )
     if outbox is not None:  # other jobs' agents: their samples go through the coordinator
-        outbox.add(episode.sample.group_index, episode.id,
-                   {a: episode.samples_of([a], every_agent=True) for a in outbox.peer_agents})
+        outbox.add(
+            episode.sample.group_index,
+            episode.id,
+            {a: episode.samples_of([a], every_agent=True) for a in outbox.peer_agents},
+        )
     return wrap_generate_output(result, miles_input)
 
 
@@ -106,8 +127,11 @@ def initiator_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: 
     if outbox is not None:
         outbox.open_step(rollout_id)
         outbox.load_limits(args, runtime.tokenizers)  # once; blocking file reads stay off the event loop
-        metrics.update(run_in_host_loop(initiator_barrier(runtime.coordinator, outbox, args, rollout_id,
-                                                          runtime.fan_out)))
+        metrics.update(
+            run_in_host_loop(
+                initiator_barrier(runtime.coordinator, outbox, args, rollout_id, runtime.fan_out)
+            )
+        )
     output = host_default_rollout(args, rollout_id, data_source, evaluation=False)
     if outbox is not None:
         kept = {_group_index(group) for group in output.samples}
@@ -146,10 +170,20 @@ def responder_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: 
     if runtime.responder.limits is None:  # once; a file read stays off the event loop
         runtime.responder.limits = read_model_limits(args, getattr(args, "hf_checkpoint", None))
     settings = runtime.settings
-    groups, metrics = run_in_host_loop(responder_take(
-        runtime.coordinator, runtime.responder, args, rollout_id, int(args.rollout_batch_size),
-        agent=settings.self_agent, coordinator=settings.coordinator, fan_out=runtime.fan_out,
-        source=runtime.source, ack_through=durable_step_before(args, rollout_id)))
+    groups, metrics = run_in_host_loop(
+        responder_take(
+            runtime.coordinator,
+            runtime.responder,
+            args,
+            rollout_id,
+            int(args.rollout_batch_size),
+            agent=settings.self_agent,
+            coordinator=settings.coordinator,
+            fan_out=runtime.fan_out,
+            source=runtime.source,
+            ack_through=durable_step_before(args, rollout_id),
+        )
+    )
     metrics.update(compute_metrics([s for g in groups for s in g]))
     return RolloutFnTrainOutput(samples=groups, metrics=metrics)
 

@@ -83,9 +83,17 @@ class Runtime:
     shared with the `reward` function.
     """
 
-    def __init__(self, args: Any, settings: Settings, pm: pluggy.PluginManager, source: str,
-                 base: Path | None = None, tokenizers: bool = True,
-                 systems: dict[str, SystemFn] | None = None, verifier: MathVerifier | None = None):
+    def __init__(
+        self,
+        args: Any,
+        settings: Settings,
+        pm: pluggy.PluginManager,
+        source: str,
+        base: Path | None = None,
+        tokenizers: bool = True,
+        systems: dict[str, SystemFn] | None = None,
+        verifier: MathVerifier | None = None,
+    ):
         self.args = args
         self.settings = settings
         self.pm = pm
@@ -120,17 +128,21 @@ class Runtime:
             key = self._api_key(name, agent)
             client = by_url.get((self.urls[name], key))
             if client is None:
-                client = by_url[(self.urls[name], key)] = EngineClient(self.urls[name], settings.engine, api_key=key)
+                client = by_url[(self.urls[name], key)] = EngineClient(
+                    self.urls[name], settings.engine, api_key=key
+                )
             self.clients[name] = client
-            self.system_prompts[name] = read_text_setting(agent.system_prompt, base,
-                                                          key=f"{source}: mrlx.agents.{name}.system_prompt")
+            self.system_prompts[name] = read_text_setting(
+                agent.system_prompt, base, key=f"{source}: mrlx.agents.{name}.system_prompt"
+            )
             if tokenizers:  # a responder job runs no episodes and may not have the others' tokenizers
                 self.tokenizers[name] = self._load_tokenizer(name, agent, base)
         peers = self.peer_agents()
         if peers and not settings.coordinator.url:
             raise ConfigError(
                 f"{source}: mrlx.agents.{peers[0]} is trainable but not trained by this job (mrlx.self is "
-                f"{settings.self_agent!r}); set mrlx.coordinator.url so its samples reach its trainer, or set "
+                f"{settings.self_agent!r}); set mrlx.coordinator.url so its samples reach its trainer, or "
+                "set "
                 f"mrlx.agents.{peers[0]}.trainable: false"
             )
         self._coordinator: CoordinatorClient | None = None
@@ -180,7 +192,8 @@ class Runtime:
         key = os.environ.get(agent.api_key_env, "").strip()
         if not key:
             raise ConfigError(
-                f"{self.source}: mrlx.agents.{name}.api_key_env: environment variable {agent.api_key_env} is not set "
+                f"{self.source}: mrlx.agents.{name}.api_key_env: environment variable {agent.api_key_env} is "
+                "not set "
                 "in the rollout process; pass it through the job's runtime env"
             )
         return key
@@ -192,10 +205,12 @@ class Runtime:
                 f"{self.source}: mrlx.agents.{name}.tokenizer: not set and the host gave no --hf-checkpoint; "
                 "give the path of this agent's tokenizer"
             )
-        template = read_text_setting(agent.chat_template, base,
-                                     key=f"{self.source}: mrlx.agents.{name}.chat_template")
-        return self._tokenizer_cache.load(str(path), template,
-                                          key_hint=f"{self.source}: mrlx.agents.{name}.tokenizer")
+        template = read_text_setting(
+            agent.chat_template, base, key=f"{self.source}: mrlx.agents.{name}.chat_template"
+        )
+        return self._tokenizer_cache.load(
+            str(path), template, key_hint=f"{self.source}: mrlx.agents.{name}.tokenizer"
+        )
 
     async def aclose(self) -> None:
         """Close this event loop's connections and the grading worker (CLI and tests; slime's
@@ -242,16 +257,19 @@ def build_runtime(args: Any, tokenizers: bool = True) -> Runtime:
     settings = parse_settings(raw, source=source, known_systems=set(systems))
     if getattr(args, "apply_chat_template", False):
         raise ConfigError(
-            f"{source}: the host was started with --apply-chat-template, so prompts arrive already templated; "
+            f"{source}: the host was started with --apply-chat-template, so prompts arrive already "
+            "templated; "
             "remove that flag: mrlx renders each agent's prompt with that agent's own chat template"
         )
     if getattr(args, "partial_rollout", False):
         raise ConfigError(
-            f"{source}: --partial-rollout resumes one half-generated sample, but a multi-agent episode is many "
+            f"{source}: --partial-rollout resumes one half-generated sample, but a multi-agent episode is "
+            "many "
             "samples; remove --partial-rollout (aborted episodes are returned as ABORTED samples instead)"
         )
-    runtime = Runtime(args, settings, pm, source, base, tokenizers=tokenizers, systems=systems,
-                      verifier=math_verifier(args))
+    runtime = Runtime(
+        args, settings, pm, source, base, tokenizers=tokenizers, systems=systems, verifier=math_verifier(args)
+    )
     check_rollout_mode(args, source, runtime.peer_agents())
     check_step_split(args, runtime.samples_per_episode(), settings.system, source)
     return runtime
@@ -265,12 +283,15 @@ def declared_counts(system: SystemFn, settings: Settings, source: str, what: str
     if declare is None:
         return None
     counts = declare(settings)
-    least, meaning = (0, "transcripts per episode") if what == "fan_out" else (1, "the most turns one transcript takes")
+    least, meaning = (
+        (0, "transcripts per episode") if what == "fan_out" else (1, "the most turns one transcript takes")
+    )
     if not isinstance(counts, dict) or not all(
         a in settings.agents and isinstance(n, int) and n >= least for a, n in counts.items()
     ):
         raise ConfigError(
-            f"{source}: system {settings.system!r}: {what}(settings) returned {counts!r}; expected a mapping of "
+            f"{source}: system {settings.system!r}: {what}(settings) returned {counts!r}; expected a mapping "
+            "of "
             f"configured agents ({', '.join(settings.agents)}) to {meaning} ({least} or more)"
         )
     return counts
@@ -285,7 +306,8 @@ def samples_per_agent(system: SystemFn, settings: Settings, source: str) -> dict
     turns = declared_counts(system, settings, source, "turns")
     if turns is None:
         raise ConfigError(
-            f"{source}: mrlx.rewards.credit is `turn`, but system {settings.system!r} declares no turns(settings) (the "
+            f"{source}: mrlx.rewards.credit is `turn`, but system {settings.system!r} declares no "
+            "turns(settings) (the "
             "most model turns one transcript takes), so the samples of an episode cannot be counted; set "
             "`run.turns = lambda settings: {agent: n}` on its run function, or use credit: episode"
         )

@@ -109,12 +109,19 @@ class CoordinatorProcess:
 
         def listening() -> bool:
             if proc.poll() is not None:
-                raise RuntimeError(f"the coordinator did not start (exit code {proc.returncode}):\n{self.log_tail()}")
+                raise RuntimeError(
+                    f"the coordinator did not start (exit code {proc.returncode}):\n{self.log_tail()}"
+                )
             return bool(port_file.exists() and port_file.read_text().strip())
 
         try:
-            wait_until(listening, timeout, every=0.02, what=f"the coordinator in {self.workdir} to listen",
-                       details=self.log_tail)
+            wait_until(
+                listening,
+                timeout,
+                every=0.02,
+                what=f"the coordinator in {self.workdir} to listen",
+                details=self.log_tail,
+            )
         except BaseException:
             self.kill()
             raise

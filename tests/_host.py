@@ -9,7 +9,9 @@ from mrlx_plugin.core.host import Sample
 from mrlx_plugin.local.fake_host import add_host_arguments, host_args, sampling_params, set_router
 
 
-def slime_args(router_url: str | None, tokenizer: str, mrlx: dict[str, Any], **flags: Any) -> argparse.Namespace:
+def slime_args(
+    router_url: str | None, tokenizer: str, mrlx: dict[str, Any], **flags: Any
+) -> argparse.Namespace:
     """What slime passes after parsing its flags and applying `--custom-config-path` (key `mrlx`)."""
     parser = argparse.ArgumentParser()
     add_host_arguments(parser)

@@ -12,7 +12,11 @@ HANG_UP = b""  # a scripted reply: read the request, answer nothing, close the c
 def answer(status: int, body: bytes, *, extra: bytes = b"") -> bytes:
     """A well-formed HTTP/1.1 JSON answer."""
     return b"HTTP/1.1 %d X\r\nContent-Type: application/json\r\nContent-Length: %d\r\n%s\r\n%s" % (
-        status, len(body), extra, body)
+        status,
+        len(body),
+        extra,
+        body,
+    )
 
 
 class RawServer:
@@ -35,8 +39,14 @@ class RawServer:
             try:
                 while True:
                     head = await reader.readuntil(b"\r\n\r\n")
-                    length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                                   if line.lower().startswith(b"content-length:")), 0)
+                    length = next(
+                        (
+                            int(line.split(b":")[1])
+                            for line in head.split(b"\r\n")
+                            if line.lower().startswith(b"content-length:")
+                        ),
+                        0,
+                    )
                     await reader.readexactly(length)
                     self.requests.append(head)
                     if await self.reply(self, writer) is False:

@@ -24,8 +24,9 @@ class RecordingProxy:
     async def _generate(self, request: web.Request) -> web.Response:
         body = await request.read()
         try:
-            async with self._session.post(self.target + "/generate", data=body,
-                                          headers={"Content-Type": "application/json"}) as r:
+            async with self._session.post(
+                self.target + "/generate", data=body, headers={"Content-Type": "application/json"}
+            ) as r:
                 raw, status = await r.read(), r.status
         except (ClientError, asyncio.TimeoutError, ConnectionError):
             self.failed += 1
@@ -33,15 +34,25 @@ class RecordingProxy:
         if status == 200:
             req, out = orjson.loads(body), orjson.loads(raw)
             entries = out["meta_info"].get("output_token_logprobs") or []
-            self.calls.append({"input_ids": req["input_ids"], "ids": [e[1] for e in entries],
-                               "logprobs": [e[0] for e in entries], "version": out["meta_info"].get("weight_version"),
-                               "finish": out["meta_info"]["finish_reason"]["type"]})
+            self.calls.append(
+                {
+                    "input_ids": req["input_ids"],
+                    "ids": [e[1] for e in entries],
+                    "logprobs": [e[0] for e in entries],
+                    "version": out["meta_info"].get("weight_version"),
+                    "finish": out["meta_info"]["finish_reason"]["type"],
+                }
+            )
         return web.Response(body=raw, status=status, content_type="application/json")
 
     async def _passthrough(self, request: web.Request) -> web.Response:
         try:
-            async with self._session.request(request.method, self.target + request.path_qs, data=await request.read(),
-                                             headers={"Content-Type": "application/json"}) as r:
+            async with self._session.request(
+                request.method,
+                self.target + request.path_qs,
+                data=await request.read(),
+                headers={"Content-Type": "application/json"},
+            ) as r:
                 return web.Response(body=await r.read(), status=r.status, content_type="application/json")
         except (ClientError, asyncio.TimeoutError, ConnectionError):
             return web.Response(status=502, text="engine unreachable")

@@ -57,9 +57,14 @@ def two_job_config(
         if max_new_tokens is not None:
             agent["sampling"] = {"max_new_tokens": max_new_tokens}
         agents[name] = agent
-    return {"run_id": run_id, "system": "dialogue", "self": me, "agents": agents,
-            "coordinator": {"url": coordinator, "token_env": TOKEN_ENV, **(coordinator_settings or {})},
-            **sections}
+    return {
+        "run_id": run_id,
+        "system": "dialogue",
+        "self": me,
+        "agents": agents,
+        "coordinator": {"url": coordinator, "token_env": TOKEN_ENV, **(coordinator_settings or {})},
+        **sections,
+    }
 
 
 def write_config(path: Path, mrlx: Mapping[str, Any]) -> Path:
@@ -103,8 +108,13 @@ class TwoJobs:
     def start_coordinator(self) -> CoordinatorProcess:
         """The run's coordinator; started again (after a kill) on the same database and port."""
         if self.coordinator is None:
-            self.coordinator = CoordinatorProcess(self.root / "coordinator", run_id="jobs", agents=AGENTS,
-                                                  token=TOKEN, extra=self.coordinator_extra)
+            self.coordinator = CoordinatorProcess(
+                self.root / "coordinator",
+                run_id="jobs",
+                agents=AGENTS,
+                token=TOKEN,
+                extra=self.coordinator_extra,
+            )
             return self.coordinator.start()
         self.coordinator.extra = list(self.coordinator_extra)
         return self.coordinator.start(same_port=True)
@@ -112,25 +122,51 @@ class TwoJobs:
     def yaml(self, me: str) -> Path:
         trainer = "lr: 0.001" if me == "a" else self.b_trainer_settings
         mrlx = two_job_config(
-            me, run_id="jobs", urls={"a": self.engine_a.url, "b": self.engine_b.url}, coordinator=self.coordinator.url,
-            tokenizers={"a": self.model_a, "b": self.model_b}, max_new_tokens=5,
+            me,
+            run_id="jobs",
+            urls={"a": self.engine_a.url, "b": self.engine_b.url},
+            coordinator=self.coordinator.url,
+            tokenizers={"a": self.model_a, "b": self.model_b},
+            max_new_tokens=5,
             coordinator_settings=flow(self.coordinator_settings),
             dialogue={"first": "a", "max_turns": 2},
             engine={"abort_retry_wait_s": 0.2, "peer_deadline_s": 60, "request_timeout_s": 10},
-            trainer=flow(trainer))
+            trainer=flow(trainer),
+        )
         return write_config(self.root / f"{me}.yaml", mrlx)
 
     def start_job(self, me: str, *extra: str) -> subprocess.Popen:
         engine = self.engine_a if me == "a" else self.engine_b
         fn = "initiator_rollout" if me == "a" else "responder_rollout"
         groups = self.b_groups if me == "b" and self.b_groups is not None else self.groups
-        argv = [sys.executable, "-m", "mrlx_plugin.local.trainer", "--config", str(self.yaml(me)),
-                "--model", str(self.model_a if me == "a" else self.model_b), "--engine-url", engine.url,
-                "--router-url", engine.url, "--rollout-function", f"mrlx_plugin.rollout.{fn}",
-                "--num-rollout", str(self.steps), "--rollout-batch-size", str(groups),
-                "--n-samples-per-prompt", str(self.per_prompt), "--rollout-max-response-len", "16",
-                "--out", str(self.root / f"out_{me}"), "--save-samples", *extra]
-        log = open(self.root / f"job_{me}.log", "ab")
+        argv = [
+            sys.executable,
+            "-m",
+            "mrlx_plugin.local.trainer",
+            "--config",
+            str(self.yaml(me)),
+            "--model",
+            str(self.model_a if me == "a" else self.model_b),
+            "--engine-url",
+            engine.url,
+            "--router-url",
+            engine.url,
+            "--rollout-function",
+            f"mrlx_plugin.rollout.{fn}",
+            "--num-rollout",
+            str(self.steps),
+            "--rollout-batch-size",
+            str(groups),
+            "--n-samples-per-prompt",
+            str(self.per_prompt),
+            "--rollout-max-response-len",
+            "16",
+            "--out",
+            str(self.root / f"out_{me}"),
+            "--save-samples",
+            *extra,
+        ]
+        log = open(self.root / f"job_{me}.log", "ab")  # noqa: SIM115 (the job writes to it for its whole life)
         job = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, **ENV))
         self.jobs[me] = job
         return job
@@ -143,8 +179,11 @@ class TwoJobs:
 
     def latest_checkpoint(self, me: str) -> int | None:
         """The step of the newest complete checkpoint of a job (None: none yet)."""
-        found = sorted(p.name for p in (self.root / f"out_{me}" / "checkpoints").glob("step_*")
-                       if not p.name.endswith(".tmp"))
+        found = sorted(
+            p.name
+            for p in (self.root / f"out_{me}" / "checkpoints").glob("step_*")
+            if not p.name.endswith(".tmp")
+        )
         return int(found[-1].split("_")[1]) if found else None
 
     def log(self, me: str) -> str:
@@ -157,15 +196,22 @@ class TwoJobs:
         import urllib.request
 
         path = f"/v1/runs/jobs/queues/{consumer}"
-        req = urllib.request.Request(f"http://127.0.0.1:{self.coord_port}{path}",
-                                     headers=signed_headers(TOKEN, "GET", path))
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{self.coord_port}{path}", headers=signed_headers(TOKEN, "GET", path)
+        )
         with urllib.request.urlopen(req, timeout=5) as resp:
             return json.loads(resp.read())
 
-    def wait_until(self, predicate, timeout: float = 120, every: float = 0.05,
-                   what: str | None = None) -> Any:
-        return wait_until(predicate, timeout, every=every, what=what,
-                          details=lambda: "logs:\n" + self.log("a") + "\n---\n" + self.log("b"))
+    def wait_until(
+        self, predicate, timeout: float = 120, every: float = 0.05, what: str | None = None
+    ) -> Any:
+        return wait_until(
+            predicate,
+            timeout,
+            every=every,
+            what=what,
+            details=lambda: "logs:\n" + self.log("a") + "\n---\n" + self.log("b"),
+        )
 
     def stop(self) -> None:
         for job in self.jobs.values():
@@ -180,8 +226,9 @@ class TwoJobs:
     def metrics(self, url_path: str = "/metrics") -> str:
         import urllib.request
 
-        req = urllib.request.Request(f"http://127.0.0.1:{self.coord_port}{url_path}",
-                                     headers=signed_headers(TOKEN, "GET", url_path))
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{self.coord_port}{url_path}", headers=signed_headers(TOKEN, "GET", url_path)
+        )
         with urllib.request.urlopen(req, timeout=5) as resp:
             return resp.read().decode()
 
@@ -192,8 +239,11 @@ class TwoJobs:
     def assert_b_steps_are_a_steps(self) -> None:
         """Each of B's steps trained exactly the groups of A's step of the same number."""
         a_step = {s["metadata"]["mrlx"]["episode_id"]: s["step"] for s in self.rows("a", "samples.jsonl")}
-        shifted = [(s["step"], a_step.get(s["metadata"]["mrlx"]["episode_id"])) for s in self.b_trained()
-                   if a_step.get(s["metadata"]["mrlx"]["episode_id"]) != s["step"]]
+        shifted = [
+            (s["step"], a_step.get(s["metadata"]["mrlx"]["episode_id"]))
+            for s in self.b_trained()
+            if a_step.get(s["metadata"]["mrlx"]["episode_id"]) != s["step"]
+        ]
         assert not shifted, f"B's steps trained other steps of A's (B step, A step): {sorted(set(shifted))}"
 
     def assert_b_trained_every_episode_once(self) -> None:

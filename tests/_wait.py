@@ -15,8 +15,9 @@ from collections.abc import Callable
 from typing import Any
 
 
-def _timed_out(what: str | None, predicate: Callable[[], Any], timeout: float,
-               details: Callable[[], str] | None) -> TimeoutError:
+def _timed_out(
+    what: str | None, predicate: Callable[[], Any], timeout: float, details: Callable[[], str] | None
+) -> TimeoutError:
     name = what or getattr(predicate, "__name__", "the condition")
     message = f"waited {timeout:g} s for {name}; it never held"
     if details is not None:
@@ -24,8 +25,14 @@ def _timed_out(what: str | None, predicate: Callable[[], Any], timeout: float,
     return TimeoutError(message)
 
 
-def wait_until(predicate: Callable[[], Any], timeout: float = 60.0, *, every: float = 0.05,
-               what: str | None = None, details: Callable[[], str] | None = None) -> Any:
+def wait_until(
+    predicate: Callable[[], Any],
+    timeout: float = 60.0,
+    *,
+    every: float = 0.05,
+    what: str | None = None,
+    details: Callable[[], str] | None = None,
+) -> Any:
     """Call `predicate` every `every` seconds until it returns something true, and return that;
     raise TimeoutError (with `what` and `details()`) once `timeout` seconds have passed.
     A predicate may raise to stop the wait early (say, the process it watches has died)."""
@@ -39,8 +46,14 @@ def wait_until(predicate: Callable[[], Any], timeout: float = 60.0, *, every: fl
         time.sleep(every)
 
 
-async def async_wait_until(predicate: Callable[[], Any], timeout: float = 60.0, *, every: float = 0.05,
-                           what: str | None = None, details: Callable[[], str] | None = None) -> Any:
+async def async_wait_until(
+    predicate: Callable[[], Any],
+    timeout: float = 60.0,
+    *,
+    every: float = 0.05,
+    what: str | None = None,
+    details: Callable[[], str] | None = None,
+) -> Any:
     """`wait_until` on an event loop: the loop runs its other tasks between checks. `predicate`
     may be a plain function or return an awaitable."""
     deadline = time.monotonic() + timeout

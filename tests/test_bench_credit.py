@@ -22,10 +22,35 @@ STEPS, PROMPTS, PER_PROMPT, BRANCH, LENGTH = 2, 2, 4, 4, 3
 def test_quick_run_runs_every_arm_and_counts_its_engine_calls(tmp_path: Path):
     out = tmp_path / "bench" / "credit.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "mrlx_plugin.cli", "bench", "credit", "--quick", "--out", str(out), "--quiet",
-         "--steps", str(STEPS), "--nim-steps", str(STEPS), "--prompts-per-step", str(PROMPTS),
-         "--samples-per-prompt", str(PER_PROMPT), "--branch", str(BRANCH), "--chain-length", str(LENGTH)],
-        check=False, cwd=REPO, capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            "-m",
+            "mrlx_plugin.cli",
+            "bench",
+            "credit",
+            "--quick",
+            "--out",
+            str(out),
+            "--quiet",
+            "--steps",
+            str(STEPS),
+            "--nim-steps",
+            str(STEPS),
+            "--prompts-per-step",
+            str(PROMPTS),
+            "--samples-per-prompt",
+            str(PER_PROMPT),
+            "--branch",
+            str(BRANCH),
+            "--chain-length",
+            str(LENGTH),
+        ],
+        check=False,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for heading in ("chain:", "nim:", "steps to held-out success", "win rate vs script:random, after"):
         assert heading in proc.stdout, heading
@@ -38,7 +63,9 @@ def test_quick_run_runs_every_arm_and_counts_its_engine_calls(tmp_path: Path):
     assert str(BRANCH) in chain["budget"]
     for name, arm in chain["arms"].items():
         assert arm["steps"] == STEPS, name
-        assert len(arm["engine_calls_per_step"]) == STEPS and all(c > 0 for c in arm["engine_calls_per_step"]), name
+        assert len(arm["engine_calls_per_step"]) == STEPS and all(
+            c > 0 for c in arm["engine_calls_per_step"]
+        ), name
         assert arm["engine_calls"] == sum(arm["engine_calls_per_step"])
         # the budget: no arm spends more engine calls per step than its episodes' bound
         assert all(c <= arm["engine_calls_per_step_at_most"] for c in arm["engine_calls_per_step"]), name
@@ -58,7 +85,9 @@ def test_quick_run_runs_every_arm_and_counts_its_engine_calls(tmp_path: Path):
     assert len({a["engine_calls_per_step_at_most"] for a in chain["arms"].values()}) == 1
     # tree sampling's extra calls are counted: BRANCH - 1 candidates per turn taken
     assert all(b is not None and b >= BRANCH - 1 for b in tree["branch_candidates_per_episode"])
-    assert all(b is None for b in episode["branch_candidates_per_episode"] + turn["branch_candidates_per_episode"])
+    assert all(
+        b is None for b in episode["branch_candidates_per_episode"] + turn["branch_candidates_per_episode"]
+    )
     # every arm starts from the same warm-started model and seed: the same evaluation before training
     assert len({a["before"] for a in chain["arms"].values()}) == 1
 

@@ -23,12 +23,48 @@ EPISODES, PER_PROMPT, MAX_DEPTH = 64, 4, 16
 
 
 def tiny_run(workdir: Path, out: Path, soak_minutes: float = 0.1) -> list[str]:
-    return [sys.executable, "-m", "mrlx_plugin.cli", "bench", "load",
-            "--episodes", str(EPISODES), "--n-samples-per-prompt", str(PER_PROMPT), "--warmup-episodes", "8",
-            "--soak-episodes", "32", "--soak-minutes", str(soak_minutes), "--latency", "1.0",
-            "--prompt-tokens", "64", "--response-tokens", "16", "--max-depth", str(MAX_DEPTH),
-            "--consumer-rate", "100", "--lease-groups", "2", "--sample-interval", "1", "--metrics-interval", "0.2",
-            "--warmup-s", "1", "--window-s", "2", "--workdir", str(workdir), "--out", str(out), "--quiet"]
+    return [
+        sys.executable,
+        "-m",
+        "mrlx_plugin.cli",
+        "bench",
+        "load",
+        "--episodes",
+        str(EPISODES),
+        "--n-samples-per-prompt",
+        str(PER_PROMPT),
+        "--warmup-episodes",
+        "8",
+        "--soak-episodes",
+        "32",
+        "--soak-minutes",
+        str(soak_minutes),
+        "--latency",
+        "1.0",
+        "--prompt-tokens",
+        "64",
+        "--response-tokens",
+        "16",
+        "--max-depth",
+        str(MAX_DEPTH),
+        "--consumer-rate",
+        "100",
+        "--lease-groups",
+        "2",
+        "--sample-interval",
+        "1",
+        "--metrics-interval",
+        "0.2",
+        "--warmup-s",
+        "1",
+        "--window-s",
+        "2",
+        "--workdir",
+        str(workdir),
+        "--out",
+        str(out),
+        "--quiet",
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +79,17 @@ def test_tiny_load_run_writes_a_complete_report(workdir: Path):
     assert "mrlx bench load" in proc.stdout and "checks:" in proc.stdout
     r = json.loads(out.read_text())
 
-    assert set(r) >= {"machine", "config", "load", "coordinator", "soak", "rounds", "statuses", "checks", "ok"}
+    assert set(r) >= {
+        "machine",
+        "config",
+        "load",
+        "coordinator",
+        "soak",
+        "rounds",
+        "statuses",
+        "checks",
+        "ok",
+    }
     assert r["config"]["episodes"] == EPISODES and r["config"]["max_depth"] == MAX_DEPTH
 
     load = r["load"]
@@ -58,7 +104,12 @@ def test_tiny_load_run_writes_a_complete_report(workdir: Path):
     assert c["commits_429_total"] > 0  # 64 items at once against a 16-item queue: producers were pushed back
     assert c["duplicates"] == 0 and c["consumer"]["bad_groups"] == 0
     # every b-sample the rollout sent reached the consumer exactly once
-    assert c["items_sent_by_rollout"] == c["items_enqueued_total"] == c["items_acked_total"] == c["consumer"]["items"]
+    assert (
+        c["items_sent_by_rollout"]
+        == c["items_enqueued_total"]
+        == c["items_acked_total"]
+        == c["consumer"]["items"]
+    )
     assert c["items_sent_by_rollout"] >= EPISODES
     assert len(c["depth_samples"][0]) == len(c["depth_samples_columns"])
     assert all(row[1] <= MAX_DEPTH for row in c["depth_samples"])
@@ -74,7 +125,9 @@ def test_tiny_load_run_writes_a_complete_report(workdir: Path):
     soak = r["soak"]
     assert soak["samples"], "no RSS/fd sample was taken during the soak"
     for sample in soak["samples"]:
-        assert {"t_s", "rollout_rss_mib", "rollout_fds", "coordinator_rss_mib", "coordinator_fds"} <= set(sample)
+        assert {"t_s", "rollout_rss_mib", "rollout_fds", "coordinator_rss_mib", "coordinator_fds"} <= set(
+            sample
+        )
     for name in ("rollout_rss_mib", "rollout_fds", "coordinator_rss_mib", "coordinator_fds"):
         trend = soak["trends"][name]
         assert {"first", "last", "max", "growth", "growth_pct", "flagged"} <= set(trend)
@@ -83,8 +136,13 @@ def test_tiny_load_run_writes_a_complete_report(workdir: Path):
 
     assert all(isinstance(v, bool) for v in r["checks"].values())
     assert r["ok"] == all(r["checks"].values())
-    for check in ("all_episodes_in_flight", "depth_bounded", "backpressure_engaged", "no_aborted_samples",
-                  "every_item_acked_once"):
+    for check in (
+        "all_episodes_in_flight",
+        "depth_bounded",
+        "backpressure_engaged",
+        "no_aborted_samples",
+        "every_item_acked_once",
+    ):
         assert r["checks"][check] is True, check
     assert not processes_naming(r["config"]["run_dir"])
 
@@ -93,8 +151,11 @@ def test_an_interrupted_run_leaves_no_process_behind(workdir: Path, tmp_path: Pa
     runs = tmp_path / "runs"
     runs.mkdir()
     os.symlink(workdir / "tokenizer-8k", runs / "tokenizer-8k")  # the module's tokenizer: no build here
-    proc = subprocess.Popen(tiny_run(runs, tmp_path / "never.json", soak_minutes=5), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        tiny_run(runs, tmp_path / "never.json", soak_minutes=5),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     try:
         deadline = time.monotonic() + 120
         events = None

@@ -9,23 +9,41 @@ from pathlib import Path
 
 import pytest
 
-from mrlx_plugin.local.processes import router_available
 from mrlx_plugin.core.netutil import free_port
+from mrlx_plugin.local.processes import router_available
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def mrlx(*argv: str, cwd: Path = REPO, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mrlx_plugin.cli", *argv], cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "mrlx_plugin.cli", *argv],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.mark.slow
 def test_rollout_local_runs_the_example_team_and_writes_samples(tmp_path, tiny_model_dir):
     out = tmp_path / "samples.jsonl"
-    r = mrlx("rollout", "--local", "--config", "examples/multi_agent/local.yaml", "--model-dir", str(tiny_model_dir),
-             "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "16",
-             "--output", str(out))
+    r = mrlx(
+        "rollout",
+        "--local",
+        "--config",
+        "examples/multi_agent/local.yaml",
+        "--model-dir",
+        str(tiny_model_dir),
+        "--rollout-batch-size",
+        "2",
+        "--n-samples-per-prompt",
+        "2",
+        "--rollout-max-response-len",
+        "16",
+        "--output",
+        str(out),
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "4 episodes" in r.stdout and "multi_agent/avg_turns" in r.stdout
     if router_available():
@@ -71,7 +89,10 @@ def test_check_names_the_bad_key_and_exits_2(tmp_path):
 def test_two_jobs_configs_are_checked_against_each_other(tmp_path):
     a = tmp_path / "a.yaml"
     b = tmp_path / "b.yaml"
-    body = "mrlx:\n  run_id: {run}\n  system: dialogue\n  self: {me}\n  agents: {{doctor: {{url: self}}, patient: {{url: self}}}}\n"
+    body = (
+        "mrlx:\n  run_id: {run}\n  system: dialogue\n  self: {me}\n"
+        "  agents: {{doctor: {{url: self}}, patient: {{url: self}}}}\n"
+    )
     a.write_text(body.format(run="r1", me="doctor"))
     b.write_text(body.format(run="r2", me="doctor"))
     r = mrlx("check", "--config", str(a), "--config", str(b), "--skip-tokenizers")
@@ -102,30 +123,56 @@ def test_check_wait_repeats_the_checks_until_a_late_engine_answers(tmp_path, log
 
     port = free_port()
     cfg = tmp_path / "late.yaml"
-    cfg.write_text("mrlx:\n  system: pipeline\n  agents:\n"
-                   f"    solver: {{url: self, tokenizer: '{tiny_model_dir}'}}\n"
-                   f"    rewriter: {{url: self, tokenizer: '{tiny_model_dir}'}}\n"
-                   f"    selector: {{url: self, tokenizer: '{tiny_model_dir}'}}\n")
+    cfg.write_text(
+        "mrlx:\n  system: pipeline\n  agents:\n"
+        f"    solver: {{url: self, tokenizer: '{tiny_model_dir}'}}\n"
+        f"    rewriter: {{url: self, tokenizer: '{tiny_model_dir}'}}\n"
+        f"    selector: {{url: self, tokenizer: '{tiny_model_dir}'}}\n"
+    )
     log = tmp_path / "check.log"
     with open(log, "w") as out:
-        check = subprocess.Popen([sys.executable, "-m", "mrlx_plugin.cli", "check", "--config", str(cfg),
-                                  "--router-url", f"http://127.0.0.1:{port}", "--timeout", "1", "--wait", "120"],
-                                 cwd=REPO, stdout=out, stderr=subprocess.STDOUT, text=True)
+        check = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "mrlx_plugin.cli",
+                "check",
+                "--config",
+                str(cfg),
+                "--router-url",
+                f"http://127.0.0.1:{port}",
+                "--timeout",
+                "1",
+                "--wait",
+                "120",
+            ],
+            cwd=REPO,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
     engine = None
     try:
         # the first round of checks has run (and failed) before the engine exists
-        wait_until(lambda: check.poll() is not None or "checking again" in log.read_text(), timeout=60,
-                   what="a first, failed round of checks")
+        wait_until(
+            lambda: check.poll() is not None or "checking again" in log.read_text(),
+            timeout=60,
+            what="a first, failed round of checks",
+        )
         assert check.poll() is None, log.read_text()
-        engine = start_service("late-stub", [sys.executable, "-m", "mrlx_plugin.local.stub_engine", "--port", str(port)],
-                               log_dir=logs_dir, port=port, health_path="/health")
+        engine = start_service(
+            "late-stub",
+            [sys.executable, "-m", "mrlx_plugin.local.stub_engine", "--port", str(port)],
+            log_dir=logs_dir,
+            port=port,
+            health_path="/health",
+        )
         assert check.wait(timeout=120) == 0, log.read_text()
         assert "all good" in log.read_text()
     finally:
         check.kill()
         if engine is not None:
             engine.stop()
-
 
 
 def test_check_wants_one_role_per_config(tmp_path):

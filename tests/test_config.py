@@ -23,7 +23,11 @@ def test_defaults_give_the_pipeline_with_three_roles_on_self():
     assert s.system == "pipeline"
     assert list(s.agents) == ["solver", "rewriter", "selector"]
     assert all(a.url == "self" and a.trainable for a in s.agents.values())
-    assert s.pipeline.num_parallel == 5 and s.pipeline.correct_weight == 1.2 and s.pipeline.incorrect_weight == 0.8
+    assert (
+        s.pipeline.num_parallel == 5
+        and s.pipeline.correct_weight == 1.2
+        and s.pipeline.incorrect_weight == 0.8
+    )
 
 
 def test_unknown_key_is_named_with_a_suggestion():
@@ -38,8 +42,12 @@ def test_unknown_top_level_key_is_named():
 
 
 def test_wrong_types_name_the_key_and_the_expected_type():
-    msg = errors_of({"pipeline": {"num_parallel": "five", "correct_weight": True},
-                     "agents": {"solver": {"url": "self", "sampling": {"temperature": "hot"}}}})
+    msg = errors_of(
+        {
+            "pipeline": {"num_parallel": "five", "correct_weight": True},
+            "agents": {"solver": {"url": "self", "sampling": {"temperature": "hot"}}},
+        }
+    )
     assert "mrlx.pipeline.num_parallel: got str 'five'; expected an integer" in msg
     assert "mrlx.pipeline.correct_weight: got bool True; expected a number" in msg
     assert "expected at least 1" not in msg  # a bad value is reported once, not again as its fallback
@@ -58,8 +66,13 @@ def test_missing_pipeline_agent_is_named():
 
 
 def test_bad_url_and_unknown_self_agent():
-    msg = errors_of({"system": "dialogue", "self": "nurse",
-                     "agents": {"doctor": {"url": "self"}, "patient": {"url": "10.0.0.2:3333"}}})
+    msg = errors_of(
+        {
+            "system": "dialogue",
+            "self": "nurse",
+            "agents": {"doctor": {"url": "self"}, "patient": {"url": "10.0.0.2:3333"}},
+        }
+    )
     assert "mrlx.agents.patient.url: got '10.0.0.2:3333'; expected 'self' or an http://host:port URL" in msg
     assert "mrlx.self: agent 'nurse' is not under mrlx.agents" in msg
 
@@ -70,8 +83,13 @@ def test_negative_staleness_is_rejected():
 
 
 def test_dialogue_references_must_be_agents():
-    msg = errors_of({"system": "dialogue", "agents": {"a": {}, "b": {}},
-                     "dialogue": {"first": "c", "order": ["a", "z"], "stop_patterns": {"q": "DONE"}}})
+    msg = errors_of(
+        {
+            "system": "dialogue",
+            "agents": {"a": {}, "b": {}},
+            "dialogue": {"first": "c", "order": ["a", "z"], "stop_patterns": {"q": "DONE"}},
+        }
+    )
     assert "mrlx.dialogue.first: 'c' is not an agent" in msg
     assert "mrlx.dialogue.order[1]: 'z' is not an agent" in msg
     assert "mrlx.dialogue.stop_patterns.q: not an agent" in msg
@@ -111,9 +129,14 @@ def test_self_url_without_a_router_is_named(tmp_path, tiny_tokenizer_dir):
 
 
 def test_missing_tokenizer_is_named(tmp_path):
-    args = _args(tmp_path, "mrlx: {agents: {solver: {url: 'http://127.0.0.1:1'}, rewriter: {url: 'http://127.0.0.1:1'}, "
-                 "selector: {url: 'http://127.0.0.1:1'}}}\n")
-    with pytest.raises(ConfigError, match=r"mrlx.agents.solver.tokenizer: not set and the host gave no --hf-checkpoint"):
+    args = _args(
+        tmp_path,
+        "mrlx: {agents: {solver: {url: 'http://127.0.0.1:1'}, rewriter: {url: 'http://127.0.0.1:1'}, "
+        "selector: {url: 'http://127.0.0.1:1'}}}\n",
+    )
+    with pytest.raises(
+        ConfigError, match=r"mrlx.agents.solver.tokenizer: not set and the host gave no --hf-checkpoint"
+    ):
         build_runtime(args)
 
 
@@ -125,7 +148,8 @@ def test_plugin_that_cannot_import_is_named(tmp_path):
 
 def test_misspelled_hook_in_a_user_module_is_named(tmp_path, monkeypatch):
     (tmp_path / "typo_hooks.py").write_text(
-        "from mrlx_plugin import hookimpl\n\n@hookimpl\ndef mrlx_grades(agent, transcript, episode):\n    return 1.0\n"
+        "from mrlx_plugin import hookimpl\n\n@hookimpl\ndef mrlx_grades(agent, transcript, episode):\n    "
+        "return 1.0\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     args = _args(tmp_path, "mrlx: {plugins: [typo_hooks]}\n")
@@ -134,7 +158,9 @@ def test_misspelled_hook_in_a_user_module_is_named(tmp_path, monkeypatch):
 
 
 def test_apply_chat_template_is_refused_with_the_fix(tmp_path, tiny_tokenizer_dir):
-    args = _args(tmp_path, "mrlx: {}\n", sglang_router_ip="127.0.0.1", sglang_router_port=1, apply_chat_template=True)
+    args = _args(
+        tmp_path, "mrlx: {}\n", sglang_router_ip="127.0.0.1", sglang_router_port=1, apply_chat_template=True
+    )
     args.hf_checkpoint = str(tiny_tokenizer_dir)
     with pytest.raises(ConfigError, match="remove that flag"):
         build_runtime(args)
@@ -159,12 +185,17 @@ def test_inline_config_longer_than_a_file_name_builds_a_runtime(tiny_tokenizer_d
     import yaml
 
     text = "mrlx:\n  system: dialogue\n  agents:\n" + "".join(
-        f"    agent_{i}: {{url: self, system_prompt: 'You are agent number {i} of a long team.'}}\n" for i in range(8)
+        f"    agent_{i}: {{url: self, system_prompt: 'You are agent number {i} of a long team.'}}\n"
+        for i in range(8)
     )
     assert len(text) > 400
-    args = argparse.Namespace(custom_config_path="base64:" + base64.b64encode(text.encode()).decode(),
-                              mrlx=yaml.safe_load(text)["mrlx"], hf_checkpoint=str(tiny_tokenizer_dir),
-                              sglang_router_ip="127.0.0.1", sglang_router_port=9)
+    args = argparse.Namespace(
+        custom_config_path="base64:" + base64.b64encode(text.encode()).decode(),
+        mrlx=yaml.safe_load(text)["mrlx"],
+        hf_checkpoint=str(tiny_tokenizer_dir),
+        sglang_router_ip="127.0.0.1",
+        sglang_router_port=9,
+    )
     runtime = build_runtime(args)
     assert runtime.system_prompts["agent_3"] == "You are agent number 3 of a long team."
     assert runtime.source == "--custom-config-path base64:..."
@@ -179,15 +210,18 @@ def test_broken_inline_config_is_one_message():
 
 def test_two_agents_with_one_name_are_refused_not_merged(tmp_path):
     path = tmp_path / "dup.yaml"
-    path.write_text("mrlx:\n  system: dialogue\n  agents:\n    doctor: {url: self}\n    patient: {url: self}\n"
-                    "    doctor: {url: 'http://127.0.0.1:9'}\n")
+    path.write_text(
+        "mrlx:\n  system: dialogue\n  agents:\n    doctor: {url: self}\n    patient: {url: self}\n"
+        "    doctor: {url: 'http://127.0.0.1:9'}\n"
+    )
     with pytest.raises(ConfigError, match=r"key 'doctor' appears twice in one mapping \(lines 4 and 6\)"):
         settings_from_yaml(path)
     # also when the host (slime) has parsed the file already and handed over args.mrlx
     import yaml
 
-    args = argparse.Namespace(custom_config_path=str(path), mrlx=yaml.safe_load(path.read_text())["mrlx"],
-                              hf_checkpoint=None)
+    args = argparse.Namespace(
+        custom_config_path=str(path), mrlx=yaml.safe_load(path.read_text())["mrlx"], hf_checkpoint=None
+    )
     with pytest.raises(ConfigError, match="appears twice"):
         build_runtime(args)
 
@@ -220,11 +254,23 @@ def _sections():
 
 def test_every_setting_has_a_description():
     sections = _sections()
-    assert {m.__name__ for m in sections} >= {"Settings", "AgentSettings", "SamplingSettings", "EngineSettings",
-                                             "PipelineSettings", "RewardSettings", "DialogueSettings",
-                                             "CoordinatorSettings", "TrainerSettings"}
-    missing = [f"{m.__name__}.{name}" for m in sections for name, f in m.model_fields.items()
-               if not (f.description or "").strip()]
+    assert {m.__name__ for m in sections} >= {
+        "Settings",
+        "AgentSettings",
+        "SamplingSettings",
+        "EngineSettings",
+        "PipelineSettings",
+        "RewardSettings",
+        "DialogueSettings",
+        "CoordinatorSettings",
+        "TrainerSettings",
+    }
+    missing = [
+        f"{m.__name__}.{name}"
+        for m in sections
+        for name, f in m.model_fields.items()
+        if not (f.description or "").strip()
+    ]
     assert not missing, f"settings without a description: {missing}"
 
 
@@ -237,13 +283,16 @@ def test_the_reference_table_lists_every_key_with_type_default_and_description()
     rows = {line.split(" | ")[0].strip("| `"): line for line in lines[2:]}
     fields = sum(len(m.model_fields) for m in _sections())
     assert len(rows) == fields, sorted(rows)
-    assert ("| `mrlx.agents.NAME.sampling.top_p` | a number (more than 0, at most 1) or null | `null` | "
-            "nucleus sampling mass") in table
+    assert (
+        "| `mrlx.agents.NAME.sampling.top_p` | a number (more than 0, at most 1) or null | `null` | "
+        "nucleus sampling mass"
+    ) in table
     assert "| `mrlx.engine.max_retries` | an integer (0 to 100) | `3` |" in table
     # an upper bound says what it protects
     assert "| `mrlx.rewards.branch` | an integer (1 to 64) | `1` |" in table
     assert rows["mrlx.rewards.branch"].endswith(
-        "(the limit: each candidate is one more model call per trainable turn) |")
+        "(the limit: each candidate is one more model call per trainable turn) |"
+    )
     assert "mrlx.self" in rows and "`mrlx.extra`" not in table and "mrlx.<system name>" in rows
     assert "'offset' \\| 'multiplicative' \\| 'none'" in rows["mrlx.pipeline.weighting"]  # no stray column
     assert all(line.replace("\\|", "").count("|") == 5 for line in lines), table  # four columns on every line
@@ -262,8 +311,15 @@ def test_the_json_schema_names_the_yaml_keys():
 
 
 def test_a_bad_value_and_a_problem_between_sections_are_reported_together():
-    msg = errors_of({"system": "dialogue", "self": "nurse", "agents": {"a": {"trainable": "yes"}, "b": {}},
-                     "engine": {"request_timeout_s": 0}, "rewards": {"shaping": "selfish"}})
+    msg = errors_of(
+        {
+            "system": "dialogue",
+            "self": "nurse",
+            "agents": {"a": {"trainable": "yes"}, "b": {}},
+            "engine": {"request_timeout_s": 0},
+            "rewards": {"shaping": "selfish"},
+        }
+    )
     assert "4 problem(s)" in msg
     assert "mrlx.agents.a.trainable: got 'yes'; expected true or false" in msg
     assert "mrlx.engine.request_timeout_s: got 0; expected a positive number of seconds" in msg
@@ -273,8 +329,10 @@ def test_a_bad_value_and_a_problem_between_sections_are_reported_together():
 
 def test_a_bad_value_shared_by_a_yaml_alias_is_named_at_each_place(tmp_path):
     path = tmp_path / "alias.yaml"
-    path.write_text("base: &agent {url: 'ftp://host', sampling: {top_p: 2}}\n"
-                    "mrlx: {system: dialogue, agents: {doctor: *agent, patient: *agent}}\n")
+    path.write_text(
+        "base: &agent {url: 'ftp://host', sampling: {top_p: 2}}\n"
+        "mrlx: {system: dialogue, agents: {doctor: *agent, patient: *agent}}\n"
+    )
     with pytest.raises(ConfigError) as info:
         settings_from_yaml(path)
     msg = str(info.value)
@@ -286,7 +344,9 @@ def test_a_bad_value_shared_by_a_yaml_alias_is_named_at_each_place(tmp_path):
 
 def test_numbers_as_yaml_writes_them_and_strict_types(tmp_path):
     path = tmp_path / "n.yaml"
-    path.write_text("mrlx: {trainer: {lr: 3e-4, threads: 2}, engine: {backoff_s: 1}}\n")  # YAML 1.1: 3e-4 is a string
+    path.write_text(
+        "mrlx: {trainer: {lr: 3e-4, threads: 2}, engine: {backoff_s: 1}}\n"
+    )  # YAML 1.1: 3e-4 is a string
     s = settings_from_yaml(path)
     assert s.trainer.lr == 3e-4 and s.engine.backoff_s == 1.0 and isinstance(s.engine.backoff_s, float)
     msg = errors_of({"trainer": {"threads": 1.5, "lr": "fast"}, "plugins": ["a", 3]})
@@ -325,8 +385,11 @@ def _numeric_keys():
             key, tp = f.alias or name, _unwrap(f.annotation)
             if isinstance(tp, type) and issubclass(tp, BaseModel):
                 todo.append((tp, path + [key]))
-            elif typing.get_origin(tp) is dict and isinstance(_unwrap(typing.get_args(tp)[1]), type) \
-                    and issubclass(_unwrap(typing.get_args(tp)[1]), BaseModel):
+            elif (
+                typing.get_origin(tp) is dict
+                and isinstance(_unwrap(typing.get_args(tp)[1]), type)
+                and issubclass(_unwrap(typing.get_args(tp)[1]), BaseModel)
+            ):
                 todo.append((_unwrap(typing.get_args(tp)[1]), path + [key, "a"]))
             elif typing.get_origin(tp) is dict and typing.get_origin(_unwrap(typing.get_args(tp)[1])) is dict:
                 out.append((path + [key, "a", "b"], float))  # rewards.coupling: agent -> agent -> weight

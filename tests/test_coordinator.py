@@ -12,10 +12,10 @@ import pytest
 from _coord_procs import CoordinatorProcess, error_of, make_items, waits_in_progress
 from _wait import async_wait_until
 
+from mrlx_plugin.core.host import Sample
 from mrlx_plugin.link.client import CoordinatorClient, CoordinatorError, CoordinatorWaitTimeout
 from mrlx_plugin.link.peers import sample_from_item
 from mrlx_plugin.link.wire import CONTENT_TYPE, QueueItem, encode_items
-from mrlx_plugin.core.host import Sample
 
 COMMIT = "/v1/runs/run1/queues/patient/commit"
 
@@ -359,8 +359,11 @@ def test_wait_version_wakes_on_report_and_times_out_naming_the_agent(start_coord
         producer, consumer = clients(coord)
         await producer.report_version(1)
         waiter = asyncio.ensure_future(consumer.wait_version("doctor", 2, deadline_s=30))
-        await async_wait_until(lambda: waits_in_progress(coord, "version") >= 1, 30,
-                               what="the waiter's long poll at the coordinator")
+        await async_wait_until(
+            lambda: waits_in_progress(coord, "version") >= 1,
+            30,
+            what="the waiter's long poll at the coordinator",
+        )
         assert not waiter.done()
         assert await producer.report_version(2) == 2
         assert await asyncio.wait_for(waiter, 10) == 2

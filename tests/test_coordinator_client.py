@@ -10,13 +10,13 @@ import pytest
 from _coord_procs import CoordinatorProcess, attempts_of, make_items, waits_in_progress
 from _wait import async_wait_until
 
+from mrlx_plugin.core.netutil import free_port
 from mrlx_plugin.link.client import (
     CoordinatorClient,
     CoordinatorError,
     CoordinatorUnavailable,
     CoordinatorWaitTimeout,
 )
-from mrlx_plugin.core.netutil import free_port
 from mrlx_plugin.link.wire import token_from_env_or_file
 
 
@@ -47,8 +47,9 @@ def test_commit_during_downtime_succeeds_once_the_coordinator_is_back(coord):
         attempts = attempts_of(producer)
         commit = asyncio.ensure_future(producer.commit("patient", make_items(3, "g0"), deadline_s=60))
         # a second attempt starts only once the first has failed against the dead address
-        await async_wait_until(lambda: attempts() >= 2, 30,
-                               what="the commit retrying against the dead address")
+        await async_wait_until(
+            lambda: attempts() >= 2, 30, what="the commit retrying against the dead address"
+        )
         assert not commit.done()  # still retrying against the dead address
         await asyncio.get_running_loop().run_in_executor(None, lambda: coord.start(same_port=True))
         result = await asyncio.wait_for(commit, 60)
@@ -70,14 +71,18 @@ def test_wait_version_rides_out_a_restart(coord):
         await producer.report_version(1)
         attempts = attempts_of(consumer)
         waiter = asyncio.ensure_future(consumer.wait_version("doctor", 2, deadline_s=60, poll_s=1.0))
-        await async_wait_until(lambda: waits_in_progress(coord, "version") >= 1, 30,
-                               what="the waiter's long poll at the coordinator")
+        await async_wait_until(
+            lambda: waits_in_progress(coord, "version") >= 1,
+            30,
+            what="the waiter's long poll at the coordinator",
+        )
         await asyncio.get_running_loop().run_in_executor(None, coord.kill)
         # Every attempt started from now on meets the dead address; a second one starts only
         # once the first has failed there.
         before = attempts()
-        await async_wait_until(lambda: attempts() >= before + 2, 30,
-                               what="the waiter retrying against the dead coordinator")
+        await async_wait_until(
+            lambda: attempts() >= before + 2, 30, what="the waiter retrying against the dead coordinator"
+        )
         await asyncio.get_running_loop().run_in_executor(None, lambda: coord.start(same_port=True))
         assert not waiter.done()
         await producer.report_version(2)
@@ -99,8 +104,11 @@ def test_commit_retries_backpressure_until_the_consumer_acks(start_coordinator):
             blocked = asyncio.ensure_future(
                 producer.commit("patient", make_items(2, "g1", start=4), deadline_s=60)
             )
-            await async_wait_until(lambda: requests_seen(coord, "commit", 429) >= 1, 30,
-                                   what="a commit refused with 429 (the queue is full)")
+            await async_wait_until(
+                lambda: requests_seen(coord, "commit", 429) >= 1,
+                30,
+                what="a commit refused with 429 (the queue is full)",
+            )
             assert not blocked.done()
             assert requests_seen(coord, "commit", 429) >= 1
             lease = await consumer.lease(1, 60, 0)

@@ -43,6 +43,7 @@ def _run(stub, model_dir, mrlx, n=1, evaluation=False):
             return args, outs, (await get_runtime(args)).samples_per_episode()
         finally:
             await (await get_runtime(args)).aclose()
+
     return asyncio.run(run())
 
 
@@ -57,8 +58,9 @@ FIRST_TURN_QUARTER = (
 )
 
 
-def test_each_turn_is_a_sample_with_its_context_and_a_discounted_return(stub_engine, tiny_model_dir, tmp_path,
-                                                                        monkeypatch):
+def test_each_turn_is_a_sample_with_its_context_and_a_discounted_return(
+    stub_engine, tiny_model_dir, tmp_path, monkeypatch
+):
     mrlx = _mrlx(credit="turn", gamma=0.5)
     mrlx["plugins"] = [write_hook_module(tmp_path, monkeypatch, "turns_first_quarter", FIRST_TURN_QUARTER)]
     _, [out], per_episode = _run(stub_engine, tiny_model_dir, mrlx)
@@ -93,7 +95,9 @@ def test_turns_an_episode_does_not_reach_are_aborted_fillers(stub_engine, tiny_m
         real = [s for s in out if s.status != Status.ABORTED]
         fillers = [s for s in out if s.status == Status.ABORTED]
         assert sorted((s.metadata["mrlx"]["agent"], s.metadata["mrlx"]["turn"]) for s in real) == [
-            ("answerer", 0), ("asker", 0)]
+            ("answerer", 0),
+            ("asker", 0),
+        ]
         assert len(fillers) == 2 and all(not any(s.loss_mask) and s.remove_sample for s in fillers)
         assert {s.rollout_id for s in out} == {3 * 2 + j}  # the input sample's own
 
@@ -104,8 +108,9 @@ TURN_LOGPROB_SCORE = (
 )
 
 
-def test_tree_sampling_trains_k_candidates_per_turn_as_one_group(stub_engine, tiny_model_dir, tmp_path,
-                                                                 monkeypatch):
+def test_tree_sampling_trains_k_candidates_per_turn_as_one_group(
+    stub_engine, tiny_model_dir, tmp_path, monkeypatch
+):
     mrlx = _mrlx(credit="turn", branch=3, gamma=1.0)
     mrlx["plugins"] = [write_hook_module(tmp_path, monkeypatch, "turns_by_logprob", TURN_LOGPROB_SCORE)]
     before = _stub_requests(stub_engine)
@@ -116,9 +121,11 @@ def test_tree_sampling_trains_k_candidates_per_turn_as_one_group(stub_engine, ti
     for s in out:
         groups.setdefault(s.metadata["mrlx"]["credit_group"], []).append(s)
     assert len(groups) == 4 and all(len(g) == 3 for g in groups.values())
-    assert {s.metadata["mrlx"]["episode"]["branch_candidates"] for s in out} == {4 * 2}  # two not taken per turn
+    assert {s.metadata["mrlx"]["episode"]["branch_candidates"] for s in out} == {
+        4 * 2
+    }  # two not taken per turn
     taken_score: dict[tuple, float] = {}
-    for name, members in groups.items():
+    for _name, members in groups.items():
         taken = [s for s in members if not s.metadata["mrlx"]["candidate"]]
         assert len(taken) == 1
         prompt = taken[0].tokens[: len(taken[0].tokens) - taken[0].response_length]
@@ -133,8 +140,11 @@ def test_tree_sampling_trains_k_candidates_per_turn_as_one_group(stub_engine, ti
         meta = taken[0].metadata["mrlx"]
         taken_score[(meta["agent"], meta["turn"])] = max(scores)
     for agent in AGENTS:  # the taken turns: their own score, then the outcome (1.0), gamma 1
-        rewards = {s.metadata["mrlx"]["turn"]: s.reward for s in out
-                   if s.metadata["mrlx"]["agent"] == agent and not s.metadata["mrlx"]["candidate"]}
+        rewards = {
+            s.metadata["mrlx"]["turn"]: s.reward
+            for s in out
+            if s.metadata["mrlx"]["agent"] == agent and not s.metadata["mrlx"]["candidate"]
+        }
         last = taken_score[(agent, 1)] + 1.0
         assert rewards[1] == pytest.approx(last, abs=1e-5)
         assert rewards[0] == pytest.approx(taken_score[(agent, 0)] + last, abs=1e-5)
@@ -172,9 +182,14 @@ def test_a_turn_score_that_is_no_number_names_the_plugin(stub_engine, tiny_model
     # A NaN or infinite score ends its episode only (tests/faults/test_nonfinite_rewards.py); a
     # score that is no number at all breaks the hook's contract on every turn.
     mrlx = _mrlx(credit="turn")
-    mrlx["plugins"] = [write_hook_module(tmp_path, monkeypatch, "turns_text",
-                               "@hookimpl\ndef mrlx_turn_reward(episode, transcript, index, turn):\n"
-                               "    return 'high'\n")]
+    mrlx["plugins"] = [
+        write_hook_module(
+            tmp_path,
+            monkeypatch,
+            "turns_text",
+            "@hookimpl\ndef mrlx_turn_reward(episode, transcript, index, turn):\n    return 'high'\n",
+        )
+    ]
     with pytest.raises(ValueError, match="mrlx_turn_reward of plugin 'turns_text' returned 'high'"):
         _run(stub_engine, tiny_model_dir, mrlx)
 
@@ -186,26 +201,39 @@ def test_the_fan_out_counts_turns_and_candidates(tiny_model_dir):
     mrlx = _mrlx(credit="turn")
     mrlx["dialogue"]["max_turns"] = 5  # the asker speaks first: three turns to the answerer's two
     assert runtime_for(slime_args(router, str(tiny_model_dir), mrlx)).fan_out == {"asker": 3, "answerer": 2}
-    assert runtime_for(slime_args(router, str(tiny_model_dir), _mrlx())).fan_out == {"asker": 1, "answerer": 1}
+    assert runtime_for(slime_args(router, str(tiny_model_dir), _mrlx())).fan_out == {
+        "asker": 1,
+        "answerer": 1,
+    }
 
 
-def test_a_system_that_declares_no_turns_is_refused_under_per_turn_credit(tiny_model_dir, tmp_path, monkeypatch):
-    module = write_hook_module(tmp_path, monkeypatch, "turnless_system",
-                     "async def talk(episode):\n    pass\n\n"
-                     "talk.fan_out = lambda settings: {'asker': 1, 'answerer': 1}\n\n"
-                     "@hookimpl\ndef mrlx_register_systems():\n    return {'talk': talk}\n")
+def test_a_system_that_declares_no_turns_is_refused_under_per_turn_credit(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    module = write_hook_module(
+        tmp_path,
+        monkeypatch,
+        "turnless_system",
+        "async def talk(episode):\n    pass\n\n"
+        "talk.fan_out = lambda settings: {'asker': 1, 'answerer': 1}\n\n"
+        "@hookimpl\ndef mrlx_register_systems():\n    return {'talk': talk}\n",
+    )
     mrlx = {**_mrlx(credit="turn"), "system": "talk", "plugins": [module]}
     mrlx.pop("dialogue")
     with pytest.raises(ConfigError, match="system 'talk' declares no turns"):
         runtime_for(slime_args("http://127.0.0.1:9", str(tiny_model_dir), mrlx))
 
 
-def test_candidates_differ_when_the_host_sends_its_own_seed(stub_engine, tiny_model_dir, tmp_path, monkeypatch):
+def test_candidates_differ_when_the_host_sends_its_own_seed(
+    stub_engine, tiny_model_dir, tmp_path, monkeypatch
+):
     """slime's deterministic inference puts one `sampling_seed` in the sampling parameters; the K
     candidates of a turn must still get K seeds, or they would be one answer K times."""
     mrlx = _mrlx(credit="turn", branch=3)
     mrlx["engine"].pop("sampling_seed")
-    mrlx["plugins"] = [write_hook_module(tmp_path, monkeypatch, "turns_by_logprob_host_seed", TURN_LOGPROB_SCORE)]
+    mrlx["plugins"] = [
+        write_hook_module(tmp_path, monkeypatch, "turns_by_logprob_host_seed", TURN_LOGPROB_SCORE)
+    ]
 
     async def run():
         args = slime_args(stub_engine.url, str(tiny_model_dir), mrlx)

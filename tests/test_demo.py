@@ -12,12 +12,27 @@ import pytest
 pytestmark = pytest.mark.slow  # the demo's whole two-model loop, twice
 
 REPO = Path(__file__).resolve().parent.parent
-SHORT = ["--preset", "tiny", "--prompts-per-step", "2", "--samples-per-prompt", "2", "--warmup-steps", "2", "--quiet"]
+SHORT = [
+    "--preset",
+    "tiny",
+    "--prompts-per-step",
+    "2",
+    "--samples-per-prompt",
+    "2",
+    "--warmup-steps",
+    "2",
+    "--quiet",
+]
 
 
 def demo(out: Path, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mrlx_plugin.cli", "demo", "--out", str(out), *SHORT, *extra],
-                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "mrlx_plugin.cli", "demo", "--out", str(out), *SHORT, *extra],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def test_short_demo_runs_the_two_model_loop_and_resumes(tmp_path):
@@ -40,7 +55,9 @@ def test_short_demo_runs_the_two_model_loop_and_resumes(tmp_path):
     # both engines took new weights every step
     for rows in (a_rows, b_rows):
         assert [r["engine/weight_versions"] for r in rows] == [[str(s + 1)] for s in range(3)]
-    assert (out / "rewards.png").stat().st_size > 5000 and (out / "rewards.png").read_bytes()[:4] == b"\x89PNG"
+    assert (out / "rewards.png").stat().st_size > 5000 and (out / "rewards.png").read_bytes()[
+        :4
+    ] == b"\x89PNG"
     summary = report["summary"]
     assert summary["steps"] == 3 and summary["agents"]["proposer"]["samples_trained"] == 12
     assert summary["peak_memory_mib"] > 0
@@ -52,7 +69,9 @@ def test_short_demo_runs_the_two_model_loop_and_resumes(tmp_path):
     a_rows = [r for r in report["metrics"]["proposer"] if r["step"] >= 0]
     b_rows = [r for r in report["metrics"]["decider"] if r["step"] >= 0]
     assert [r["step"] for r in a_rows] == [0, 1, 2, 3, 4] and [r["step"] for r in b_rows] == [0, 1, 2, 3, 4]
-    assert a_rows[3]["resumed_from"].endswith("step_00002") and b_rows[3]["resumed_from"].endswith("step_00002")
+    assert a_rows[3]["resumed_from"].endswith("step_00002") and b_rows[3]["resumed_from"].endswith(
+        "step_00002"
+    )
     assert [r["engine/weight_versions"] for r in a_rows[3:]] == [["4"], ["5"]]
     # resuming trained nothing twice: B got exactly A's two new steps of groups
     assert all(r["coordinator/groups"] == 2 for r in b_rows[3:])

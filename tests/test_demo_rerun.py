@@ -10,13 +10,29 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-SHORT = ["--preset", "tiny", "--prompts-per-step", "2", "--samples-per-prompt", "2", "--warmup-steps", "2", "--quiet",
-         "--steps", "1"]
+SHORT = [
+    "--preset",
+    "tiny",
+    "--prompts-per-step",
+    "2",
+    "--samples-per-prompt",
+    "2",
+    "--warmup-steps",
+    "2",
+    "--quiet",
+    "--steps",
+    "1",
+]
 
 
 def demo(out: Path, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mrlx_plugin.cli", "demo", "--out", str(out), *SHORT, *extra],
-                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "mrlx_plugin.cli", "demo", "--out", str(out), *SHORT, *extra],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def old_run(out: Path) -> None:
@@ -38,10 +54,16 @@ def test_a_demo_into_a_folder_with_a_run_refuses_and_names_resume(tmp_path):
     assert "Traceback" not in r.stderr
     message = r.stderr.strip()
     assert message.startswith(f"mrlx demo: --out {out} already holds a run ")
-    assert "pass --resume to continue it, --overwrite to delete it and start over, or give another --out" in message
+    assert (
+        "pass --resume to continue it, --overwrite to delete it and start over, or give another --out"
+        in message
+    )
     # nothing was started or touched
     assert not (out / "logs").exists() and not (out / "models").exists()
-    assert sorted(p.name for p in (out / "proposer" / "checkpoints").iterdir()) == ["step_00003", "step_00004"]
+    assert sorted(p.name for p in (out / "proposer" / "checkpoints").iterdir()) == [
+        "step_00003",
+        "step_00004",
+    ]
     assert (out / "coordinator.sqlite").read_text() == "not the new run's database"
 
 

@@ -13,8 +13,12 @@ LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 
 
 def test_the_settings_table_is_generated_from_the_models():
-    done = subprocess.run([sys.executable, str(ROOT / "docs" / "generate_reference.py"), "--check"],
-                          capture_output=True, text=True, cwd=ROOT)
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "docs" / "generate_reference.py"), "--check"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert done.returncode == 0, done.stderr
 
 
@@ -43,6 +47,9 @@ def test_every_relative_link_resolves():
 
 
 def test_no_page_cites_a_file_outside_the_repository():
-    outside = [str(p.relative_to(ROOT)) for p in [*PAGES, *ROOT.joinpath("mrlx_plugin").rglob("*.py")]
-               if "SLIME_CONTRACT" in p.read_text() or "DESIGN.md" in p.read_text()]
+    outside = [
+        str(p.relative_to(ROOT))
+        for p in [*PAGES, *ROOT.joinpath("mrlx_plugin").rglob("*.py")]
+        if "SLIME_CONTRACT" in p.read_text() or "DESIGN.md" in p.read_text()
+    ]
     assert not outside, outside

@@ -20,14 +20,25 @@ import pytest
 from _raw_server import HANG_UP, ScriptedServer, answer
 
 from mrlx_plugin.core.config import EngineSettings
-from mrlx_plugin.core.engine_client import (MIN_LOG_PROB, EngineClient, EngineError, MalformedAnswer,
-                                           answer_limits)
+from mrlx_plugin.core.engine_client import (
+    MIN_LOG_PROB,
+    EngineClient,
+    EngineError,
+    MalformedAnswer,
+    answer_limits,
+)
 
-OK_BODY = orjson.dumps({
-    "text": "hi",
-    "meta_info": {"finish_reason": {"type": "stop"}, "output_token_logprobs": [[-0.5, 7], [-0.25, 8]],
-                  "prompt_tokens": 3, "weight_version": "4"},
-})
+OK_BODY = orjson.dumps(
+    {
+        "text": "hi",
+        "meta_info": {
+            "finish_reason": {"type": "stop"},
+            "output_token_logprobs": [[-0.5, 7], [-0.25, 8]],
+            "prompt_tokens": 3,
+            "weight_version": "4",
+        },
+    }
+)
 
 
 OK = answer(200, OK_BODY)
@@ -55,7 +66,9 @@ def test_a_passing_fault_is_retried_and_the_result_counts_the_retries():
     assert result.retries == 2 and len(server.requests) == 3
     head = server.requests[0].lower()
     assert b"authorization: bearer k1" in head and b"content-type: application/json" in head
-    assert b"accept-encoding: identity" in head, "the body cap counts wire bytes: no compressed answers asked for"
+    assert b"accept-encoding: identity" in head, (
+        "the body cap counts wire bytes: no compressed answers asked for"
+    )
     assert server.connections == 1, "the retries reused the kept-alive connection"
 
 
@@ -125,7 +138,11 @@ def test_an_answer_over_the_cap_is_refused_by_its_length_and_retried():
 def test_a_chunked_answer_is_read_and_one_over_the_cap_is_cut_off():
     half = len(OK_BODY) // 2
     chunked = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n%x\r\n%s\r\n0\r\n\r\n" % (
-        half, OK_BODY[:half], len(OK_BODY) - half, OK_BODY[half:])
+        half,
+        OK_BODY[:half],
+        len(OK_BODY) - half,
+        OK_BODY[half:],
+    )
 
     async def run():
         async with ScriptedServer(chunked) as server:
@@ -212,6 +229,7 @@ def server_in_thread(*script: bytes) -> Iterator[ScriptedServer]:
 
 def test_one_client_serves_successive_event_loops():
     """A client built once (the runtime's) keeps working when the host runs a new event loop."""
+
     async def one(client: EngineClient) -> list[int]:
         return (await client.generate([1], {})).token_ids
 
@@ -247,17 +265,25 @@ def test_a_url_that_is_not_http_is_refused_with_what_to_give():
 
 
 def logprob_answer(entries: list, text: str = "hi") -> bytes:
-    return answer(200, orjson.dumps({"text": text, "meta_info": {"finish_reason": {"type": "stop"},
-                                                                 "output_token_logprobs": entries}}))
+    return answer(
+        200,
+        orjson.dumps(
+            {"text": text, "meta_info": {"finish_reason": {"type": "stop"}, "output_token_logprobs": entries}}
+        ),
+    )
 
 
 def test_a_log_prob_as_low_as_a_sampled_token_can_have_is_taken_and_a_lower_one_refused():
     """A log-prob's floor is MIN_LOG_PROB (-1e4): far below a token sampled from a float32
     softmax (about -103.3) and any logit gap of a real model; -1e30 is no token's, and -1e39 is
     past float32 (a trainer's loss or the coordinator's frames could not take it)."""
+
     async def run():
-        script = (logprob_answer([[-9999.5, 7], [-103.3, 8]]), logprob_answer([[-0.5, 7], [-1e30, 8]]),
-                  logprob_answer([[-1e39, 7]]))
+        script = (
+            logprob_answer([[-9999.5, 7], [-103.3, 8]]),
+            logprob_answer([[-0.5, 7], [-1e30, 8]]),
+            logprob_answer([[-1e39, 7]]),
+        )
         async with ScriptedServer(*script) as server:
             client = EngineClient(server.url, settings())
             try:
@@ -284,8 +310,12 @@ def test_a_long_real_answer_is_within_its_request_limits():
     a 128-character text full of JSON punctuation, written twice (in `text` and in each entry)."""
     piece = '{"a": [1, 2]}, ' + "x" * 113
     entries = [[-0.5, 7, piece] for _ in range(1024)]
-    body = orjson.dumps({"text": piece * 1024, "meta_info": {"finish_reason": {"type": "length"},
-                                                             "output_token_logprobs": entries}})
+    body = orjson.dumps(
+        {
+            "text": piece * 1024,
+            "meta_info": {"finish_reason": {"type": "length"}, "output_token_logprobs": entries},
+        }
+    )
     size, values = answer_limits(1024)
     assert 2 * values < len(body) < size, "the answer's values are counted, and it fits the byte allowance"
 

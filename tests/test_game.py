@@ -38,8 +38,11 @@ def stubs(logs_dir, request):
     started = []
 
     def start(text: str):
-        proc = start_stub_engine(log_dir=logs_dir, name=f"stub-game-{request.node.name[:30]}-{len(started)}",
-                                 extra=["--text", text, "--response-tokens", str(len(text) + 1)])
+        proc = start_stub_engine(
+            log_dir=logs_dir,
+            name=f"stub-game-{request.node.name[:30]}-{len(started)}",
+            extra=["--text", text, "--response-tokens", str(len(text) + 1)],
+        )
         started.append(proc)
         return proc
 
@@ -57,16 +60,23 @@ def game_mrlx(agents: dict, game: dict, **more) -> dict:
     return {"run_id": "game", "system": "game", "agents": agents, "game": game, "engine": ENGINE, **more}
 
 
-def episodes(url: str, tokenizer, mrlx: dict, prompts: list[str], per_prompt: int = 1,
-             evaluation: bool = False) -> list[list]:
+def episodes(
+    url: str, tokenizer, mrlx: dict, prompts: list[str], per_prompt: int = 1, evaluation: bool = False
+) -> list[list]:
     """Run one generate call per sample of `prompts` (`per_prompt` copies each, one prompt group
     each), as the host would; return each call's samples."""
+
     async def run():
         args = slime_args(url, str(tokenizer), mrlx, rollout_max_response_len=1024)
-        samples = [Sample(group_index=g, index=g * per_prompt + j, prompt=p, label=None)
-                   for g, p in enumerate(prompts) for j in range(per_prompt)]
+        samples = [
+            Sample(group_index=g, index=g * per_prompt + j, prompt=p, label=None)
+            for g, p in enumerate(prompts)
+            for j in range(per_prompt)
+        ]
         try:
-            out = await asyncio.gather(*(generate(args, s, params(args), evaluation=evaluation) for s in samples))
+            out = await asyncio.gather(
+                *(generate(args, s, params(args), evaluation=evaluation) for s in samples)
+            )
         finally:
             await (await get_runtime(args)).aclose()
         return [o if isinstance(o, list) else [o] for o in out], args
@@ -115,20 +125,28 @@ def test_the_transcript_of_a_seat_holds_the_other_seats_moves(stubs, tiny_model_
     seen = {}
 
     async def run():
-        args = slime_args(stub.url, str(tiny_model_dir), game_mrlx({"p": {"url": "self"}},
-                                                                    {"name": "nim", "seats": ["p", "p"]}))
+        args = slime_args(
+            stub.url,
+            str(tiny_model_dir),
+            game_mrlx({"p": {"url": "self"}}, {"name": "nim", "seats": ["p", "p"]}),
+        )
         from mrlx_plugin.core.episode import run_episode
 
         runtime = await get_runtime(args)
-        episode, _ = await run_episode(runtime, Sample(group_index=0, index=0, prompt="Nim: 5 stones"),
-                                       params(args), False)
+        episode, _ = await run_episode(
+            runtime, Sample(group_index=0, index=0, prompt="Nim: 5 stones"), params(args), False
+        )
         seen.update({t.role: list(t.messages) for t in episode.transcripts})
         await runtime.aclose()
 
     asyncio.run(run())
     first = [m["content"] for m in seen["first"] if m["role"] == "user"]
     second = [m["content"] for m in seen["second"] if m["role"] == "user"]
-    assert first == ["Nim: 5 stones. Take 1 to 3.", "They took 1. 3 stones left.", "They took 1. 1 stones left."]
+    assert first == [
+        "Nim: 5 stones. Take 1 to 3.",
+        "They took 1. 3 stones left.",
+        "They took 1. 1 stones left.",
+    ]
     assert second == ["They took 1. Nim: 4 stones. Take 1 to 3.", "They took 1. 2 stones left."]
 
 
@@ -138,8 +156,11 @@ def test_the_transcript_of_a_seat_holds_the_other_seats_moves(stubs, tiny_model_
 @pytest.mark.parametrize("credit", ["episode", "turn"])
 def test_every_episode_returns_the_same_number_of_samples_whatever_its_length(credit, stubs, tiny_model_dir):
     stub = stubs("\\boxed{1}")
-    mrlx = game_mrlx({"p": {"url": "self"}}, {"name": "nim", "seats": ["p", "p"], "options": {"max_stones": 5}},
-                     rewards={"credit": credit})
+    mrlx = game_mrlx(
+        {"p": {"url": "self"}},
+        {"name": "nim", "seats": ["p", "p"], "options": {"max_stones": 5}},
+        rewards={"credit": credit},
+    )
     assert run_game.turns(parse_settings(mrlx)) == {"p": 3}  # 5 stones: the first seat moves at most 3 times
     outs, _ = episodes(stub.url, tiny_model_dir, mrlx, ["Nim: 1 stones", "Nim: 2 stones", "Nim: 5 stones"])
     per_episode = 2 if credit == "episode" else 2 * 3
@@ -155,7 +176,8 @@ def test_every_episode_returns_the_same_number_of_samples_whatever_its_length(cr
             for s in r:
                 m = s.metadata["mrlx"]
                 assert m["turn"] is not None and s.loss_mask == [1] * s.response_length
-                # gamma 1: every turn of the winner is worth +1, of the loser -1 (moves earn nothing of their own)
+                # gamma 1: every turn of the winner is worth +1, of the loser -1 (moves earn nothing
+                # of their own)
                 assert s.reward == (1.0 if m["role"] == facts(s)["winner"] else -1.0)
         assert compute_metrics([s for out in outs for s in out])["credit/turn_samples"] == 8
     for f in fillers:
@@ -184,8 +206,10 @@ def test_an_illegal_move_ends_the_episode_with_the_penalty_and_is_counted(answer
 
 def test_a_frozen_opponents_illegal_move_is_a_win_for_the_trained_seat(stubs, tiny_model_dir):
     me, them = stubs("\\boxed{1}"), stubs("\\boxed{9}")
-    mrlx = game_mrlx({"p": {"url": "self"}, "opp": {"url": them.url, "trainable": False}},
-                     {"name": "nim", "seats": ["p", "opp"]})
+    mrlx = game_mrlx(
+        {"p": {"url": "self"}, "opp": {"url": them.url, "trainable": False}},
+        {"name": "nim", "seats": ["p", "opp"]},
+    )
     outs, _ = episodes(me.url, tiny_model_dir, mrlx, ["Nim: 6 stones"])
     (s,) = outs[0]
     assert s.reward == 0.0 and facts(s)["illegal_move"] == "second" and facts(s)["winner"] == "first"
@@ -210,8 +234,10 @@ def test_a_game_cut_short_by_max_turns_is_a_draw(stubs, tiny_model_dir):
 
 def test_a_frozen_opponent_plays_from_its_own_url_and_returns_no_samples(stubs, tiny_model_dir):
     me, frozen = stubs("\\boxed{1}"), stubs("\\boxed{2}")
-    mrlx = game_mrlx({"p": {"url": "self"}, "frozen": {"url": frozen.url, "trainable": False}},
-                     {"name": "nim", "seats": ["p", "frozen"]})
+    mrlx = game_mrlx(
+        {"p": {"url": "self"}, "frozen": {"url": frozen.url, "trainable": False}},
+        {"name": "nim", "seats": ["p", "frozen"]},
+    )
     # 7 stones: p takes 1 (6 left), frozen 2 (4), p 1 (3), frozen 2 (1), p takes the last
     outs, _ = episodes(me.url, tiny_model_dir, mrlx, ["Nim: 7 stones"], per_prompt=3)
     assert (calls(me), calls(frozen)) == (3 * 3, 3 * 2)
@@ -228,8 +254,10 @@ def test_a_frozen_opponent_plays_from_its_own_url_and_returns_no_samples(stubs, 
 def test_the_pool_draws_an_opponent_per_episode_deterministically(stubs, tiny_model_dir):
     me, past = stubs("\\boxed{1}"), stubs("\\boxed{2}")
     opponents = ["past", "script:random", "script:optimal"]
-    mrlx = game_mrlx({"p": {"url": "self"}, "past": {"url": past.url, "trainable": False}},
-                     {"name": "nim", "seats": ["p", "pool"], "opponents": opponents})
+    mrlx = game_mrlx(
+        {"p": {"url": "self"}, "past": {"url": past.url, "trainable": False}},
+        {"name": "nim", "seats": ["p", "pool"], "opponents": opponents},
+    )
     prompts = ["Nim: 7 stones"] * 6
     outs, _ = episodes(me.url, tiny_model_dir, mrlx, prompts, per_prompt=3)
     again, _ = episodes(me.url, tiny_model_dir, mrlx, prompts, per_prompt=3)
@@ -255,8 +283,11 @@ def test_the_pool_draws_an_opponent_per_episode_deterministically(stubs, tiny_mo
 def test_tree_sampling_goes_on_from_the_right_step_of_a_chain(stubs, tiny_model_dir):
     # Request i answers \boxed{i}: of the 4 candidates of a turn exactly one is right.
     stub = stubs("\\boxed{{i}}")
-    mrlx = game_mrlx({"solver": {"url": "self"}}, {"name": "chain", "options": {"max_steps": 3}},
-                     rewards={"credit": "turn", "gamma": 0.9, "branch": 4})
+    mrlx = game_mrlx(
+        {"solver": {"url": "self"}},
+        {"name": "chain", "options": {"max_steps": 3}},
+        rewards={"credit": "turn", "gamma": 0.9, "branch": 4},
+    )
     outs, _ = episodes(stub.url, tiny_model_dir, mrlx, ["Chain: 1 +2 +4"])  # 3, then 7: requests 3 and 7
     (out,) = outs
     assert calls(stub) == 8 and len(out) == 1 * 3 * 4  # transcripts x turns x branch
@@ -302,8 +333,10 @@ def test_evaluation_reports_the_first_seats_outcome(stubs, tiny_model_dir):
 
 def test_the_trained_agent_is_the_reported_seat_even_when_a_frozen_model_moves_first(stubs, tiny_model_dir):
     me, frozen = stubs("\\boxed{1}"), stubs("\\boxed{2}")
-    mrlx = game_mrlx({"p": {"url": "self"}, "opp": {"url": frozen.url, "trainable": False}},
-                     {"name": "nim", "seats": ["opp", "p"]})
+    mrlx = game_mrlx(
+        {"p": {"url": "self"}, "opp": {"url": frozen.url, "trainable": False}},
+        {"name": "nim", "seats": ["opp", "p"]},
+    )
     # 5 stones: opp takes 2 (3 left), p 1 (2), opp takes 2 and wins
     outs, _ = episodes(me.url, tiny_model_dir, mrlx, ["Nim: 5 stones"], evaluation=True)
     ((out,),) = outs
@@ -315,13 +348,24 @@ def test_the_trained_agent_is_the_reported_seat_even_when_a_frozen_model_moves_f
 def test_a_config_that_does_not_fit_the_game_is_refused_at_start_up(tiny_model_dir):
     bad = [
         ({"name": "nim", "seats": ["p"]}, "game 'nim' has 2 seat(s) (first, second); got 1 player(s)"),
-        ({"name": "nim", "seats": ["p", "script:genius"]}, "mrlx.game.seats[1]: game 'nim' has no scripted player"),
-        ({"name": "nim", "seats": ["p", "p"], "options": {"max_stone": 3}}, "'max_stone' is no option of nim"),
+        (
+            {"name": "nim", "seats": ["p", "script:genius"]},
+            "mrlx.game.seats[1]: game 'nim' has no scripted player",
+        ),
+        (
+            {"name": "nim", "seats": ["p", "p"], "options": {"max_stone": 3}},
+            "'max_stone' is no option of nim",
+        ),
     ]
     for game, message in bad:
         with pytest.raises(ConfigError, match=re.escape(message)):
-            asyncio.run(get_runtime(slime_args("http://127.0.0.1:9", str(tiny_model_dir),
-                                               game_mrlx({"p": {"url": "self"}}, game))))
+            asyncio.run(
+                get_runtime(
+                    slime_args(
+                        "http://127.0.0.1:9", str(tiny_model_dir), game_mrlx({"p": {"url": "self"}}, game)
+                    )
+                )
+            )
 
 
 def test_a_game_registered_by_a_plugin_is_played(stubs, tiny_model_dir, tmp_path, monkeypatch):
@@ -346,7 +390,8 @@ def test_a_game_registered_by_a_plugin_is_played(stubs, tiny_model_dir, tmp_path
         "        return {0: 1}\n\n"
         "@hookimpl\n"
         "def mrlx_register_games():\n"
-        "    return {'guess': Guess()}\n")
+        "    return {'guess': Guess()}\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     stub = stubs("\\boxed{2}")
     mrlx = game_mrlx({"g": {"url": "self"}}, {"name": "guess", "max_turns": 1}, plugins=["guess_game"])
@@ -354,8 +399,12 @@ def test_a_game_registered_by_a_plugin_is_played(stubs, tiny_model_dir, tmp_path
     async def run():
         args = slime_args(stub.url, str(tiny_model_dir), mrlx)
         try:
-            return [await generate(args, Sample(group_index=0, index=i, prompt="guess", label=str(i + 1)),
-                                   params(args)) for i in range(3)]
+            return [
+                await generate(
+                    args, Sample(group_index=0, index=i, prompt="guess", label=str(i + 1)), params(args)
+                )
+                for i in range(3)
+            ]
         finally:
             await (await get_runtime(args)).aclose()
 
@@ -367,8 +416,13 @@ def test_a_game_registered_by_a_plugin_is_played(stubs, tiny_model_dir, tmp_path
 def test_every_example_game_config_loads_through_the_real_loader():
     systems = set(collect_systems(make_plugin_manager([])))
     paths = sorted((REPO / "examples" / "games").glob("*.yaml"))
-    assert {p.name for p in paths} >= {"nim_selfplay.yaml", "nim_frozen.yaml", "nim_pool.yaml", "kuhn_poker.yaml",
-                                        "chain_turn_credit.yaml"}
+    assert {p.name for p in paths} >= {
+        "nim_selfplay.yaml",
+        "nim_frozen.yaml",
+        "nim_pool.yaml",
+        "kuhn_poker.yaml",
+        "chain_turn_credit.yaml",
+    }
     for path in paths:
         settings = settings_from_yaml(path, known_systems=systems)
         assert settings.system == "game"
@@ -384,17 +438,35 @@ def test_every_example_game_config_loads_through_the_real_loader():
 def test_mrlx_rollout_runs_a_game_config(stubs, tiny_model_dir, tmp_path):
     stub = stubs("\\boxed{1}")
     out = tmp_path / "samples.jsonl"
-    argv = [sys.executable, "-m", "mrlx_plugin.cli", "rollout", "--config", "examples/games/nim_selfplay.yaml",
-            "--router-url", stub.url, "--hf-checkpoint", str(tiny_model_dir),
-            "--prompt-data", "examples/games/nim_prompts.jsonl", "--rollout-batch-size", "3",
-            "--n-samples-per-prompt", "2", "--output", str(out)]
+    argv = [
+        sys.executable,
+        "-m",
+        "mrlx_plugin.cli",
+        "rollout",
+        "--config",
+        "examples/games/nim_selfplay.yaml",
+        "--router-url",
+        stub.url,
+        "--hf-checkpoint",
+        str(tiny_model_dir),
+        "--prompt-data",
+        "examples/games/nim_prompts.jsonl",
+        "--rollout-batch-size",
+        "3",
+        "--n-samples-per-prompt",
+        "2",
+        "--output",
+        str(out),
+    ]
     r = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "6 episodes, 12 samples" in r.stdout and "game/win_rate/first" in r.stdout
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert sorted(row["metadata"]["mrlx"]["role"] for row in rows) == ["first"] * 6 + ["second"] * 6
     assert all(row["status"] == "completed" and row["reward"] in (1.0, -1.0) for row in rows)
-    r = subprocess.run(argv + ["--evaluation"], cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
+    r = subprocess.run(
+        argv + ["--evaluation"], cwd=REPO, capture_output=True, text=True, timeout=300, check=False
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     # 9, 6 and 9 stones, one at a time: the first seat wins the odd piles

@@ -26,8 +26,20 @@ def play_out(game, state, players, rng):
 def test_the_built_in_games_are_registered_by_name_and_have_every_method_of_the_protocol():
     assert set(BUILT_IN_GAMES) == {"nim", "kuhn_poker", "chain"}
     protocol = [name for name in vars(Game) if not name.startswith("_")]
-    assert {"seats", "scripts", "start", "to_move", "observation", "parse_move", "play", "move_reward", "outcome",
-            "max_moves", "scripted_move", "describe_move"} <= set(protocol)
+    assert {
+        "seats",
+        "scripts",
+        "start",
+        "to_move",
+        "observation",
+        "parse_move",
+        "play",
+        "move_reward",
+        "outcome",
+        "max_moves",
+        "scripted_move",
+        "describe_move",
+    } <= set(protocol)
     for game in BUILT_IN_GAMES.values():
         assert "random" in game.scripts and game.seats
         missing = [name for name in protocol if not hasattr(game, name)]
@@ -77,7 +89,9 @@ def test_the_optimal_nim_player_never_loses_from_a_winning_position(max_take):
     rng = random.Random(max_take)
     max_stones = 20
     for stones in range(1, max_stones + 1):
-        state = NIM.start(f"Nim: {stones} stones", None, rng, {"max_take": max_take, "max_stones": max_stones})
+        state = NIM.start(
+            f"Nim: {stones} stones", None, rng, {"max_take": max_take, "max_stones": max_stones}
+        )
         winning = stones % (max_take + 1) != 0
         for opponent in ("random", "optimal"):
             for _ in range(20):
@@ -93,7 +107,7 @@ def test_nim_max_moves_bounds_every_game():
     for max_stones in (1, 2, 5, 9):
         bound = NIM.max_moves({"max_stones": max_stones})
         state = NIM.start(f"Nim: {max_stones} stones", None, RNG, {"max_stones": max_stones})
-        for seat in (0, 1):  # taking one stone at a time is the longest game
+        for _seat in (0, 1):  # taking one stone at a time is the longest game
             s, moves = state, [0, 0]
             while (who := NIM.to_move(s)) is not None:
                 moves[who] += 1
@@ -124,14 +138,17 @@ def test_judge_move_scores_the_end_of_the_game_and_illegal_moves():
 # --- kuhn poker -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("history,cards,payoff", [
-    (("check", "check"), ("K", "J"), [1.0, -1.0]),
-    (("check", "check"), ("J", "Q"), [-1.0, 1.0]),
-    (("bet", "call"), ("Q", "K"), [-2.0, 2.0]),
-    (("bet", "fold"), ("J", "K"), [1.0, -1.0]),
-    (("check", "bet", "call"), ("K", "Q"), [2.0, -2.0]),
-    (("check", "bet", "fold"), ("K", "Q"), [-1.0, 1.0]),
-])
+@pytest.mark.parametrize(
+    "history,cards,payoff",
+    [
+        (("check", "check"), ("K", "J"), [1.0, -1.0]),
+        (("check", "check"), ("J", "Q"), [-1.0, 1.0]),
+        (("bet", "call"), ("Q", "K"), [-2.0, 2.0]),
+        (("bet", "fold"), ("J", "K"), [1.0, -1.0]),
+        (("check", "bet", "call"), ("K", "Q"), [2.0, -2.0]),
+        (("check", "bet", "fold"), ("K", "Q"), [-1.0, 1.0]),
+    ],
+)
 def test_kuhn_payoffs_are_zero_sum_chips(history, cards, payoff):
     s = KuhnState(cards)
     for action in history:
@@ -163,7 +180,9 @@ def test_kuhn_legal_moves_turns_and_hidden_cards():
 def test_kuhn_deals_from_the_episodes_generator_without_a_deal_in_the_prompt():
     deals = {KUHN.start("Kuhn poker", None, random.Random(i), {}).cards for i in range(200)}
     assert deals == {(a, b) for a in "JQK" for b in "JQK" if a != b}
-    assert KUHN.start("Kuhn poker", None, random.Random(7), {}) == KUHN.start("Kuhn poker", None, random.Random(7), {})
+    assert KUHN.start("Kuhn poker", None, random.Random(7), {}) == KUHN.start(
+        "Kuhn poker", None, random.Random(7), {}
+    )
     with pytest.raises(ValueError, match="deals one card twice"):
         KUHN.start("Kuhn poker: K vs K", None, RNG, {})
 
@@ -257,6 +276,8 @@ def test_the_game_prompts_are_reproducible_and_start_their_games():
         assert 3 <= stones <= 9 and label == str(stones % 4)
     for prompt, label in kuhn_prompts(30):
         s = KUHN.start(prompt, label, RNG, {})
-        assert label == ("first" if KUHN.outcome(KUHN.play(KUHN.play(s, 0, "check"), 1, "check"))[0] > 0 else "second")
-    for prompt, label in chain_prompts(30, ops="+-"):
+        assert label == (
+            "first" if KUHN.outcome(KUHN.play(KUHN.play(s, 0, "check"), 1, "check"))[0] > 0 else "second"
+        )
+    for _prompt, label in chain_prompts(30, ops="+-"):
         assert int(label) >= 0

@@ -27,8 +27,12 @@ from mrlx_plugin.runtime import get_runtime, runtime_for
 
 
 def _mrlx(**overrides):
-    mrlx = {"run_id": "hooks", "system": "pipeline", "pipeline": {"num_parallel": 2, "weighting": "none"},
-            "engine": {"max_retries": 1, "request_timeout_s": 5}}
+    mrlx = {
+        "run_id": "hooks",
+        "system": "pipeline",
+        "pipeline": {"num_parallel": 2, "weighting": "none"},
+        "engine": {"max_retries": 1, "request_timeout_s": 5},
+    }
     mrlx.update(overrides)
     return mrlx
 
@@ -55,11 +59,11 @@ GRADERS = {
     "async_defers": "@hookimpl\nasync def mrlx_grade(agent, transcript, episode):\n    return None\n",
     # an async implementation that answers for the solvers and defers for the others
     "async_answers": "@hookimpl\nasync def mrlx_grade(agent, transcript, episode):\n"
-                     "    await asyncio.sleep(0)\n    return 0.25 if agent == 'solver' else None\n",
+    "    await asyncio.sleep(0)\n    return 0.25 if agent == 'solver' else None\n",
     # a sync implementation that returns an awaitable (of a number, or of None: defer)
     "sync_awaitable": "async def _later(value):\n    await asyncio.sleep(0)\n    return value\n\n"
-                      "@hookimpl\ndef mrlx_grade(agent, transcript, episode):\n"
-                      "    return _later(0.25 if agent == 'solver' else None)\n",
+    "@hookimpl\ndef mrlx_grade(agent, transcript, episode):\n"
+    "    return _later(0.25 if agent == 'solver' else None)\n",
 }
 
 
@@ -72,13 +76,16 @@ def test_an_awaited_none_defers_to_the_next_grader(kind, stub_engine, tiny_model
     assert rewards["rewriter-0"] == rewards["rewriter-1"] == 1.0  # deferred: the default's grade
 
 
-def test_a_deferring_async_grader_hands_over_to_the_next_plugin(stub_engine, tiny_model_dir, tmp_path,
-                                                                monkeypatch):
+def test_a_deferring_async_grader_hands_over_to_the_next_plugin(
+    stub_engine, tiny_model_dir, tmp_path, monkeypatch
+):
     # pluggy asks the plugin registered last first: `late_defers`, then `early_half`, then the default
-    early = write_hook_module(tmp_path, monkeypatch, "early_half",
-                          "@hookimpl\ndef mrlx_grade(agent):\n    return 0.5\n")
-    late = write_hook_module(tmp_path, monkeypatch, "late_defers",
-                         "@hookimpl\nasync def mrlx_grade(agent):\n    return None\n")
+    early = write_hook_module(
+        tmp_path, monkeypatch, "early_half", "@hookimpl\ndef mrlx_grade(agent):\n    return 0.5\n"
+    )
+    late = write_hook_module(
+        tmp_path, monkeypatch, "late_defers", "@hookimpl\nasync def mrlx_grade(agent):\n    return None\n"
+    )
     rewards = _rewards(_episode(stub_engine, tiny_model_dir, plugins=[early, late]))
     assert set(rewards.values()) == {0.5}  # the selector earns the grade of the rewrite it picked
 
@@ -123,47 +130,72 @@ def test_plugins_are_asked_once_each_in_pluggys_call_order():
 
 
 def test_shaping_returns_rewards_by_transcript_position(stub_engine, tiny_model_dir, tmp_path, monkeypatch):
-    module = write_hook_module(tmp_path, monkeypatch, "shape_by_position", (
-        "@hookimpl\ndef mrlx_shape_rewards(episode, team_shaping):\n"
-        "    episode.metadata['team_shaping_seen'] = team_shaping\n"
-        "    return {i: 10.0 + i for i, t in enumerate(episode.transcripts) if t.raw_reward is not None}\n"))
+    module = write_hook_module(
+        tmp_path,
+        monkeypatch,
+        "shape_by_position",
+        (
+            "@hookimpl\ndef mrlx_shape_rewards(episode, team_shaping):\n"
+            "    episode.metadata['team_shaping_seen'] = team_shaping\n"
+            "    return {i: 10.0 + i for i, t in enumerate(episode.transcripts) if t.raw_reward is not "
+            "None}\n"
+        ),
+    )
     out = _episode(stub_engine, tiny_model_dir, plugins=[module])
     # the pipeline opens solver-0, solver-1, rewriter-0, rewriter-1, selector in that order
-    assert _rewards(out) == {"solver-0": 10.0, "solver-1": 11.0, "rewriter-0": 12.0, "rewriter-1": 13.0,
-                             "selector": 14.0}
+    assert _rewards(out) == {
+        "solver-0": 10.0,
+        "solver-1": 11.0,
+        "rewriter-0": 12.0,
+        "rewriter-1": 13.0,
+        "selector": 14.0,
+    }
     assert all(s.metadata["mrlx"]["raw_reward"] == 1.0 for s in out)  # raw rewards untouched
     assert out[0].metadata["mrlx"]["episode"]["team_shaping_seen"] is True  # the pipeline declares it
 
 
 def test_a_deferring_shaper_leaves_the_default(stub_engine, tiny_model_dir, tmp_path, monkeypatch):
-    module = write_hook_module(tmp_path, monkeypatch, "shape_defers",
-                           "@hookimpl\ndef mrlx_shape_rewards(episode, settings):\n    return None\n")
-    out = _episode(stub_engine, tiny_model_dir, plugins=[module],
-                   pipeline={"num_parallel": 2, "weighting": "offset"})
+    module = write_hook_module(
+        tmp_path,
+        monkeypatch,
+        "shape_defers",
+        "@hookimpl\ndef mrlx_shape_rewards(episode, settings):\n    return None\n",
+    )
+    out = _episode(
+        stub_engine, tiny_model_dir, plugins=[module], pipeline={"num_parallel": 2, "weighting": "offset"}
+    )
     assert list(_rewards(out).values()) == [pytest.approx(1.2)] * 5  # the default's team weighting
 
 
 BAD_SHAPES = {
     "the old contract": ("True", "returned True (bool)"),
     "a missing position": ("{0: 1.0}", "no reward for graded transcript(s) 1 (solver-1)"),
-    "an extra position": ("{**{i: 1.0 for i in range(5)}, 7: 1.0}",
-                          "positions [7] are not graded transcripts"),
+    "an extra position": (
+        "{**{i: 1.0 for i in range(5)}, 7: 1.0}",
+        "positions [7] are not graded transcripts",
+    ),
     # (a NaN alone ends its episode only: tests/faults/test_nonfinite_rewards.py)
-    "a NaN and a string": ("{i: (math.nan if i == 2 else '1.0') for i in range(5)}",
-                           "not finite numbers: 0: '1.0'"),
+    "a NaN and a string": (
+        "{i: (math.nan if i == 2 else '1.0') for i in range(5)}",
+        "not finite numbers: 0: '1.0'",
+    ),
     "a string": ("{i: '1.0' for i in range(5)}", "not finite numbers: 0: '1.0'"),
-    "labels as keys": ("{t.label: 1.0 for t in episode.transcripts}",
-                       "keys that are not positions: 'rewriter-0', "),
+    "labels as keys": (
+        "{t.label: 1.0 for t in episode.transcripts}",
+        "keys that are not positions: 'rewriter-0', ",
+    ),
 }
 
 
 @pytest.mark.parametrize("case", sorted(BAD_SHAPES))
-def test_a_wrong_shaping_answer_is_one_error_naming_the_plugin(case, stub_engine, tiny_model_dir, tmp_path,
-                                                               monkeypatch):
+def test_a_wrong_shaping_answer_is_one_error_naming_the_plugin(
+    case, stub_engine, tiny_model_dir, tmp_path, monkeypatch
+):
     body, message = BAD_SHAPES[case]
     name = "bad_shape_" + case.replace(" ", "_")
-    module = write_hook_module(tmp_path, monkeypatch, name,
-                           f"@hookimpl\ndef mrlx_shape_rewards(episode):\n    return {body}\n")
+    module = write_hook_module(
+        tmp_path, monkeypatch, name, f"@hookimpl\ndef mrlx_shape_rewards(episode):\n    return {body}\n"
+    )
     with pytest.raises(HookResultError) as info:
         _episode(stub_engine, tiny_model_dir, plugins=[module])
     text = str(info.value)
@@ -174,17 +206,37 @@ def test_a_wrong_shaping_answer_is_one_error_naming_the_plugin(case, stub_engine
 
 
 def test_a_system_registered_twice_names_both_plugins(tmp_path, monkeypatch):
-    quiet = write_hook_module(tmp_path, monkeypatch, "systems_none", "@hookimpl\ndef mrlx_register_systems():\n"
-                                                                  "    return None\n")
-    extra = write_hook_module(tmp_path, monkeypatch, "systems_extra", (
-        "async def solo(episode):\n    pass\n\n"
-        "@hookimpl\ndef mrlx_register_systems():\n    return {'solo': solo}\n"))
-    assert set(collect_systems(make_plugin_manager([quiet, extra]))) == {"pipeline", "dialogue", "game", "debate", "solo"}
-    twice = write_hook_module(tmp_path, monkeypatch, "systems_twice", (
-        "async def other(episode):\n    pass\n\n"
-        "@hookimpl\ndef mrlx_register_systems():\n    return {'pipeline': other}\n"))
-    with pytest.raises(ConfigError, match="'pipeline' is registered twice: by mrlx_plugin.defaults and by "
-                                          "systems_twice"):
+    quiet = write_hook_module(
+        tmp_path, monkeypatch, "systems_none", "@hookimpl\ndef mrlx_register_systems():\n    return None\n"
+    )
+    extra = write_hook_module(
+        tmp_path,
+        monkeypatch,
+        "systems_extra",
+        (
+            "async def solo(episode):\n    pass\n\n"
+            "@hookimpl\ndef mrlx_register_systems():\n    return {'solo': solo}\n"
+        ),
+    )
+    assert set(collect_systems(make_plugin_manager([quiet, extra]))) == {
+        "pipeline",
+        "dialogue",
+        "game",
+        "debate",
+        "solo",
+    }
+    twice = write_hook_module(
+        tmp_path,
+        monkeypatch,
+        "systems_twice",
+        (
+            "async def other(episode):\n    pass\n\n"
+            "@hookimpl\ndef mrlx_register_systems():\n    return {'pipeline': other}\n"
+        ),
+    )
+    with pytest.raises(
+        ConfigError, match="'pipeline' is registered twice: by mrlx_plugin.defaults and by systems_twice"
+    ):
         collect_systems(make_plugin_manager([quiet, twice]))
 
 
@@ -209,8 +261,10 @@ def test_peer_samples_need_an_open_step(tiny_model_dir):
     args = slime_args("http://127.0.0.1:9", str(tiny_model_dir), _mrlx())
     settings = runtime_for(args).settings
     outbox = PeerOutbox(settings, "job.yaml", ["b"])
-    with pytest.raises(ConfigError, match="job.yaml: .* samples for b.*--rollout-function-path "
-                                          "mrlx_plugin.rollout.initiator_rollout"):
+    with pytest.raises(
+        ConfigError,
+        match="job.yaml: .* samples for b.*--rollout-function-path mrlx_plugin.rollout.initiator_rollout",
+    ):
         outbox.add(0, "e0", {"b": []})
     outbox.open_step(3)
     outbox.add(0, "e0", {"b": []})
@@ -220,9 +274,15 @@ def test_peer_samples_need_an_open_step(tiny_model_dir):
 def test_a_hook_under_another_name_is_refused_at_start_up(tiny_model_dir, tmp_path, monkeypatch):
     # each plugin is asked alone through pm.subset_hook_caller, which leaves plugins out by the
     # hook's attribute name: a `specname` implementation could not be left out
-    module = write_hook_module(tmp_path, monkeypatch, "grade_by_specname",
-                           "@hookimpl(specname='mrlx_grade')\ndef my_grade(agent):\n    return 0.5\n")
+    module = write_hook_module(
+        tmp_path,
+        monkeypatch,
+        "grade_by_specname",
+        "@hookimpl(specname='mrlx_grade')\ndef my_grade(agent):\n    return 0.5\n",
+    )
     args = slime_args("http://127.0.0.1:9", str(tiny_model_dir), _mrlx(plugins=[module]))
-    with pytest.raises(ConfigError,
-                       match="grade_by_specname: implements mrlx_grade as 'my_grade' .* name the function mrlx_grade"):
+    with pytest.raises(
+        ConfigError,
+        match="grade_by_specname: implements mrlx_grade as 'my_grade' .* name the function mrlx_grade",
+    ):
         runtime_for(args)

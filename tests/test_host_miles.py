@@ -74,7 +74,8 @@ class Run:
     def explain(self) -> str:
         error = self.error or {}
         return (
-            f"exit {self.proc.returncode}; {error.get('phase')}: {error.get('type')}: {error.get('message')}\n"
+            f"exit {self.proc.returncode}; {error.get('phase')}: {error.get('type')}: "
+            f"{error.get('message')}\n"
             f"{error.get('traceback', '')}\n--- driver output (tail) ---\n{self.output[-4000:]}"
         )
 
@@ -113,7 +114,7 @@ def run_miles(
     host, port = engine_url.removeprefix("http://").rsplit(":", 1)
     argv = [sys.executable, str(DRIVER), "--hf-checkpoint", str(tokenizer)]
     argv += ["--sglang-router-ip", host, "--sglang-router-port", port]
-    argv += ["--prompt-data", str(prompts), *"--input-key prompt --label-key label".split()]
+    argv += ["--prompt-data", str(prompts), "--input-key", "prompt", "--label-key", "label"]
     argv += ["--custom-generate-function-path", "mrlx_plugin.rollout.generate"]
     argv += ["--custom-reward-post-process-path", "mrlx_plugin.rollout.normalize"]
     argv += ["--custom-rollout-log-function-path", "mrlx_plugin.rollout.log_rollout"]
@@ -131,14 +132,24 @@ def run_miles(
         TOKENIZERS_PARALLELISM="false",
         **(env or {}),
     )
-    proc = subprocess.run(argv, check=False, env=penv, capture_output=True, text=True, timeout=timeout,
-                          cwd=tmp_path)
+    proc = subprocess.run(
+        argv, check=False, env=penv, capture_output=True, text=True, timeout=timeout, cwd=tmp_path
+    )
     report = json.loads(result.read_text()) if result.exists() else None
     lines = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
     return Run(proc, report, lines)
 
 
-BATCH = "--rollout-batch-size 2 --n-samples-per-prompt 2 --global-batch-size 4 --micro-batch-size 1".split()
+BATCH = [
+    "--rollout-batch-size",
+    "2",
+    "--n-samples-per-prompt",
+    "2",
+    "--global-batch-size",
+    "4",
+    "--micro-batch-size",
+    "1",
+]
 
 
 def _assert_pipeline_steps(run: Run, steps: int) -> None:
@@ -237,11 +248,22 @@ def test_abort_stops_dialogues_between_turns(tmp_path, slow_engine, tiny_model_d
         "dialogue": {"max_turns": 6},
         "engine": {"abort_retry_wait_s": RETRY_WAIT_S},
     }
-    batch = "--rollout-batch-size 2 --n-samples-per-prompt 2 --over-sampling-batch-size 4 --global-batch-size 4"
+    batch = (
+        "--rollout-batch-size 2 --n-samples-per-prompt 2 --over-sampling-batch-size 4 --global-batch-size 4"
+    )
     concurrency = "--sglang-server-concurrency 4 --rollout-max-response-len 1024"
     legacy_env = {"MILES_USE_LEGACY_ROLLOUT_V1": "1"} if legacy else None
-    run = run_miles(tmp_path, slow_engine.url, tiny_model_dir, config, *batch.split(), *concurrency.split(),
-                    dp=1, stub_stats=True, env=legacy_env)
+    run = run_miles(
+        tmp_path,
+        slow_engine.url,
+        tiny_model_dir,
+        config,
+        *batch.split(),
+        *concurrency.split(),
+        dp=1,
+        stub_stats=True,
+        env=legacy_env,
+    )
     run.assert_ok()
     [step] = run.steps
     assert step["samples"] == 8 and step["samples_per_rollout"] == [2] * 4, step  # doctor + patient
@@ -251,7 +273,8 @@ def test_abort_stops_dialogues_between_turns(tmp_path, slow_engine, tiny_model_d
     assert aborted["pending_groups"] == 2 and running >= 1, aborted  # dialogues under way at the abort
     new_requests = drained["generate"] - aborted["generate"]
     assert new_requests <= running, (
-        f"{new_requests} /generate requests after state.aborted was set ({running} generate calls were running, "
+        f"{new_requests} /generate requests after state.aborted was set ({running} generate calls were "
+        "running, "
         f"{aborted['pending']} requests in flight)"
     )
     seconds = drained["t"] - aborted["t"]
@@ -295,7 +318,9 @@ def test_class_based_default_rollout(tmp_path, stub_engine, tiny_model_dir):
 def test_legacy_v1_rollout(tmp_path, stub_engine, tiny_model_dir):
     """`MILES_USE_LEGACY_ROLLOUT_V1=1`: the function-based rollout (a GenerateState singleton)."""
     legacy_env = {"MILES_USE_LEGACY_ROLLOUT_V1": "1"}
-    run = run_miles(tmp_path, stub_engine.url, tiny_model_dir, PIPELINE, *BATCH, num_rollout=2, env=legacy_env)
+    run = run_miles(
+        tmp_path, stub_engine.url, tiny_model_dir, PIPELINE, *BATCH, num_rollout=2, env=legacy_env
+    )
     run.assert_ok()
     assert run.result["args"]["rollout_function_path"] == LEGACY
     assert not run.result["args"]["has_mrlx_config_flag"]  # Miles calls no add_arguments on this path
@@ -306,7 +331,9 @@ def test_legacy_v1_rollout(tmp_path, stub_engine, tiny_model_dir):
 @pytest.mark.slow
 def test_fully_async_rollout(tmp_path, stub_engine, tiny_model_dir):
     """`--fully-async`: generation runs on across steps; each step drains finished groups."""
-    run = run_miles(tmp_path, stub_engine.url, tiny_model_dir, PIPELINE, *BATCH, "--fully-async", num_rollout=2)
+    run = run_miles(
+        tmp_path, stub_engine.url, tiny_model_dir, PIPELINE, *BATCH, "--fully-async", num_rollout=2
+    )
     run.assert_ok()
     assert run.result["args"]["rollout_function_path"] == FULLY_ASYNC
     _assert_pipeline_steps(run, 2)
@@ -335,8 +362,9 @@ def test_multi_model_refuses_fully_async(tmp_path, stub_engine, tiny_model_dir):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("legacy", [False, True], ids=["class-based", "legacy-v1"])
-def test_initiator_rollout_runs_miles_default_rollout_and_hands_b_its_groups(tmp_path, tiny_model_dir, logs_dir,
-                                                                             start_coordinator, legacy):
+def test_initiator_rollout_runs_miles_default_rollout_and_hands_b_its_groups(
+    tmp_path, tiny_model_dir, logs_dir, start_coordinator, legacy
+):
     """A multi-model job A on Miles: `initiator_rollout` (behind Miles' legacy rollout adapter) runs
     Miles' current default rollout (class-based InferenceRolloutFn, or the v1 function under
     MILES_USE_LEGACY_ROLLOUT_V1=1); A's step splits, and B's samples of the groups A kept reach a
@@ -349,16 +377,34 @@ def test_initiator_rollout_runs_miles_default_rollout_and_hands_b_its_groups(tmp
     engine_b = start_stub_engine(log_dir=logs_dir, name="stub-miles-b")
     coord = start_coordinator(run_id="miles-mm", agents=("a", "b"))
     try:
-        config = two_job_config("a", run_id="miles-mm", urls={"b": engine_b.url}, coordinator=coord.url,
-                                coordinator_settings={"max_staleness": 1}, dialogue={"first": "a", "max_turns": 2})
+        config = two_job_config(
+            "a",
+            run_id="miles-mm",
+            urls={"b": engine_b.url},
+            coordinator=coord.url,
+            coordinator_settings={"max_staleness": 1},
+            dialogue={"first": "a", "max_turns": 2},
+        )
         env = {**coord.env, **({"MILES_USE_LEGACY_ROLLOUT_V1": "1"} if legacy else {})}
-        run = run_miles(tmp_path, engine_a.url, tiny_model_dir, config, *BATCH,
-                        "--rollout-function-path", "mrlx_plugin.rollout.initiator_rollout",
-                        "--rollout-max-response-len", "512", env=env)  # room for B's turn after A's
+        run = run_miles(
+            tmp_path,
+            engine_a.url,
+            tiny_model_dir,
+            config,
+            *BATCH,
+            "--rollout-function-path",
+            "mrlx_plugin.rollout.initiator_rollout",
+            "--rollout-max-response-len",
+            "512",
+            env=env,
+        )  # room for B's turn after A's
         run.assert_ok()
         (step,) = run.steps
         assert step["samples"] == 4 and step["rank_sizes"] == [2, 2], step
-        assert (_stats(engine_a.url)["generate"], _stats(engine_b.url)["generate"]) == (4, 4), (step, run.explain())
+        assert (_stats(engine_a.url)["generate"], _stats(engine_b.url)["generate"]) == (4, 4), (
+            step,
+            run.explain(),
+        )
         status, _, body = coord.http("GET", "/v1/runs/miles-mm/queues/b")
         queue = json.loads(body)
         assert status == 200 and queue["queued_items"] == 4 and queue["ready_groups"] == 2, queue
@@ -373,9 +419,14 @@ def test_per_turn_credit_with_tree_sampling_through_miles(tmp_path, stub_engine,
     """Miles' class-based default rollout with per-turn credit and two candidates per turn: each
     dialogue episode (two agents, two turns each) returns 8 samples, every step splits evenly over
     two ranks, and the branch metric reaches Miles' rollout log."""
-    config = {"run_id": "miles-credit", "system": "dialogue",
-              "agents": {"a": {"url": "self"}, "b": {"url": "self"}}, "dialogue": {"max_turns": 4},
-              "rewards": {"credit": "turn", "branch": 2}, "engine": {"sampling_seed": 5}}
+    config = {
+        "run_id": "miles-credit",
+        "system": "dialogue",
+        "agents": {"a": {"url": "self"}, "b": {"url": "self"}},
+        "dialogue": {"max_turns": 4},
+        "rewards": {"credit": "turn", "branch": 2},
+        "engine": {"sampling_seed": 5},
+    }
     run = run_miles(tmp_path, stub_engine.url, tiny_model_dir, config, *BATCH)
     run.assert_ok()
     (step,) = run.steps

@@ -26,8 +26,12 @@ REPO = Path(__file__).resolve().parent.parent
 HOSTS = REPO / "tests" / "hosts"
 DRIVER = HOSTS / "slime" / "train.py"
 PROMPTS = [{"prompt": "What is 40 + 2?", "label": "42"}, {"prompt": "What is 6 * 7?", "label": "42"}]
-PIPELINE = {"run_id": "slime-fake", "system": "pipeline", "pipeline": {"num_parallel": 2},
-            "agents": {"solver": {"url": "self"}, "rewriter": {"url": "self"}, "selector": {"url": "self"}}}
+PIPELINE = {
+    "run_id": "slime-fake",
+    "system": "pipeline",
+    "pipeline": {"num_parallel": 2},
+    "agents": {"solver": {"url": "self"}, "rewriter": {"url": "self"}, "selector": {"url": "self"}},
+}
 FAN_OUT = 5  # 2 solvers, 2 rewriters, 1 selector
 FULLY_ASYNC = "slime.rollout.fully_async_rollout.generate_rollout_fully_async"
 
@@ -83,29 +87,65 @@ def slime_command(tmp_path: Path, tokenizer: Path, router_url: str, mrlx: dict[s
     log_file.unlink(missing_ok=True)
     ip, port = _host_port(router_url)
     argv = [
-        sys.executable, str(DRIVER),
-        "--hf-checkpoint", str(tokenizer), "--sglang-router-ip", ip, "--sglang-router-port", port,
-        "--prompt-data", str(prompts), "--input-key", "prompt", "--label-key", "label",
-        "--rollout-max-response-len", "512",
-        "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "2", "--fake-dp-size", "2",
-        "--custom-generate-function-path", "mrlx_plugin.rollout.generate",
-        "--custom-reward-post-process-path", "mrlx_plugin.rollout.normalize",
-        "--custom-rollout-log-function-path", "mrlx_plugin.rollout.log_rollout",
-        "--custom-config-path", str(config),
-        "--fake-result", str(result_file), *flags,
+        sys.executable,
+        str(DRIVER),
+        "--hf-checkpoint",
+        str(tokenizer),
+        "--sglang-router-ip",
+        ip,
+        "--sglang-router-port",
+        port,
+        "--prompt-data",
+        str(prompts),
+        "--input-key",
+        "prompt",
+        "--label-key",
+        "label",
+        "--rollout-max-response-len",
+        "512",
+        "--actor-num-nodes",
+        "1",
+        "--actor-num-gpus-per-node",
+        "2",
+        "--fake-dp-size",
+        "2",
+        "--custom-generate-function-path",
+        "mrlx_plugin.rollout.generate",
+        "--custom-reward-post-process-path",
+        "mrlx_plugin.rollout.normalize",
+        "--custom-rollout-log-function-path",
+        "mrlx_plugin.rollout.log_rollout",
+        "--custom-config-path",
+        str(config),
+        "--fake-result",
+        str(result_file),
+        *flags,
     ]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HOSTS / "slime"), str(HOSTS), str(REPO)]),
-               FAKE_HOST_LOG=str(log_file), PYTHONUNBUFFERED="1")
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(HOSTS / "slime"), str(HOSTS), str(REPO)]),
+        FAKE_HOST_LOG=str(log_file),
+        PYTHONUNBUFFERED="1",
+    )
     return argv, env, result_file, log_file
 
 
-def run_slime(tmp_path: Path, tokenizer: Path, router_url: str, mrlx: dict[str, Any], *flags: str,
-              timeout: float = 120) -> Run:
+def run_slime(
+    tmp_path: Path, tokenizer: Path, router_url: str, mrlx: dict[str, Any], *flags: str, timeout: float = 120
+) -> Run:
     """Run the driver to its end and read what it reported."""
     argv, env, result_file, log_file = slime_command(tmp_path, tokenizer, router_url, mrlx, *flags)
     try:
-        proc = subprocess.run(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, timeout=timeout, check=False)
+        proc = subprocess.run(
+            argv,
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"the fake slime did not finish within {timeout:.0f} s:\n{(exc.stdout or '')[-4000:]}")
     assert result_file.exists(), f"the driver wrote no result (rc={proc.returncode}):\n{proc.stdout[-4000:]}"
@@ -125,9 +165,22 @@ def test_aborted_episode_keeps_its_fan_out_and_the_step_splits(tmp_path, tiny_mo
     """4 pipeline episodes per step, one failed by the engine: 20 samples (5 ABORTED), split 10/10."""
     _faults(stub_engine.url, "http500", 1)
     mrlx = {**PIPELINE, "engine": {"max_retries": 0}}
-    run = run_slime(tmp_path, tiny_model_dir, stub_engine.url, mrlx,
-                    "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--global-batch-size", "4",
-                    "--micro-batch-size", "1", "--num-rollout", "1")
+    run = run_slime(
+        tmp_path,
+        tiny_model_dir,
+        stub_engine.url,
+        mrlx,
+        "--rollout-batch-size",
+        "2",
+        "--n-samples-per-prompt",
+        "2",
+        "--global-batch-size",
+        "4",
+        "--micro-batch-size",
+        "1",
+        "--num-rollout",
+        "1",
+    )
     assert _stats(stub_engine.url)["faults_served"] == 1
     assert not run.errors and run.proc.returncode == 0, run.explain()
     (step,) = run.steps
@@ -145,8 +198,18 @@ def test_aborted_episode_keeps_its_fan_out_and_the_step_splits(tmp_path, tiny_mo
 @pytest.mark.slow
 def test_unsplittable_batch_settings_are_refused_at_start_up(tmp_path, tiny_model_dir, stub_engine):
     """Fan-out 5, one episode per step, fixed micro-batches of 1, dp 2: no step can ever split."""
-    flags = ["--rollout-batch-size", "1", "--n-samples-per-prompt", "1", "--global-batch-size", "1",
-             "--micro-batch-size", "1", "--num-rollout", "1"]
+    flags = [
+        "--rollout-batch-size",
+        "1",
+        "--n-samples-per-prompt",
+        "1",
+        "--global-batch-size",
+        "1",
+        "--micro-batch-size",
+        "1",
+        "--num-rollout",
+        "1",
+    ]
     run = run_slime(tmp_path, tiny_model_dir, stub_engine.url, PIPELINE, *flags)
     assert run.proc.returncode != 0 and not run.steps, run.explain()
     assert len(run.errors) == 1, run.explain()
@@ -155,8 +218,16 @@ def test_unsplittable_batch_settings_are_refused_at_start_up(tmp_path, tiny_mode
     assert "--micro-batch-size" in error["message"] and "--use-dynamic-batch-size" in error["message"], error
     assert _stats(stub_engine.url)["generate"] == 0, "refused only after episodes had run"
 
-    run = run_slime(tmp_path, tiny_model_dir, stub_engine.url, PIPELINE, *flags,
-                    "--use-dynamic-batch-size", "--max-tokens-per-gpu", "4096")
+    run = run_slime(
+        tmp_path,
+        tiny_model_dir,
+        stub_engine.url,
+        PIPELINE,
+        *flags,
+        "--use-dynamic-batch-size",
+        "--max-tokens-per-gpu",
+        "4096",
+    )
     assert not run.errors and run.proc.returncode == 0, run.explain()
     (step,) = run.steps
     assert step["num_samples"] == FAN_OUT and sum(step["rank_sizes"]) == FAN_OUT, step
@@ -164,22 +235,47 @@ def test_unsplittable_batch_settings_are_refused_at_start_up(tmp_path, tiny_mode
 
 
 @pytest.mark.slow
-def test_eval_and_rollout_metrics_reach_the_hosts_logger_under_its_step_keys(tmp_path, tiny_model_dir,
-                                                                             stub_engine):
+def test_eval_and_rollout_metrics_reach_the_hosts_logger_under_its_step_keys(
+    tmp_path, tiny_model_dir, stub_engine
+):
     eval_prompts = tmp_path / "eval.jsonl"
     eval_prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
-    run = run_slime(tmp_path, tiny_model_dir, stub_engine.url, PIPELINE,
-                    "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--global-batch-size", "4",
-                    "--micro-batch-size", "1", "--num-rollout", "1",
-                    "--eval-interval", "1", "--eval-prompt-data", "arith", str(eval_prompts),
-                    "--custom-eval-rollout-log-function-path", "mrlx_plugin.rollout.log_eval_rollout")
+    run = run_slime(
+        tmp_path,
+        tiny_model_dir,
+        stub_engine.url,
+        PIPELINE,
+        "--rollout-batch-size",
+        "2",
+        "--n-samples-per-prompt",
+        "2",
+        "--global-batch-size",
+        "4",
+        "--micro-batch-size",
+        "1",
+        "--num-rollout",
+        "1",
+        "--eval-interval",
+        "1",
+        "--eval-prompt-data",
+        "arith",
+        str(eval_prompts),
+        "--custom-eval-rollout-log-function-path",
+        "mrlx_plugin.rollout.log_eval_rollout",
+    )
     assert not run.errors and run.proc.returncode == 0, run.explain()
     assert [e["rollout_id"] for e in run.result["evals"]] == [0, 0]  # before training, and after step 0
-    assert {line["step_key"] for line in run.log} <= {"eval/step", "rollout/step"}, \
-        f"metrics logged under a step key slime does not plot: {sorted({l['step_key'] for l in run.log})}"
+    assert {line["step_key"] for line in run.log} <= {"eval/step", "rollout/step"}, (
+        "metrics logged under a step key slime does not plot: "
+        f"{sorted({line['step_key'] for line in run.log})}"
+    )
 
-    evals = [line["metrics"] for line in run.log if line["step_key"] == "eval/step"
-             and any(k.startswith("eval/arith/multi_agent/") for k in line["metrics"])]
+    evals = [
+        line["metrics"]
+        for line in run.log
+        if line["step_key"] == "eval/step"
+        and any(k.startswith("eval/arith/multi_agent/") for k in line["metrics"])
+    ]
     assert len(evals) == 2, run.log
     for metrics in evals:
         assert metrics["eval/step"] == 0
@@ -208,15 +304,36 @@ def test_no_turn_starts_after_the_host_aborts_the_rollout(tmp_path, tiny_model_d
     own = start_stub_engine(log_dir=logs_dir, name="slime-fake-own", extra=slow)
     peer = start_stub_engine(log_dir=logs_dir, name="slime-fake-peer", extra=slow)
     try:
-        mrlx = {"run_id": "slime-fake", "system": "dialogue",
-                "agents": {"doctor": {"url": "self"}, "patient": {"url": peer.url, "trainable": False}},
-                "dialogue": {"first": "patient", "max_turns": 4}}
-        run = run_slime(tmp_path, tiny_model_dir, own.url, mrlx,
-                        "--rollout-batch-size", "2", "--n-samples-per-prompt", "1",
-                        "--global-batch-size", "2", "--over-sampling-batch-size", "6",
-                        "--sglang-server-concurrency", "2",
-                        "--micro-batch-size", "1", "--num-rollout", "2",
-                        "--fake-probe-url", own.url, "--fake-probe-url", peer.url)
+        mrlx = {
+            "run_id": "slime-fake",
+            "system": "dialogue",
+            "agents": {"doctor": {"url": "self"}, "patient": {"url": peer.url, "trainable": False}},
+            "dialogue": {"first": "patient", "max_turns": 4},
+        }
+        run = run_slime(
+            tmp_path,
+            tiny_model_dir,
+            own.url,
+            mrlx,
+            "--rollout-batch-size",
+            "2",
+            "--n-samples-per-prompt",
+            "1",
+            "--global-batch-size",
+            "2",
+            "--over-sampling-batch-size",
+            "6",
+            "--sglang-server-concurrency",
+            "2",
+            "--micro-batch-size",
+            "1",
+            "--num-rollout",
+            "2",
+            "--fake-probe-url",
+            own.url,
+            "--fake-probe-url",
+            peer.url,
+        )
     finally:
         own.stop()
         peer.stop()
@@ -249,21 +366,42 @@ def test_fully_async_rollout_is_refused_by_name(tmp_path, tiny_model_dir, stub_e
     refuses the mode at its first call, before any engine call. That call runs in slime's
     background worker, which logs a failed task and goes on waiting (it never ends the job), so
     the refusal shows in the job's log, once per prompt group it tries."""
-    argv, env, _, _ = slime_command(tmp_path, tiny_model_dir, stub_engine.url, PIPELINE,
-                                    "--rollout-function-path", FULLY_ASYNC, "--sglang-server-concurrency", "4",
-                                    "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
-                                    "--global-batch-size", "4", "--micro-batch-size", "1", "--num-rollout", "1")
+    argv, env, _, _ = slime_command(
+        tmp_path,
+        tiny_model_dir,
+        stub_engine.url,
+        PIPELINE,
+        "--rollout-function-path",
+        FULLY_ASYNC,
+        "--sglang-server-concurrency",
+        "4",
+        "--rollout-batch-size",
+        "2",
+        "--n-samples-per-prompt",
+        "2",
+        "--global-batch-size",
+        "4",
+        "--micro-batch-size",
+        "1",
+        "--num-rollout",
+        "1",
+    )
     log_path = tmp_path / "driver.log"
     with open(log_path, "wb") as out:
         proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+
         def refused() -> bool:
             text = log_path.read_text(errors="replace")
             assert "slime#2344" in text or proc.poll() is None, text[-4000:]  # the job died without it
             return "slime#2344" in text
 
         try:
-            wait_until(refused, 90, what="the refusal in the job's log",
-                       details=lambda: log_path.read_text(errors="replace")[-4000:])
+            wait_until(
+                refused,
+                90,
+                what="the refusal in the job's log",
+                details=lambda: log_path.read_text(errors="replace")[-4000:],
+            )
         finally:
             proc.kill()
             proc.wait(10)
@@ -276,9 +414,24 @@ def test_fully_async_rollout_is_refused_by_name(tmp_path, tiny_model_dir, stub_e
 def test_top_p_training_path_is_refused_by_name(tmp_path, tiny_model_dir, stub_engine):
     """With --rollout-top-p below 1 slime's train-data conversion asserts that every sample carries
     its sampled top-p token sets, which mrlx episodes do not record."""
-    run = run_slime(tmp_path, tiny_model_dir, stub_engine.url, PIPELINE, "--rollout-top-p", "0.9",
-                    "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--global-batch-size", "4",
-                    "--micro-batch-size", "1", "--num-rollout", "1")
+    run = run_slime(
+        tmp_path,
+        tiny_model_dir,
+        stub_engine.url,
+        PIPELINE,
+        "--rollout-top-p",
+        "0.9",
+        "--rollout-batch-size",
+        "2",
+        "--n-samples-per-prompt",
+        "2",
+        "--global-batch-size",
+        "4",
+        "--micro-batch-size",
+        "1",
+        "--num-rollout",
+        "1",
+    )
     _refused(run, stub_engine.url, "--rollout-top-p 0.9", "rollout_top_p_token_ids")
 
 
@@ -297,14 +450,34 @@ def _initiator_step(tmp_path, tiny_model_dir, logs_dir, start_coordinator, run_i
     engine_b = start_stub_engine(log_dir=logs_dir, name=f"stub-{run_id}-b")
     coord = start_coordinator(run_id=run_id, agents=("a", "b"))
     try:
-        mrlx = two_job_config("a", run_id=run_id, urls={"b": engine_b.url}, coordinator=coord.url,
-                              coordinator_settings={"max_staleness": 1}, **sections)
+        mrlx = two_job_config(
+            "a",
+            run_id=run_id,
+            urls={"b": engine_b.url},
+            coordinator=coord.url,
+            coordinator_settings={"max_staleness": 1},
+            **sections,
+        )
         os.environ[TOKEN_ENV] = coord.token
         try:
-            run = run_slime(tmp_path, tiny_model_dir, engine_a.url, mrlx,
-                            "--rollout-function-path", "mrlx_plugin.rollout.initiator_rollout",
-                            "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--global-batch-size", "4",
-                            "--micro-batch-size", "1", "--num-rollout", "1")
+            run = run_slime(
+                tmp_path,
+                tiny_model_dir,
+                engine_a.url,
+                mrlx,
+                "--rollout-function-path",
+                "mrlx_plugin.rollout.initiator_rollout",
+                "--rollout-batch-size",
+                "2",
+                "--n-samples-per-prompt",
+                "2",
+                "--global-batch-size",
+                "4",
+                "--micro-batch-size",
+                "1",
+                "--num-rollout",
+                "1",
+            )
         finally:
             os.environ.pop(TOKEN_ENV, None)
         status, _, body = coord.http("GET", f"/v1/runs/{run_id}/queues/b")
@@ -317,17 +490,26 @@ def _initiator_step(tmp_path, tiny_model_dir, logs_dir, start_coordinator, run_i
 
 
 @pytest.mark.slow
-def test_initiator_rollout_runs_slimes_default_rollout_and_hands_b_its_groups(tmp_path, tiny_model_dir, logs_dir,
-                                                                              start_coordinator):
+def test_initiator_rollout_runs_slimes_default_rollout_and_hands_b_its_groups(
+    tmp_path, tiny_model_dir, logs_dir, start_coordinator
+):
     """A multi-model job A in slime's synchronous loop: its rollout function wraps slime's default
     rollout; A's step (one sample per dialogue episode) splits, and B's samples of the groups A
     kept reach a real coordinator, one group per prompt group, whole."""
-    run, queue, b_calls = _initiator_step(tmp_path, tiny_model_dir, logs_dir, start_coordinator, "slime-mm",
-                                          dialogue={"first": "a", "max_turns": 2})
+    run, queue, b_calls = _initiator_step(
+        tmp_path,
+        tiny_model_dir,
+        logs_dir,
+        start_coordinator,
+        "slime-mm",
+        dialogue={"first": "a", "max_turns": 2},
+    )
     assert not run.errors and run.proc.returncode == 0, run.explain()
     (step,) = run.steps
     assert step["num_samples"] == 4 and step["rank_sizes"] == [2, 2], step
-    assert queue["queued_items"] == 4 and queue["ready_groups"] == 2, queue  # two prompt groups of two episodes
+    assert queue["queued_items"] == 4 and queue["ready_groups"] == 2, (
+        queue
+    )  # two prompt groups of two episodes
     assert b_calls == 4  # B spoke once in each of the 4 episodes
 
 
@@ -336,14 +518,30 @@ def test_per_turn_samples_and_tree_candidates_keep_the_step_splittable(tmp_path,
     """Per-turn credit with two candidates per turn, through slime's rollout manager: each dialogue
     episode (two agents, two turns each) returns 2 x 2 x 2 samples under its input's rollout id,
     an episode stopped after its first round its fillers too, and the step splits evenly."""
-    mrlx = {"run_id": "slime-credit", "system": "dialogue",
-            "agents": {"a": {"url": "self"}, "b": {"url": "self"}},
-            "dialogue": {"max_turns": 4, "stop_patterns": {"b": "Judgment"}},
-            "rewards": {"credit": "turn", "branch": 2, "gamma": 0.9},
-            "engine": {"sampling_seed": 3}}
-    run = run_slime(tmp_path, tiny_model_dir, stub_engine.url, mrlx,
-                    "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--global-batch-size", "4",
-                    "--micro-batch-size", "1", "--num-rollout", "1")
+    mrlx = {
+        "run_id": "slime-credit",
+        "system": "dialogue",
+        "agents": {"a": {"url": "self"}, "b": {"url": "self"}},
+        "dialogue": {"max_turns": 4, "stop_patterns": {"b": "Judgment"}},
+        "rewards": {"credit": "turn", "branch": 2, "gamma": 0.9},
+        "engine": {"sampling_seed": 3},
+    }
+    run = run_slime(
+        tmp_path,
+        tiny_model_dir,
+        stub_engine.url,
+        mrlx,
+        "--rollout-batch-size",
+        "2",
+        "--n-samples-per-prompt",
+        "2",
+        "--global-batch-size",
+        "4",
+        "--micro-batch-size",
+        "1",
+        "--num-rollout",
+        "1",
+    )
     assert not run.errors and run.proc.returncode == 0, run.explain()
     (step,) = run.steps
     assert step["num_samples"] == 4 * 8 and step["rank_sizes"] == [16, 16], step
@@ -355,14 +553,21 @@ def test_per_turn_samples_and_tree_candidates_keep_the_step_splittable(tmp_path,
 
 
 @pytest.mark.slow
-def test_per_turn_samples_of_a_peer_agent_reach_its_queue_whole(tmp_path, tiny_model_dir, logs_dir,
-                                                                 start_coordinator):
+def test_per_turn_samples_of_a_peer_agent_reach_its_queue_whole(
+    tmp_path, tiny_model_dir, logs_dir, start_coordinator
+):
     """Per-turn credit in a multi-model run: job A's step holds A's two turns of each episode, and
     B's two turns per episode go to B's queue, each prompt group whole (the responder expects the
     same fan-out x turns)."""
-    run, queue, b_calls = _initiator_step(tmp_path, tiny_model_dir, logs_dir, start_coordinator, "slime-credit-mm",
-                                          dialogue={"first": "a", "max_turns": 4},
-                                          rewards={"credit": "turn", "gamma": 0.5})
+    run, queue, b_calls = _initiator_step(
+        tmp_path,
+        tiny_model_dir,
+        logs_dir,
+        start_coordinator,
+        "slime-credit-mm",
+        dialogue={"first": "a", "max_turns": 4},
+        rewards={"credit": "turn", "gamma": 0.5},
+    )
     assert not run.errors and run.proc.returncode == 0, run.explain()
     (step,) = run.steps
     assert step["num_samples"] == 8 and step["rank_sizes"] == [4, 4], step

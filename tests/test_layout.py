@@ -80,7 +80,9 @@ def test_dependencies_point_one_way():
             if theirs == mine:
                 continue
             short = dep.split(".", 1)[1] if dep.startswith("mrlx_plugin.") else dep
-            if theirs not in ALLOWED[mine] and not any(short == a or short.startswith(a + ".") for a in ALLOWED[mine]):
+            if theirs not in ALLOWED[mine] and not any(
+                short == a or short.startswith(a + ".") for a in ALLOWED[mine]
+            ):
                 wrong.append(f"{module} ({mine}) imports {dep} ({theirs})")
     assert not wrong, "imports against the layering:\n" + "\n".join(sorted(wrong))
 
@@ -96,7 +98,7 @@ def test_no_import_circle():
         stack.append(node)
         for dep in sorted(graph[node]):
             if state.get(dep) == 1:
-                circles.append(stack[stack.index(dep):] + [dep])
+                circles.append(stack[stack.index(dep) :] + [dep])
             elif dep not in state:
                 visit(dep)
         stack.pop()
@@ -109,8 +111,11 @@ def test_no_import_circle():
 
 
 def test_every_module_says_what_it_owns():
-    missing = [str(p.relative_to(ROOT)) for p in _modules().values()
-               if not (ast.get_docstring(ast.parse(p.read_text())) or "").strip()]
+    missing = [
+        str(p.relative_to(ROOT))
+        for p in _modules().values()
+        if not (ast.get_docstring(ast.parse(p.read_text())) or "").strip()
+    ]
     assert not missing, f"modules without a docstring: {missing}"
 
 

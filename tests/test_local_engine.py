@@ -108,8 +108,8 @@ def test_tokenizer_round_trips_any_text_and_has_chatml(tok):
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}]
     rendered = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
     assert (
-        rendered
-        == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"
+        rendered == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n"
+        "<|im_start|>assistant\n"
     )
     longer = msgs + [{"role": "assistant", "content": "4"}]
     assert tok.apply_chat_template(longer, tokenize=False).startswith(
@@ -332,7 +332,9 @@ def test_pause_aborts_inflight_and_holds_new_requests_until_continue(eng):
         assert call(eng.url + "/pause_generation", {"mode": "abort"})[0] == 200
         assert inflight.result(timeout=30)["meta_info"]["finish_reason"]["type"] == "abort"
         held = pool.submit(generate, eng.url, PROMPT, max_new_tokens=2, temperature=0)
-        wait_until(lambda: loads(eng.url)["num_waiting_reqs"] >= 1, 30, what="the engine to hold the new request")
+        wait_until(
+            lambda: loads(eng.url)["num_waiting_reqs"] >= 1, 30, what="the engine to hold the new request"
+        )
         assert not held.done()
         assert call(eng.url + "/continue_generation", {})[0] == 200
         assert held.result(timeout=30)["meta_info"]["finish_reason"]["type"] == "length"
@@ -434,8 +436,13 @@ def test_non_json_body_gets_400(eng):
 def test_nulls_mean_defaults_and_unknown_top_level_keys_are_ignored(eng):
     # As in SGLang: slime sends `stop_token_ids: null`; a top-level key the engine does not know
     # is ignored, an unknown sampling parameter is refused (test above).
-    body = {"input_ids": PROMPT, "return_logprob": True, "rid": None, "some_future_field": {"x": 1},
-            "sampling_params": {"max_new_tokens": 3, "temperature": 0, "stop_token_ids": None, "top_k": None}}
+    body = {
+        "input_ids": PROMPT,
+        "return_logprob": True,
+        "rid": None,
+        "some_future_field": {"x": 1},
+        "sampling_params": {"max_new_tokens": 3, "temperature": 0, "stop_token_ids": None, "top_k": None},
+    }
     status, resp = call(eng.url + "/generate", body)
     assert status == 200, resp
     assert out_ids(resp) == out_ids(generate(eng.url, PROMPT, max_new_tokens=3, temperature=0))
@@ -498,10 +505,16 @@ def test_push_weights_waits_for_an_engine_that_comes_up(tmp_path, logs_dir):
     with pytest.raises(RuntimeError, match="did not take the weights"):
         push_weights([url], tmp_path, version=1, deadline_s=0.5)
     outcome: list[Any] = []
-    pusher = threading.Thread(target=lambda: outcome.append(push_weights([url], tmp_path, version=5, deadline_s=120)))
+    pusher = threading.Thread(
+        target=lambda: outcome.append(push_weights([url], tmp_path, version=5, deadline_s=120))
+    )
     pusher.start()
-    stub = start_service("stub-late", [sys.executable, "-m", "mrlx_plugin.local.stub_engine", "--port", str(port)],
-                         log_dir=logs_dir, port=port)
+    stub = start_service(
+        "stub-late",
+        [sys.executable, "-m", "mrlx_plugin.local.stub_engine", "--port", str(port)],
+        log_dir=logs_dir,
+        port=port,
+    )
     try:
         pusher.join(120)
         assert outcome == [None]
@@ -547,7 +560,9 @@ def _router_workers(router_url: str) -> list[str]:
 def test_engine_behind_router_with_worker_urls(eng, logs_dir):
     router = start_router([eng.url], log_dir=logs_dir, name="router-worker-urls")
     try:
-        wait_until(lambda: eng.url in _router_workers(router.url), 30, what="the engine in the router's /workers")
+        wait_until(
+            lambda: eng.url in _router_workers(router.url), 30, what="the engine in the router's /workers"
+        )
         direct = generate(eng.url, PROMPT, max_new_tokens=5, temperature=0)
         status, via = call(
             router.url + "/generate",
@@ -582,16 +597,22 @@ def test_engine_registers_with_router_and_leaves_on_shutdown(tiny_model_dir, log
             extra=["--router-url", router.url],
             threads=1,
         )
-        wait_until(lambda: engine.url in _router_workers(router.url), 30,
-                   what="the engine to appear in the router's /workers")
+        wait_until(
+            lambda: engine.url in _router_workers(router.url),
+            30,
+            what="the engine to appear in the router's /workers",
+        )
         status, via = call(
             router.url + "/generate",
             {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 3}, "return_logprob": True},
         )
         assert status == 200 and len(out_ids(via)) == 3
         engine.stop()
-        wait_until(lambda: engine.url not in _router_workers(router.url), 15,
-                   what="the engine to leave the router on shutdown")
+        wait_until(
+            lambda: engine.url not in _router_workers(router.url),
+            15,
+            what="the engine to leave the router on shutdown",
+        )
     finally:
         if engine is not None:
             engine.stop()
@@ -604,14 +625,19 @@ def test_engine_registers_with_router_and_leaves_on_shutdown(tiny_model_dir, log
 def test_engine_registers_with_a_router_that_starts_after_it(tiny_model_dir, logs_dir):
     port = free_port()
     router_url = f"http://127.0.0.1:{port}"
-    engine = start_engine(tiny_model_dir, log_dir=logs_dir, name="engine-early", extra=["--router-url", router_url],
-                          threads=1)
+    engine = start_engine(
+        tiny_model_dir, log_dir=logs_dir, name="engine-early", extra=["--router-url", router_url], threads=1
+    )
     router = None
     try:
-        router = start_service("router-late", router_command("127.0.0.1", port), log_dir=logs_dir, port=port,
-                               timeout=60)
-        wait_until(lambda: engine.url in _router_workers(router_url), 60,
-                   what="the engine, retrying, to register with the router once it is up")
+        router = start_service(
+            "router-late", router_command("127.0.0.1", port), log_dir=logs_dir, port=port, timeout=60
+        )
+        wait_until(
+            lambda: engine.url in _router_workers(router_url),
+            60,
+            what="the engine, retrying, to register with the router once it is up",
+        )
         assert engine.alive()
     finally:
         engine.stop()

@@ -29,23 +29,62 @@ pytestmark = pytest.mark.slow  # two trainer jobs, or a rollout of each job's, e
 STEPS, GROUPS, PER_PROMPT, STALENESS = 3, 2, 2, 1
 
 
-def job_yaml(path: Path, *, me: str, a_url: str, b_url: str, a_tok: Path, b_tok: Path, coordinator: str) -> Path:
-    return write_config(path, two_job_config(
-        me, run_id="mm-test", urls={"a": a_url, "b": b_url}, coordinator=coordinator,
-        tokenizers={"a": a_tok, "b": b_tok}, max_new_tokens=6,
-        system_prompts={"a": "You answer.", "b": "You check."},
-        coordinator_settings={"max_staleness": STALENESS, "wait_deadline_s": 120, "lease_s": 30},
-        dialogue={"first": "a", "max_turns": 4},
-        engine={"abort_retry_wait_s": 0.2, "peer_deadline_s": 90, "request_timeout_s": 10, "max_retries": 1,
-                "backoff_s": 0.05},
-        trainer={"lr": 0.001}))
+def job_yaml(
+    path: Path, *, me: str, a_url: str, b_url: str, a_tok: Path, b_tok: Path, coordinator: str
+) -> Path:
+    return write_config(
+        path,
+        two_job_config(
+            me,
+            run_id="mm-test",
+            urls={"a": a_url, "b": b_url},
+            coordinator=coordinator,
+            tokenizers={"a": a_tok, "b": b_tok},
+            max_new_tokens=6,
+            system_prompts={"a": "You answer.", "b": "You check."},
+            coordinator_settings={"max_staleness": STALENESS, "wait_deadline_s": 120, "lease_s": 30},
+            dialogue={"first": "a", "max_turns": 4},
+            engine={
+                "abort_retry_wait_s": 0.2,
+                "peer_deadline_s": 90,
+                "request_timeout_s": 10,
+                "max_retries": 1,
+                "backoff_s": 0.05,
+            },
+            trainer={"lr": 0.001},
+        ),
+    )
 
 
-def trainer(config: Path, model: Path, engine: str, rollout_fn: str, out: Path, log: Path) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "mrlx_plugin.local.trainer", "--config", str(config), "--model", str(model),
-            "--engine-url", engine, "--router-url", engine, "--rollout-function", rollout_fn,
-            "--num-rollout", str(STEPS), "--rollout-batch-size", str(GROUPS), "--n-samples-per-prompt", str(PER_PROMPT),
-            "--rollout-max-response-len", "24", "--out", str(out), "--save-samples"]
+def trainer(
+    config: Path, model: Path, engine: str, rollout_fn: str, out: Path, log: Path
+) -> subprocess.Popen:
+    argv = [
+        sys.executable,
+        "-m",
+        "mrlx_plugin.local.trainer",
+        "--config",
+        str(config),
+        "--model",
+        str(model),
+        "--engine-url",
+        engine,
+        "--router-url",
+        engine,
+        "--rollout-function",
+        rollout_fn,
+        "--num-rollout",
+        str(STEPS),
+        "--rollout-batch-size",
+        str(GROUPS),
+        "--n-samples-per-prompt",
+        str(PER_PROMPT),
+        "--rollout-max-response-len",
+        "24",
+        "--out",
+        str(out),
+        "--save-samples",
+    ]
     env = dict(os.environ, **ENV)
     return subprocess.Popen(argv, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env)
 
@@ -58,7 +97,9 @@ def rows(path: Path) -> list[dict]:
 def two_models(tmp_path_factory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("two-models")
     # Different weights and different vocabularies: each agent has its own token space.
-    return ensure_model(root / "a", preset="tiny", seed=1), ensure_model(root / "b", preset="tiny", seed=2, vocab_size=384)
+    return ensure_model(root / "a", preset="tiny", seed=1), ensure_model(
+        root / "b", preset="tiny", seed=2, vocab_size=384
+    )
 
 
 def test_two_jobs_co_train_through_the_coordinator(two_models, tmp_path, logs_dir, start_coordinator):
@@ -70,33 +111,79 @@ def test_two_jobs_co_train_through_the_coordinator(two_models, tmp_path, logs_di
     procs: list = [coordinator, engine_a, engine_b]
     jobs: list[subprocess.Popen] = []
     try:
-        cfg_a = job_yaml(tmp_path / "a.yaml", me="a", a_url=engine_a.url, b_url=proxy.url, a_tok=model_a, b_tok=model_b,
-                         coordinator=coordinator.url)
-        cfg_b = job_yaml(tmp_path / "b.yaml", me="b", a_url=engine_a.url, b_url=proxy.url, a_tok=model_a, b_tok=model_b,
-                         coordinator=coordinator.url)
+        cfg_a = job_yaml(
+            tmp_path / "a.yaml",
+            me="a",
+            a_url=engine_a.url,
+            b_url=proxy.url,
+            a_tok=model_a,
+            b_tok=model_b,
+            coordinator=coordinator.url,
+        )
+        cfg_b = job_yaml(
+            tmp_path / "b.yaml",
+            me="b",
+            a_url=engine_a.url,
+            b_url=proxy.url,
+            a_tok=model_a,
+            b_tok=model_b,
+            coordinator=coordinator.url,
+        )
         # B's engine goes down before the run and comes back while A's first rollout is under way:
         # A's turns for B must be retried, never filled with anything but what B's engine sampled.
         port_b = engine_b.port
         engine_b.kill()
-        jobs.append(trainer(cfg_b, model_b, engine_b.url, "mrlx_plugin.rollout.responder_rollout", tmp_path / "out_b",
-                            tmp_path / "job_b.log"))
-        jobs.append(trainer(cfg_a, model_a, engine_a.url, "mrlx_plugin.rollout.initiator_rollout", tmp_path / "out_a",
-                            tmp_path / "job_a.log"))
+        jobs.append(
+            trainer(
+                cfg_b,
+                model_b,
+                engine_b.url,
+                "mrlx_plugin.rollout.responder_rollout",
+                tmp_path / "out_b",
+                tmp_path / "job_b.log",
+            )
+        )
+        jobs.append(
+            trainer(
+                cfg_a,
+                model_a,
+                engine_a.url,
+                "mrlx_plugin.rollout.initiator_rollout",
+                tmp_path / "out_a",
+                tmp_path / "job_a.log",
+            )
+        )
 
         # Restart it once A has sent B a turn and found the engine down (not after a fixed time:
         # on a loaded machine A's first turn may come much later).
         def a_turn_for_b_failed() -> bool:
             for job, name in zip(jobs, ("b", "a")):
                 if job.poll() is not None:
-                    raise AssertionError(f"job {name} exited ({job.returncode}) before A sent B a turn:\n"
-                                         + (tmp_path / f"job_{name}.log").read_text()[-4000:])
+                    raise AssertionError(
+                        f"job {name} exited ({job.returncode}) before A sent B a turn:\n"
+                        + (tmp_path / f"job_{name}.log").read_text()[-4000:]
+                    )
             return proxy.failed > 0
 
-        wait_until(a_turn_for_b_failed, timeout=180, every=0.1,
-                   what="a turn of A's for B failing at B's dead engine")
-        restarted = start_service("engine-b2", [sys.executable, "-m", "mrlx_plugin.local.engine", "--model",
-                                                str(model_b), "--port", str(port_b), "--threads", "1"],
-                                  log_dir=tmp_path, port=port_b)
+        wait_until(
+            a_turn_for_b_failed, timeout=180, every=0.1, what="a turn of A's for B failing at B's dead engine"
+        )
+        restarted = start_service(
+            "engine-b2",
+            [
+                sys.executable,
+                "-m",
+                "mrlx_plugin.local.engine",
+                "--model",
+                str(model_b),
+                "--port",
+                str(port_b),
+                "--threads",
+                "1",
+            ],
+            log_dir=tmp_path,
+            port=port_b,
+        )
         procs.append(restarted)
         for job, name in zip(jobs, ("b", "a")):
             code = job.wait(timeout=240)
@@ -109,8 +196,14 @@ def test_two_jobs_co_train_through_the_coordinator(two_models, tmp_path, logs_di
         for p in procs:
             p.stop()
 
-    a_samples, b_samples = rows(tmp_path / "out_a" / "samples.jsonl"), rows(tmp_path / "out_b" / "samples.jsonl")
-    a_metrics, b_metrics = rows(tmp_path / "out_a" / "metrics.jsonl"), rows(tmp_path / "out_b" / "metrics.jsonl")
+    a_samples, b_samples = (
+        rows(tmp_path / "out_a" / "samples.jsonl"),
+        rows(tmp_path / "out_b" / "samples.jsonl"),
+    )
+    a_metrics, b_metrics = (
+        rows(tmp_path / "out_a" / "metrics.jsonl"),
+        rows(tmp_path / "out_b" / "metrics.jsonl"),
+    )
     episodes = STEPS * GROUPS * PER_PROMPT
 
     # Every B sample of A's episodes reached B's trainer, exactly once.
@@ -141,7 +234,9 @@ def test_two_jobs_co_train_through_the_coordinator(two_models, tmp_path, logs_di
                 j = i
                 while j < len(mask) and mask[j] == 1:
                     j += 1
-                call = by_prefix.get((tuple(s["tokens"][: start + i]), tuple(s["tokens"][start + i : start + j])))
+                call = by_prefix.get(
+                    (tuple(s["tokens"][: start + i]), tuple(s["tokens"][start + i : start + j]))
+                )
                 assert call is not None, "a trained span B's engine never returned"
                 assert s["rollout_log_probs"][i:j] == pytest.approx(call["logprobs"], abs=1e-6)
                 spans += 1
@@ -169,21 +264,35 @@ def test_two_jobs_co_train_through_the_coordinator(two_models, tmp_path, logs_di
 def _in_process_initiator(engine_url: str, tokenizer: Path, coordinator_url: str):
     from _host import slime_args
 
-    mrlx = two_job_config("a", run_id="mm-eval", urls={"b": engine_url}, coordinator=coordinator_url,
-                          max_new_tokens=4, coordinator_settings={"wait_deadline_s": 20}, dialogue={"max_turns": 2})
-    return slime_args(engine_url, str(tokenizer), mrlx, rollout_batch_size=1, n_samples_per_prompt=2,
-                      n_samples_per_eval_prompt=1)
+    mrlx = two_job_config(
+        "a",
+        run_id="mm-eval",
+        urls={"b": engine_url},
+        coordinator=coordinator_url,
+        max_new_tokens=4,
+        coordinator_settings={"wait_deadline_s": 20},
+        dialogue={"max_turns": 2},
+    )
+    return slime_args(
+        engine_url,
+        str(tokenizer),
+        mrlx,
+        rollout_batch_size=1,
+        n_samples_per_prompt=2,
+        n_samples_per_eval_prompt=1,
+    )
 
 
-def test_evaluation_queues_nothing_and_a_missing_rollout_function_is_named(engine, tiny_model_dir, monkeypatch,
-                                                                          start_coordinator):
+def test_evaluation_queues_nothing_and_a_missing_rollout_function_is_named(
+    engine, tiny_model_dir, monkeypatch, start_coordinator
+):
     import asyncio
 
     from _host import slime_args
 
     from mrlx_plugin.core.config import ConfigError
-    from mrlx_plugin.link.client import CoordinatorClient
     from mrlx_plugin.core.host import Sample, run_in_host_loop
+    from mrlx_plugin.link.client import CoordinatorClient
     from mrlx_plugin.local.fake_host import LocalDataSource
     from mrlx_plugin.rollout import generate, initiator_rollout, responder_rollout
     from mrlx_plugin.runtime import runtime_for
@@ -193,10 +302,19 @@ def test_evaluation_queues_nothing_and_a_missing_rollout_function_is_named(engin
     try:
         args = _in_process_initiator(engine.url, tiny_model_dir, coordinator.url)
         # generate() alone, as if --rollout-function-path had not been set: refused, with the fix named
-        with pytest.raises(ConfigError, match="--rollout-function-path mrlx_plugin.rollout.initiator_rollout"):
-            asyncio.run(generate(args, Sample(group_index=0, index=0, prompt="What is 1 + 1?", label="2"),
-                                 {"max_new_tokens": 4}))
-        source = LocalDataSource([("What is 1 + 1?", "2")], 2, eval_prompts=[("What is 2 + 2?", "4"), ("3 + 3?", "6")])
+        with pytest.raises(
+            ConfigError, match="--rollout-function-path mrlx_plugin.rollout.initiator_rollout"
+        ):
+            asyncio.run(
+                generate(
+                    args,
+                    Sample(group_index=0, index=0, prompt="What is 1 + 1?", label="2"),
+                    {"max_new_tokens": 4},
+                )
+            )
+        source = LocalDataSource(
+            [("What is 1 + 1?", "2")], 2, eval_prompts=[("What is 2 + 2?", "4"), ("3 + 3?", "6")]
+        )
         out = initiator_rollout(args, 0, source, evaluation=True)
         evaluated = out.data["eval"]["samples"]
         assert len(evaluated) == 2 and all(isinstance(r, float) for r in out.data["eval"]["rewards"])
@@ -220,11 +338,23 @@ def test_evaluation_queues_nothing_and_a_missing_rollout_function_is_named(engin
         run_in_host_loop(runtime_for(args).aclose())
 
         # B's job evaluates too (slime evaluates at rollout 0): whole episodes, nothing queued.
-        mrlx_b = two_job_config("b", run_id="mm-eval", urls={"a": engine.url}, coordinator=coordinator.url,
-                                max_new_tokens=4, coordinator_settings={"wait_deadline_s": 20},
-                                dialogue={"max_turns": 2})
-        args_b = slime_args(engine.url, str(tiny_model_dir), mrlx_b, rollout_batch_size=1, n_samples_per_prompt=2,
-                            n_samples_per_eval_prompt=1)
+        mrlx_b = two_job_config(
+            "b",
+            run_id="mm-eval",
+            urls={"a": engine.url},
+            coordinator=coordinator.url,
+            max_new_tokens=4,
+            coordinator_settings={"wait_deadline_s": 20},
+            dialogue={"max_turns": 2},
+        )
+        args_b = slime_args(
+            engine.url,
+            str(tiny_model_dir),
+            mrlx_b,
+            rollout_batch_size=1,
+            n_samples_per_prompt=2,
+            n_samples_per_eval_prompt=1,
+        )
         out_b = responder_rollout(args_b, 0, source, evaluation=True)
         assert len(out_b.data["eval"]["samples"]) == 2
         assert all(s.status != Sample.Status.ABORTED for s in out_b.data["eval"]["samples"])

@@ -31,8 +31,12 @@ def run(tmp_path_factory, tiny_model_dir):
     try:
         for name in (*TRAINED, "judge"):
             stubs[name] = start_stub_engine(log_dir=root, name=f"n-models-{name}")
-        yield {"root": root, "coordinator": coordinator.url, "urls": {n: s.url for n, s in stubs.items()},
-               "tokenizer": str(tiny_model_dir)}
+        yield {
+            "root": root,
+            "coordinator": coordinator.url,
+            "urls": {n: s.url for n, s in stubs.items()},
+            "tokenizer": str(tiny_model_dir),
+        }
     finally:
         for s in stubs.values():
             s.stop()
@@ -47,12 +51,21 @@ def job(run: dict, path: Path, me: str, **changes: dict) -> Path:
         if name == me:
             agents[name] = {"url": "self"}
         else:
-            agents[name] = {"url": run["urls"][name], "tokenizer": run["tokenizer"], "trainable": name != "judge"}
+            agents[name] = {
+                "url": run["urls"][name],
+                "tokenizer": run["tokenizer"],
+                "trainable": name != "judge",
+            }
         if me == "judge" and name == "judge":
             agents[name]["trainable"] = False
         agents[name].update(changes.get(name, {}))
-    mrlx = {"run_id": RUN, "system": "dialogue", "self": me, "agents": agents,
-            "coordinator": {"url": run["coordinator"], "token_file": str(run["root"] / "token")}}
+    mrlx = {
+        "run_id": RUN,
+        "system": "dialogue",
+        "self": me,
+        "agents": agents,
+        "coordinator": {"url": run["coordinator"], "token_file": str(run["root"] / "token")},
+    }
     path.write_text(yaml.safe_dump({"mrlx": mrlx}))
     return path
 
@@ -66,8 +79,14 @@ def check(run: dict, jobs: list[tuple[Path, str, str]], *extra: str) -> subproce
 
 
 def three_jobs(run: dict, tmp_path: Path, **changes_by_job: dict) -> list[tuple[Path, str, str]]:
-    return [(job(run, tmp_path / f"{me}.yaml", me, **changes_by_job.get(me, {})),
-             "initiator" if me == "a" else "responder", run["urls"][me]) for me in TRAINED]
+    return [
+        (
+            job(run, tmp_path / f"{me}.yaml", me, **changes_by_job.get(me, {})),
+            "initiator" if me == "a" else "responder",
+            run["urls"][me],
+        )
+        for me in TRAINED
+    ]
 
 
 def test_three_consistent_jobs_and_a_reachable_frozen_judge_pass(run, tmp_path):
@@ -78,19 +97,41 @@ def test_three_consistent_jobs_and_a_reachable_frozen_judge_pass(run, tmp_path):
     assert f"agent 'c' at {run['urls']['c']} answers" in r.stdout  # c's own router, `self` in c.yaml
     assert "coordinator accepts this job's token" in r.stdout
     # the gate of a frozen agent's servers: only its URL is reached
-    gate = subprocess.run([sys.executable, "-m", "mrlx_plugin.cli", "check", "--config", str(tmp_path / "a.yaml"),
-                           "--agent", "judge", "--skip-tokenizers", "--wait", "30"],
-                          cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
+    gate = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mrlx_plugin.cli",
+            "check",
+            "--config",
+            str(tmp_path / "a.yaml"),
+            "--agent",
+            "judge",
+            "--skip-tokenizers",
+            "--wait",
+            "30",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert gate.returncode == 0, gate.stdout + gate.stderr
     assert "agent 'judge'" in gate.stdout and "agent 'b'" not in gate.stdout
 
 
 def test_a_job_for_the_frozen_judge_is_refused(run, tmp_path):
-    jobs = three_jobs(run, tmp_path) + [(job(run, tmp_path / "judge.yaml", "judge"), "responder", run["urls"]["judge"])]
+    jobs = three_jobs(run, tmp_path) + [
+        (job(run, tmp_path / "judge.yaml", "judge"), "responder", run["urls"]["judge"])
+    ]
     r = check(run, jobs)
     assert r.returncode == 1
-    assert (f"{tmp_path / 'judge.yaml'}: mrlx.self is 'judge', a frozen agent (trainable: false in every config); "
-            "a frozen agent has no slime job") in r.stdout
+    assert (
+        f"{tmp_path / 'judge.yaml'}: mrlx.self is 'judge', a frozen agent (trainable: false in every "
+        "config); "
+        "a frozen agent has no slime job"
+    ) in r.stdout
     assert "mrlx check: 1 problem(s)" in r.stdout
 
 
@@ -99,27 +140,38 @@ def test_two_initiators_are_refused(run, tmp_path):
     jobs[1] = (jobs[1][0], "initiator", jobs[1][2])
     r = check(run, jobs)
     assert r.returncode == 1
-    assert (f"2 jobs run the episodes (--role initiator: {tmp_path / 'a.yaml'}, {tmp_path / 'b.yaml'}); "
-            "exactly one job is the initiator") in r.stdout
+    assert (
+        f"2 jobs run the episodes (--role initiator: {tmp_path / 'a.yaml'}, {tmp_path / 'b.yaml'}); "
+        "exactly one job is the initiator"
+    ) in r.stdout
     assert "mrlx check: 1 problem(s)" in r.stdout
 
 
 def test_mismatched_agent_settings_are_named_one_message_each(run, tmp_path):
     other_tokenizer = tmp_path / "elsewhere"
-    jobs = three_jobs(run, tmp_path,
-                      b={"a": {"tokenizer": str(other_tokenizer)}},
-                      c={"judge": {"url": run["urls"]["b"]}, "b": {"trainable": False}})
+    jobs = three_jobs(
+        run,
+        tmp_path,
+        b={"a": {"tokenizer": str(other_tokenizer)}},
+        c={"judge": {"url": run["urls"]["b"]}, "b": {"trainable": False}},
+    )
     r = check(run, jobs)
     assert r.returncode == 1, r.stdout
     a, b, c = (tmp_path / f"{n}.yaml" for n in TRAINED)
     judge, router_b = run["urls"]["judge"], run["urls"]["b"]
-    assert (f"mrlx.agents.judge.url differs between configs ({judge} in {a}, {judge} in {b}, {router_b} in {c}); "
-            "every job must reach 'judge' at the same router") in r.stdout
-    assert (f"mrlx.agents.b.trainable differs between configs (true in {a}, true in {b}, false in {c}); "
-            "every job must agree whether 'b' is trained") in r.stdout
+    assert (
+        f"mrlx.agents.judge.url differs between configs ({judge} in {a}, {judge} in {b}, {router_b} in {c}); "
+        "every job must reach 'judge' at the same router"
+    ) in r.stdout
+    assert (
+        f"mrlx.agents.b.trainable differs between configs (true in {a}, true in {b}, false in {c}); "
+        "every job must agree whether 'b' is trained"
+    ) in r.stdout
     # a.yaml serves `a` (url: self, its own --hf-checkpoint): the others' tokenizers are compared
-    assert f"mrlx.agents.a.tokenizer differs between configs ({other_tokenizer} in {b}, {run['tokenizer']} in {c})" \
-        in r.stdout
+    assert (
+        f"mrlx.agents.a.tokenizer differs between configs ({other_tokenizer} in {b}, {run['tokenizer']} in "
+        f"{c})" in r.stdout
+    )
     assert "mrlx check: 3 problem(s)" in r.stdout
 
 
@@ -155,5 +207,7 @@ def test_jobs_that_count_an_episodes_samples_differently_are_refused(run, tmp_pa
     a = tmp_path / "a.yaml"
     # dialogue of four agents, max_turns 8: two turns each under per-turn credit
     for agent in ("a", "b", "c"):
-        assert (f"{c}: an episode gives agent '{agent}' 2 sample(s) here but 1 in {a}; use the same "
-                "mrlx.rewards (credit, branch) and system settings in every job") in r.stdout
+        assert (
+            f"{c}: an episode gives agent '{agent}' 2 sample(s) here but 1 in {a}; use the same "
+            "mrlx.rewards (credit, branch) and system settings in every job"
+        ) in r.stdout

@@ -9,8 +9,8 @@ import math
 import pytest
 
 from mrlx_plugin.core.config import PipelineSettings
-from mrlx_plugin.rewards.grading import MathVerifier, extract_answer, grade_math, quick_grade
 from mrlx_plugin.core.host import Sample, Status
+from mrlx_plugin.rewards.grading import MathVerifier, extract_answer, grade_math, quick_grade
 from mrlx_plugin.rewards.shaping import coupling_matrix, normalize, reward, team_weighting
 
 
@@ -20,11 +20,15 @@ def sample(group, agent, r, status=Status.COMPLETED, removed=False, index=0):
     return s
 
 
-ARGS = argparse.Namespace(advantage_estimator="grpo", rewards_normalization=True, grpo_std_normalization=True, reward_key=None)
+ARGS = argparse.Namespace(
+    advantage_estimator="grpo", rewards_normalization=True, grpo_std_normalization=True, reward_key=None
+)
 
 
 def test_normaliser_centres_each_group_and_agent_separately():
-    samples = [sample(0, "solver", r) for r in (1, 0, 0, 1, 1)] + [sample(0, "rewriter", r) for r in (1.2, 0.8)]
+    samples = [sample(0, "solver", r) for r in (1, 0, 0, 1, 1)] + [
+        sample(0, "rewriter", r) for r in (1.2, 0.8)
+    ]
     samples += [sample(1, "solver", r) for r in (0, 0, 1)] + [sample(0, "selector", 1.2)]
     raw, adv = normalize(ARGS, samples)
     assert raw == [s.reward for s in samples]
@@ -47,8 +51,12 @@ def test_groups_of_one_and_zero_spread_give_zero_not_nan():
 
 
 def test_aborted_and_removed_samples_stay_out_of_the_statistics():
-    samples = [sample(0, "solver", 1.0), sample(0, "solver", 0.0), sample(0, "solver", 0.0, Status.ABORTED),
-               sample(0, "solver", 0.0, removed=True)]
+    samples = [
+        sample(0, "solver", 1.0),
+        sample(0, "solver", 0.0),
+        sample(0, "solver", 0.0, Status.ABORTED),
+        sample(0, "solver", 0.0, removed=True),
+    ]
     _, adv = normalize(ARGS, samples)
     assert adv[2] == 0.0 and adv[3] == 0.0
     assert adv[0] > 0 > adv[1] and abs(adv[0] + adv[1]) < 1e-9
@@ -112,7 +120,9 @@ def test_reward_function_takes_one_sample_or_a_list():
     async def run():
         one = Sample(response="thinking</think>The answer is \\boxed{12}", label="12")
         many = [Sample(response="\\boxed{3}", label="3"), Sample(response="\\boxed{4}", label="3")]
-        return await reward(argparse.Namespace(rm_type=None), one), await reward(argparse.Namespace(rm_type=None), many)
+        return await reward(argparse.Namespace(rm_type=None), one), await reward(
+            argparse.Namespace(rm_type=None), many
+        )
 
     single, batch = asyncio.run(run())
     assert single == 1.0
@@ -139,8 +149,11 @@ def test_coupling_matrices():
     assert asym == {"a": {"a": 1.0, "b": 0.3}, "b": {"a": 0.0, "b": 1.0}}
 
 
-@pytest.mark.parametrize("value", [10**400, 10**5000, float("nan"), float("-inf"), True],
-                         ids=["1e400", "1e5000", "nan", "-inf", "bool"])
+@pytest.mark.parametrize(
+    "value",
+    [10**400, 10**5000, float("nan"), float("-inf"), True],
+    ids=["1e400", "1e5000", "nan", "-inf", "bool"],
+)
 def test_a_reward_past_a_floats_range_is_refused_naming_its_producer(value):
     from mrlx_plugin.core.episode import RewardError, _finite_number, finite_reward
 

@@ -95,8 +95,13 @@ def start(argv: list[str], log: Path, mark: str, cwd: Path = REPO) -> subprocess
     env = dict(os.environ, **{MARK: mark})
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     with open(log, "ab") as f:
-        return subprocess.Popen([sys.executable, "-c", EXEC_WITH_DEFAULT_SIGNALS, sys.executable, *argv],
-                                cwd=cwd, env=env, stdout=f, stderr=subprocess.STDOUT)
+        return subprocess.Popen(
+            [sys.executable, "-c", EXEC_WITH_DEFAULT_SIGNALS, sys.executable, *argv],
+            cwd=cwd,
+            env=env,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+        )
 
 
 def alive(pid: int, started: int) -> bool:
@@ -113,8 +118,15 @@ def left(mark: str, seen: dict[int, int]) -> dict[int, str]:
 
 
 def assert_nothing_left(mark: str, seen: dict[int, int], timeout: float = 90.0) -> None:
-    wait_until(lambda: not left(mark, seen), timeout, every=0.2, what="every process the command started to exit",
-               details=lambda: "still running:\n" + "\n".join(f"  {p}: {c[:200]}" for p, c in left(mark, seen).items()))
+    wait_until(
+        lambda: not left(mark, seen),
+        timeout,
+        every=0.2,
+        what="every process the command started to exit",
+        details=lambda: (
+            "still running:\n" + "\n".join(f"  {p}: {c[:200]}" for p, c in left(mark, seen).items())
+        ),
+    )
 
 
 def kill_left(mark: str, seen: dict[int, int]) -> None:
@@ -126,19 +138,37 @@ def kill_left(mark: str, seen: dict[int, int]) -> None:
             pass
 
 
-DEMO = ["-m", "mrlx_plugin.cli", "demo", "--preset", "tiny", "--prompts-per-step", "2", "--samples-per-prompt", "2",
-        "--warmup-steps", "2", "--quiet", "--steps", "100"]
+DEMO = [
+    "-m",
+    "mrlx_plugin.cli",
+    "demo",
+    "--preset",
+    "tiny",
+    "--prompts-per-step",
+    "2",
+    "--samples-per-prompt",
+    "2",
+    "--warmup-steps",
+    "2",
+    "--quiet",
+    "--steps",
+    "100",
+]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGKILL],
-                         ids=lambda s: signal.Signals(s).name)
+@pytest.mark.parametrize(
+    "sig",
+    [signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGKILL],
+    ids=lambda s: signal.Signals(s).name,
+)
 def test_a_signalled_demo_leaves_no_process_behind(tmp_path, sig):
     mark = uuid.uuid4().hex
     log = tmp_path / "demo.log"
     demo = start([*DEMO, "--out", str(tmp_path / "demo")], log, mark)
     seen: dict[int, int] = {}
     try:
+
         def trainers_running() -> dict[int, int]:
             if demo.poll() is not None:
                 raise AssertionError(f"the demo exited ({demo.returncode}) early:\n{log.read_text()[-3000:]}")
@@ -171,15 +201,37 @@ def test_a_signalled_rollout_stops_its_engine(tmp_path, tiny_model_dir):
     """`mrlx rollout --local` on SIGTERM while its episodes run: the engine (and router) go too."""
     mark = uuid.uuid4().hex
     log = tmp_path / "rollout.log"
-    proc = start(["-m", "mrlx_plugin.cli", "rollout", "--local", "--config",
-                  str(REPO / "examples" / "multi_agent" / "local.yaml"), "--model-dir", str(tiny_model_dir),
-                  "--rollout-batch-size", "64", "--n-samples-per-prompt", "8", "--rollout-max-response-len", "64",
-                  "--output", str(tmp_path / "samples.jsonl")], log, mark, cwd=tmp_path)
+    proc = start(
+        [
+            "-m",
+            "mrlx_plugin.cli",
+            "rollout",
+            "--local",
+            "--config",
+            str(REPO / "examples" / "multi_agent" / "local.yaml"),
+            "--model-dir",
+            str(tiny_model_dir),
+            "--rollout-batch-size",
+            "64",
+            "--n-samples-per-prompt",
+            "8",
+            "--rollout-max-response-len",
+            "64",
+            "--output",
+            str(tmp_path / "samples.jsonl"),
+        ],
+        log,
+        mark,
+        cwd=tmp_path,
+    )
     seen: dict[int, int] = {}
     try:
+
         def engine_up() -> bool:
             if proc.poll() is not None:
-                raise AssertionError(f"mrlx rollout exited ({proc.returncode}) early:\n{log.read_text()[-3000:]}")
+                raise AssertionError(
+                    f"mrlx rollout exited ({proc.returncode}) early:\n{log.read_text()[-3000:]}"
+                )
             seen.update(descendants(proc.pid))
             return "embedded engine at" in log.read_text()
 
@@ -201,15 +253,19 @@ def test_a_sigkilled_parent_takes_its_services_with_it(tmp_path):
     """Linux ends a service when the process that started it dies, however it dies."""
     mark = uuid.uuid4().hex
     log = tmp_path / "parent.log"
-    script = ("import signal\n"
-              "from mrlx_plugin.local.processes import start_stub_engine\n"
-              f"stub = start_stub_engine(log_dir={str(tmp_path)!r})\n"
-              "print('started', stub.proc.pid, flush=True)\n"
-              "while True:\n    signal.pause()  # until the test SIGKILLs it\n")
+    script = (
+        "import signal\n"
+        "from mrlx_plugin.local.processes import start_stub_engine\n"
+        f"stub = start_stub_engine(log_dir={str(tmp_path)!r})\n"
+        "print('started', stub.proc.pid, flush=True)\n"
+        "while True:\n    signal.pause()  # until the test SIGKILLs it\n"
+    )
     parent = start(["-c", script], log, mark)
     seen: dict[int, int] = {}
     try:
-        wait_until(lambda: "started" in log.read_text() or parent.poll() is not None, 60, what="the stub engine")
+        wait_until(
+            lambda: "started" in log.read_text() or parent.poll() is not None, 60, what="the stub engine"
+        )
         assert parent.poll() is None, log.read_text()
         seen.update(descendants(parent.pid))
         assert any("mrlx_plugin.local.stub_engine" in cmdline(p) for p in seen)
@@ -231,11 +287,28 @@ def test_a_crashing_rollout_stops_the_engine_it_started(tmp_path, tiny_model_dir
     cfg = tmp_path / "bad.yaml"
     cfg.write_text("mrlx:\n  pipeline: {num_parallel: 'x'}\n")
     log = tmp_path / "rollout.log"
-    proc = start(["-m", "mrlx_plugin.cli", "rollout", "--local", "--config", str(cfg), "--model-dir",
-                  str(tiny_model_dir), "--rollout-batch-size", "1", "--quiet"], log, mark, cwd=tmp_path)
+    proc = start(
+        [
+            "-m",
+            "mrlx_plugin.cli",
+            "rollout",
+            "--local",
+            "--config",
+            str(cfg),
+            "--model-dir",
+            str(tiny_model_dir),
+            "--rollout-batch-size",
+            "1",
+            "--quiet",
+        ],
+        log,
+        mark,
+        cwd=tmp_path,
+    )
     seen: dict[int, int] = {}
     commands: set[str] = set()
     try:
+
         def finished() -> bool:
             tree = descendants(proc.pid)
             seen.update(tree)
@@ -245,7 +318,9 @@ def test_a_crashing_rollout_stops_the_engine_it_started(tmp_path, tiny_model_dir
         wait_until(finished, 300, every=0.1, what="mrlx rollout to exit")
         assert proc.returncode == 2, log.read_text()[-3000:]
         assert "mrlx.pipeline.num_parallel: got str 'x'; expected an integer" in log.read_text()
-        assert any("mrlx_plugin.local.engine" in c for c in commands), "the engine had started before the crash"
+        assert any("mrlx_plugin.local.engine" in c for c in commands), (
+            "the engine had started before the crash"
+        )
         assert_nothing_left(mark, seen, timeout=30)
     finally:
         if proc.poll() is None:

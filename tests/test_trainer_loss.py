@@ -29,8 +29,9 @@ class _Confident(torch.nn.Module):
 def test_a_large_drift_from_a_low_old_log_prob_gives_a_finite_loss_and_gradient(advantage):
     # The old policy gave each response token -100 (accepted: above the engine client's -1e4
     # floor); the new one gives ~0, so exp(new - old) = e^100 overflows float32 unless bounded.
-    sample = SimpleNamespace(tokens=[1, 1, 1, 1], response_length=2, loss_mask=[1, 1],
-                             rollout_log_probs=[-100.0, -100.0])
+    sample = SimpleNamespace(
+        tokens=[1, 1, 1, 1], response_length=2, loss_mask=[1, 1], rollout_log_probs=[-100.0, -100.0]
+    )
     cfg = SimpleNamespace(eps_clip=0.2, eps_clip_high=0.28, kl_coef=0.0)
     model = _Confident()
     loss, info = ppo_loss(model, None, [sample], [advantage], cfg, temperature=1.0, total_tokens=2)

@@ -46,7 +46,7 @@ def test_context_messages_are_masked_and_the_conversation_stays_well_formed(tok)
     n_context = len(t.response_ids) - len(reply.token_ids)
     assert n_context > 0
     assert t.loss_mask == [1] * len(reply.token_ids) + [0] * n_context
-    assert t.logprobs[len(reply.token_ids):] == [0.0] * n_context
+    assert t.logprobs[len(reply.token_ids) :] == [0.0] * n_context
     full = msgs + [{"role": "assistant", "content": "It is 7."}, {"role": "user", "content": "Are you sure?"}]
     expected = tok.hf.apply_chat_template(full, tokenize=False, add_generation_prompt=True)
     assert tok.decode(t.tokens, skip_special_tokens=False) == expected
@@ -90,7 +90,9 @@ def test_aborted_and_empty_samples_follow_the_failed_sample_pattern(tok):
     s = t.to_sample(template, 1, aborted=True, meta={})
     assert s.status == Status.ABORTED and s.reward == 0.0 and s.remove_sample
     assert set(s.loss_mask) == {0} and set(s.rollout_log_probs) == {0.0}
-    empty = Transcript.start("solver", tok, [{"role": "user", "content": "q"}]).to_sample(template, 1, aborted=True, meta={})
+    empty = Transcript.start("solver", tok, [{"role": "user", "content": "q"}]).to_sample(
+        template, 1, aborted=True, meta={}
+    )
     assert empty.response_length == 1 and empty.loss_mask == [0]  # never a zero-length response
 
 

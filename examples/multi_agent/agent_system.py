@@ -18,7 +18,9 @@ FORMAT_PENALTY = -0.1
 
 @hookimpl
 def mrlx_register_systems():
-    team = make_pipeline(PipelinePrompts(solver=prompts.solver, rewriter=prompts.rewriter, selector=prompts.selector))
+    team = make_pipeline(
+        PipelinePrompts(solver=prompts.solver, rewriter=prompts.rewriter, selector=prompts.selector)
+    )
     return {"math_team": team}
 
 

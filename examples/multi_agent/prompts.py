@@ -9,10 +9,7 @@ from __future__ import annotations
 
 
 def solver(problem: str) -> str:
-    return (
-        f"{problem}\n\n"
-        "Think it through, then give only the final result in \\boxed{} on the last line."
-    )
+    return f"{problem}\n\nThink it through, then give only the final result in \\boxed{{}} on the last line."
 
 
 def _candidates(solutions: list[str]) -> str:

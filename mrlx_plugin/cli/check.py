@@ -73,18 +73,23 @@ def load_config(path: str) -> Settings:
     return settings
 
 
-async def check_engine(name: str, where: str, url: str, timeout: float, report: Report,
-                       frozen: bool = False) -> None:
+async def check_engine(
+    name: str, where: str, url: str, timeout: float, report: Report, frozen: bool = False
+) -> None:
     client = EngineClient(url)
     try:
         await client.get_json("/health", timeout=timeout)
         info = await client.get_json("/get_model_info", timeout=timeout)
         model = info.get("model_path") if isinstance(info, dict) else None
-        report.ok(f"{where}: agent {name!r} at {public_text(url)} answers"
-                  + (f" (model {model})" if model else ""))
+        report.ok(
+            f"{where}: agent {name!r} at {public_text(url)} answers" + (f" (model {model})" if model else "")
+        )
     except EngineError as exc:
-        start = ("start its SGLang servers and router first (launch/serve_frozen.sh)" if frozen
-                 else "start its engines/router first")
+        start = (
+            "start its SGLang servers and router first (launch/serve_frozen.sh)"
+            if frozen
+            else "start its engines/router first"
+        )
         report.fail(f"{where}: agent {name!r} at {public_text(url)} is unreachable: {exc.reason}; {start}")
     finally:
         await client.close()
@@ -98,24 +103,35 @@ async def check_coordinator(path: str, settings: Settings, timeout: float, repor
     try:
         await client.get_json("/health", timeout=timeout)  # reachable at all (no token needed)
     except EngineError as exc:
-        report.fail(f"{path}: mrlx.coordinator.url {public_text(c.url)} is unreachable: {exc.reason}; "
-                    "start it with launch/start_coordinator.sh")
+        report.fail(
+            f"{path}: mrlx.coordinator.url {public_text(c.url)} is unreachable: {exc.reason}; "
+            "start it with launch/start_coordinator.sh"
+        )
         return
     finally:
         await client.close()
     # Signed, as the job's calls are: the answer names the run only when the coordinator took this
     # job's signature and proved it holds the same token.
     token = _token(c)
-    coordinator = CoordinatorClient(c.url, run_id=settings.run_id, agent=settings.self_agent or "check",
-                                    token=token, request_timeout_s=timeout, outage_deadline_s=timeout,
-                                    max_retries=1)
-    how = (f"set {c.token_env} or mrlx.coordinator.token_file to the coordinator's token; or is another "
-           "process on its port?")
+    coordinator = CoordinatorClient(
+        c.url,
+        run_id=settings.run_id,
+        agent=settings.self_agent or "check",
+        token=token,
+        request_timeout_s=timeout,
+        outage_deadline_s=timeout,
+        max_retries=1,
+    )
+    how = (
+        f"set {c.token_env} or mrlx.coordinator.token_file to the coordinator's token; or is another "
+        "process on its port?"
+    )
     try:
         health = await coordinator.health()
     except CoordinatorError as exc:
-        report.fail(f"{path}: the coordinator refused the token, or could not prove it holds it ({how}): "
-                    f"{exc}")
+        report.fail(
+            f"{path}: the coordinator refused the token, or could not prove it holds it ({how}): {exc}"
+        )
         return
     finally:
         await coordinator.close()
@@ -124,12 +140,17 @@ async def check_coordinator(path: str, settings: Settings, timeout: float, repor
         report.fail(f"{path}: the coordinator refused the token: this job has none ({how})")
         return
     if run != settings.run_id:
-        report.fail(f"{path}: the coordinator at {public_text(c.url)} serves run {run!r}, but mrlx.run_id is "
-                    f"{settings.run_id!r}")
+        report.fail(
+            f"{path}: the coordinator at {public_text(c.url)} serves run {run!r}, but mrlx.run_id is "
+            f"{settings.run_id!r}"
+        )
     else:
         report.ok(f"{path}: coordinator at {public_text(c.url)} answers (run {run})")
-    report.ok(f"{path}: coordinator accepts this job's token" if token else
-              f"{path}: coordinator takes calls without a token (it listens on a loopback address only)")
+    report.ok(
+        f"{path}: coordinator accepts this job's token"
+        if token
+        else f"{path}: coordinator takes calls without a token (it listens on a loopback address only)"
+    )
 
 
 def _token(c: Any) -> str | None:
@@ -144,8 +165,12 @@ def _token(c: Any) -> str | None:
 ROLES = ("initiator", "responder")
 
 
-def cross_check(configs: list[tuple[str, Settings]], report: Report, routers: dict[str, str] | None = None,
-                roles: list[str] | None = None) -> None:
+def cross_check(
+    configs: list[tuple[str, Settings]],
+    report: Report,
+    routers: dict[str, str] | None = None,
+    roles: list[str] | None = None,
+) -> None:
     """The jobs of one multi-model run against each other: one run, one coordinator, one system,
     the same agents with the same settings, one job per trainable agent, none for a frozen one,
     and (with `roles`) exactly one initiator. `routers` maps a config to its job's router URL,
@@ -157,7 +182,10 @@ def cross_check(configs: list[tuple[str, Settings]], report: Report, routers: di
         if s.run_id != s0.run_id:
             report.fail(f"{path}: mrlx.run_id {s.run_id!r} differs from {p0}'s {s0.run_id!r}")
         if (s.coordinator.url or "").rstrip("/") != (s0.coordinator.url or "").rstrip("/"):
-            report.fail(f"{path}: mrlx.coordinator.url {s.coordinator.url!r} differs from {p0}'s {s0.coordinator.url!r}")
+            report.fail(
+                f"{path}: mrlx.coordinator.url {s.coordinator.url!r} differs from {p0}'s "
+                f"{s0.coordinator.url!r}"
+            )
         if s.system != s0.system:
             report.fail(f"{path}: mrlx.system {s.system!r} differs from {p0}'s {s0.system!r}")
         if set(s.agents) != set(s0.agents):
@@ -169,7 +197,9 @@ def cross_check(configs: list[tuple[str, Settings]], report: Report, routers: di
     seen: dict[str, str] = {}
     for p, who in selves:
         if who is not None and who in seen:
-            report.fail(f"{p}: mrlx.self is {who!r}, the same as in {seen[who]}; each job trains a different agent")
+            report.fail(
+                f"{p}: mrlx.self is {who!r}, the same as in {seen[who]}; each job trains a different agent"
+            )
         elif who is not None:
             seen[who] = p
     common = [name for name in s0.agents if all(name in s.agents for _, s in rest)]
@@ -180,18 +210,26 @@ def cross_check(configs: list[tuple[str, Settings]], report: Report, routers: di
         jobs = [p for p, s in configs if s.self_agent == name]
         if trainable == {False}:
             for p in jobs:
-                report.fail(f"{p}: mrlx.self is {name!r}, a frozen agent (trainable: false in every config); a frozen "
-                            "agent has no slime job: serve it with launch/serve_frozen.sh and leave this config out")
+                report.fail(
+                    f"{p}: mrlx.self is {name!r}, a frozen agent (trainable: false in every config); a "
+                    "frozen "
+                    "agent has no slime job: serve it with launch/serve_frozen.sh and leave this config out"
+                )
         elif trainable == {True} and not jobs:
-            report.fail(f"agent {name!r} is trainable but none of the {len(configs)} configs trains it (mrlx.self: "
-                        f"{name}); add its job's config, or set mrlx.agents.{name}.trainable: false in every config")
+            report.fail(
+                f"agent {name!r} is trainable but none of the {len(configs)} configs trains it (mrlx.self: "
+                f"{name}); add its job's config, or set mrlx.agents.{name}.trainable: false in every config"
+            )
     _same_samples_per_episode(configs, report)
     if roles:
         initiators = [p for (p, _), role in zip(configs, roles) if role == "initiator"]
         if len(initiators) != 1:
             which = ", ".join(initiators) if initiators else "none of them"
-            report.fail(f"{len(initiators)} jobs run the episodes (--role initiator: {which}); exactly one job is the "
-                        "initiator (mrlx_plugin.rollout.initiator_rollout), every other a responder")
+            report.fail(
+                f"{len(initiators)} jobs run the episodes (--role initiator: {which}); exactly one job is "
+                "the "
+                "initiator (mrlx_plugin.rollout.initiator_rollout), every other a responder"
+            )
     if not report.problems:
         report.ok(f"{len(configs)} configs agree: run {s0.run_id!r}, agents {sorted(s0.agents)}")
 
@@ -219,11 +257,15 @@ def _same_samples_per_episode(configs: list[tuple[str, Settings]], report: Repor
         for agent in sorted(set(c0 or {}) | set(c or {})):
             mine, theirs = (c or {}).get(agent), (c0 or {}).get(agent)
             if mine != theirs:
-                report.fail(f"{path}: an episode gives agent {agent!r} {mine} sample(s) here but {theirs} in {p0}; "
-                            "use the same mrlx.rewards (credit, branch) and system settings in every job")
+                report.fail(
+                    f"{path}: an episode gives agent {agent!r} {mine} sample(s) here but {theirs} in {p0}; "
+                    "use the same mrlx.rewards (credit, branch) and system settings in every job"
+                )
 
 
-def _same_agent(name: str, configs: list[tuple[str, Settings]], routers: dict[str, str], report: Report) -> None:
+def _same_agent(
+    name: str, configs: list[tuple[str, Settings]], routers: dict[str, str], report: Report
+) -> None:
     """One agent's settings in every config: whether it trains, where it is served, its tokenizer."""
     key = f"mrlx.agents.{name}"
 
@@ -233,24 +275,39 @@ def _same_agent(name: str, configs: list[tuple[str, Settings]], routers: dict[st
             shown = ", ".join(f"{public_text(v)} in {p}" for p, v in values.items())
             report.fail(f"{key}.{what} differs between configs ({shown}); {fix}")
 
-    differ("trainable", {p: str(bool(s.agents[name].trainable)).lower() for p, s in configs},
-           f"every job must agree whether {name!r} is trained")
+    differ(
+        "trainable",
+        {p: str(bool(s.agents[name].trainable)).lower() for p, s in configs},
+        f"every job must agree whether {name!r} is trained",
+    )
     # `url: self` is that job's router: comparable only when its URL was given (--router-url)
     urls = {p: routers.get(p) if s.agents[name].url == "self" else s.agents[name].url for p, s in configs}
-    differ("url", {p: u for p, u in urls.items() if u is not None},
-           f"every job must reach {name!r} at the same router (`url: self` in the job that serves it)")
+    differ(
+        "url",
+        {p: u for p, u in urls.items() if u is not None},
+        f"every job must reach {name!r} at the same router (`url: self` in the job that serves it)",
+    )
     named = {p: s.agents[name].tokenizer for p, s in configs if s.agents[name].tokenizer}
     differ("tokenizer", named, f"every job must read {name!r}'s turns with {name!r}'s own tokenizer")
     for p, s in configs:
         a = s.agents[name]
         if named and a.url != "self" and not a.tokenizer:
-            report.fail(f"{p}: {key}.tokenizer is not set, so this job reads {name!r}'s turns with its own "
-                        f"--hf-checkpoint; set it to {name!r}'s model (as {next(iter(named))} does)")
+            report.fail(
+                f"{p}: {key}.tokenizer is not set, so this job reads {name!r}'s turns with its own "
+                f"--hf-checkpoint; set it to {name!r}'s model (as {next(iter(named))} does)"
+            )
 
 
-async def run_checks(paths: list[str], router_urls: list[str], timeout: float, tokenizers: bool,
-                     offline: bool = False, responder: bool = False, roles: list[str] | None = None,
-                     only: list[str] | None = None) -> Report:
+async def run_checks(
+    paths: list[str],
+    router_urls: list[str],
+    timeout: float,
+    tokenizers: bool,
+    offline: bool = False,
+    responder: bool = False,
+    roles: list[str] | None = None,
+    only: list[str] | None = None,
+) -> Report:
     report = Report()
     configs = []
     for path in paths:
@@ -282,7 +339,10 @@ async def run_checks(paths: list[str], router_urls: list[str], timeout: float, t
                 continue
             url = router if agent.url == "self" else agent.url
             if url is None:
-                report.lines.append(f"skip  {path}: agent {name!r} is url: self (pass --router-url to check this job's router)")
+                report.lines.append(
+                    f"skip  {path}: agent {name!r} is url: self (pass --router-url to check this job's "
+                    "router)"
+                )
                 continue
             if (name, url) in reached:  # an agent named by several configs is reached once
                 continue
@@ -297,7 +357,9 @@ async def run_checks(paths: list[str], router_urls: list[str], timeout: float, t
             for name, agent in settings.agents.items():
                 if agent.tokenizer and not (only and name not in only):
                     try:
-                        await asyncio.to_thread(load_tokenizer, agent.tokenizer, None, f"{path}: mrlx.agents.{name}.tokenizer")
+                        await asyncio.to_thread(
+                            load_tokenizer, agent.tokenizer, None, f"{path}: mrlx.agents.{name}.tokenizer"
+                        )
                         report.ok(f"{path}: tokenizer of {name!r} loads")
                     except ConfigError as exc:
                         report.fail(str(exc))
@@ -307,18 +369,40 @@ async def run_checks(paths: list[str], router_urls: list[str], timeout: float, t
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="mrlx check", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", action="append", required=True, help="a job's YAML (repeat for each job)")
-    p.add_argument("--router-url", action="append", default=[], help="the router of the job, in --config order")
-    p.add_argument("--role", action="append", choices=ROLES, default=None,
-                   help="what each job runs, in --config order: the one initiator (runs the episodes) or a responder")
-    p.add_argument("--agent", action="append", default=None, metavar="NAME",
-                   help="reach only this agent's URL (repeatable), e.g. to wait for a frozen agent's servers")
+    p.add_argument(
+        "--router-url", action="append", default=[], help="the router of the job, in --config order"
+    )
+    p.add_argument(
+        "--role",
+        action="append",
+        choices=ROLES,
+        default=None,
+        help="what each job runs, in --config order: the one initiator (runs the episodes) or a responder",
+    )
+    p.add_argument(
+        "--agent",
+        action="append",
+        default=None,
+        metavar="NAME",
+        help="reach only this agent's URL (repeatable), e.g. to wait for a frozen agent's servers",
+    )
     p.add_argument("--timeout", type=float, default=5.0, help="seconds per URL")
     p.add_argument("--skip-tokenizers", action="store_true", help="do not load tokenizers")
-    p.add_argument("--offline", action="store_true", help="validate and cross-check the configs only; reach nothing")
-    p.add_argument("--responder", action="store_true",
-                   help="the job runs mrlx_plugin.rollout.responder_rollout: reach only its router and the coordinator")
-    p.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
-                   help="repeat the checks until they pass or SECONDS have gone by (to gate a launch)")
+    p.add_argument(
+        "--offline", action="store_true", help="validate and cross-check the configs only; reach nothing"
+    )
+    p.add_argument(
+        "--responder",
+        action="store_true",
+        help="the job runs mrlx_plugin.rollout.responder_rollout: reach only its router and the coordinator",
+    )
+    p.add_argument(
+        "--wait",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="repeat the checks until they pass or SECONDS have gone by (to gate a launch)",
+    )
     ns = p.parse_args(argv)
     # The same bounds as the settings' seconds: `inf` or `nan` would wait forever or not at all.
     if not (math.isfinite(ns.timeout) and 0 < ns.timeout <= DAY_S):
@@ -330,13 +414,28 @@ def main(argv: list[str] | None = None) -> int:
     reports = []
 
     def passed() -> bool:
-        reports.append(asyncio.run(run_checks(ns.config, ns.router_url, ns.timeout, not ns.skip_tokenizers,
-                                              offline=ns.offline, responder=ns.responder, roles=ns.role,
-                                              only=ns.agent)))
+        reports.append(
+            asyncio.run(
+                run_checks(
+                    ns.config,
+                    ns.router_url,
+                    ns.timeout,
+                    not ns.skip_tokenizers,
+                    offline=ns.offline,
+                    responder=ns.responder,
+                    roles=ns.role,
+                    only=ns.agent,
+                )
+            )
+        )
         problems = reports[-1].problems
         if problems and ns.wait > 0:
-            print(f"mrlx check: {len(problems)} problem(s), first: {problems[0]}; checking again until "
-                  f"--wait {ns.wait:g} s runs out", file=sys.stderr, flush=True)
+            print(
+                f"mrlx check: {len(problems)} problem(s), first: {problems[0]}; checking again until "
+                f"--wait {ns.wait:g} s runs out",
+                file=sys.stderr,
+                flush=True,
+            )
         return not problems
 
     try:  # --wait gates a launch: the checks again every few seconds until they pass

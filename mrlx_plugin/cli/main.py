@@ -66,8 +66,11 @@ def _bench(argv: list[str]) -> int:
     # the installed package: users' images do not carry them.
     checkout = Path(__file__).resolve().parents[2]
     if not (checkout / "benchmarks" / "__init__.py").is_file():
-        print("mrlx bench: the benchmarks live in the repository checkout (benchmarks/); run `mrlx bench` "
-              "from a clone installed with `pip install -e .`", file=sys.stderr)
+        print(
+            "mrlx bench: the benchmarks live in the repository checkout (benchmarks/); run `mrlx bench` "
+            "from a clone installed with `pip install -e .`",
+            file=sys.stderr,
+        )
         return 2
     if str(checkout) not in sys.path:
         sys.path.insert(0, str(checkout))
@@ -112,7 +115,10 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "engine": (_engine, "serve a small transformers model over the SGLang HTTP protocol (CPU)"),
     "stub-engine": (_stub_engine, "a model-free SGLang-protocol responder for benchmarks and fault tests"),
     "demo": (_demo, "two small models co-train on this CPU through the full multi-model loop"),
-    "rollout": (_rollout, "run N episodes of a system against engines; print a summary; write samples as JSONL"),
+    "rollout": (
+        _rollout,
+        "run N episodes of a system against engines; print a summary; write samples as JSONL",
+    ),
     "check": (_check, "validate configs (and two jobs' configs against each other); reach every URL"),
     "coordinator": (_coordinator, "the durable coordinator of a multi-model run"),
     "bench": (_bench, "benchmarks: rollout, coordinator, demo, load, answers, credit"),

@@ -19,17 +19,30 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from mrlx_plugin.local.fake_host import add_host_arguments, host_args, make_groups, read_prompts, sampling_params, set_router
+from mrlx_plugin.local.fake_host import (
+    add_host_arguments,
+    host_args,
+    make_groups,
+    read_prompts,
+    sampling_params,
+    set_router,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mrlx rollout", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", required=True, help="YAML with a top-level 'mrlx:' key")
-    p.add_argument("--output", default=None, help="JSONL file for the samples (default: runs/rollout-<time>.jsonl)")
+    p.add_argument(
+        "--output", default=None, help="JSONL file for the samples (default: runs/rollout-<time>.jsonl)"
+    )
     p.add_argument("--concurrency", type=int, default=64, help="episodes in flight at once")
-    p.add_argument("--evaluation", action="store_true", help="run in evaluation mode (one final answer per episode)")
+    p.add_argument(
+        "--evaluation", action="store_true", help="run in evaluation mode (one final answer per episode)"
+    )
     p.add_argument("--local", action="store_true", help="start an embedded CPU engine (and router) first")
-    p.add_argument("--model-dir", default="runs/models/tiny", help="with --local: where the small model lives")
+    p.add_argument(
+        "--model-dir", default="runs/models/tiny", help="with --local: where the small model lives"
+    )
     p.add_argument("--preset", default="tiny", help="with --local: size of the model built if missing")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true")
@@ -37,7 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-async def run_episodes(args: Any, groups: list[list[Any]], concurrency: int, evaluation: bool = False) -> list[Any]:
+async def run_episodes(
+    args: Any, groups: list[list[Any]], concurrency: int, evaluation: bool = False
+) -> list[Any]:
     """Call the plugin's generate function on every sample, `concurrency` at a time."""
     from mrlx_plugin.rollout import generate
 
@@ -56,8 +71,11 @@ async def run_episodes(args: Any, groups: list[list[Any]], concurrency: int, eva
 
 
 def summary_table(metrics: dict[str, float], wall_s: float, calls: int) -> str:
-    rows = [("wall time (s)", f"{wall_s:.2f}"), ("engine calls", str(calls)),
-            ("calls/s", f"{calls / wall_s:.1f}" if wall_s else "-")]
+    rows = [
+        ("wall time (s)", f"{wall_s:.2f}"),
+        ("engine calls", str(calls)),
+        ("calls/s", f"{calls / wall_s:.1f}" if wall_s else "-"),
+    ]
     rows += [(k, f"{v:.4g}") for k, v in sorted(metrics.items())]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
@@ -82,7 +100,10 @@ def main(argv: list[str] | None = None) -> int:
             ns.router_url = ns.router_url or url
             ns.hf_checkpoint = ns.hf_checkpoint or str(model_dir)
             if not ns.quiet:
-                print(f"embedded engine at {engine.url}" + (f", behind sglang-router at {url}" if url != engine.url else ""))
+                print(
+                    f"embedded engine at {engine.url}"
+                    + (f", behind sglang-router at {url}" if url != engine.url else "")
+                )
         args = host_args(ns, ns.config)
         if ns.router_url:
             set_router(args, ns.router_url)

@@ -72,6 +72,18 @@ from prometheus_client import (
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from mrlx_plugin.coordinator.storage import CoordinatorStore, QueueStats, StoreError, StoreOpenError
+from mrlx_plugin.core.netutil import is_loopback, write_port_file
+from mrlx_plugin.link.auth import (
+    CONTENT_HEADER,
+    MAX_SKEW_S,
+    PROOF_HEADER,
+    SCHEME,
+    ReplayGuard,
+    answer_mac,
+    check_request,
+    content_sha256,
+    derive_keys,
+)
 from mrlx_plugin.link.wire import (
     CONTENT_TYPE,
     END_OF_STREAM,
@@ -87,18 +99,6 @@ from mrlx_plugin.link.wire import (
     scan_frame,
     token_from_env_or_file,
     validate_frame,
-)
-from mrlx_plugin.core.netutil import is_loopback, write_port_file
-from mrlx_plugin.link.auth import (
-    CONTENT_HEADER,
-    MAX_SKEW_S,
-    PROOF_HEADER,
-    SCHEME,
-    ReplayGuard,
-    answer_mac,
-    check_request,
-    content_sha256,
-    derive_keys,
 )
 
 log = logging.getLogger("mrlx.coordinator")
@@ -289,7 +289,12 @@ class OneLineBadRequests(logging.Filter):
         exc = record.exc_info[1] if record.exc_info else None
         if isinstance(exc, HttpProcessingError):
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            record.msg, record.args, record.exc_info, record.exc_text = "refused a malformed request: %s", (first,), None, None
+            record.msg, record.args, record.exc_info, record.exc_text = (
+                "refused a malformed request: %s",
+                (first,),
+                None,
+                None,
+            )
             record.levelno, record.levelname = logging.WARNING, "WARNING"
         return True
 
@@ -356,45 +361,96 @@ ROUTES = (
     Route("GET", "/openapi.json", "openapi", "this document", errors=(), open=True),
     Route("GET", "/v1/runs/{run}", "run_info", "agents and queues"),
     Route(
-        "POST", QUEUE + "/commit", "commit", "commit items (all or nothing); duplicates by key are no-ops",
-        frame_in=True, errors=(400, 401, 404, 409, 413, 422, 429, *WRITE_ERRORS),
+        "POST",
+        QUEUE + "/commit",
+        "commit",
+        "commit items (all or nothing); duplicates by key are no-ops",
+        frame_in=True,
+        errors=(400, 401, 404, 409, 413, 422, 429, *WRITE_ERRORS),
     ),
     Route(
-        "POST", QUEUE + "/lease", "lease", "lease complete groups (long poll up to wait_s)", LeaseBody,
-        frame_out=True, errors=(*JSON_ERRORS, *WRITE_ERRORS),
+        "POST",
+        QUEUE + "/lease",
+        "lease",
+        "lease complete groups (long poll up to wait_s)",
+        LeaseBody,
+        frame_out=True,
+        errors=(*JSON_ERRORS, *WRITE_ERRORS),
     ),
     Route("POST", QUEUE + "/ack", "ack", "ack a lease", AckBody, errors=(*JSON_ERRORS, 409, *WRITE_ERRORS)),
     Route(
-        "POST", QUEUE + "/ack_through", "ack_through",
+        "POST",
+        QUEUE + "/ack_through",
+        "ack_through",
         "ack every group of a producer step or an earlier one (a durable watermark; idempotent)",
-        AckThroughBody, errors=(*JSON_ERRORS, *WRITE_ERRORS),
+        AckThroughBody,
+        errors=(*JSON_ERRORS, *WRITE_ERRORS),
     ),
     Route(
-        "POST", QUEUE + "/release", "release",
+        "POST",
+        QUEUE + "/release",
+        "release",
         "hand back every lease of the consumer now (its restarted process takes them over)",
-        ReleaseBody, errors=(*JSON_ERRORS, *WRITE_ERRORS),
+        ReleaseBody,
+        errors=(*JSON_ERRORS, *WRITE_ERRORS),
     ),
     Route(
-        "POST", QUEUE + "/reject", "reject", "set a group aside now (its consumer cannot train it): never delivered again",
-        RejectBody, errors=(*JSON_ERRORS, 409, *WRITE_ERRORS),
-    ),
-    Route("POST", QUEUE + "/extend", "extend", "keep a lease longer", ExtendBody, errors=(*JSON_ERRORS, 409, *WRITE_ERRORS)),
-    Route(
-        "POST", QUEUE + "/seal", "seal", "seal a group at its final size", SealBody,
+        "POST",
+        QUEUE + "/reject",
+        "reject",
+        "set a group aside now (its consumer cannot train it): never delivered again",
+        RejectBody,
         errors=(*JSON_ERRORS, 409, *WRITE_ERRORS),
     ),
-    Route("POST", QUEUE + "/end", "end", "end the queue (no more items)", EndBody, errors=(*JSON_ERRORS, *WRITE_ERRORS)),
-    Route("GET", QUEUE, "queue_info", "queue depth"),
-    Route("POST", AGENT + "/heartbeat", "heartbeat", "record the agent as alive", HeartbeatBody, errors=JSON_ERRORS),
     Route(
-        "POST", AGENT + "/version", "report_version", "report the agent's weight version", VersionBody,
+        "POST",
+        QUEUE + "/extend",
+        "extend",
+        "keep a lease longer",
+        ExtendBody,
+        errors=(*JSON_ERRORS, 409, *WRITE_ERRORS),
+    ),
+    Route(
+        "POST",
+        QUEUE + "/seal",
+        "seal",
+        "seal a group at its final size",
+        SealBody,
+        errors=(*JSON_ERRORS, 409, *WRITE_ERRORS),
+    ),
+    Route(
+        "POST",
+        QUEUE + "/end",
+        "end",
+        "end the queue (no more items)",
+        EndBody,
+        errors=(*JSON_ERRORS, *WRITE_ERRORS),
+    ),
+    Route("GET", QUEUE, "queue_info", "queue depth"),
+    Route(
+        "POST",
+        AGENT + "/heartbeat",
+        "heartbeat",
+        "record the agent as alive",
+        HeartbeatBody,
+        errors=JSON_ERRORS,
+    ),
+    Route(
+        "POST",
+        AGENT + "/version",
+        "report_version",
+        "report the agent's weight version",
+        VersionBody,
         errors=(*JSON_ERRORS, *WRITE_ERRORS),
     ),
     Route("GET", AGENT + "/version", "get_version", "the agent's version and last seen"),
     Route(
-        "POST", AGENT + "/wait_version", "wait_version",
+        "POST",
+        AGENT + "/wait_version",
+        "wait_version",
         "long-poll until the agent reaches min_version (reached=false and a message on timeout)",
-        WaitBody, errors=JSON_ERRORS,
+        WaitBody,
+        errors=JSON_ERRORS,
     ),
 )
 # Names the request counter uses for the endpoints (mrlx_coordinator_requests_total{endpoint=...}).
@@ -406,12 +462,17 @@ class Metrics:
 
     COUNTERS = {
         "mrlx_coordinator_items_enqueued_total": ("items accepted into a queue", ("consumer",)),
-        "mrlx_coordinator_items_duplicate_total": ("items re-committed under a known key (no-op)", ("consumer",)),
+        "mrlx_coordinator_items_duplicate_total": (
+            "items re-committed under a known key (no-op)",
+            ("consumer",),
+        ),
         "mrlx_coordinator_items_leased_total": (
-            "items handed out under a lease (redeliveries included)", ("consumer",)
+            "items handed out under a lease (redeliveries included)",
+            ("consumer",),
         ),
         "mrlx_coordinator_items_redelivered_total": (
-            "items handed out again after a lease expired", ("consumer",)
+            "items handed out again after a lease expired",
+            ("consumer",),
         ),
         "mrlx_coordinator_items_acked_total": ("items acked (done for good)", ("consumer",)),
         "mrlx_coordinator_items_dead_lettered_total": (
@@ -429,16 +490,25 @@ class Metrics:
         ),
         "mrlx_coordinator_queue_ready_groups": ("complete groups waiting for a lease", ("consumer",)),
         "mrlx_coordinator_queue_dead_items": (
-            "items set aside per consumer queue (dead-lettered: never delivered again)", ("consumer",)
+            "items set aside per consumer queue (dead-lettered: never delivered again)",
+            ("consumer",),
         ),
-        "mrlx_coordinator_queue_incomplete_groups": ("groups still waiting for items or a seal", ("consumer",)),
+        "mrlx_coordinator_queue_incomplete_groups": (
+            "groups still waiting for items or a seal",
+            ("consumer",),
+        ),
         "mrlx_coordinator_queue_oldest_item_age_seconds": (
-            "age of the oldest unacked item (0 when empty)", ("consumer",)
+            "age of the oldest unacked item (0 when empty)",
+            ("consumer",),
         ),
         "mrlx_coordinator_queue_ended": ("1 once the producer ended the queue", ("consumer",)),
-        "mrlx_coordinator_agent_version": ("last weight version reported per agent (-1: none yet)", ("agent",)),
+        "mrlx_coordinator_agent_version": (
+            "last weight version reported per agent (-1: none yet)",
+            ("agent",),
+        ),
         "mrlx_coordinator_agent_last_seen_seconds": (
-            "seconds since the agent's last call (-1: never seen)", ("agent",)
+            "seconds since the agent's last call (-1: never seen)",
+            ("agent",),
         ),
         "mrlx_coordinator_waits_in_progress": ("long polls in progress", ("kind",)),
     }
@@ -446,10 +516,12 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.counters = {
-            name: Counter(name, doc, labels, registry=self.registry) for name, (doc, labels) in self.COUNTERS.items()
+            name: Counter(name, doc, labels, registry=self.registry)
+            for name, (doc, labels) in self.COUNTERS.items()
         }
         self.gauges = {
-            name: Gauge(name, doc, labels, registry=self.registry) for name, (doc, labels) in self.GAUGES.items()
+            name: Gauge(name, doc, labels, registry=self.registry)
+            for name, (doc, labels) in self.GAUGES.items()
         }
 
     def inc(self, name: str, amount: float = 1.0, **labels: str) -> None:
@@ -611,7 +683,9 @@ class Coordinator:
             # Bodies are taken as sent (the server does not decompress): a compressed body could
             # unpack far past the size limit, and the client never compresses.
             raise HttpProblem(
-                415, f"{request.method} {request.path}: Content-Encoding {encoding!r} is not accepted; send the body uncompressed"
+                415,
+                f"{request.method} {request.path}: Content-Encoding {encoding!r} is not accepted; send the "
+                "body uncompressed",
             )
         length = request.content_length
         if length is not None and length > self.config.max_request_mb * (1 << 20):
@@ -654,7 +728,10 @@ class Coordinator:
         if seen == "replay":
             # Retryable: a replay changes nothing, and the true sender (whose nonce a copy took
             # first) signs again.
-            return 503, "the request's X-Mrlx-Nonce was used before: a replayed request is refused; sign it afresh"
+            return (
+                503,
+                "the request's X-Mrlx-Nonce was used before: a replayed request is refused; sign it afresh",
+            )
         if seen == "forgotten":
             return 503, (
                 "the request is older than those the coordinator can still tell from replays: sign it afresh"
@@ -696,7 +773,8 @@ class Coordinator:
         if name not in self.agents:
             raise HttpProblem(
                 404,
-                f"unknown {what} {name!r}; the agents of run {self.config.run_id!r} are {', '.join(self.agents)}",
+                f"unknown {what} {name!r}; the agents of run {self.config.run_id!r} are "
+                f"{', '.join(self.agents)}",
             )
         return name
 
@@ -707,7 +785,8 @@ class Coordinator:
         if agent not in self.agents:
             raise HttpProblem(
                 422,
-                f"header {AGENT_HEADER} names unknown agent {agent!r}; the agents are {', '.join(self.agents)}",
+                f"header {AGENT_HEADER} names unknown agent {agent!r}; the agents are "
+                f"{', '.join(self.agents)}",
             )
         pid_text = request.headers.get(PID_HEADER)
         pid = None
@@ -909,8 +988,13 @@ class Coordinator:
                     return await self._lease_response(consumer, grant, request)
                 if grant.end or grant.dead:
                     return self._frame_response(
-                        {"lease_id": None, "end": grant.end, "groups": [], "message": None,
-                         "dead": self._dead_json(grant)}
+                        {
+                            "lease_id": None,
+                            "end": grant.end,
+                            "groups": [],
+                            "message": None,
+                            "dead": self._dead_json(grant),
+                        }
                     )
                 remaining = deadline - loop.time()
                 if remaining <= 0:
@@ -919,8 +1003,13 @@ class Coordinator:
                         self._wait_ended("lease", True)
                         waiting = False
                     return self._frame_response(
-                        {"lease_id": None, "end": False, "groups": [], "message": message,
-                         "dead": self._dead_json(grant)}
+                        {
+                            "lease_id": None,
+                            "end": False,
+                            "groups": [],
+                            "message": message,
+                            "dead": self._dead_json(grant),
+                        }
                     )
                 timeout = remaining
                 if grant.next_expiry is not None:  # another lease may expire first: look again then
@@ -955,7 +1044,11 @@ class Coordinator:
             if granted.redelivered:
                 redelivered += len(group_records)
         header = {
-            "lease_id": grant.lease_id, "end": False, "groups": groups, "message": None, "dead": self._dead_json(grant),
+            "lease_id": grant.lease_id,
+            "end": False,
+            "groups": groups,
+            "message": None,
+            "dead": self._dead_json(grant),
         }
         head = frame_head(header)
         self.metrics.inc("mrlx_coordinator_items_leased_total", len(flat), consumer=consumer)
@@ -999,11 +1092,17 @@ class Coordinator:
         if not dead:
             return
         items = sum(d.n_items for d in dead)
-        self.metrics.inc("mrlx_coordinator_items_dead_lettered_total", items, consumer=consumer, reason=reason)
+        self.metrics.inc(
+            "mrlx_coordinator_items_dead_lettered_total", items, consumer=consumer, reason=reason
+        )
         for d in dead:
             log.warning(
                 "group %r of step %s (%d items) for %r set aside, never delivered again: %s",
-                d.group, d.step, d.n_items, consumer, d.reason,
+                d.group,
+                d.step,
+                d.n_items,
+                consumer,
+                d.reason,
             )
         _pulse(self._queue_events, consumer)  # room for blocked producers
 
@@ -1046,7 +1145,11 @@ class Coordinator:
             self.metrics.inc("mrlx_coordinator_items_acked_total", outcome.items, consumer=consumer)
             _pulse(self._queue_events, consumer)
         return self._json(
-            {"through_step": outcome.through_step, "acked_groups": outcome.groups, "acked_items": outcome.items}
+            {
+                "through_step": outcome.through_step,
+                "acked_groups": outcome.groups,
+                "acked_items": outcome.items,
+            }
         )
 
     async def release(self, request: web.Request) -> web.Response:
@@ -1054,7 +1157,9 @@ class Coordinator:
         await self._read_json(request, ReleaseBody)
         released = await self.store.release(consumer, time.time())
         if released:
-            log.info("%d leased groups of %r handed back by its consumer (a restarted process)", released, consumer)
+            log.info(
+                "%d leased groups of %r handed back by its consumer (a restarted process)", released, consumer
+            )
             _pulse(self._queue_events, consumer)
         return self._json({"released_groups": released})
 
@@ -1304,13 +1409,20 @@ def openapi_document(run_id: str | None = None, agents: list[str] | None = None)
         params = re.findall(r"{(\w+)}", route.path)
         if params:
             op["parameters"] = [
-                {"name": p, "in": "path", "required": True,
-                 "schema": {"type": "string", **({"enum": list(names[p])} if names[p] else {})}}
+                {
+                    "name": p,
+                    "in": "path",
+                    "required": True,
+                    "schema": {"type": "string", **({"enum": list(names[p])} if names[p] else {})},
+                }
                 for p in params
             ]
         if route.frame_in:
             # the server reads the body as a frame whatever its declared type
-            op["requestBody"] = {"required": True, "content": {CONTENT_TYPE: binary, "application/octet-stream": binary}}
+            op["requestBody"] = {
+                "required": True,
+                "content": {CONTENT_TYPE: binary, "application/octet-stream": binary},
+            }
         elif route.body is not None:
             schema = body_schema(route.body)
             op["requestBody"] = {
@@ -1333,7 +1445,11 @@ def openapi_document(run_id: str | None = None, agents: list[str] | None = None)
                 }
             },
             "schemas": {
-                "Error": {"type": "object", "properties": {"error": {"type": "string"}}, "required": ["error"]}
+                "Error": {
+                    "type": "object",
+                    "properties": {"error": {"type": "string"}},
+                    "required": ["error"],
+                }
             },
         },
         "security": [{"mrlxSignature": []}],
@@ -1359,8 +1475,10 @@ def add_coordinator_arguments(parser: argparse.ArgumentParser) -> argparse.Argum
     )
     parser.add_argument("--port", type=int, default=18888, help="port (0: any free port, see --port-file)")
     parser.add_argument(
-        "--token-env", default="MRLX_TOKEN", help="environment variable holding the run's token (calls are "
-        "signed with keys derived from it; the token itself never travels)"
+        "--token-env",
+        default="MRLX_TOKEN",
+        help="environment variable holding the run's token (calls are "
+        "signed with keys derived from it; the token itself never travels)",
     )
     parser.add_argument(
         "--token-file", default=None, help="file holding the run's token (instead of --token-env)"
@@ -1382,7 +1500,9 @@ def add_coordinator_arguments(parser: argparse.ArgumentParser) -> argparse.Argum
         "--synchronous",
         choices=("full", "normal"),
         default="full",
-        help="SQLite sync mode: full fsyncs every commit (survives power loss); normal survives process kills",
+        help=(
+            "SQLite sync mode: full fsyncs every commit (survives power loss); normal survives process kills"
+        ),
     )
     parser.add_argument(
         "--max-db-mb", type=float, default=None, help="cap on the database size; commits past it get 507"
@@ -1449,10 +1569,13 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
     if args.metrics_token_env and not metrics_token:
         raise ValueError(f"--metrics-token-env: ${args.metrics_token_env} is unset or empty")
     if metrics_token is not None and token is not None and hmac.compare_digest(metrics_token, token):
-        raise ValueError("--metrics-token-env: the metrics token must differ from the run's token (it is sent as is)")
+        raise ValueError(
+            "--metrics-token-env: the metrics token must differ from the run's token (it is sent as is)"
+        )
     if token is None and not is_loopback(args.host):
         raise ValueError(
-            f"refusing to listen on {args.host!r} without a token: anyone who can reach it could inject training "
+            f"refusing to listen on {args.host!r} without a token: anyone who can reach it could inject "
+            "training "
             f"data. Set ${args.token_env} (or --token-file), or bind to 127.0.0.1"
         )
     return CoordinatorConfig(
@@ -1492,7 +1615,11 @@ def connection_cap(wanted: int) -> int:
     cap = max(1, soft - FD_RESERVE)
     log.warning(
         "the open-file limit (RLIMIT_NOFILE %d, hard %s) holds %d connections, not %d: serving at most %d",
-        soft, "unlimited" if hard == resource.RLIM_INFINITY else hard, cap, wanted, cap,
+        soft,
+        "unlimited" if hard == resource.RLIM_INFINITY else hard,
+        cap,
+        wanted,
+        cap,
     )
     return cap
 
@@ -1546,7 +1673,8 @@ class ConnectionGuard:
         server.request_handler = request_handler
         log.info(
             "at most %d connections; one without a complete request header for %g s is closed",
-            cap, header_timeout_s,
+            cap,
+            header_timeout_s,
         )
 
     def _opened(self, protocol: Any) -> None:
@@ -1589,7 +1717,10 @@ class ConnectionGuard:
             log.warning(
                 "closed idle connections (so far: %d past the cap of %d open "
                 "connections, the longest idle first; %d without a request header within %g s)",
-                self._closed["cap"], self.cap, self._closed["header"], self.header_timeout_s,
+                self._closed["cap"],
+                self.cap,
+                self._closed["header"],
+                self.header_timeout_s,
             )
 
 
@@ -1610,9 +1741,7 @@ async def serve(config: CoordinatorConfig, *, stop: asyncio.Event | None = None)
         await runner.setup()
         assert runner.server is not None
         ConnectionGuard(runner.server, connection_cap(config.max_connections), config.idle_timeout_s)
-        site = web.TCPSite(
-            runner, config.host, config.port, reuse_address=True, backlog=LISTEN_BACKLOG
-        )
+        site = web.TCPSite(runner, config.host, config.port, reuse_address=True, backlog=LISTEN_BACKLOG)
         await site.start()
         port = config.port
         for sock in getattr(site._server, "sockets", None) or []:  # the port actually bound (for --port 0)

@@ -16,9 +16,9 @@ on a power loss or kernel crash.
 
 Layout: `items` holds one small row per item ever committed (its key stays forever, so a re-commit
 of an acked key is recognised as a duplicate); `records` holds the item's wire record (a one-row Arrow
-record batch message, see `wire`) until the item is acked, when it is deleted; `groups` is the unit of delivery; `leases` remembers
-which groups each lease took. Lease expiry is wall-clock time, so leased-but-unacked groups come back
-after their expiry across a restart too.
+record batch message, see `wire`) until the item is acked, when it is deleted; `groups` is the
+unit of delivery; `leases` remembers which groups each lease took. Lease expiry is wall-clock
+time, so leased-but-unacked groups come back after their expiry across a restart too.
 
 Delivery by step: `watermarks` holds, per consumer, the producer step through which the consumer has
 acknowledged everything (`ack_through`: every group of that step or an earlier one is done, leased or
@@ -111,7 +111,11 @@ CREATE TABLE IF NOT EXISTS leases (
 CREATE TABLE IF NOT EXISTS versions (agent TEXT PRIMARY KEY, version INTEGER NOT NULL, updated REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS agents (agent TEXT PRIMARY KEY, last_seen REAL NOT NULL, pid INTEGER, host TEXT);
 CREATE TABLE IF NOT EXISTS ended (consumer TEXT PRIMARY KEY, ended REAL NOT NULL, by_agent TEXT);
-CREATE TABLE IF NOT EXISTS watermarks (consumer TEXT PRIMARY KEY, step INTEGER NOT NULL, updated REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS watermarks (
+    consumer TEXT PRIMARY KEY,
+    step INTEGER NOT NULL,
+    updated REAL NOT NULL
+);
 """
 
 
@@ -269,7 +273,9 @@ def make_owner_only(path: str) -> None:
                 log.warning(
                     "%s is readable or writable by other users (mode %04o) and could not be made "
                     "owner-only: %s; fix its mode or owner",
-                    name, mode, exc,
+                    name,
+                    mode,
+                    exc,
                 )
             else:
                 log.warning("%s had mode %04o; made it owner-only (0600)", name, mode)
@@ -422,20 +428,27 @@ class CoordinatorStore:
                 )
         try:
             columns = {row[1] for row in conn.execute("PRAGMA table_info(groups)")}
-            indexed = conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'index' AND name = 'groups_dead'").fetchone()
+            indexed = conn.execute(
+                "SELECT 1 FROM sqlite_master WHERE type = 'index' AND name = 'groups_dead'"
+            ).fetchone()
             if "dead" in columns and indexed and version >= SCHEMA_VERSION:
                 return
             with self._transaction():
                 if "dead" not in columns:
                     conn.execute("ALTER TABLE groups ADD COLUMN dead REAL")
                     conn.execute("ALTER TABLE groups ADD COLUMN dead_reason TEXT")
-                conn.execute("CREATE INDEX IF NOT EXISTS groups_dead ON groups (consumer, first_seq) WHERE dead IS NOT NULL")
+                conn.execute(
+                    "CREATE INDEX IF NOT EXISTS groups_dead ON groups (consumer, first_seq) WHERE dead IS "
+                    "NOT NULL"
+                )
                 if version < SCHEMA_VERSION:
                     conn.execute(
                         "UPDATE run_info SET value = ? WHERE name = 'schema_version'", (str(SCHEMA_VERSION),)
                     )
         except (sqlite3.Error, StoreError) as exc:
-            raise StoreOpenError(f"cannot bring the coordinator database {self.path!r} to schema {SCHEMA_VERSION}: {exc}") from None
+            raise StoreOpenError(
+                f"cannot bring the coordinator database {self.path!r} to schema {SCHEMA_VERSION}: {exc}"
+            ) from None
 
     def watermark(self, consumer: str) -> int | None:
         """The step `consumer` has acknowledged everything through (None: none yet)."""
@@ -578,13 +591,16 @@ class CoordinatorStore:
                 depth = self._unacked.get(consumer, 0)
                 if len(fresh) > max_depth:
                     raise Rejected(
-                        f"this request holds {len(fresh)} new items but the queue of {consumer!r} holds at most "
-                        f"{max_depth}; commit in smaller batches (or start the coordinator with a larger --max-depth)",
+                        f"this request holds {len(fresh)} new items but the queue of {consumer!r} holds at "
+                        "most "
+                        f"{max_depth}; commit in smaller batches (or start the coordinator with a larger "
+                        "--max-depth)",
                         413,
                     )
                 if depth + len(fresh) > max_depth:
                     raise QueueFull(
-                        f"the queue of {consumer!r} holds {depth} unacked items; {len(fresh)} more would pass "
+                        f"the queue of {consumer!r} holds {depth} unacked items; {len(fresh)} more would "
+                        "pass "
                         f"its maximum depth {max_depth}; retry after the consumer acks"
                     )
                 by_group: dict[str, list[RecordView]] = {}
@@ -605,7 +621,8 @@ class CoordinatorStore:
                                 f"in this request and {record.meta['group_size']} here"
                             )
                     existing = conn.execute(
-                        "SELECT group_size, sealed_size, n_items, acked FROM groups WHERE consumer = ? AND grp = ?",
+                        "SELECT group_size, sealed_size, n_items, acked FROM groups WHERE consumer = ? AND "
+                        "grp = ?",
                         (consumer, group),
                     ).fetchone()
                     if existing is None:
@@ -614,14 +631,16 @@ class CoordinatorStore:
                         announced, sealed, had, _acked = existing
                         if announced != size:
                             raise Rejected(
-                                f"item {first['key']!r}: group {group!r} was announced with group_size {announced}, "
+                                f"item {first['key']!r}: group {group!r} was announced with group_size "
+                                f"{announced}, "
                                 f"this item says {size}"
                             )
                         limit = sealed if sealed is not None else announced
                     if had + len(members) > limit:
                         what = f"sealed at {sealed}" if sealed is not None else f"of size {limit}"
                         raise Rejected(
-                            f"item {members[0].meta['key']!r}: group {group!r} ({what}) already holds {had} items; "
+                            f"item {members[0].meta['key']!r}: group {group!r} ({what}) already holds {had} "
+                            "items; "
                             f"{len(members)} more would exceed it"
                         )
                     first_seq = seq
@@ -668,7 +687,8 @@ class CoordinatorStore:
                 )
                 conn.executemany("INSERT INTO records (seq, record) VALUES (?, ?)", record_rows)
                 conn.executemany(
-                    "INSERT INTO groups (consumer, grp, producer, step, group_size, n_items, complete, first_seq, created) "
+                    "INSERT INTO groups (consumer, grp, producer, step, group_size, n_items, complete, "
+                    "first_seq, created) "
                     "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     [row[1:] for row in group_rows if row[0] == "insert"],
                 )
@@ -684,14 +704,27 @@ class CoordinatorStore:
         self._after_write()
         return CommitOutcome(len(fresh), duplicates, completed, len(stale))
 
-    def _insert_stale(self, conn: sqlite3.Connection, consumer: str, stale: Sequence[RecordView], now: float) -> None:
+    def _insert_stale(
+        self, conn: sqlite3.Connection, consumer: str, stale: Sequence[RecordView], now: float
+    ) -> None:
         """Remember the keys of items of already-acknowledged steps, as acked items with no record."""
         seq = self._next_seq
         rows = []
         for record in stale:
             meta = record.meta
-            rows.append((seq, meta["key"], consumer, meta["group"], meta["producer"], meta["step"], meta["n_tokens"],
-                         now, now))
+            rows.append(
+                (
+                    seq,
+                    meta["key"],
+                    consumer,
+                    meta["group"],
+                    meta["producer"],
+                    meta["step"],
+                    meta["n_tokens"],
+                    now,
+                    now,
+                )
+            )
             seq += 1
         conn.executemany(
             "INSERT INTO items (seq, key, consumer, grp, producer, step, n_tokens, created, acked) "
@@ -709,12 +742,14 @@ class CoordinatorStore:
         assert conn is not None
         with self._transaction():
             row = conn.execute(
-                "SELECT group_size, sealed_size, n_items, complete, acked FROM groups WHERE consumer = ? AND grp = ?",
+                "SELECT group_size, sealed_size, n_items, complete, acked FROM groups WHERE consumer = ? AND "
+                "grp = ?",
                 (consumer, group),
             ).fetchone()
             if row is None:
                 raise Rejected(
-                    f"group {group!r} has no items in the queue of {consumer!r}; seal a group after committing its items",
+                    f"group {group!r} has no items in the queue of {consumer!r}; seal a group after "
+                    "committing its items",
                     404,
                 )
             announced, sealed, n_items, complete, acked = row
@@ -774,7 +809,9 @@ class CoordinatorStore:
     ) -> LeaseGrant:
         """Lease up to `max_groups` complete groups, oldest first, until `now + lease_s`; a group
         already delivered `max_deliveries` times (and never acked) is set aside instead."""
-        return await self._in_writer(self._lease_sync, consumer, max_groups, lease_s, step, now, max_deliveries)
+        return await self._in_writer(
+            self._lease_sync, consumer, max_groups, lease_s, step, now, max_deliveries
+        )
 
     def _lease_sync(
         self,
@@ -804,12 +841,23 @@ class CoordinatorStore:
             if max_deliveries is not None:
                 for row in rows:
                     if row[4] >= max_deliveries:
-                        dead.append(DeadGroup(row[0], row[1], row[2], row[3], (
-                            f"delivered {row[4]} times and never acknowledged (its consumer failed or died "
-                            f"on it each time; --max-deliveries {max_deliveries})")))
+                        dead.append(
+                            DeadGroup(
+                                row[0],
+                                row[1],
+                                row[2],
+                                row[3],
+                                (
+                                    f"delivered {row[4]} times and never acknowledged (its consumer failed "
+                                    "or died "
+                                    f"on it each time; --max-deliveries {max_deliveries})"
+                                ),
+                            )
+                        )
                 rows = [row for row in rows if row[4] < max_deliveries]
                 conn.executemany(
-                    "UPDATE groups SET dead = ?, dead_reason = ?, lease_expires = NULL WHERE consumer = ? AND grp = ?",
+                    "UPDATE groups SET dead = ?, dead_reason = ?, lease_expires = NULL WHERE consumer = ? "
+                    "AND grp = ?",
                     [(now, d.reason, consumer, d.group) for d in dead],
                 )
             lease_id = None
@@ -822,7 +870,8 @@ class CoordinatorStore:
                     [(lease_id, expires, consumer, row[0]) for row in rows],
                 )
                 conn.execute(
-                    "INSERT INTO leases (lease_id, consumer, groups, created, expires) VALUES (?, ?, ?, ?, ?)",
+                    "INSERT INTO leases (lease_id, consumer, groups, created, expires) VALUES (?, ?, ?, ?, "
+                    "?)",
                     (lease_id, consumer, orjson.dumps([row[0] for row in rows]).decode(), now, expires),
                 )
         if dead:
@@ -833,7 +882,8 @@ class CoordinatorStore:
         if not rows and consumer in self._ended:
             end = (
                 conn.execute(
-                    "SELECT 1 FROM groups WHERE consumer = ? AND acked IS NULL AND dead IS NULL LIMIT 1", (consumer,)
+                    "SELECT 1 FROM groups WHERE consumer = ? AND acked IS NULL AND dead IS NULL LIMIT 1",
+                    (consumer,),
                 ).fetchone()
                 is None
             )
@@ -886,7 +936,8 @@ class CoordinatorStore:
         assert conn is not None
         with self._transaction():
             row = conn.execute(
-                "SELECT n_items, step, producer, acked, dead, dead_reason FROM groups WHERE consumer = ? AND grp = ?",
+                "SELECT n_items, step, producer, acked, dead, dead_reason FROM groups WHERE consumer = ? AND "
+                "grp = ?",
                 (consumer, group),
             ).fetchone()
             if row is None:
@@ -895,9 +946,12 @@ class CoordinatorStore:
             if dead is not None:
                 return DeadGroup(group, n_items, step, producer, old_reason), True
             if acked is not None:
-                raise Rejected(f"group {group!r} was acknowledged already; there is nothing left to set aside", 409)
+                raise Rejected(
+                    f"group {group!r} was acknowledged already; there is nothing left to set aside", 409
+                )
             conn.execute(
-                "UPDATE groups SET dead = ?, dead_reason = ?, lease_expires = NULL WHERE consumer = ? AND grp = ?",
+                "UPDATE groups SET dead = ?, dead_reason = ?, lease_expires = NULL WHERE consumer = ? AND "
+                "grp = ?",
                 (now, reason, consumer, group),
             )
         self._unacked[consumer] = self._unacked.get(consumer, 0) - n_items
@@ -917,11 +971,13 @@ class CoordinatorStore:
             return AckThroughOutcome(mark, 0, 0)
         with self._transaction():
             rows = conn.execute(
-                "SELECT grp, n_items FROM groups WHERE consumer = ? AND acked IS NULL AND dead IS NULL AND step <= ?",
+                "SELECT grp, n_items FROM groups WHERE consumer = ? AND acked IS NULL AND dead IS NULL AND "
+                "step <= ?",
                 (consumer, step),
             ).fetchall()
             conn.executemany(
-                "UPDATE groups SET acked = ? WHERE consumer = ? AND grp = ?", [(now, consumer, g) for g, _ in rows]
+                "UPDATE groups SET acked = ? WHERE consumer = ? AND grp = ?",
+                [(now, consumer, g) for g, _ in rows],
             )
             conn.executemany(
                 "DELETE FROM records WHERE seq IN (SELECT seq FROM items WHERE consumer = ? AND grp = ?)",
@@ -933,7 +989,8 @@ class CoordinatorStore:
             )
             conn.execute(
                 "INSERT INTO watermarks (consumer, step, updated) VALUES (?, ?, ?) ON CONFLICT (consumer) "
-                "DO UPDATE SET step = excluded.step, updated = excluded.updated WHERE excluded.step > watermarks.step",
+                "DO UPDATE SET step = excluded.step, updated = excluded.updated WHERE excluded.step > "
+                "watermarks.step",
                 (consumer, step, now),
             )
         n_items = sum(n for _, n in rows)
@@ -1054,7 +1111,8 @@ class CoordinatorStore:
             "SELECT consumer, "
             "SUM(CASE WHEN lease_expires > :now THEN n_items ELSE 0 END), "
             "SUM(CASE WHEN lease_expires > :now THEN 0 ELSE n_items END), "
-            "SUM(CASE WHEN complete = 1 AND (lease_expires IS NULL OR lease_expires <= :now) THEN 1 ELSE 0 END), "
+            "SUM(CASE WHEN complete = 1 AND (lease_expires IS NULL OR lease_expires <= :now) THEN 1 ELSE 0 "
+            "END), "
             "SUM(CASE WHEN complete = 0 THEN 1 ELSE 0 END), "
             "MIN(created) "
             "FROM groups WHERE acked IS NULL AND dead IS NULL GROUP BY consumer",
@@ -1098,7 +1156,8 @@ class CoordinatorStore:
         with self._transaction():
             conn.executemany(
                 "INSERT INTO agents (agent, last_seen, pid, host) VALUES (?, ?, ?, ?) "
-                "ON CONFLICT (agent) DO UPDATE SET last_seen = excluded.last_seen, pid = excluded.pid, host = excluded.host",
+                "ON CONFLICT (agent) DO UPDATE SET last_seen = excluded.last_seen, pid = excluded.pid, host "
+                "= excluded.host",
                 [(agent, seen, pid, host) for agent, (seen, pid, host) in beats.items()],
             )
         self._after_write()

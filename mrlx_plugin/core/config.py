@@ -117,8 +117,10 @@ def _expand_env(value: str) -> str:
     expanded = _ENV_REF.sub(sub, value)
     if missing:
         names = f"variable {missing[0]} is" if len(missing) == 1 else f"variables {', '.join(missing)} are"
-        raise _problem(f"environment {names} not set (the YAML says {value!r}); set it (launch/mrlx.env "
-                       "holds a run's addresses) or write the value itself")
+        raise _problem(
+            f"environment {names} not set (the YAML says {value!r}); set it (launch/mrlx.env "
+            "holds a run's addresses) or write the value itself"
+        )
     return EnvValue(expanded, value) if _ENV_REF.search(value) else expanded
 
 
@@ -156,8 +158,15 @@ class Why(str):
     """Why a setting has its upper bound; a message about a value past it says so."""
 
 
-def bounded(kind: type, *, ge: float | None = None, gt: float | None = None, le: float | None = None,
-            lt: float | None = None, why: str | None = None) -> Any:
+def bounded(
+    kind: type,
+    *,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    lt: float | None = None,
+    why: str | None = None,
+) -> Any:
     """`kind` (int, or float: finite, and read as YAML writes numbers) within the bounds given, as
     an annotated type: the bounds are pydantic's own (they show in the JSON Schema and the
     reference), `why` says what an upper bound protects."""
@@ -204,37 +213,49 @@ class SamplingSettings(_Section):
     # The bounds go inside the optional type, where the JSON Schema shows them.
     temperature: bounded(float, ge=0) | None = Field(None, description="sampling temperature (0: greedy)")
     top_p: bounded(float, gt=0, le=1) | None = Field(None, description="nucleus sampling mass")
-    top_k: Annotated[bounded(int, ge=-1, le=INT32_MAX, why="the engine reads it as a 32-bit integer"),
-                     AfterValidator(_top_k)] | None = Field(
-        None, description="sample from the k likeliest tokens, 1 or more (-1: every token)")
+    top_k: (
+        Annotated[
+            bounded(int, ge=-1, le=INT32_MAX, why="the engine reads it as a 32-bit integer"),
+            AfterValidator(_top_k),
+        ]
+        | None
+    ) = Field(None, description="sample from the k likeliest tokens, 1 or more (-1: every token)")
     max_new_tokens: Tokens | None = Field(None, description="per-turn cap on generated tokens")
     stop: list[Text] | None = Field(None, description="strings that end a turn")
-    stop_token_ids: list[bounded(int, ge=0, le=INT32_MAX, why="the engine reads token ids as 32-bit "
-                                                                "integers")] | None = Field(
-        None, description="token ids that end a turn")
+    stop_token_ids: (
+        list[bounded(int, ge=0, le=INT32_MAX, why="the engine reads token ids as 32-bit integers")] | None
+    ) = Field(None, description="token ids that end a turn")
 
 
 class AgentSettings(_Section):
     url: Text = Field(
-        "self", description="`self` (this job's router, from `--sglang-router-ip/port`) or "
-                            "`http://host:port`")
+        "self", description="`self` (this job's router, from `--sglang-router-ip/port`) or `http://host:port`"
+    )
     tokenizer: Text | None = Field(
-        None, description="path of the agent's tokenizer (and chat template); none = the job's "
-                          "`--hf-checkpoint`")
+        None,
+        description="path of the agent's tokenizer (and chat template); none = the job's `--hf-checkpoint`",
+    )
     chat_template: Text | None = Field(
-        None, description="Jinja text or a file path; none = the tokenizer's own template")
+        None, description="Jinja text or a file path; none = the tokenizer's own template"
+    )
     system_prompt: Text | None = Field(None, description="text, or a path to a `.txt`/`.md` file")
     trainable: bool | None = Field(
-        None, description="whether the agent's turns are trained (loss mask 1); none = trainable when url is "
-                          "`self`")
+        None,
+        description="whether the agent's turns are trained (loss mask 1); none = trainable when url is "
+        "`self`",
+    )
     sampling: SamplingSettings = Field(
         default_factory=SamplingSettings,
-        description="overrides of the host's sampling parameters; an unset one keeps the host's")
+        description="overrides of the host's sampling parameters; an unset one keeps the host's",
+    )
     retry_on_abort: bool | None = Field(
-        None, description="retry a turn the engine aborted or failed (a peer updating weights, restarting); "
-                          "none = yes for peers, no for `self`")
+        None,
+        description="retry a turn the engine aborted or failed (a peer updating weights, restarting); "
+        "none = yes for peers, no for `self`",
+    )
     api_key_env: Text | None = Field(
-        None, description="environment variable holding the key of an SGLang server run with `--api-key`")
+        None, description="environment variable holding the key of an SGLang server run with `--api-key`"
+    )
 
     @field_validator("url")
     @classmethod
@@ -259,62 +280,92 @@ class EngineSettings(_Section):
 
     request_timeout_s: Seconds = Field(900.0, description="one `/generate` call, connect to last byte")
     connect_timeout_s: Seconds = Field(10.0, description="opening a connection to an engine")
-    max_retries: bounded(int, ge=0, le=100, why="each retry waits up to max_backoff_s: more only keeps "
-                                               "calling an engine that is down") = Field(
-        3, description="retries after the first try, for 5xx/429, broken JSON, resets, timeouts")
+    max_retries: bounded(
+        int,
+        ge=0,
+        le=100,
+        why="each retry waits up to max_backoff_s: more only keeps calling an engine that is down",
+    ) = Field(3, description="retries after the first try, for 5xx/429, broken JSON, resets, timeouts")
     backoff_s: Pause = Field(0.5, description="first wait between tries; doubles each time, with jitter")
     max_backoff_s: Pause = Field(8.0, description="cap on the wait between tries")
     abort_retry_wait_s: Pause = Field(2.0, description="wait before retrying a turn a peer engine aborted")
     peer_deadline_s: Seconds = Field(
-        600.0, description="give up on an aborting/unreachable peer after this long")
+        600.0, description="give up on an aborting/unreachable peer after this long"
+    )
     max_connections: bounded(int, ge=1, le=65_535, why="each open connection takes a local port") = Field(
-        1024, description="connection pool size per engine URL")
+        1024, description="connection pool size per engine URL"
+    )
     sampling_seed: bounded(int, ge=0, le=2**63 - 1, why="it is sent as a 64-bit integer") | None = Field(
-        None, description="send each call a `sampling_seed` derived from this, the episode and the turn "
-                          "(SGLang honours it with deterministic inference; the embedded engine always)")
+        None,
+        description="send each call a `sampling_seed` derived from this, the episode and the turn "
+        "(SGLang honours it with deterministic inference; the embedded engine always)",
+    )
 
 
 class PipelineSettings(_Section):
     """The solver -> rewriter -> selector system (agents `solver`, `rewriter`, `selector`)."""
 
-    num_parallel: bounded(int, ge=1, le=256, why="each is a solver and a rewriter call per episode, and the "
-                                                 "selector reads every one in one prompt") = Field(
-        5, description="solvers, and rewriters, per episode")
+    num_parallel: bounded(
+        int,
+        ge=1,
+        le=256,
+        why="each is a solver and a rewriter call per episode, and the "
+        "selector reads every one in one prompt",
+    ) = Field(5, description="solvers, and rewriters, per episode")
     correct_weight: bounded(float, ge=0) = Field(
-        1.2, description="team weight when the selected answer is right")
+        1.2, description="team weight when the selected answer is right"
+    )
     incorrect_weight: bounded(float, ge=0) = Field(
-        0.8, description="team weight when it is wrong or none was selected")
+        0.8, description="team weight when it is wrong or none was selected"
+    )
     weighting: Literal["offset", "multiplicative", "none"] = Field(
-        "offset", description="how the team weight meets each sample's own reward: `offset` adds weight - 1 "
-                              "(wrong answers also feel the team outcome), `multiplicative` multiplies, "
-                              "`none` leaves rewards unweighted")
+        "offset",
+        description="how the team weight meets each sample's own reward: `offset` adds weight - 1 "
+        "(wrong answers also feel the team outcome), `multiplicative` multiplies, "
+        "`none` leaves rewards unweighted",
+    )
     max_solution_tokens: Tokens | None = Field(
-        None, description="cut each solution quoted to the rewriters and the selector to its last N tokens")
+        None, description="cut each solution quoted to the rewriters and the selector to its last N tokens"
+    )
 
 
 class RewardSettings(_Section):
     grader: Literal["math", "host"] = Field(
-        "math", description="default grader hook: `math` (math-verify) or `host` (the host's `--rm-type`)")
+        "math", description="default grader hook: `math` (math-verify) or `host` (the host's `--rm-type`)"
+    )
     shaping: Literal["independent", "cooperative", "zero_sum", "bilateral", "asymmetric"] = Field(
-        "independent", description="episode reward shaping for systems other than the pipeline")
+        "independent", description="episode reward shaping for systems other than the pipeline"
+    )
     coupling: dict[str, dict[str, Number]] = Field(
-        default_factory=dict, description="`asymmetric` shaping: `agent: {agent: weight}` rows")
+        default_factory=dict, description="`asymmetric` shaping: `agent: {agent: weight}` rows"
+    )
     grade_timeout_s: Seconds = Field(
-        30.0, description="deadline of one grade (above the math verifier's own 10 s, which scores a hung "
-                          "parse 0); a grade past it aborts the episode")
+        30.0,
+        description="deadline of one grade (above the math verifier's own 10 s, which scores a hung "
+        "parse 0); a grade past it aborts the episode",
+    )
     credit: Literal["episode", "turn"] = Field(
-        "episode", description="`episode`: one sample per transcript (all of an agent's turns, one reward); `turn`: "
-                               "one sample per model turn, its reward the turn's own plus the discounted outcome, "
-                               "normalised per (prompt group, agent, role, turn index)")
-    gamma: bounded(float, ge=0, le=1, why="a discount: more than 1 would weigh the outcome more the "
-                                           "further a turn is from it") = Field(
-        1.0, description="`credit: turn`: discount per turn by which the outcome reaches earlier turns")
+        "episode",
+        description="`episode`: one sample per transcript (all of an agent's turns, one reward); `turn`: "
+        "one sample per model turn, its reward the turn's own plus the discounted outcome, "
+        "normalised per (prompt group, agent, role, turn index)",
+    )
+    gamma: bounded(
+        float,
+        ge=0,
+        le=1,
+        why="a discount: more than 1 would weigh the outcome more the further a turn is from it",
+    ) = Field(1.0, description="`credit: turn`: discount per turn by which the outcome reaches earlier turns")
     branch: bounded(int, ge=1, le=64, why="each candidate is one more model call per trainable turn") = Field(
-        1, description="`credit: turn`: candidates sampled per trainable turn from one context (tree sampling); "
-                       "the K are scored, trained as one advantage group, and the episode goes on from one")
+        1,
+        description="`credit: turn`: candidates sampled per trainable turn from one context (tree sampling); "
+        "the K are scored, trained as one advantage group, and the episode goes on from one",
+    )
     branch_pick: Literal["best", "sample"] = Field(
-        "best", description="which candidate the episode goes on from: the best-scored (first on ties), or one "
-                            "drawn with probability rising with its score (softmax)")
+        "best",
+        description="which candidate the episode goes on from: the best-scored (first on ties), or one "
+        "drawn with probability rising with its score (softmax)",
+    )
 
 
 class DialogueSettings(_Section):
@@ -322,14 +373,17 @@ class DialogueSettings(_Section):
     order: list[Text] | None = Field(None, description="turn order; none = the agents in the order listed")
     max_turns: bounded(int, ge=1, le=1024, why=TURNS_WHY) = Field(8, description="turn limit")
     stop_patterns: dict[str, Text] = Field(
-        default_factory=dict, description="agent -> regular expression that ends the episode")
+        default_factory=dict, description="agent -> regular expression that ends the episode"
+    )
     final_answer_agent: Text | None = Field(
-        None, description="whose last message is the episode's final answer; none = the last speaker")
+        None, description="whose last message is the episode's final answer; none = the last speaker"
+    )
     openings: dict[str, Text] = Field(
         default_factory=dict,
         description="agent -> its first message; `{problem}`, `{label}` and `{metadata[KEY]}` are filled in "
-                    "from the input sample (so an agent can be told what others must not see); default: "
-                    "the problem")
+        "from the input sample (so an agent can be told what others must not see); default: "
+        "the problem",
+    )
 
 
 class GameSettings(_Section):
@@ -338,16 +392,22 @@ class GameSettings(_Section):
 
     name: Text = Field("nim", description="the game, by the name it is registered under")
     seats: list[Text] | None = Field(
-        None, description="who plays each seat, in the game's seat order: an agent, `script:NAME` (a scripted "
-                          "player the game provides, e.g. `script:random`), or `pool` (one of `opponents`, one "
-                          "drawn per prompt group); none = the agents in the order listed")
+        None,
+        description="who plays each seat, in the game's seat order: an agent, `script:NAME` (a scripted "
+        "player the game provides, e.g. `script:random`), or `pool` (one of `opponents`, one "
+        "drawn per prompt group); none = the agents in the order listed",
+    )
     opponents: list[Text] = Field(
-        default_factory=list, description="the opponent pool of a `pool` seat: agents (frozen models, past "
-                                          "checkpoints behind their own URL) or `script:NAME` players")
+        default_factory=list,
+        description="the opponent pool of a `pool` seat: agents (frozen models, past "
+        "checkpoints behind their own URL) or `script:NAME` players",
+    )
     max_turns: bounded(int, ge=1, le=1024, why=TURNS_WHY) = Field(
-        16, description="moves per episode, all seats together")
+        16, description="moves per episode, all seats together"
+    )
     illegal_penalty: Number = Field(
-        -1.0, description="outcome of a seat whose move is illegal (the episode ends there; counted)")
+        -1.0, description="outcome of a seat whose move is illegal (the episode ends there; counted)"
+    )
     options: dict[str, Any] = Field(default_factory=dict, description="the game's own options (see the game)")
 
 
@@ -355,8 +415,11 @@ class DebateSettings(_Section):
     """The debate system (`system: debate`): two debaters argue in turn, a judge picks the winner."""
 
     debaters: list[Text] | None = Field(
-        None, description="the two debating agents, first speaker first; none = the first two agents listed")
-    judge: Text | None = Field(None, description="the judging agent (usually `trainable: false`); none = the third agent")
+        None, description="the two debating agents, first speaker first; none = the first two agents listed"
+    )
+    judge: Text | None = Field(
+        None, description="the judging agent (usually `trainable: false`); none = the third agent"
+    )
     rounds: bounded(int, ge=1, le=512, why=TURNS_WHY) = Field(2, description="speeches per debater")
     win_reward: Number = Field(1.0, description="outcome of the debater the judge picks")
     lose_reward: Number = Field(-0.5, description="outcome of the other debater")
@@ -364,20 +427,23 @@ class DebateSettings(_Section):
 
 class CoordinatorSettings(_Section):
     url: Text | None = Field(
-        None, description="the run's coordinator (needed when a trainable agent is trained by another job)")
+        None, description="the run's coordinator (needed when a trainable agent is trained by another job)"
+    )
     token_env: Text = Field(
-        "MRLX_TOKEN", description="environment variable this job reads the coordinator's token from")
+        "MRLX_TOKEN", description="environment variable this job reads the coordinator's token from"
+    )
     token_file: Text | None = Field(None, description="file this job reads the coordinator's token from")
-    max_staleness: bounded(int, ge=0, le=1024, why="every version the initiator runs ahead keeps its samples "
-                                                   "queued for the peer") = Field(
-        1, description="how many versions the initiator may run ahead of a peer")
+    max_staleness: bounded(
+        int, ge=0, le=1024, why="every version the initiator runs ahead keeps its samples queued for the peer"
+    ) = Field(1, description="how many versions the initiator may run ahead of a peer")
     wait_deadline_s: Seconds = Field(1800.0, description="how long a barrier or lease wait may take")
-    lease_s: bounded(float, ge=MIN_LEASE_S, le=MAX_LEASE_S,
-                     why="a week; the coordinator refuses a longer lease") = Field(
-        600.0, description="length of a lease on delivered samples")
+    lease_s: bounded(
+        float, ge=MIN_LEASE_S, le=MAX_LEASE_S, why="a week; the coordinator refuses a longer lease"
+    ) = Field(600.0, description="length of a lease on delivered samples")
     request_timeout_s: Seconds = Field(60.0, description="one coordinator call")
     outage_deadline_s: Seconds = Field(
-        600.0, description="each coordinator call rides out an outage this long, then fails")
+        600.0, description="each coordinator call rides out an outage this long, then fails"
+    )
 
 
 _LR_WHY = "a step as large as the weights themselves diverges at once"
@@ -390,33 +456,43 @@ class TrainerSettings(_Section):
 
     lr: bounded(float, ge=0, le=1, why=_LR_WHY) = Field(1e-4, description="learning rate")
     lr_warmup_steps: bounded(int, ge=0) = Field(
-        0, description="RL steps over which the learning rate rises linearly from lr / steps to lr")
+        0, description="RL steps over which the learning rate rises linearly from lr / steps to lr"
+    )
     lr_decay_style: Literal["constant", "cosine"] = Field(
-        "constant", description="after warm-up: keep lr, or cosine down to lr_min")
+        "constant", description="after warm-up: keep lr, or cosine down to lr_min"
+    )
     lr_min: bounded(float, ge=0, le=1, why=_LR_WHY) = Field(
-        0.0, description="the learning rate cosine decay ends at")
-    eps_clip: bounded(float, ge=0, le=1, why="the ratio's lower clip is 1 - eps_clip, which must stay 0 or "
-                                              "more") = Field(0.2, description="PPO clip range below 1")
+        0.0, description="the learning rate cosine decay ends at"
+    )
+    eps_clip: bounded(
+        float, ge=0, le=1, why="the ratio's lower clip is 1 - eps_clip, which must stay 0 or more"
+    ) = Field(0.2, description="PPO clip range below 1")
     eps_clip_high: bounded(float, ge=0) = Field(0.28, description="PPO clip range above 1")
     kl_coef: bounded(float, ge=0) = Field(
-        0.0, description="KL to the initial (reference) model, low-variance estimator")
+        0.0, description="KL to the initial (reference) model, low-variance estimator"
+    )
     weight_decay: bounded(float, ge=0) = Field(0.0, description="AdamW weight decay")
     adam_beta1: bounded(float, ge=0, lt=1, why=_BETA_WHY) = Field(0.9, description="Adam beta1")
     adam_beta2: bounded(float, ge=0, lt=1, why=_BETA_WHY) = Field(0.98, description="Adam beta2")
     # A large epsilon scales Adam's steps with the gradient where the gradient is tiny: RL's noisy
     # small gradients then do not push every weight by a full `lr` (which wrecks small models).
     adam_eps: bounded(float, gt=0) = Field(
-        1e-8, description="Adam epsilon (a large one keeps tiny noisy gradients from moving every weight by "
-                          "a full lr)")
+        1e-8,
+        description="Adam epsilon (a large one keeps tiny noisy gradients from moving every weight by "
+        "a full lr)",
+    )
     max_grad_norm: bounded(float, gt=0) = Field(1.0, description="gradient clipping norm")
     micro_batch_size: bounded(int, ge=1) = Field(32, description="samples per forward/backward pass")
     ppo_epochs: bounded(int, ge=1) = Field(1, description="passes over each step's samples")
     warmup_sft_steps: bounded(int, ge=0) = Field(
-        0, description="supervised warm-start steps on the task's format before RL")
+        0, description="supervised warm-start steps on the task's format before RL"
+    )
     warmup_sft_lr: bounded(float, ge=0, le=1, why=_LR_WHY) = Field(
-        3e-3, description="learning rate of the supervised warm-start")
-    threads: bounded(int, ge=1, le=1024, why="torch threads per trainer: more than the machine's cores only "
-                                             "slows it") = Field(1, description="torch threads per trainer")
+        3e-3, description="learning rate of the supervised warm-start"
+    )
+    threads: bounded(
+        int, ge=1, le=1024, why="torch threads per trainer: more than the machine's cores only slows it"
+    ) = Field(1, description="torch threads per trainer")
 
 
 class _AnyKey(dict):
@@ -441,29 +517,39 @@ class Settings(_Section):
     plugins: list[Text] = Field(default_factory=list, description="modules holding hook implementations")
     system: Text = Field("pipeline", description="`pipeline`, `dialogue`, or a name a plugin registers")
     self_agent: Text | None = Field(
-        None, alias="self", description="the agent this job trains (multi-model jobs)")
+        None, alias="self", description="the agent this job trains (multi-model jobs)"
+    )
     agents: dict[str, AgentSettings] = Field(
         default_factory=dict,
         description="one entry per agent, by name; default for the pipeline: solver, rewriter and selector "
-                    "at `self`")
+        "at `self`",
+    )
     engine: EngineSettings = Field(
-        default_factory=EngineSettings, description="how the engine client talks to `/generate`")
+        default_factory=EngineSettings, description="how the engine client talks to `/generate`"
+    )
     rewards: RewardSettings = Field(default_factory=RewardSettings, description="grading and reward shaping")
     pipeline: PipelineSettings = Field(
-        default_factory=PipelineSettings, description="the solver -> rewriter -> selector system")
+        default_factory=PipelineSettings, description="the solver -> rewriter -> selector system"
+    )
     dialogue: DialogueSettings = Field(
-        default_factory=DialogueSettings, description="the dialogue system (agents take turns)")
+        default_factory=DialogueSettings, description="the dialogue system (agents take turns)"
+    )
     game: GameSettings = Field(default_factory=GameSettings, description="the turn-based game system")
-    debate: DebateSettings = Field(default_factory=DebateSettings, description="the debate-with-a-judge system")
+    debate: DebateSettings = Field(
+        default_factory=DebateSettings, description="the debate-with-a-judge system"
+    )
     coordinator: CoordinatorSettings = Field(
-        default_factory=CoordinatorSettings, description="the multi-model run's coordinator")
+        default_factory=CoordinatorSettings, description="the multi-model run's coordinator"
+    )
     trainer: TrainerSettings = Field(
         default_factory=TrainerSettings,
-        description="the embedded CPU trainer only (slime jobs use their own flags)")
+        description="the embedded CPU trainer only (slime jobs use their own flags)",
+    )
     extra: dict[str, Any] = Field(
         default_factory=dict,
         description="the settings section of a system a plugin registers, under the system's name; given to "
-                    "it as `episode.system_settings` and validated by the plugin")
+        "it as `episode.system_settings` and validated by the plugin",
+    )
 
     def agent(self, name: str) -> AgentSettings:
         return self.agents[name]
@@ -497,10 +583,10 @@ class Settings(_Section):
             self.agents = {name: AgentSettings() for name in PIPELINE_AGENTS}
         problems = _cross_problems(self, TOP_KEY, (info.context or {}).get("known_systems"))
         if problems:
-            raise PydanticCustomError(_CROSS, "{count} problem(s) between settings",
-                                      {"count": len(problems), "problems": problems})
+            raise PydanticCustomError(
+                _CROSS, "{count} problem(s) between settings", {"count": len(problems), "problems": problems}
+            )
         return self
-
 
 
 def _cross_problems(s: Settings, path: str, known_systems: set[str] | None) -> list[str]:
@@ -509,21 +595,27 @@ def _cross_problems(s: Settings, path: str, known_systems: set[str] | None) -> l
     if not names:
         errors.append(f"{path}.agents: no agents are configured; list each agent with its url")
     if s.self_agent is not None and s.self_agent not in s.agents:
-        errors.append(f"{path}.self: agent {_show(s.self_agent)} is not under {path}.agents "
-                      f"(agents: {', '.join(names) or 'none'})")
+        errors.append(
+            f"{path}.self: agent {_show(s.self_agent)} is not under {path}.agents "
+            f"(agents: {', '.join(names) or 'none'})"
+        )
     if s.system == "pipeline":
         missing = [n for n in PIPELINE_AGENTS if n not in s.agents]
         if missing:
-            errors.append(f"{path}.agents: the pipeline system needs agents {', '.join(PIPELINE_AGENTS)}; "
-                          f"missing {', '.join(missing)} (add e.g. `{missing[0]}: {{url: self}}`)")
+            errors.append(
+                f"{path}.agents: the pipeline system needs agents {', '.join(PIPELINE_AGENTS)}; "
+                f"missing {', '.join(missing)} (add e.g. `{missing[0]}: {{url: self}}`)"
+            )
     if s.system == "dialogue":
         errors += _dialogue_problems(s, f"{path}.dialogue", names)
         if len(names) < 2:
             errors.append(f"{path}.agents: the dialogue system needs at least two agents; got {len(names)}")
     r = s.rewards
     if r.branch > 1 and r.credit != "turn":
-        errors.append(f"{path}.rewards.branch: {r.branch} candidates per turn are trained as one group per turn; "
-                      f"set {path}.rewards.credit: turn (or branch: 1)")
+        errors.append(
+            f"{path}.rewards.branch: {r.branch} candidates per turn are trained as one group per turn; "
+            f"set {path}.rewards.credit: turn (or branch: 1)"
+        )
     if s.system == "game":
         errors += _game_problems(s, f"{path}.game", names)
     if s.system == "debate":
@@ -531,12 +623,15 @@ def _cross_problems(s: Settings, path: str, known_systems: set[str] | None) -> l
     for who, row in s.rewards.coupling.items():
         if who not in s.agents:
             errors.append(f"{path}.rewards.coupling.{who}: not an agent")
-        errors += [f"{path}.rewards.coupling.{who}.{other}: not an agent"
-                   for other in row if other not in s.agents]
+        errors += [
+            f"{path}.rewards.coupling.{who}.{other}: not an agent" for other in row if other not in s.agents
+        ]
     if known_systems is not None and s.system not in known_systems:
-        errors.append(f"{path}.system: no agent system named {_show(s.system)} is registered "
-                      f"(known: {', '.join(sorted(known_systems))}); list the module that registers it under "
-                      f"{path}.plugins")
+        errors.append(
+            f"{path}.system: no agent system named {_show(s.system)} is registered "
+            f"(known: {', '.join(sorted(known_systems))}); list the module that registers it under "
+            f"{path}.plugins"
+        )
     for key in s.extra:
         if key != s.system or s.system in BUILT_IN_SYSTEMS:
             errors.append(_unknown_key(f"{path}.{key}", key, Settings))
@@ -553,7 +648,7 @@ def _game_problems(s: Settings, path: str, names: list[str]) -> list[str]:
 
     def check_player(where: str, who: str, pool_ok: bool) -> None:
         if who.startswith(SCRIPT_PREFIX):
-            if not who[len(SCRIPT_PREFIX):]:
+            if not who[len(SCRIPT_PREFIX) :]:
                 errors.append(f"{where}: {_show(who)} names no script; e.g. `script:random`")
         elif who == POOL_SEAT:
             if not pool_ok:
@@ -579,7 +674,9 @@ def _debate_problems(s: Settings, path: str, names: list[str]) -> list[str]:
     judge = d.judge if d.judge is not None else (names[2] if len(names) > 2 else None)
     if len(debaters) != 2 or len(set(debaters)) != 2:
         errors.append(f"{path}.debaters: expected two different agents; got {debaters}")
-    errors += [f"{path}.debaters: {_show(who)} is not an agent {agents}" for who in debaters if who not in s.agents]
+    errors += [
+        f"{path}.debaters: {_show(who)} is not an agent {agents}" for who in debaters if who not in s.agents
+    ]
     if judge is None:
         errors.append(f"{path}.judge: name the judging agent (or list a third agent)")
     elif judge not in s.agents:
@@ -595,8 +692,11 @@ def _dialogue_problems(s: Settings, path: str, names: list[str]) -> list[str]:
     for key, who in (("first", d.first), ("final_answer_agent", d.final_answer_agent)):
         if who is not None and who not in s.agents:
             errors.append(f"{path}.{key}: {_show(who)} is not an agent {agents}")
-    errors += [f"{path}.order[{i}]: {_show(who)} is not an agent {agents}"
-               for i, who in enumerate(d.order or []) if who not in s.agents]
+    errors += [
+        f"{path}.order[{i}]: {_show(who)} is not an agent {agents}"
+        for i, who in enumerate(d.order or [])
+        if who not in s.agents
+    ]
     for who, pattern in d.stop_patterns.items():
         if who not in s.agents:
             errors.append(f"{path}.stop_patterns.{who}: not an agent {agents}")
@@ -612,8 +712,10 @@ def _dialogue_problems(s: Settings, path: str, names: list[str]) -> list[str]:
         try:
             text.format(problem="", label="", metadata=_AnyKey())
         except (KeyError, IndexError, ValueError, AttributeError) as exc:
-            errors.append(f"{path}.openings.{who}: cannot fill in {exc}; use {{problem}}, {{label}} or "
-                          "{metadata[KEY]} (double the braces for literal ones)")
+            errors.append(
+                f"{path}.openings.{who}: cannot fill in {exc}; use {{problem}}, {{label}} or "
+                "{metadata[KEY]} (double the braces for literal ones)"
+            )
     return errors
 
 
@@ -675,8 +777,12 @@ def _type_at(loc: tuple) -> Any:
     return None if declared is None else _unwrap(declared[0])
 
 
-_NAMES = {str: ("a string", "strings"), int: ("an integer", "integers"), float: ("a number", "numbers"),
-          bool: ("true or false", "true or false")}
+_NAMES = {
+    str: ("a string", "strings"),
+    int: ("an integer", "integers"),
+    float: ("a number", "numbers"),
+    bool: ("true or false", "true or false"),
+}
 
 
 def _type_name(tp: Any, plural: bool = False) -> str:
@@ -744,8 +850,10 @@ def _message(error: dict) -> list[str]:
         bound = "0 or more" if ctx["ge"] == 0 else f"at least {_bound(ctx['ge'])}"
         return [f"{path}: got {_show(value)}; expected {bound}"]
     if kind == "greater_than":
-        return [f"{path}: got {_show(value)}; expected " +
-                (f"a positive number{unit}" if ctx["gt"] == 0 else f"more than {_bound(ctx['gt'])}")]
+        return [
+            f"{path}: got {_show(value)}; expected "
+            + (f"a positive number{unit}" if ctx["gt"] == 0 else f"more than {_bound(ctx['gt'])}")
+        ]
     if kind in ("less_than_equal", "less_than"):
         bound = f"at most {_bound(ctx['le'])}" if "le" in ctx else f"less than {_bound(ctx['lt'])}"
         why = _why_at(loc)
@@ -857,9 +965,7 @@ def _bounds_text(f: Any) -> tuple[str, str | None]:
     while todo:
         item = todo.pop()
         origin = typing.get_origin(item)
-        if origin is Annotated:
-            todo += typing.get_args(item)
-        elif origin in (Union, types.UnionType, list):
+        if origin is Annotated or origin in (Union, types.UnionType, list):
             todo += typing.get_args(item)
         elif isinstance(item, Why):
             why = str(item)
@@ -880,6 +986,7 @@ def _bounds_text(f: Any) -> tuple[str, str | None]:
 
 def settings_reference_markdown() -> str:
     """The reference of every setting as a Markdown table: dotted key, type, default, meaning."""
+
     def cell(text: str) -> str:
         return text.replace("|", "\\|").replace("\n", " ")
 
@@ -953,9 +1060,11 @@ def _check_expansion(root: Any) -> None:
         for seg, child, where in todo:
             parents[id(child)] = parents.get(id(child), 0) + 1
             if id(child) in on_stack:
-                raise YamlLimitError([s for s, _, _ in stack[1:]] + [seg], where,
-                                     "an alias refers to a value that contains it (a loop); "
-                                     "write the value out")
+                raise YamlLimitError(
+                    [s for s, _, _ in stack[1:]] + [seg],
+                    where,
+                    "an alias refers to a value that contains it (a loop); write the value out",
+                )
             if id(child) not in size:
                 on_stack.add(id(child))
                 stack.append((seg, child, iter(_children(child))))
@@ -984,14 +1093,22 @@ def _check_expansion(root: Any) -> None:
 
     if depth[id(root)] > MAX_YAML_DEPTH:
         path, node = descend(depth, stop_at_alias=False)
-        raise YamlLimitError(path, node, f"nested more than {MAX_YAML_DEPTH} levels deep (aliases included); "
-                                         "settings are a few levels deep: flatten it")
+        raise YamlLimitError(
+            path,
+            node,
+            f"nested more than {MAX_YAML_DEPTH} levels deep (aliases included); "
+            "settings are a few levels deep: flatten it",
+        )
     repeated = size[id(root)] - len(size)
     if repeated > MAX_YAML_ALIAS_VALUES:
         path, node = descend(size, stop_at_alias=True)
-        raise YamlLimitError(path, node, f"the aliases (*name) of this file repeat {repeated:,} values, "
-                                         f"more than the {MAX_YAML_ALIAS_VALUES:,} allowed (a 'billion laughs' "
-                                         "YAML bomb?); write the values out, or nest fewer aliases")
+        raise YamlLimitError(
+            path,
+            node,
+            f"the aliases (*name) of this file repeat {repeated:,} values, "
+            f"more than the {MAX_YAML_ALIAS_VALUES:,} allowed (a 'billion laughs' "
+            "YAML bomb?); write the values out, or nest fewer aliases",
+        )
 
 
 class _StrictLoader(yaml.SafeLoader):
@@ -1008,9 +1125,12 @@ class _StrictLoader(yaml.SafeLoader):
             self._path.append(_segment(parent, index))
         try:
             if len(self._path) > MAX_YAML_DEPTH:
-                raise YamlLimitError(list(self._path), self.peek_event().start_mark,
-                                     f"nested more than {MAX_YAML_DEPTH} levels deep; settings are a few "
-                                     "levels deep: flatten it")
+                raise YamlLimitError(
+                    list(self._path),
+                    self.peek_event().start_mark,
+                    f"nested more than {MAX_YAML_DEPTH} levels deep; settings are a few "
+                    "levels deep: flatten it",
+                )
             return super().compose_node(parent, index)
         finally:
             if parent is not None:
@@ -1031,8 +1151,10 @@ class _StrictLoader(yaml.SafeLoader):
             line = key_node.start_mark.line + 1
             if isinstance(key, (str, int, float, bool)) and key in seen:
                 raise yaml.constructor.ConstructorError(
-                    None, None,
-                    f"key {key!r} appears twice in one mapping (lines {seen[key]} and {line}); YAML would keep "
+                    None,
+                    None,
+                    f"key {key!r} appears twice in one mapping (lines {seen[key]} and {line}); YAML would "
+                    "keep "
                     "only the last, silently dropping the other: rename or merge them",
                     key_node.start_mark,
                 )
@@ -1096,7 +1218,9 @@ def _read_file_arg(value: str) -> str:
 def settings_from_yaml(path: str | os.PathLike, known_systems: set[str] | None = None) -> Settings:
     data = load_yaml(path)
     if TOP_KEY not in data:
-        raise ConfigError(f"{path}: no top-level '{TOP_KEY}' key; put every plugin setting under '{TOP_KEY}:'")
+        raise ConfigError(
+            f"{path}: no top-level '{TOP_KEY}' key; put every plugin setting under '{TOP_KEY}:'"
+        )
     return parse_settings(data[TOP_KEY], source=str(path), known_systems=known_systems)
 
 
@@ -1116,7 +1240,8 @@ def raw_settings_from_args(args: Any) -> tuple[Any, str, Path | None]:
         data = load_yaml(file_arg)
         if TOP_KEY not in data:
             raise ConfigError(
-                f"{config_label(file_arg)}: no top-level '{TOP_KEY}' key; put every plugin setting under '{TOP_KEY}:'"
+                f"{config_label(file_arg)}: no top-level '{TOP_KEY}' key; put every plugin setting under "
+                f"'{TOP_KEY}:'"
             )
         return data[TOP_KEY], config_label(file_arg), config_dir(file_arg)
     raise ConfigError(
@@ -1176,4 +1301,3 @@ def read_text_setting(value: str | None, base: Path | None = None, key: str = "s
         f"but {file} {problem} (a relative path is read {where}); fix the path, or write the text itself "
         "(a prompt with spaces, a template with its braces)"
     )
-

@@ -144,10 +144,7 @@ def parse_generate_response(
         raise _BadResponse(f"response has no meta_info; starts {body[:80]!r}")
     meta = data["meta_info"]
     finish = meta.get("finish_reason")
-    if isinstance(finish, dict):
-        finish_type = finish.get("type")
-    else:
-        finish_type = finish
+    finish_type = finish.get("type") if isinstance(finish, dict) else finish
     if finish_type not in ("stop", "length", "abort"):
         raise _BadResponse(f"unknown finish_reason {finish!r}")
     entries = meta.get("output_token_logprobs")
@@ -191,8 +188,9 @@ def parse_generate_response(
         if not math.isfinite(bottom):
             raise _Malformed(f"log-prob {bottom!r} is not a finite number")
         if bottom < MIN_LOG_PROB:
-            raise _Malformed(f"log-prob {bottom!r} is below {MIN_LOG_PROB:g}, "
-                             "lower than a sampled token's can be")
+            raise _Malformed(
+                f"log-prob {bottom!r} is below {MIN_LOG_PROB:g}, lower than a sampled token's can be"
+            )
     text = data.get("text", "")
     if not isinstance(text, str):
         raise _BadResponse("text is not a string")
@@ -202,8 +200,10 @@ def parse_generate_response(
 
 def answer_limits(max_new_tokens: int) -> tuple[int, int]:
     """(bytes, JSON values) an answer to a request for `max_new_tokens` new tokens may have."""
-    return (ANSWER_BYTES_FIXED + ANSWER_BYTES_PER_TOKEN * max_new_tokens,
-            ANSWER_VALUES_FIXED + ANSWER_VALUES_PER_TOKEN * max_new_tokens)
+    return (
+        ANSWER_BYTES_FIXED + ANSWER_BYTES_PER_TOKEN * max_new_tokens,
+        ANSWER_VALUES_FIXED + ANSWER_VALUES_PER_TOKEN * max_new_tokens,
+    )
 
 
 _DELIMITERS = b'"[]{},:'
@@ -221,8 +221,10 @@ def _check_values(body: bytes, max_new_tokens: int) -> None:
         return
     count = len(body) - len(body.translate(None, _DELIMITERS))
     if count > limit:
-        raise _Malformed(f"the answer holds up to {count} JSON values, more than an answer of max_new_tokens "
-                         f"{max_new_tokens} holds ({limit})")
+        raise _Malformed(
+            f"the answer holds up to {count} JSON values, more than an answer of max_new_tokens "
+            f"{max_new_tokens} holds ({limit})"
+        )
 
 
 def _requested_max(sampling_params: dict[str, Any]) -> int | None:
@@ -253,8 +255,11 @@ class EngineClient:
         # The body cap counts the bytes on the wire: answers come uncompressed (a small
         # compressed answer could expand past any cap). Naming these headers here rather than
         # listing them in `skip_auto_headers` keeps aiohttp on its fast path (no per-call copy).
-        self._headers = {"Content-Type": "application/json", "Accept-Encoding": "identity",
-                         "User-Agent": "mrlx-plugin"}
+        self._headers = {
+            "Content-Type": "application/json",
+            "Accept-Encoding": "identity",
+            "User-Agent": "mrlx-plugin",
+        }
         if api_key:
             self._headers["Authorization"] = f"Bearer {api_key}"
         s = self.settings
@@ -273,8 +278,9 @@ class EngineClient:
         session = self._sessions.get(loop)
         if session is None or session.closed:
             self._forget_closed_loops(loop)
-            connector = aiohttp.TCPConnector(limit=self.settings.max_connections, limit_per_host=0,
-                                             keepalive_timeout=KEEPALIVE_S)
+            connector = aiohttp.TCPConnector(
+                limit=self.settings.max_connections, limit_per_host=0, keepalive_timeout=KEEPALIVE_S
+            )
             session = self._sessions[loop] = aiohttp.ClientSession(
                 connector=connector,
                 cookie_jar=aiohttp.DummyCookieJar(),  # an engine sets no cookies: skip the jar's work
@@ -312,8 +318,9 @@ class EngineClient:
 
     # --- one HTTP exchange -----------------------------------------------------------------
 
-    async def _request(self, method: str, url: URL, body: bytes | None, timeout: float,
-                       max_new_tokens: int | None = None) -> tuple[int, bytes]:
+    async def _request(
+        self, method: str, url: URL, body: bytes | None, timeout: float, max_new_tokens: int | None = None
+    ) -> tuple[int, bytes]:
         """Send one request and return (status, body).
 
         Raises _Passing for whatever may pass: no connection, no answer within `timeout`, an
@@ -368,8 +375,10 @@ class EngineClient:
         length = resp.content_length
         if length is not None and length > cap:
             if allowed is not None:
-                raise _Malformed(f"the answer is {length} bytes, more than an answer of max_new_tokens "
-                                 f"{max_new_tokens} may take ({cap} bytes)")
+                raise _Malformed(
+                    f"the answer is {length} bytes, more than an answer of max_new_tokens "
+                    f"{max_new_tokens} may take ({cap} bytes)"
+                )
             raise _Passing(f"the answer is {length} bytes, over the {cap}-byte limit")
         content = resp.content
         chunks: list[bytes] = []
@@ -379,8 +388,10 @@ class EngineClient:
             if size > cap:
                 chunks.clear()
                 if allowed is not None:
-                    raise _Malformed(f"the answer is over {cap} bytes, more than an answer of max_new_tokens "
-                                     f"{max_new_tokens} may take")
+                    raise _Malformed(
+                        f"the answer is over {cap} bytes, more than an answer of max_new_tokens "
+                        f"{max_new_tokens} may take"
+                    )
                 raise _Passing(f"the answer is over the {cap}-byte limit")
             chunks.append(chunk)
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
@@ -401,7 +412,11 @@ class EngineClient:
         Raises EngineError when the call cannot succeed (MalformedAnswer for an answer whose
         values cannot be right).
         """
-        body: dict[str, Any] = {"input_ids": input_ids, "sampling_params": sampling_params, "return_logprob": True}
+        body: dict[str, Any] = {
+            "input_ids": input_ids,
+            "sampling_params": sampling_params,
+            "return_logprob": True,
+        }
         if extra:
             body.update(extra)
         # orjson's result keeps the capacity of its growing buffer (~512 KiB for a 2k-token prompt)
@@ -450,19 +465,27 @@ class EngineClient:
                 raise
 
         try:
-            return await retry(attempt, retryable=_is_passing, deadline=until, backoff=self._backoff,
-                               max_retries=self.settings.max_retries)
+            return await retry(
+                attempt,
+                retryable=_is_passing,
+                deadline=until,
+                backoff=self._backoff,
+                max_retries=self.settings.max_retries,
+            )
         except RetriesExhausted as exc:
             reason = f"deadline passed; last error: {exc.last}" if exc.deadline_passed else str(exc.last)
             raise EngineError(where, reason, exc.attempts) from None
 
     async def _call(self, method: str, path: str, body: bytes | None, timeout: float | None) -> Any:
         try:
-            status, raw = await self._request(method, URL(self.url + path), body,
-                                              timeout or self.settings.connect_timeout_s * 3)
+            status, raw = await self._request(
+                method, URL(self.url + path), body, timeout or self.settings.connect_timeout_s * 3
+            )
         except _Passing as exc:
             reason = str(exc)
-            raise EngineError(self.url + path, "no answer in time" if reason.startswith("no answer") else reason) from None
+            raise EngineError(
+                self.url + path, "no answer in time" if reason.startswith("no answer") else reason
+            ) from None
         if status != 200:
             raise EngineError(self.url + path, f"HTTP {status}: {raw[:200].decode(errors='replace')}")
         if not raw.strip():
@@ -511,4 +534,8 @@ def _not_http(message: str) -> str:
             return f"bad Content-Length in the answer: {value.strip()[:40]!r}"
         return f"bad Content-Length in the answer ({_first_line(message)})"
     what = _first_line(message).rstrip(":")
-    return f"not a valid HTTP/1.1 answer ({what}: {line[:80]!r})" if line else f"not a valid HTTP/1.1 answer ({what})"
+    return (
+        f"not a valid HTTP/1.1 answer ({what}: {line[:80]!r})"
+        if line
+        else f"not a valid HTTP/1.1 answer ({what})"
+    )

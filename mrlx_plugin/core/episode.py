@@ -71,8 +71,14 @@ def problem_text(prompt: Any) -> str:
 
 
 class Episode:
-    def __init__(self, runtime: Any, sample: Any, sampling_params: dict[str, Any] | None, evaluation: bool,
-                 host_aborted: Callable[[], bool] | None = None):
+    def __init__(
+        self,
+        runtime: Any,
+        sample: Any,
+        sampling_params: dict[str, Any] | None,
+        evaluation: bool,
+        host_aborted: Callable[[], bool] | None = None,
+    ):
         self.runtime = runtime
         self.host_aborted = host_aborted or (lambda: False)  # the host's "this rollout is over" flag
         self.settings = runtime.settings
@@ -82,9 +88,13 @@ class Episode:
         self.label = sample.label
         self.key = str(sample.index) if sample.index is not None else uuid.uuid4().hex
         self.id = f"{self.settings.run_id}:{self.key}"
-        self.rollout_id = sample.rollout_id if getattr(sample, "rollout_id", None) is not None else sample.index
+        self.rollout_id = (
+            sample.rollout_id if getattr(sample, "rollout_id", None) is not None else sample.index
+        )
         self.system_settings = self.settings.extra.get(self.settings.system, {})
-        self.base_sampling = dict(sampling_params) if sampling_params else dict(runtime.limits.default_sampling)
+        self.base_sampling = (
+            dict(sampling_params) if sampling_params else dict(runtime.limits.default_sampling)
+        )
         self.transcripts: list[Transcript] = []
         self.final_answer: str | None = None
         self.final_transcript: Transcript | None = None
@@ -100,7 +110,9 @@ class Episode:
 
     # --- for systems ---------------------------------------------------------------------
 
-    def new_transcript(self, agent: str, messages: list[dict[str, str]], label: str = "", role: str = "") -> Transcript:
+    def new_transcript(
+        self, agent: str, messages: list[dict[str, str]], label: str = "", role: str = ""
+    ) -> Transcript:
         """Open `agent`'s view starting from `messages` (its system prompt is put first). `role`
         names a role within the agent (a game seat): samples are normalised per role.
 
@@ -120,8 +132,10 @@ class Episode:
             role=role,
         )
         if t.over_context:
-            self.over_context(f"the prompt of {t.label} is {len(t.prompt_ids)} tokens, which leaves no room "
-                              f"for a turn within its context limit of {limit} tokens")
+            self.over_context(
+                f"the prompt of {t.label} is {len(t.prompt_ids)} tokens, which leaves no room "
+                f"for a turn within its context limit of {limit} tokens"
+            )
             self.abort(self.metadata["over_context"])
             raise EpisodeAborted(self.abort_reason)
         self.transcripts.append(t)
@@ -194,15 +208,20 @@ class Episode:
         params.update(overrides)
         return params
 
-    async def generate(self, transcript: Transcript, score: Callable[[Turn], Any] | None = None, *,
-                       on_fault: Callable[[EngineError], Awaitable[str | None]] | None = None,
-                       **sampling_overrides: Any) -> Turn:
+    async def generate(
+        self,
+        transcript: Transcript,
+        score: Callable[[Turn], Any] | None = None,
+        *,
+        on_fault: Callable[[EngineError], Awaitable[str | None]] | None = None,
+        **sampling_overrides: Any,
+    ) -> Turn:
         """One model turn for the transcript's agent, appended to the transcript.
 
         Returns the turn. A transcript with no room left (`transcript.full`) is marked truncated
         and gets no call (the returned turn is empty, finish reason "length"). A turn that hits
-        its per-turn cap marks the sample TRUNCATED; the conversation may go on. Engine faults that outlast the
-        retries, and `abort` answers from an engine this job owns, end the episode
+        its per-turn cap marks the sample TRUNCATED; the conversation may go on. Engine faults that
+        outlast the retries, and `abort` answers from an engine this job owns, end the episode
         (EpisodeAborted). A peer engine's `abort` (it is updating its weights) is retried after
         `engine.abort_retry_wait_s`, until `engine.peer_deadline_s`; its partial text is dropped.
         A malformed answer (values no engine can have sampled, or ids outside the agent's
@@ -235,14 +254,17 @@ class Episode:
             transcript.append_generated(turn)
             self.turns += 1
             return turn
-        candidates = await self.gather(*(self._sample_turn(transcript, agent, params, c, on_fault)
-                                         for c in range(k)))
+        candidates = await self.gather(
+            *(self._sample_turn(transcript, agent, params, c, on_fault) for c in range(k))
+        )
         index = len(transcript.turns)
         scores = [await self._score(transcript, index, turn, score) for turn in candidates]
         taken = self._pick(scores, transcript, index)
         transcript.append_generated(candidates[taken])
         transcript.turn_rewards[-1] = scores[taken]
-        transcript.branches[index] = [(c, s) for i, (c, s) in enumerate(zip(candidates, scores)) if i != taken]
+        transcript.branches[index] = [
+            (c, s) for i, (c, s) in enumerate(zip(candidates, scores)) if i != taken
+        ]
         self.turns += 1
         self.metadata["branch_candidates"] = self.metadata.get("branch_candidates", 0) + k - 1
         return candidates[taken]
@@ -262,8 +284,9 @@ class Episode:
         rng = random.Random(zlib.crc32(f"{self.id}:{transcript.label}:{index}".encode()))
         return rng.choices(range(len(scores)), weights=weights)[0]
 
-    async def _score(self, transcript: Transcript, index: int, turn: Turn,
-                     score: Callable[[Turn], Any] | None) -> float:
+    async def _score(
+        self, transcript: Transcript, index: int, turn: Turn, score: Callable[[Turn], Any] | None
+    ) -> float:
         """A turn's score from `score` or the mrlx_turn_reward hook (None -> 0.0).
 
         A score that fails (it raises, runs past `rewards.grade_timeout_s`, or is a number that is
@@ -271,16 +294,20 @@ class Episode:
         (the plugin, or what a system's RewardError names: a game and its plugin). A score that is
         no number at all breaks the hook's contract on every turn: HookResultError, naming it."""
         plugin = None
-        where = (f"the score function of system {self.settings.system!r}" if score is not None
-                 else "the mrlx_turn_reward hook")
+        where = (
+            f"the score function of system {self.settings.system!r}"
+            if score is not None
+            else "the mrlx_turn_reward hook"
+        )
         try:
             if score is not None:
                 value = score(turn)
                 if inspect.isawaitable(value):
                     value = await asyncio.wait_for(value, self.settings.rewards.grade_timeout_s)
             else:
-                found = self.runtime.turn_reward_hook.named(episode=self, transcript=transcript, index=index,
-                                                            turn=turn)
+                found = self.runtime.turn_reward_hook.named(
+                    episode=self, transcript=transcript, index=index, turn=turn
+                )
                 if inspect.isawaitable(found):
                     found = await asyncio.wait_for(found, self.settings.rewards.grade_timeout_s)
                 plugin, value = found
@@ -289,23 +316,32 @@ class Episode:
         except RewardError as exc:  # a system's score that is not finite, named by the system
             raise self.fail_reward(f"scoring turn {index} of {transcript.label}: {exc}", exc) from None
         except Exception as exc:  # noqa: BLE001 - as a failed grade: the episode ends, not the rollout
-            reason = f"scoring turn {index} of {transcript.label} with {where} failed: {type(exc).__name__}: {exc}"
+            reason = (
+                f"scoring turn {index} of {transcript.label} with {where} failed: {type(exc).__name__}: {exc}"
+            )
             raise self.fail_reward(reason, exc) from None
         if value is None:
             return 0.0
         if plugin is not None:
             where = f"mrlx_turn_reward of plugin {plugin!r}"
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise HookResultError(f"{where} returned {value!r} for turn {index} of {transcript.label} in episode "
-                                  f"{self.id}; expected a finite number (or None)")
+            raise HookResultError(
+                f"{where} returned {value!r} for turn {index} of {transcript.label} in episode "
+                f"{self.id}; expected a finite number (or None)"
+            )
         try:
             return finite_reward(value, f"{where} for turn {index} of {transcript.label}")
         except RewardError as exc:
             raise self.fail_reward(str(exc), exc) from None
 
-    async def _sample_turn(self, transcript: Transcript, agent: AgentSettings, params: dict[str, Any],
-                           candidate: int,
-                           on_fault: Callable[[EngineError], Awaitable[str | None]] | None = None) -> Turn:
+    async def _sample_turn(
+        self,
+        transcript: Transcript,
+        agent: AgentSettings,
+        params: dict[str, Any],
+        candidate: int,
+        on_fault: Callable[[EngineError], Awaitable[str | None]] | None = None,
+    ) -> Turn:
         """One engine call for the transcript's next turn (not appended), with the episode's
         retry and abort rules (see `generate`)."""
         params = dict(params)
@@ -319,9 +355,13 @@ class Episode:
         elif candidate and "sampling_seed" in params:
             # The host's own seed (slime's deterministic inference sends one per sample): the
             # other candidates get seeds derived from it, or all K would be the same answer.
-            key = f"{params['sampling_seed']}:{self.id}:{transcript.label}:{len(transcript.turns)}:{candidate}"
+            key = (
+                f"{params['sampling_seed']}:{self.id}:{transcript.label}:{len(transcript.turns)}:{candidate}"
+            )
             params["sampling_seed"] = zlib.crc32(key.encode()) & 0x7FFFFFFF
-        deadline = time.monotonic() + (e.peer_deadline_s if agent.retry_on_abort else e.request_timeout_s * (e.max_retries + 1))
+        deadline = time.monotonic() + (
+            e.peer_deadline_s if agent.retry_on_abort else e.request_timeout_s * (e.max_retries + 1)
+        )
         retried = False
         while True:
             try:
@@ -350,7 +390,10 @@ class Episode:
             self.aborted_turns += 1
             wait = e.abort_retry_wait_s
             if not agent.retry_on_abort or time.monotonic() + wait >= deadline:
-                self.abort(f"{client.url} aborted the turn" + ("" if not agent.retry_on_abort else " until the deadline"))
+                self.abort(
+                    f"{client.url} aborted the turn"
+                    + ("" if not agent.retry_on_abort else " until the deadline")
+                )
                 raise EpisodeAborted(self.abort_reason)
             retried = True
             await asyncio.sleep(wait)
@@ -392,13 +435,17 @@ class Episode:
             except (TypeError, ValueError, OverflowError):
                 value = math.nan
             if not math.isfinite(value):
-                raise RewardError(f"mrlx_grade of plugin {plugin!r} gave {result!r}; expected a finite "
-                                  "number")
+                raise RewardError(
+                    f"mrlx_grade of plugin {plugin!r} gave {result!r}; expected a finite number"
+                )
         except (ConfigError, asyncio.CancelledError):
             raise
         except Exception as exc:  # noqa: BLE001 - one failed grade must not end the host's rollout
             if isinstance(exc, asyncio.TimeoutError):
-                reason = f"grading agent {transcript.agent!r} took longer than rewards.grade_timeout_s ({timeout:g} s)"
+                reason = (
+                    f"grading agent {transcript.agent!r} took longer than rewards.grade_timeout_s "
+                    f"({timeout:g} s)"
+                )
             elif isinstance(exc, RewardError):
                 reason = f"grading agent {transcript.agent!r} failed: {exc}"
             else:
@@ -449,15 +496,21 @@ class Episode:
                 if per_turn and t.trainable and not self.aborted:
                     own += self.turn_samples(t)
                 else:
-                    own.append(t.to_sample(self.sample, self.rollout_id, aborted=self.aborted, meta=self.sample_meta(t)))
+                    own.append(
+                        t.to_sample(
+                            self.sample, self.rollout_id, aborted=self.aborted, meta=self.sample_meta(t)
+                        )
+                    )
             own = self._within_context(agent, own)
             if fan_out is not None:
                 want = fan_out.get(agent, 0)
                 if len(own) > want:
                     per = "samples (one per turn and candidate)" if per_turn else "transcripts"
                     raise RuntimeError(
-                        f"system {self.settings.system!r} declares {want} sample(s) of agent {agent!r} per episode "
-                        f"(its fan_out{' x turns x branch' if per_turn else ''}) but episode {self.id} made {len(own)} "
+                        f"system {self.settings.system!r} declares {want} sample(s) of agent {agent!r} per "
+                        "episode "
+                        f"(its fan_out{' x turns x branch' if per_turn else ''}) but episode {self.id} made "
+                        f"{len(own)} "
                         f"{per} for it; fix the system's fan_out/turns or the transcripts and turns it makes"
                     )
             else:
@@ -477,8 +530,10 @@ class Episode:
         out = []
         for s in samples:
             if len(s.tokens) > limit:
-                reason = (f"system {self.settings.system!r} made a sample of agent {agent!r} of "
-                          f"{len(s.tokens)} tokens, past its context limit of {limit}")
+                reason = (
+                    f"system {self.settings.system!r} made a sample of agent {agent!r} of "
+                    f"{len(s.tokens)} tokens, past its context limit of {limit}"
+                )
                 logger.warning("%s (episode %s); it is replaced by an ABORTED filler", reason, self.id)
                 self.over_context(reason)
                 s = self.fallback_sample(agent)
@@ -499,12 +554,15 @@ class Episode:
         for i in reversed(range(len(t.turns))):
             own = t.turn_rewards[i]
             if own is not None:
-                own = finite_reward(own, f"system {self.settings.system!r}: the own reward of turn {i} of "
-                                         f"{t.label}")
+                own = finite_reward(
+                    own, f"system {self.settings.system!r}: the own reward of turn {i} of {t.label}"
+                )
             g = (0.0 if own is None else own) + (g if i == len(t.turns) - 1 else gamma * g)
             if not math.isfinite(g):
-                raise RewardError(f"the return of turn {i} of {t.label} overflows to {g!r} (its own reward "
-                                  f"{own!r}, gamma {gamma:g}); keep the rewards within a float's range")
+                raise RewardError(
+                    f"the return of turn {i} of {t.label} overflows to {g!r} (its own reward "
+                    f"{own!r}, gamma {gamma:g}); keep the rewards within a float's range"
+                )
             returns[i] = g
         return returns
 
@@ -516,10 +574,20 @@ class Episode:
         returns = self.turn_returns(t)
         out = []
         for i, turn in enumerate(t.turns):
-            out.append(t.turn_sample(self.sample, self.rollout_id, i, turn, returns[i], meta=self.sample_meta(t, i)))
+            out.append(
+                t.turn_sample(self.sample, self.rollout_id, i, turn, returns[i], meta=self.sample_meta(t, i))
+            )
             for candidate, score in t.branches.get(i, []):
-                out.append(t.turn_sample(self.sample, self.rollout_id, i, candidate, score,
-                                         meta=self.sample_meta(t, i, candidate=True)))
+                out.append(
+                    t.turn_sample(
+                        self.sample,
+                        self.rollout_id,
+                        i,
+                        candidate,
+                        score,
+                        meta=self.sample_meta(t, i, candidate=True),
+                    )
+                )
         return out
 
     def credit_group(self, t: Transcript | None, turn: int | None) -> str | None:
@@ -536,7 +604,9 @@ class Episode:
             group += f"/{self.key}:{t.label}"
         return group
 
-    def sample_meta(self, t: Transcript | None, turn: int | None = None, candidate: bool = False) -> dict[str, Any]:
+    def sample_meta(
+        self, t: Transcript | None, turn: int | None = None, candidate: bool = False
+    ) -> dict[str, Any]:
         return {
             "agent": t.agent if t is not None else None,
             "label": t.label if t is not None else None,
@@ -566,8 +636,13 @@ class Episode:
         agent = agent or next(iter(self.settings.agents))
         messages = self.with_system_prompt(agent, [{"role": "user", "content": self.problem}])
         # Cut to the agent's limit (to_sample): the host pads a filler like any other sample.
-        t = Transcript.start(agent, self.runtime.tokenizers[agent], messages, trainable=False,
-                             max_context=self.context_limit(agent))
+        t = Transcript.start(
+            agent,
+            self.runtime.tokenizers[agent],
+            messages,
+            trainable=False,
+            max_context=self.context_limit(agent),
+        )
         meta = self.sample_meta(t)
         meta["over_context"] = "over_context" in self.metadata  # the episode stopped where it did not fit
         return t.to_sample(self.sample, self.rollout_id, aborted=True, meta=meta)
@@ -600,8 +675,10 @@ def shaped_rewards(episode: Episode, rewards: Any, plugin: str | None) -> dict[i
     RewardError naming the plugin, which ends that episode only."""
     graded = {i for i, t in enumerate(episode.transcripts) if t.raw_reward is not None}
     where = f"mrlx_shape_rewards of plugin {plugin!r}"
-    expected = ("expected a dict mapping the position in episode.transcripts of each graded transcript "
-                f"(here {sorted(graded)}) to a finite float")
+    expected = (
+        "expected a dict mapping the position in episode.transcripts of each graded transcript "
+        f"(here {sorted(graded)}) to a finite float"
+    )
     if not isinstance(rewards, dict):
         shown = repr(rewards) if len(repr(rewards)) <= 200 else repr(rewards)[:200] + "..."
         raise HookResultError(f"{where} returned {shown} ({type(rewards).__name__}); {expected}")
@@ -613,22 +690,30 @@ def shaped_rewards(episode: Episode, rewards: Any, plugin: str | None) -> dict[i
         problems.append("keys that are not positions: " + ", ".join(others))
     missing = sorted(graded - keys)
     if missing:
-        problems.append("no reward for graded transcript(s) "
-                        + ", ".join(f"{i} ({episode.transcripts[i].label})" for i in missing))
+        problems.append(
+            "no reward for graded transcript(s) "
+            + ", ".join(f"{i} ({episode.transcripts[i].label})" for i in missing)
+        )
     extra = sorted(keys - graded)
     if extra:
         problems.append(f"positions {extra} are not graded transcripts")
     bad = {k: v for k, v in rewards.items() if not _finite_number(v)}
     if bad:
-        problems.append("rewards that are not finite numbers: "
-                        + ", ".join(f"{k!r}: {v!r}" for k, v in list(bad.items())[:5]))
+        problems.append(
+            "rewards that are not finite numbers: "
+            + ", ".join(f"{k!r}: {v!r}" for k, v in list(bad.items())[:5])
+        )
     only_not_finite = bool(bad) and len(problems) == 1 and all(_real_number(v) for v in bad.values())
     if problems and not only_not_finite:
-        raise HookResultError(f"{where} returned a wrong answer for episode {episode.id}: "
-                              + "; ".join(problems) + f"; {expected}")
+        raise HookResultError(
+            f"{where} returned a wrong answer for episode {episode.id}: "
+            + "; ".join(problems)
+            + f"; {expected}"
+        )
     if bad:
-        shown = ", ".join(f"{v!r} for {k} ({episode.transcripts[positions[k]].label})"
-                          for k, v in list(bad.items())[:5])
+        shown = ", ".join(
+            f"{v!r} for {k} ({episode.transcripts[positions[k]].label})" for k, v in list(bad.items())[:5]
+        )
         raise RewardError(f"{where} gave {shown}; expected finite numbers")
     return {positions[k]: float(v) for k, v in rewards.items()}
 
@@ -660,8 +745,13 @@ def _check_system_rewards(episode: Episode) -> None:
         finite_reward(episode.team_reward, f"{who}: the team reward")
 
 
-async def run_episode(runtime: Any, sample: Any, sampling_params: dict[str, Any] | None, evaluation: bool,
-                      host_aborted: Callable[[], bool] | None = None) -> tuple[Episode, Any]:
+async def run_episode(
+    runtime: Any,
+    sample: Any,
+    sampling_params: dict[str, Any] | None,
+    evaluation: bool,
+    host_aborted: Callable[[], bool] | None = None,
+) -> tuple[Episode, Any]:
     """Run the configured system on one input sample; return the episode and the host's sample(s).
 
     Training: a list of samples for the agents this job trains, sharing the input's rollout id.
@@ -700,8 +790,9 @@ async def run_episode(runtime: Any, sample: Any, sampling_params: dict[str, Any]
             pass
     if not episode.aborted:
         try:
-            plugin, rewards = runtime.shape_hook.answer(episode=episode, settings=runtime.settings,
-                                                        team_shaping=runtime.team_shaping)
+            plugin, rewards = runtime.shape_hook.answer(
+                episode=episode, settings=runtime.settings, team_shaping=runtime.team_shaping
+            )
             if rewards is not None:
                 for i, value in shaped_rewards(episode, rewards, plugin).items():
                     episode.transcripts[i].reward = value
@@ -714,7 +805,9 @@ async def run_episode(runtime: Any, sample: Any, sampling_params: dict[str, Any]
     if evaluation:
         samples = [_evaluation_sample(episode)]
     else:
-        samples = episode.samples_of([a for a in runtime.settings.agents if runtime.trains_here(a)], every_agent=False)
+        samples = episode.samples_of(
+            [a for a in runtime.settings.agents if runtime.trains_here(a)], every_agent=False
+        )
     runtime.hooks.mrlx_episode_end(episode=episode, samples=samples)
     if episode.aborted:
         logger.debug("episode %s aborted: %s", episode.id, episode.abort_reason)

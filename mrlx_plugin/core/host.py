@@ -280,7 +280,7 @@ class HostProcess:
                 try:
                     ref: Callable[[], Any] = weakref.ref(args)
                 except TypeError:  # an args object without weakref support: keep it alive instead
-                    ref = (lambda a: (lambda: a))(args)
+                    ref = (lambda a: lambda: a)(args)
                 # Forget objects of args that are gone, so that ids can be reused safely.
                 for key in [k for k, (r, _) in self._per_args.items() if r() is None]:
                     del self._per_args[key]
@@ -316,7 +316,8 @@ class HostProcess:
         entry = self._miles_rollouts.get(id(data_source))
         if entry is None or entry[0] is not data_source:
             entry = self._miles_rollouts[id(data_source)] = (
-                data_source, InferenceRolloutFn(RolloutFnConstructorInput(args=args, data_source=data_source))
+                data_source,
+                InferenceRolloutFn(RolloutFnConstructorInput(args=args, data_source=data_source)),
             )
         return entry[1]
 
@@ -374,5 +375,9 @@ def _miles_default_rollout(args: Any, rollout_id: int, data_source: Any, evaluat
     from miles.rollout.base_types import RolloutFnEvalInput, RolloutFnTrainInput
     from miles.rollout.inference_rollout.compatibility import call_rollout_function
 
-    rollout_input = RolloutFnEvalInput(rollout_id=rollout_id) if evaluation else RolloutFnTrainInput(rollout_id=rollout_id)
+    rollout_input = (
+        RolloutFnEvalInput(rollout_id=rollout_id)
+        if evaluation
+        else RolloutFnTrainInput(rollout_id=rollout_id)
+    )
     return call_rollout_function(HOST_PROCESS.miles_rollout(args, data_source), rollout_input)

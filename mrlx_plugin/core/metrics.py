@@ -21,13 +21,13 @@ token counts, aborted/retried turns, ...), so the metrics are computed from the 
 | `samples/<agent>` | samples of the agent in the rollout (ABORTED ones, fillers included, left out) |
 | `game/episodes` | game episodes in the rollout (`system: game`) |
 | `game/illegal_rate` | finished game episodes that an illegal move ended |
-| `game/win_rate/<seat>` | finished game episodes the seat won (highest outcome, alone; a one-seat game: outcome above 0) |
-| `game/win_rate/vs/<opponent>` | the first agent seat's win rate per opponent it met (an agent or `script:NAME`, as seated or drawn from the pool) |
+| `game/win_rate/<seat>` | finished game episodes the seat won (highest outcome, alone; one seat: above 0) |
+| `game/win_rate/vs/<opponent>` | first agent seat's win rate per opponent met (an agent or `script:NAME`) |
 | `game/draw_rate` | finished game episodes no seat won (only when there were some) |
 | `multi_agent/opponent_down` | game episodes ended at once because the pool member they drew was down |
 | `debate/invalid_verdict_rate` | finished debate episodes whose judge named no winner (`system: debate`) |
 | `debate/win_rate/<side>` | finished debate episodes the side (`A`: the first debater, `B`) won |
-| `credit/branch_candidates` | engine calls per episode on tree-sampling candidates the episode did not go on from |
+| `credit/branch_candidates` | engine calls per episode on tree-sampling candidates not gone on from |
 | `credit/turn_samples` | samples that are one model turn (`rewards.credit: turn`), aborted ones left out |
 """
 
@@ -95,7 +95,9 @@ def compute_metrics(samples: list[Any]) -> dict[str, float]:
         out["multi_agent/over_context_samples"] = float(over_context)
         finished = [e for e in eps if not e.get("aborted")]
         if finished:
-            out["multi_agent/team_reward"] = sum(float(e.get("team_reward") or 0.0) for e in finished) / len(finished)
+            out["multi_agent/team_reward"] = sum(float(e.get("team_reward") or 0.0) for e in finished) / len(
+                finished
+            )
         selecting = [e for e in finished if "selected" in e["episode"] or "invalid_selection" in e["episode"]]
         if selecting:
             invalid = sum(bool(e["episode"].get("invalid_selection")) for e in selecting)
@@ -151,7 +153,9 @@ def _game_metrics(eps: list[dict[str, Any]]) -> dict[str, float]:
     return out
 
 
-def log_rollout(rollout_id: int, args: Any, samples: list[Any], rollout_extra_metrics: dict | None, rollout_time: float) -> bool:
+def log_rollout(
+    rollout_id: int, args: Any, samples: list[Any], rollout_extra_metrics: dict | None, rollout_time: float
+) -> bool:
     """`--custom-rollout-log-function-path`: add the multi-agent metrics to the host's log.
 
     The host logs `rollout_extra_metrics` with its own metrics right after this returns False,
@@ -199,7 +203,9 @@ def log_through_host(args: Any, metrics: dict[str, float], rollout_id: int, eval
 
     modules = _HOST_LOGGING.get(HOST or "")
     if modules is None:
-        logger.info("rollout %s %smulti-agent metrics: %s", rollout_id, "eval " if evaluation else "", metrics)
+        logger.info(
+            "rollout %s %smulti-agent metrics: %s", rollout_id, "eval " if evaluation else "", metrics
+        )
         return
     log_module = importlib.import_module(modules[0])
     step_module = importlib.import_module(modules[1])

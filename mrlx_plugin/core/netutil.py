@@ -23,8 +23,10 @@ def public_bind_refusal(host: str, allow_remote: bool, what: str) -> str | None:
     address, or None when that is fine."""
     if allow_remote or is_loopback(host):
         return None
-    return (f"refusing to listen on {host!r}: {what} has no authentication, so anyone who can reach it could "
-            "use it. Listen on 127.0.0.1 (the default), or pass --allow-remote on a trusted network")
+    return (
+        f"refusing to listen on {host!r}: {what} has no authentication, so anyone who can reach it could "
+        "use it. Listen on 127.0.0.1 (the default), or pass --allow-remote on a trusted network"
+    )
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -158,7 +158,9 @@ class AgentTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         if self._backend is not None:
             return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
-        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
+        return self.hf.decode(
+            ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
+        )
 
     def answer_text(self, ids: list[int]) -> str:
         """What generated ids spell, special tokens left out (ids must be in the vocabulary).
@@ -178,9 +180,12 @@ class AgentTokenizer:
     def render_text(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
         if getattr(self.hf, "chat_template", None) is None:
             raise TemplateError(
-                f"tokenizer {self.name} has no chat template; set `chat_template` for this agent in the config"
+                f"tokenizer {self.name} has no chat template; set `chat_template` for this agent in the "
+                "config"
             )
-        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return self.hf.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
 
     def _wrapped(self, messages: list[dict[str, str]]) -> list[dict[str, str]]:
         """The messages with each string content between the content markers."""
@@ -189,7 +194,9 @@ class AgentTokenizer:
             content = m.get("content")
             if isinstance(content, str):
                 if self._nonce in content:  # cannot happen by chance (64 random bits); refuse a forgery
-                    raise TemplateError("a message holds this process's content marker; refusing to render it")
+                    raise TemplateError(
+                        "a message holds this process's content marker; refusing to render it"
+                    )
                 m = {**m, "content": self._open + content + self._close}
             out.append(m)
         return out
@@ -226,7 +233,9 @@ class AgentTokenizer:
                 ids.extend(self._encode_markup(markup))
         return "".join(texts), ids
 
-    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> tuple[str, list[int]]:
+    def render_chat(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool
+    ) -> tuple[str, list[int]]:
         """The rendered text of a conversation and its ids, every message's content as plain text."""
         return self._segments(self.render_text(self._wrapped(messages), add_generation_prompt))
 
@@ -251,7 +260,11 @@ class AgentTokenizer:
         return value
 
     def continuation(
-        self, held_text: str, history: list[dict[str, str]], new: list[dict[str, str]], add_generation_prompt: bool
+        self,
+        held_text: str,
+        history: list[dict[str, str]],
+        new: list[dict[str, str]],
+        add_generation_prompt: bool,
     ) -> tuple[str, list[int]]:
         """The text and ids to append to a transcript that holds `held_text` so it shows `new`.
 
@@ -275,7 +288,11 @@ class AgentTokenizer:
 
 def gpt2_byte_chars() -> dict[str, int]:
     """GPT-2's byte-level alphabet: the character that stands for each byte, to that byte."""
-    bs = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), ord("\xff") + 1)]
+    bs = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("\xa1"), ord("\xac") + 1),
+        *range(ord("\xae"), ord("\xff") + 1),
+    ]
     cs = list(bs)
     n = 0
     for b in range(256):
@@ -319,7 +336,9 @@ def _byte_table(tok: AgentTokenizer) -> list[bytes] | None:
         return b"".join(table[i] for i in ids).decode("utf-8", "replace")
 
     samples = [tok._encode_whole(p) for p in _PROBES] + [list(range(tok.vocab_size))]
-    samples += [[i] for i in backend.get_added_tokens_decoder()] + [[i] for i in range(min(tok.vocab_size, 512))]
+    samples += [[i] for i in backend.get_added_tokens_decoder()] + [
+        [i] for i in range(min(tok.vocab_size, 512))
+    ]
     if any(fast(ids) != backend.decode(ids, skip_special_tokens=True) for ids in samples):
         return None
     return table

@@ -85,7 +85,9 @@ class Transcript:
     _held: list[str | list[int]] = field(default_factory=list)
 
     @classmethod
-    def start(cls, agent: str, tokenizer: AgentTokenizer, messages: list[dict[str, str]], **kw: Any) -> Transcript:
+    def start(
+        cls, agent: str, tokenizer: AgentTokenizer, messages: list[dict[str, str]], **kw: Any
+    ) -> Transcript:
         text, ids = tokenizer.prompt_ids(messages)
         t = cls(agent=agent, tokenizer=tokenizer, messages=list(messages), **kw)
         t.prompt_messages = list(messages)
@@ -151,7 +153,9 @@ class Transcript:
     def append_generated(self, turn: Turn) -> None:
         """Record what the engine sampled: the ids exactly as returned, with their log-probs."""
         if len(turn.token_ids) != len(turn.logprobs):
-            raise ValueError(f"{len(turn.token_ids)} token ids but {len(turn.logprobs)} log-probs from the engine")
+            raise ValueError(
+                f"{len(turn.token_ids)} token ids but {len(turn.logprobs)} log-probs from the engine"
+            )
         turn.start = len(self.response_ids)
         self.turns.append(turn)
         self.turn_rewards.append(None)
@@ -190,7 +194,8 @@ class Transcript:
         """What the transcript's tokens spell (special tokens included)."""
         if len(self._held) != 1 or not isinstance(self._held[0], str):
             text = "".join(
-                p if isinstance(p, str) else self.tokenizer.decode(p, skip_special_tokens=False) for p in self._held
+                p if isinstance(p, str) else self.tokenizer.decode(p, skip_special_tokens=False)
+                for p in self._held
             )
             self._held = [text]
         return self._held[0]  # type: ignore[return-value]
@@ -254,8 +259,16 @@ class Transcript:
         sample.metadata["mrlx"] = meta
         return sample
 
-    def turn_sample(self, template: Any, rollout_id: int | None, index: int, turn: Turn, reward: float,
-                    *, meta: dict[str, Any]) -> Any:
+    def turn_sample(
+        self,
+        template: Any,
+        rollout_id: int | None,
+        index: int,
+        turn: Turn,
+        reward: float,
+        *,
+        meta: dict[str, Any],
+    ) -> Any:
         """The host Sample of one model turn (`turns[index]`, or a candidate sampled beside it):
         prompt = the transcript's tokens before the turn (the context the turn was sampled from),
         response = the turn's ids, every one trained (loss mask 1), with its log-probs and weight

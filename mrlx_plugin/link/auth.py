@@ -164,10 +164,14 @@ def check_request(
         return None, f"{TIME_HEADER} must be a Unix time in seconds, got {stamp_text[:40]!r}", 0.0
     expected = request_mac(client_key, method, path, nonce, stamp_text, content)
     if not hmac.compare_digest(mac.encode("utf-8", "surrogateescape"), expected.encode()):
-        return None, (
-            f"the request's {SIGNATURE_HEADER} does not match: it was made with another token than the "
-            "coordinator's, or the request was changed on the way"
-        ), 0.0
+        return (
+            None,
+            (
+                f"the request's {SIGNATURE_HEADER} does not match: it was made with another token than the "
+                "coordinator's, or the request was changed on the way"
+            ),
+            0.0,
+        )
     return nonce, None, stamp
 
 
@@ -210,8 +214,11 @@ def call_main(argv: list[str] | None = None) -> int:
         print(f"mrlx coordinator call: {exc}", file=sys.stderr)
         return 2
     if token is None:
-        print(f"mrlx coordinator call: no token (${args.token_env} unset, no --token-file); the call is "
-              "not signed and its answer not checked", file=sys.stderr)
+        print(
+            f"mrlx coordinator call: no token (${args.token_env} unset, no --token-file); the call is "
+            "not signed and its answer not checked",
+            file=sys.stderr,
+        )
     method = args.method.upper()
     url = args.url.rstrip("/") + (args.path if args.path.startswith("/") else "/" + args.path)
     headers = {} if token is None else signed_headers(token, method, request_target(url), body)
@@ -227,11 +234,15 @@ def call_main(argv: list[str] | None = None) -> int:
         print(f"mrlx coordinator call: {url} is unreachable: {getattr(exc, 'reason', exc)}", file=sys.stderr)
         return 1
     proof = answer_headers.get(PROOF_HEADER)
-    if token is not None and not proven(derive_keys(token)[1], headers[NONCE_HEADER], status,
-                                        content_sha256(answer), proof):
-        print(f"mrlx coordinator call: the coordinator at {args.url} could not prove it holds the run's "
-              f"token (HTTP {status} without a valid {PROOF_HEADER}): is another process on its port, or "
-              "does it run with another token? Its answer is not shown.", file=sys.stderr)
+    if token is not None and not proven(
+        derive_keys(token)[1], headers[NONCE_HEADER], status, content_sha256(answer), proof
+    ):
+        print(
+            f"mrlx coordinator call: the coordinator at {args.url} could not prove it holds the run's "
+            f"token (HTTP {status} without a valid {PROOF_HEADER}): is another process on its port, or "
+            "does it run with another token? Its answer is not shown.",
+            file=sys.stderr,
+        )
         return 1
     sys.stdout.buffer.write(answer + (b"" if answer.endswith(b"\n") else b"\n"))
     if status >= 400:

@@ -7,8 +7,8 @@ for a passing reason (connection refused while the coordinator restarts, a reque
 deadline: by default `outage_deadline_s` (minutes), so that a coordinator outage costs waiting, not
 the job; while it waits, the client logs what it waits for every few seconds ("coordinator
 unreachable for N s"). Errors the caller must fix (401, 404, 409, 413, 422, 507) are raised at once
-as `CoordinatorError` with the server's message. Every call names the caller (`X-Mrlx-Agent`, pid, host), which the coordinator records
-as a heartbeat.
+as `CoordinatorError` with the server's message. Every call names the caller (`X-Mrlx-Agent`,
+pid, host), which the coordinator records as a heartbeat.
 
 With the run's token, the token itself is never sent: every attempt is signed, and an answer is
 used only once it proves that it comes from a holder of the token (`mrlx_plugin.link.auth`).
@@ -126,8 +126,9 @@ class CoordinatorClient:
     default `consumer` of `lease`/`ack`, its own version the default of `report_version`).
     `request_timeout_s` bounds one HTTP exchange (long polls get their wait on top); a call that
     fails for a passing reason is retried until `outage_deadline_s` (and at most `max_retries` times
-    when that is set); `commit` retries until its own deadline, `wait_version` until its wait's. Commits are cut into requests of at most `max_commit_bytes` / `max_commit_items` and up
-    to `commit_concurrency` of them are in flight, so encoding overlaps the transfer.
+    when that is set); `commit` retries until its own deadline, `wait_version` until its wait's.
+    Commits are cut into requests of at most `max_commit_bytes` / `max_commit_items` and up to
+    `commit_concurrency` of them are in flight, so encoding overlaps the transfer.
     """
 
     def __init__(
@@ -247,7 +248,9 @@ class CoordinatorClient:
                     method, url, data=payload, headers=sent, timeout=timeout
                 ) as resp:
                     frame = frame_answer and resp.status < 400
-                    buf, body = await self._read_frame(resp) if frame else (None, await _read_json_answer(resp))
+                    buf, body = (
+                        await self._read_frame(resp) if frame else (None, await _read_json_answer(resp))
+                    )
                     if nonce is not None and self._keys is not None:
                         answer = await _off_loop(content_sha256, body)
                         proof = resp.headers.get(PROOF_HEADER)
@@ -317,7 +320,9 @@ class CoordinatorClient:
             self._reached()
             if now - self._down_logged >= 6 * OUTAGE_LOG_EVERY_S:
                 self._down_logged = now
-                log.info("coordinator %s %s: %s; retrying for up to %.0f s more", method, url, problem, remaining)
+                log.info(
+                    "coordinator %s %s: %s; retrying for up to %.0f s more", method, url, problem, remaining
+                )
             return
         if self._down_since is None:
             self._down_since, self._down_logged = now, -OUTAGE_LOG_EVERY_S
@@ -326,7 +331,11 @@ class CoordinatorClient:
             log.warning(
                 "coordinator unreachable for %.1f s (%s %s: %s); retrying for up to %.0f s more "
                 "(mrlx.coordinator.outage_deadline_s)",
-                now - self._down_since, method, url, problem, remaining,
+                now - self._down_since,
+                method,
+                url,
+                problem,
+                remaining,
             )
 
     def _reached(self) -> None:
@@ -609,7 +618,9 @@ class CoordinatorClient:
 async def _read_json_answer(resp: aiohttp.ClientResponse) -> bytes:
     """A JSON answer's body, refused (as a passing failure) past MAX_JSON_ANSWER_BYTES."""
     if resp.content_length is not None and resp.content_length > MAX_JSON_ANSWER_BYTES:
-        raise _Passing(f"an answer of {resp.content_length} bytes, past the {MAX_JSON_ANSWER_BYTES}-byte limit")
+        raise _Passing(
+            f"an answer of {resp.content_length} bytes, past the {MAX_JSON_ANSWER_BYTES}-byte limit"
+        )
     chunks, size = [], 0
     while chunk := await resp.content.readany():
         size += len(chunk)

@@ -43,8 +43,14 @@ from typing import TYPE_CHECKING, Any
 from mrlx_plugin.core.config import ConfigError
 from mrlx_plugin.core.host import Sample, Status
 from mrlx_plugin.link.client import CoordinatorClient, CoordinatorError
-from mrlx_plugin.link.wire import (SAMPLE_FIELDS, QueueItem, WireError, as_list, items_batch,
-                                   token_from_env_or_file)
+from mrlx_plugin.link.wire import (
+    SAMPLE_FIELDS,
+    QueueItem,
+    WireError,
+    as_list,
+    items_batch,
+    token_from_env_or_file,
+)
 
 if TYPE_CHECKING:
     from mrlx_plugin.core.config import CoordinatorSettings, Settings
@@ -57,7 +63,9 @@ def make_client(settings: Settings, source: str) -> CoordinatorClient:
     """This job's coordinator client, from its settings (`source`: where they came from, for messages)."""
     c = settings.coordinator
     if not c.url:
-        raise ConfigError(f"{source}: mrlx.coordinator.url is not set; a multi-model job needs the coordinator")
+        raise ConfigError(
+            f"{source}: mrlx.coordinator.url is not set; a multi-model job needs the coordinator"
+        )
     if settings.self_agent is None:
         raise ConfigError(f"{source}: mrlx.self is not set; name the agent this job trains")
     try:
@@ -65,9 +73,15 @@ def make_client(settings: Settings, source: str) -> CoordinatorClient:
     except ValueError as exc:
         raise ConfigError(f"{source}: mrlx.coordinator.token_file: {exc}") from None
     outage = max(1.0, float(getattr(c, "outage_deadline_s", 600.0)))
-    return CoordinatorClient(c.url, run_id=settings.run_id, agent=settings.self_agent, token=token,
-                             request_timeout_s=c.request_timeout_s, outage_deadline_s=outage,
-                             commit_deadline_s=max(c.wait_deadline_s, outage))
+    return CoordinatorClient(
+        c.url,
+        run_id=settings.run_id,
+        agent=settings.self_agent,
+        token=token,
+        request_timeout_s=c.request_timeout_s,
+        outage_deadline_s=outage,
+        commit_deadline_s=max(c.wait_deadline_s, outage),
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -92,15 +106,21 @@ class ModelLimits:
             low, high = min(tokens), max(tokens)
             if high >= self.vocab_size or low < 0:
                 bad = high if high >= self.vocab_size else low
-                return (f"token id {bad} is outside the vocabulary of {agent!r}'s model ({self.vocab_size} ids, "
-                        f"{self.source})")
+                return (
+                    f"token id {bad} is outside the vocabulary of {agent!r}'s model ({self.vocab_size} ids, "
+                    f"{self.source})"
+                )
         if self.max_length is not None and len(tokens) > self.max_length:
-            return (f"{len(tokens)} tokens are more than {agent!r}'s model takes ({self.max_length}, "
-                    f"{self.source})")
+            return (
+                f"{len(tokens)} tokens are more than {agent!r}'s model takes ({self.max_length}, "
+                f"{self.source})"
+            )
         return None
 
 
-def read_model_limits(args: Any | None, model_dir: str | None, fallback_vocab: int | None = None) -> ModelLimits:
+def read_model_limits(
+    args: Any | None, model_dir: str | None, fallback_vocab: int | None = None
+) -> ModelLimits:
     """An agent's limits: from the host's own flags where it has them (`--vocab-size`/the padded
     vocabulary, `--max-position-embeddings`), else from the model's `config.json` in `model_dir`
     (vocab_size; max_position_embeddings, times a rope_scaling factor), else the tokenizer's
@@ -134,20 +154,35 @@ def read_model_limits(args: Any | None, model_dir: str | None, fallback_vocab: i
     if vocab is None and fallback_vocab:
         vocab = fallback_vocab
         where.append("its tokenizer")
-    return ModelLimits(int(vocab) if vocab else None, int(max_len) if max_len else None,
-                       " and ".join(where) or "unknown")
+    return ModelLimits(
+        int(vocab) if vocab else None, int(max_len) if max_len else None, " and ".join(where) or "unknown"
+    )
 
 
-def filler_sample(agent: str, *, group_index: Any, index: Any, rollout_id: Any, reason: str,
-                  metadata: dict[str, Any] | None = None, pad_id: int = 0) -> Any:
+def filler_sample(
+    agent: str,
+    *,
+    group_index: Any,
+    index: Any,
+    rollout_id: Any,
+    reason: str,
+    metadata: dict[str, Any] | None = None,
+    pad_id: int = 0,
+) -> Any:
     """An ABORTED sample that trains nothing and that any model can take: reward 0.0, zero loss
     mask, `remove_sample`, two token ids (`pad_id`), no weight version. It stands in for a sample
     that cannot be trained, so that a step keeps its sample count."""
     from mrlx_plugin.core.host import Sample
 
     sample = Sample()
-    for name, value in (("group_index", group_index), ("index", index), ("rollout_id", rollout_id),
-                        ("prompt", ""), ("response", ""), ("label", None)):
+    for name, value in (
+        ("group_index", group_index),
+        ("index", index),
+        ("rollout_id", rollout_id),
+        ("prompt", ""),
+        ("response", ""),
+        ("label", None),
+    ):
         setattr(sample, name, value)
     sample.tokens = [pad_id, pad_id]
     sample.response_length = 1
@@ -202,8 +237,15 @@ class PeerOutbox:
 
     @staticmethod
     def _zero() -> dict[str, int]:
-        return {"groups_sent": 0, "samples_sent": 0, "groups_not_kept": 0, "groups_all_aborted": 0, "duplicates": 0,
-                "items_refused": 0, "stale": 0}
+        return {
+            "groups_sent": 0,
+            "samples_sent": 0,
+            "groups_not_kept": 0,
+            "groups_all_aborted": 0,
+            "duplicates": 0,
+            "items_refused": 0,
+            "stale": 0,
+        }
 
     def open_step(self, step: int) -> None:
         """The initiator's rollout function has begun its step `step`: episodes may add samples.
@@ -251,28 +293,45 @@ class PeerOutbox:
         if problem is None:
             return sample
         self.stats["items_refused"] += 1
-        logger.warning("a sample for %r cannot be trained by its model (%s); it is sent as an ABORTED filler",
-                       agent, problem)
+        logger.warning(
+            "a sample for %r cannot be trained by its model (%s); it is sent as an ABORTED filler",
+            agent,
+            problem,
+        )
         metadata = dict(getattr(sample, "metadata", None) or {})
         metadata["mrlx"] = {**(metadata.get("mrlx") or {}), "refused": problem}
-        return filler_sample(agent, group_index=sample.group_index, index=sample.index,
-                             rollout_id=getattr(sample, "rollout_id", None), reason=problem, metadata=metadata,
-                             pad_id=self.pad_ids.get(agent, 0))
+        return filler_sample(
+            agent,
+            group_index=sample.group_index,
+            index=sample.index,
+            rollout_id=getattr(sample, "rollout_id", None),
+            reason=problem,
+            metadata=metadata,
+            pad_id=self.pad_ids.get(agent, 0),
+        )
 
     def _unencodable(self, agent: str, sample: Any, problem: str) -> Any:
         """An ABORTED filler for a sample the coordinator's frames cannot carry: it keeps the
         sample's place in its group and nothing of its values (one of them is what failed)."""
         self.stats["items_refused"] += 1
-        logger.warning("a sample for %r cannot be encoded for the coordinator (%s); "
-                       "it is sent as an ABORTED filler", agent, problem)
+        logger.warning(
+            "a sample for %r cannot be encoded for the coordinator (%s); it is sent as an ABORTED filler",
+            agent,
+            problem,
+        )
         metadata = getattr(sample, "metadata", None)
         mrlx = metadata.get("mrlx") if isinstance(metadata, dict) else None
         episode = mrlx.get("episode_id") if isinstance(mrlx, dict) else None
         meta = {"refused": problem, **({"episode_id": episode} if isinstance(episode, str) else {})}
-        return filler_sample(agent, group_index=_plain(getattr(sample, "group_index", None)),
-                             index=_plain(getattr(sample, "index", None)),
-                             rollout_id=_plain(getattr(sample, "rollout_id", None)), reason=problem,
-                             metadata={"mrlx": meta}, pad_id=self.pad_ids.get(agent, 0))
+        return filler_sample(
+            agent,
+            group_index=_plain(getattr(sample, "group_index", None)),
+            index=_plain(getattr(sample, "index", None)),
+            rollout_id=_plain(getattr(sample, "rollout_id", None)),
+            reason=problem,
+            metadata={"mrlx": meta},
+            pad_id=self.pad_ids.get(agent, 0),
+        )
 
     async def _send(self, client: CoordinatorClient, group_index: Any, group: _Group, step: int) -> list[str]:
         producer = self.settings.self_agent
@@ -285,9 +344,10 @@ class PeerOutbox:
                 self.stats["groups_all_aborted"] += 1
             name = f"{producer}:{group_index}"
 
-            def item(key: str, sample: Any) -> QueueItem:
-                return item_from_sample(sample, key=key, group=name, group_size=len(keyed), producer=producer,
-                                        step=step)
+            def item(key: str, sample: Any, name: str = name, keyed: list = keyed) -> QueueItem:
+                return item_from_sample(
+                    sample, key=key, group=name, group_size=len(keyed), producer=producer, step=step
+                )
 
             items = []
             for k, s in keyed:
@@ -332,7 +392,9 @@ class PeerOutbox:
         step_stats = {f"coordinator/{k}": float(v) for k, v in self.stats.items()}
         self.stats = self._zero()
         if failures:
-            raise CoordinatorError(f"could not hand {len(failures)} group(s) to the coordinator: " + "; ".join(failures[:3]))
+            raise CoordinatorError(
+                f"could not hand {len(failures)} group(s) to the coordinator: " + "; ".join(failures[:3])
+            )
         return step_stats
 
 
@@ -371,15 +433,22 @@ async def check_queue_depth(client: CoordinatorClient, agent: str, need: int, ho
     depth = info.get("max_depth")
     if isinstance(depth, int) and depth < need:
         raise ConfigError(
-            f"{source}: the coordinator's queue of {agent!r} holds at most {depth} items (--max-depth {depth}), "
+            f"{source}: the coordinator's queue of {agent!r} holds at most {depth} items (--max-depth "
+            f"{depth}), "
             f"but {how} makes {need}: the producer would wait for room that the consumer frees only once it "
-            f"has trained its step, and both jobs would stop. Restart the coordinator with --max-depth {need} "
+            "has trained its step, and both jobs would stop. Restart the coordinator with --max-depth "
+            f"{need} "
             "or more"
         )
 
 
-async def initiator_barrier(client: CoordinatorClient, outbox: PeerOutbox, args: Any, rollout_id: int,
-                            fan_out: Mapping[str, int] | None) -> dict[str, float]:
+async def initiator_barrier(
+    client: CoordinatorClient,
+    outbox: PeerOutbox,
+    args: Any,
+    rollout_id: int,
+    fan_out: Mapping[str, int] | None,
+) -> dict[str, float]:
     """Report this job's version; wait until every trainable peer (`outbox.peer_agents`) is within
     the staleness bound. The first call also checks that each peer's queue holds one step of this
     job (`args`' batch flags times the system's `fan_out`)."""
@@ -395,8 +464,11 @@ async def initiator_barrier(client: CoordinatorClient, outbox: PeerOutbox, args:
     for agent in outbox.peer_agents:
         need = rollout_id - c.max_staleness
         started = time.monotonic()
-        version = await client.wait_version(agent, need, deadline_s=c.wait_deadline_s) if need > 0 else (
-            await client.get_version(agent) or 0)
+        version = (
+            await client.wait_version(agent, need, deadline_s=c.wait_deadline_s)
+            if need > 0
+            else (await client.get_version(agent) or 0)
+        )
         metrics[f"coordinator/wait_seconds/{agent}"] = time.monotonic() - started
         metrics[f"staleness/{agent}"] = float(rollout_id - version)
     return metrics
@@ -428,32 +500,58 @@ async def _ack_through(client: CoordinatorClient, state: ResponderState, step: i
     try:
         await client.ack_through(step)
     except CoordinatorError as exc:
-        logger.warning("could not acknowledge the groups of steps up to %d (%s); trying again at the next step",
-                       step, exc)
+        logger.warning(
+            "could not acknowledge the groups of steps up to %d (%s); trying again at the next step",
+            step,
+            exc,
+        )
         return False
     state.acked_through = step
     return True
 
 
-def _filler_group(agent: str, dead: dict[str, Any], ordinal: int, first_rollout_id: int,
-                  per_episode: int) -> list[Any]:
+def _filler_group(
+    agent: str, dead: dict[str, Any], ordinal: int, first_rollout_id: int, per_episode: int
+) -> list[Any]:
     """ABORTED fillers for a group set aside: as many as it had items, with rollout ids of their
     own (one per episode of the producer, negative: never a real episode's), training nothing."""
     reason = str(dead.get("reason") or "set aside")
     out = []
     for i in range(int(dead["size"])):
         episode = i // max(1, per_episode)
-        metadata = {"mrlx": {"episode_id": f"dead-letter:{dead['group']}:{episode}", "turns": 0,
-                             "dead_letter": {"group": dead["group"], "step": dead.get("step"), "reason": reason}}}
-        out.append(filler_sample(agent, group_index=-(1 + ordinal), index=None,
-                                 rollout_id=-(first_rollout_id + episode), reason=reason, metadata=metadata))
+        metadata = {
+            "mrlx": {
+                "episode_id": f"dead-letter:{dead['group']}:{episode}",
+                "turns": 0,
+                "dead_letter": {"group": dead["group"], "step": dead.get("step"), "reason": reason},
+            }
+        }
+        out.append(
+            filler_sample(
+                agent,
+                group_index=-(1 + ordinal),
+                index=None,
+                rollout_id=-(first_rollout_id + episode),
+                reason=reason,
+                metadata=metadata,
+            )
+        )
     return out
 
 
-async def responder_take(client: CoordinatorClient, state: ResponderState, args: Any, rollout_id: int,
-                         groups_needed: int, *, agent: str, coordinator: CoordinatorSettings,
-                         fan_out: Mapping[str, int] | None, source: str,
-                         ack_through: int | None = None) -> tuple[list[list[Any]], dict[str, float]]:
+async def responder_take(
+    client: CoordinatorClient,
+    state: ResponderState,
+    args: Any,
+    rollout_id: int,
+    groups_needed: int,
+    *,
+    agent: str,
+    coordinator: CoordinatorSettings,
+    fan_out: Mapping[str, int] | None,
+    source: str,
+    ack_through: int | None = None,
+) -> tuple[list[list[Any]], dict[str, float]]:
     """Acknowledge through `ack_through`, report this job's version, and take the groups of the
     producer's step `rollout_id` for this job's `agent`: `groups_needed` of them, ABORTED fillers
     standing in for groups set aside (by the coordinator, or here because this job's model cannot
@@ -505,8 +603,12 @@ async def responder_take(client: CoordinatorClient, state: ResponderState, args:
             )
         # The first call of a step asks without waiting: it learns every group of the step set
         # aside so far (also those set aside while an earlier process of this job held them).
-        lease = await client.lease(groups_needed - len(groups) - len(dead), lease_s=c.lease_s,
-                                   wait_s=0.0 if first else min(30.0, remaining), step=rollout_id)
+        lease = await client.lease(
+            groups_needed - len(groups) - len(dead),
+            lease_s=c.lease_s,
+            wait_s=0.0 if first else min(30.0, remaining),
+            step=rollout_id,
+        )
         first = False
         why = lease.message or why
         for info in lease.dead:
@@ -516,7 +618,9 @@ async def responder_take(client: CoordinatorClient, state: ResponderState, args:
             for group in lease.groups:
                 problem = None
                 if state.limits is not None:
-                    problem = next((p for p in (state.limits.problem(item, agent) for item in group) if p), None)
+                    problem = next(
+                        (p for p in (state.limits.problem(item, agent) for item in group) if p), None
+                    )
                 if problem is None:
                     groups.append(group)
                     continue
@@ -528,14 +632,21 @@ async def responder_take(client: CoordinatorClient, state: ResponderState, args:
                 try:
                     await client.reject(name, reason)
                 except CoordinatorError as exc:
-                    logger.warning("could not report group %r as set aside (%s); it is skipped here all the same",
-                                   name, exc)
+                    logger.warning(
+                        "could not report group %r as set aside (%s); it is skipped here all the same",
+                        name,
+                        exc,
+                    )
                 rejected += 1
-                dead.setdefault(name, {"group": name, "size": len(group), "step": rollout_id, "reason": reason})
+                dead.setdefault(
+                    name, {"group": name, "size": len(group), "step": rollout_id, "reason": reason}
+                )
         if lease.end:
             break
     if not groups and not dead:
-        raise CoordinatorError(f"step {rollout_id}: the producer ended the stream and no group is left to train on")
+        raise CoordinatorError(
+            f"step {rollout_id}: the producer ended the stream and no group is left to train on"
+        )
     dead_list = list(dead.values())[: max(0, groups_needed - len(groups))]
     samples = [[sample_from_item(item) for item in g] for g in groups]
     per_episode = (fan_out or {}).get(agent) or 1
@@ -546,13 +657,15 @@ async def responder_take(client: CoordinatorClient, state: ResponderState, args:
         samples.append(fillers)
     state.leases = leases
     state.renewer = asyncio.ensure_future(_renew(client, list(leases), c.lease_s))
-    metrics.update({
-        "coordinator/wait_seconds": time.monotonic() - started,
-        "coordinator/groups": float(len(groups)),
-        "coordinator/dead_lettered_groups": float(len(dead_list)),
-        "coordinator/dead_lettered_items": float(sum(int(d["size"]) for d in dead_list)),
-        "coordinator/rejected_groups": float(rejected),
-    })
+    metrics.update(
+        {
+            "coordinator/wait_seconds": time.monotonic() - started,
+            "coordinator/groups": float(len(groups)),
+            "coordinator/dead_lettered_groups": float(len(dead_list)),
+            "coordinator/dead_lettered_items": float(sum(int(d["size"]) for d in dead_list)),
+            "coordinator/rejected_groups": float(rejected),
+        }
+    )
     versions = [_as_int(v) for g in samples for s in g for v in (s.weight_versions or [])]
     versions = [v for v in versions if v is not None]
     if versions:

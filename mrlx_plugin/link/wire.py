@@ -70,8 +70,17 @@ SCHEMA = pa.schema(
 COLUMNS = tuple(SCHEMA.names)
 # The keys of a scanned item's metadata (`RecordView.meta`).
 META_KEYS = frozenset(
-    {"key", "group", "group_size", "producer", "step", "n_tokens", "response_length", "n_log_probs",
-     "n_loss_mask"}
+    {
+        "key",
+        "group",
+        "group_size",
+        "producer",
+        "step",
+        "n_tokens",
+        "response_length",
+        "n_log_probs",
+        "n_loss_mask",
+    }
 )
 
 # Sample attributes carried in `QueueItem.fields` (when the sample has them and they are not None).
@@ -260,7 +269,9 @@ def _list_array(lengths: list[int], values: np.ndarray) -> pa.ListArray:
 
 
 def schema_with_header(header: dict[str, Any] | None) -> pa.Schema:
-    return SCHEMA.with_metadata({VERSION_KEY: str(WIRE_VERSION).encode(), HEADER_KEY: orjson.dumps(header or {})})
+    return SCHEMA.with_metadata(
+        {VERSION_KEY: str(WIRE_VERSION).encode(), HEADER_KEY: orjson.dumps(header or {})}
+    )
 
 
 def items_batch(items: Sequence[QueueItem], header: dict[str, Any] | None = None) -> pa.RecordBatch:
@@ -279,9 +290,18 @@ def items_batch(items: Sequence[QueueItem], header: dict[str, Any] | None = None
         except (struct.error, OverflowError, TypeError, ValueError) as exc:
             raise WireError(f"item {item.key!r}: tokens cannot be packed as int32 ids ({exc})") from None
         try:
-            _pack(item.rollout_log_probs if item.rollout_log_probs is not None else (), "f", "<f4", log_probs, l_at, n_lp)
+            _pack(
+                item.rollout_log_probs if item.rollout_log_probs is not None else (),
+                "f",
+                "<f4",
+                log_probs,
+                l_at,
+                n_lp,
+            )
         except (struct.error, OverflowError, TypeError, ValueError) as exc:
-            raise WireError(f"item {item.key!r}: rollout_log_probs cannot be packed as float32 ({exc})") from None
+            raise WireError(
+                f"item {item.key!r}: rollout_log_probs cannot be packed as float32 ({exc})"
+            ) from None
         try:
             masks.append(_mask_bytes(item.loss_mask if item.loss_mask is not None else ()))
         except (OverflowError, TypeError, ValueError) as exc:
@@ -301,7 +321,9 @@ def items_batch(items: Sequence[QueueItem], header: dict[str, Any] | None = None
             pa.array([item.response_length for item in items], pa.int32()),
         ]
     except (pa.ArrowException, TypeError, ValueError, OverflowError) as exc:
-        raise WireError(f"an item's key, group, group_size, producer, step or response_length has the wrong type ({exc})") from None
+        raise WireError(
+            f"an item's key, group, group_size, producer, step or response_length has the wrong type ({exc})"
+        ) from None
     columns = [
         *scalars,
         _list_array(n_tokens, tokens),
@@ -351,7 +373,9 @@ def frame_head(header: dict[str, Any] | None = None) -> bytes:
     return schema_with_header(header).serialize().to_pybytes()
 
 
-def encode_frame(records: Sequence[bytes | bytearray | memoryview], header: dict[str, Any] | None = None) -> bytes:
+def encode_frame(
+    records: Sequence[bytes | bytearray | memoryview], header: dict[str, Any] | None = None
+) -> bytes:
     """A frame around stored item records."""
     return b"".join((frame_head(header), *records, END_OF_STREAM))
 
@@ -385,7 +409,9 @@ def _body_compressed(metadata: pa.Buffer) -> bool:
     header = table_field(u32(0), 2)  # Message: version, header_type, header, bodyLength, custom_metadata
     if header is None:
         return False
-    return table_field(header + u32(header), 3) is not None  # RecordBatch: length, nodes, buffers, compression
+    return (
+        table_field(header + u32(header), 3) is not None
+    )  # RecordBatch: length, nodes, buffers, compression
 
 
 def _check_schema(schema: pa.Schema) -> dict[str, Any]:
@@ -458,7 +484,9 @@ def read_frame(
             except StopIteration:
                 break
             if message.type != "record batch":
-                raise WireError(f"frame holds a {message.type} message; only record batches may follow the schema")
+                raise WireError(
+                    f"frame holds a {message.type} message; only record batches may follow the schema"
+                )
             if limits.max_batches is not None and len(batches) >= limits.max_batches:
                 raise FrameTooLarge(
                     f"frame holds more than {limits.max_batches} record batches; send the items in fewer "
@@ -509,7 +537,9 @@ def scan_frame(buf: bytes | bytearray | memoryview, limits: FrameLimits | None =
     for batch in batches:
         for column in batch.columns:
             if column.null_count or (isinstance(column, pa.ListArray) and column.flatten().null_count):
-                raise WireError(f"column {batch.schema.field(batch.columns.index(column)).name!r} holds a null")
+                raise WireError(
+                    f"column {batch.schema.field(batch.columns.index(column)).name!r} holds a null"
+                )
         keys = batch.column(0).to_pylist()
         groups = batch.column(1).to_pylist()
         sizes = batch.column(2).to_pylist()
@@ -521,14 +551,19 @@ def scan_frame(buf: bytes | bytearray | memoryview, limits: FrameLimits | None =
             position = len(records)
             if not 0 < len(key) <= MAX_KEY_CHARS:
                 raise WireError(
-                    f"record {position}: 'key' must be a non-empty string of at most {MAX_KEY_CHARS} characters"
+                    f"record {position}: 'key' must be a non-empty string of at most {MAX_KEY_CHARS} "
+                    "characters"
                 )
             where = f"item {key!r}"
             for name, value in (("group", groups[row]), ("producer", producers[row])):
                 if not 0 < len(value) <= MAX_KEY_CHARS:
-                    raise WireError(f"{where}: {name!r} must be a non-empty string of at most {MAX_KEY_CHARS} characters")
+                    raise WireError(
+                        f"{where}: {name!r} must be a non-empty string of at most {MAX_KEY_CHARS} characters"
+                    )
             if not 1 <= sizes[row] <= MAX_GROUP_SIZE:
-                raise WireError(f"{where}: 'group_size' must be an integer in [1, {MAX_GROUP_SIZE}], got {sizes[row]!r}")
+                raise WireError(
+                    f"{where}: 'group_size' must be an integer in [1, {MAX_GROUP_SIZE}], got {sizes[row]!r}"
+                )
             if steps[row] < 0:
                 raise WireError(f"{where}: 'step' must be a non-negative integer, got {steps[row]!r}")
             meta = {
@@ -544,7 +579,10 @@ def scan_frame(buf: bytes | bytearray | memoryview, limits: FrameLimits | None =
             }
             for name in ("n_tokens", "n_log_probs", "n_loss_mask", "response_length"):
                 if not 0 <= meta[name] <= MAX_TOKENS_PER_ITEM:
-                    raise WireError(f"{where}: {name!r} must be an integer in [0, {MAX_TOKENS_PER_ITEM}], got {meta[name]!r}")
+                    raise WireError(
+                        f"{where}: {name!r} must be an integer in [0, {MAX_TOKENS_PER_ITEM}], got "
+                        f"{meta[name]!r}"
+                    )
             records.append(RecordView(meta, batch, row))
     return FrameView(header, records)
 
@@ -579,7 +617,11 @@ def validate_frame(frame: FrameView) -> None:
     for records in by_batch.values():
         batch = records[0].batch
         ok = True
-        for index, bad in ((6, lambda v: v.min() < 0), (8, lambda v: not np.isfinite(v).all() or v.max() > LOG_PROB_EPSILON or v.min() < MIN_LOG_PROB), (7, lambda v: v.max() > 1)):
+        for index, bad in (
+            (6, lambda v: v.min() < 0),
+            (8, lambda v: not np.isfinite(v).all() or v.max() > LOG_PROB_EPSILON or v.min() < MIN_LOG_PROB),
+            (7, lambda v: v.max() > 1),
+        ):
             column = batch.column(index)
             offsets = column.offsets.to_numpy()
             values = column.values.to_numpy()[offsets[0] : offsets[-1]]
@@ -601,7 +643,9 @@ def _check_lengths(meta: dict[str, Any], where: str) -> None:
     n_tokens = meta["n_tokens"]
     response_length = meta["response_length"]
     if not 0 < response_length <= n_tokens:
-        raise WireError(f"{where}: response_length must be in [1, len(tokens)={n_tokens}], got {response_length}")
+        raise WireError(
+            f"{where}: response_length must be in [1, len(tokens)={n_tokens}], got {response_length}"
+        )
     if meta["n_loss_mask"] != response_length:
         raise WireError(
             f"{where}: loss_mask has {meta['n_loss_mask']} entries but response_length is {response_length}"

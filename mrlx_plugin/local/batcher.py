@@ -145,20 +145,32 @@ class _Batch:
         if start > 0:
             tensors = [(k[:, :, start:, :], v[:, :, start:, :]) for k, v in tensors]
             mask = mask[:, start:]
-        return _Batch([self.jobs[i] for i in keep], _make_cache(tensors), mask,
-                      self.next_tokens.index_select(0, idx), self.next_pos.index_select(0, idx))
+        return _Batch(
+            [self.jobs[i] for i in keep],
+            _make_cache(tensors),
+            mask,
+            self.next_tokens.index_select(0, idx),
+            self.next_pos.index_select(0, idx),
+        )
 
     def merge(self, other: _Batch) -> _Batch:
         la, lb = self.mask.shape[1], other.mask.shape[1]
         width = max(la, lb)
         tensors = [
-            (torch.cat([_left_pad(ka, width - la, 2), _left_pad(kb, width - lb, 2)]),
-             torch.cat([_left_pad(va, width - la, 2), _left_pad(vb, width - lb, 2)]))
+            (
+                torch.cat([_left_pad(ka, width - la, 2), _left_pad(kb, width - lb, 2)]),
+                torch.cat([_left_pad(va, width - la, 2), _left_pad(vb, width - lb, 2)]),
+            )
             for (ka, va), (kb, vb) in zip(_cache_tensors(self.cache), _cache_tensors(other.cache))
         ]
         mask = torch.cat([_left_pad(self.mask, width - la, 1), _left_pad(other.mask, width - lb, 1)])
-        return _Batch(self.jobs + other.jobs, _make_cache(tensors), mask,
-                      torch.cat([self.next_tokens, other.next_tokens]), torch.cat([self.next_pos, other.next_pos]))
+        return _Batch(
+            self.jobs + other.jobs,
+            _make_cache(tensors),
+            mask,
+            torch.cat([self.next_tokens, other.next_tokens]),
+            torch.cat([self.next_pos, other.next_pos]),
+        )
 
 
 class BatchWorker:
@@ -168,8 +180,16 @@ class BatchWorker:
     read-only attributes may be used from any thread; everything else runs on the worker.
     """
 
-    def __init__(self, model: Any, tokenizer: Any, *, model_path: str, max_batch: int, seed: int,
-                 weight_version: str = "0"):
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        model_path: str,
+        max_batch: int,
+        seed: int,
+        weight_version: str = "0",
+    ):
         self.model = model
         self.tokenizer = tokenizer
         self.model_path = model_path
@@ -178,7 +198,10 @@ class BatchWorker:
         self.vocab_size = int(model.config.vocab_size)
         self.max_positions = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
         eos: set[int] = set()
-        for src in (getattr(tokenizer, "eos_token_id", None), getattr(model.generation_config, "eos_token_id", None)):
+        for src in (
+            getattr(tokenizer, "eos_token_id", None),
+            getattr(model.generation_config, "eos_token_id", None),
+        ):
             if isinstance(src, int):
                 eos.add(src)
             elif isinstance(src, (list, tuple)):
@@ -279,7 +302,9 @@ class BatchWorker:
                         job.error = "engine worker crashed; see the engine log"
                         self._deliver(job)
                 for u in updates:
-                    u.deliver({"success": False, "message": "engine worker crashed", "num_paused_requests": 0})
+                    u.deliver(
+                        {"success": False, "message": "engine worker crashed", "num_paused_requests": 0}
+                    )
                 raise
 
     def _has_work(self) -> bool:
@@ -325,7 +350,9 @@ class BatchWorker:
                 self._finish_abort(job)
             if stopping:
                 for u in updates:
-                    u.deliver({"success": False, "message": "engine is shutting down", "num_paused_requests": 0})
+                    u.deliver(
+                        {"success": False, "message": "engine is shutting down", "num_paused_requests": 0}
+                    )
                 return
             self._drop_aborted_rows()
             if update is not None:
@@ -338,10 +365,18 @@ class BatchWorker:
 
     # --- generation ------------------------------------------------------------------------
 
-    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: Any, keep_all: bool) -> Any:
+    def _forward(
+        self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: Any, keep_all: bool
+    ) -> Any:
         kwargs = {self._keep_arg: 1} if self._keep_arg and not keep_all else {}
-        return self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
-                          use_cache=True, **kwargs)
+        return self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=pos,
+            past_key_values=cache,
+            use_cache=True,
+            **kwargs,
+        )
 
     def _prefill(self, jobs: list[Job]) -> None:
         from transformers import DynamicCache
@@ -458,7 +493,9 @@ class BatchWorker:
         n, last = len(job.out_ids), job.out_ids[-1]
         if n >= s.max_new_tokens:
             job.finish = {"type": "length", "length": s.max_new_tokens}
-        elif not s.ignore_eos and n >= s.min_new_tokens and (last in self.eos_ids or last in s.stop_token_ids):
+        elif (
+            not s.ignore_eos and n >= s.min_new_tokens and (last in self.eos_ids or last in s.stop_token_ids)
+        ):
             job.finish = {"type": "stop", "matched": last}
         elif s.stop and n >= s.min_new_tokens:
             # Every token holds at least one byte, so a stop string of b bytes that ends in the
@@ -522,14 +559,28 @@ class BatchWorker:
             if vocab != self.vocab_size:
                 raise ValueError(f"its vocabulary has {vocab} ids, the served model's has {self.vocab_size}")
         except Exception as exc:  # noqa: BLE001 - whatever fails, the old weights keep serving
-            update.deliver({"success": False, "num_paused_requests": 0,
-                            "message": f"could not load weights from {update.model_path}: {exc}; "
-                                       "the old weights keep serving"})
+            update.deliver(
+                {
+                    "success": False,
+                    "num_paused_requests": 0,
+                    "message": f"could not load weights from {update.model_path}: {exc}; "
+                    "the old weights keep serving",
+                }
+            )
             return
-        self.model, self._keep_arg, self.model_path = model, self._logits_to_keep_arg(model), update.model_path
+        self.model, self._keep_arg, self.model_path = (
+            model,
+            self._logits_to_keep_arg(model),
+            update.model_path,
+        )
         if update.weight_version is not None:
             self.weight_version = update.weight_version
         elif self.weight_version.isdigit():
             self.weight_version = str(int(self.weight_version) + 1)
-        update.deliver({"success": True, "num_paused_requests": len(self._batch.jobs) if self._batch else 0,
-                        "message": f"loaded weights from {update.model_path}; weight_version {self.weight_version}"})
+        update.deliver(
+            {
+                "success": True,
+                "num_paused_requests": len(self._batch.jobs) if self._batch else 0,
+                "message": f"loaded weights from {update.model_path}; weight_version {self.weight_version}",
+            }
+        )

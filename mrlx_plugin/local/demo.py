@@ -37,35 +37,51 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="runs/demo", help="working directory (models, logs, checkpoints, plot)")
     p.add_argument("--steps", type=int, default=150, help="training steps (rollouts) per agent")
     p.add_argument("--prompts-per-step", type=int, default=16, help="--rollout-batch-size")
-    p.add_argument("--samples-per-prompt", type=int, default=16, help="--n-samples-per-prompt (GRPO group size)")
+    p.add_argument(
+        "--samples-per-prompt", type=int, default=16, help="--n-samples-per-prompt (GRPO group size)"
+    )
     p.add_argument("--max-operand", type=int, default=3, help="questions are a + b with 0 <= a, b <= this")
     p.add_argument("--preset", default="small", help="model size (mrlx_plugin.local.model presets)")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--warmup-steps", type=int, default=80, help="format-only supervised steps (0: none)")
-    p.add_argument("--freeze", choices=[A, B, "A", "B"], default=None, help="never update this agent (baseline)")
+    p.add_argument(
+        "--freeze", choices=[A, B, "A", "B"], default=None, help="never update this agent (baseline)"
+    )
     again = p.add_mutually_exclusive_group()  # a run already in --out: continue it, or replace it
-    again.add_argument("--resume", action="store_true", help="continue both agents from their checkpoints in --out")
-    again.add_argument("--overwrite", action="store_true",
-                       help="delete the run already in --out (checkpoints, metrics, logs, models) and start over")
+    again.add_argument(
+        "--resume", action="store_true", help="continue both agents from their checkpoints in --out"
+    )
+    again.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="delete the run already in --out (checkpoints, metrics, logs, models) and start over",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-router", action="store_true", help="talk to the engines directly")
     p.add_argument("--quiet", action="store_true", help="no progress bars or table")
     return p
 
 
-def _yaml(path: Path, me: str, urls: dict[str, str], models: dict[str, Path], coordinator: str, ns: Any) -> Path:
+def _yaml(
+    path: Path, me: str, urls: dict[str, str], models: dict[str, Path], coordinator: str, ns: Any
+) -> Path:
     def agent(name: str) -> str:
         url = "self" if name == me else urls[name]
-        return (f"    {name}: {{url: '{url}', tokenizer: '{models[name]}', trainable: true, "
-                f"sampling: {{max_new_tokens: 10, temperature: 1.0}}}}\n")
+        return (
+            f"    {name}: {{url: '{url}', tokenizer: '{models[name]}', trainable: true, "
+            f"sampling: {{max_new_tokens: 10, temperature: 1.0}}}}\n"
+        )
 
     path.write_text(
         "mrlx:\n"
         f"  run_id: demo\n  system: dialogue\n  self: {me}\n"
-        "  agents:\n" + agent(A) + agent(B) +
-        f"  dialogue: {{first: {A}, max_turns: 2, final_answer_agent: {B}}}\n"
+        "  agents:\n"
+        + agent(A)
+        + agent(B)
+        + f"  dialogue: {{first: {A}, max_turns: 2, final_answer_agent: {B}}}\n"
         "  rewards: {shaping: independent}\n"
-        f"  engine: {{request_timeout_s: 60, abort_retry_wait_s: 0.5, peer_deadline_s: 300, sampling_seed: {ns.seed}}}\n"
+        "  engine: {request_timeout_s: 60, abort_retry_wait_s: 0.5, peer_deadline_s: 300, sampling_seed: "
+        f"{ns.seed}}}\n"
         f"  coordinator: {{url: '{coordinator}', token_env: MRLX_DEMO_TOKEN, max_staleness: 1, "
         "wait_deadline_s: 900, lease_s: 120}\n"
         f"  trainer: {{lr: {ns.lr}, lr_warmup_steps: 10, lr_decay_style: cosine, lr_min: {ns.lr / 10}, "
@@ -73,7 +89,6 @@ def _yaml(path: Path, me: str, urls: dict[str, str], models: dict[str, Path], co
         f"warmup_sft_steps: {ns.warmup_steps}, warmup_sft_lr: 1.0e-3, micro_batch_size: 64, threads: 1}}\n"
     )
     return path
-
 
 
 def _peak_kib(pid: int) -> int:
@@ -90,8 +105,16 @@ def _rows(path: Path) -> list[dict[str, Any]]:
 
 
 # What a run leaves in --out (the models, built from --preset and --seed, come back identical).
-RUN_STATE = (A, B, "coordinator.sqlite", "coordinator.sqlite-wal", "coordinator.sqlite-shm", "logs",
-             "metrics.json", "rewards.png")
+RUN_STATE = (
+    A,
+    B,
+    "coordinator.sqlite",
+    "coordinator.sqlite-wal",
+    "coordinator.sqlite-shm",
+    "logs",
+    "metrics.json",
+    "rewards.png",
+)
 
 
 def _previous_run(out: Path, ns: argparse.Namespace) -> None:
@@ -143,52 +166,99 @@ def run_demo(ns: argparse.Namespace) -> dict[str, Any]:
 
     # The two models, each built from a config on this machine (never downloaded).
     try:
-        models = {A: ensure_model(out / "models" / A, preset=ns.preset, seed=ns.seed),
-                  B: ensure_model(out / "models" / B, preset=ns.preset, seed=ns.seed + 1)}
+        models = {
+            A: ensure_model(out / "models" / A, preset=ns.preset, seed=ns.seed),
+            B: ensure_model(out / "models" / B, preset=ns.preset, seed=ns.seed + 1),
+        }
     except (ValueError, FileExistsError) as exc:  # a model of other settings is there already
         raise ConfigError(f"--out {out}: {exc} (--preset and --seed must match the run there)") from None
     prompts = addition_prompts(256, seed=ns.seed, max_operand=ns.max_operand)
     prompt_file = out / "prompts.jsonl"
     prompt_file.write_text("".join(json.dumps({"prompt": p, "label": lab}) + "\n" for p, lab in prompts))
-    warmup = {A: format_examples(out / f"warmup_{A}.jsonl", prompts, 2000, seed=ns.seed),
-              B: format_examples(out / f"warmup_{B}.jsonl", prompts, 2000, seed=ns.seed + 1, context=True)}
+    warmup = {
+        A: format_examples(out / f"warmup_{A}.jsonl", prompts, 2000, seed=ns.seed),
+        B: format_examples(out / f"warmup_{B}.jsonl", prompts, 2000, seed=ns.seed + 1, context=True),
+    }
 
     procs: list[Any] = []
     jobs: dict[str, subprocess.Popen] = {}
     peak_kib: dict[int, int] = {}
     with ExitStack() as stack:
+
         def stop_everything() -> None:  # also on an exception or a signal (see mrlx_plugin.cli.main)
             stop_all(jobs.values(), timeout=20)  # the trainers first: they use the services
             stop_all(procs, timeout=10)
 
         stack.callback(stop_everything)
-        coordinator = start_coordinator(out / "coordinator.sqlite", "demo", [A, B], log_dir=logs,
-                                        token_env="MRLX_DEMO_TOKEN", env={"MRLX_DEMO_TOKEN": token})
+        coordinator = start_coordinator(
+            out / "coordinator.sqlite",
+            "demo",
+            [A, B],
+            log_dir=logs,
+            token_env="MRLX_DEMO_TOKEN",
+            env={"MRLX_DEMO_TOKEN": token},
+        )
         procs.append(coordinator)
         engines, urls = {}, {}
         use_router = router_available() and not ns.no_router
         for name in (A, B):
             latest = _latest(out / name) if ns.resume else None
-            engines[name] = start_engine(latest or models[name], log_dir=logs, name=f"engine-{name}", threads=1,
-                                         extra=["--seed", str(ns.seed), "--max-batch", "256"])
+            engines[name] = start_engine(
+                latest or models[name],
+                log_dir=logs,
+                name=f"engine-{name}",
+                threads=1,
+                extra=["--seed", str(ns.seed), "--max-batch", "256"],
+            )
             procs.append(engines[name])
             urls[name] = engines[name].url
             if use_router:
                 router = start_router([engines[name].url], log_dir=logs, name=f"router-{name}")
                 procs.append(router)
                 urls[name] = router.url
-        configs = {name: _yaml(out / f"{name}.yaml", name, urls, models, coordinator.url, ns) for name in (A, B)}
-        for name, rollout_fn in ((B, "mrlx_plugin.rollout.responder_rollout"), (A, "mrlx_plugin.rollout.initiator_rollout")):
-            argv = [sys.executable, "-m", "mrlx_plugin.local.trainer", "--config", str(configs[name]),
-                    "--model", str(models[name]), "--engine-url", engines[name].url, "--router-url", urls[name],
-                    "--rollout-function", rollout_fn, "--num-rollout", str(ns.steps),
-                    "--prompt-data", str(prompt_file), "--rollout-batch-size", str(ns.prompts_per_step),
-                    "--n-samples-per-prompt", str(ns.samples_per_prompt), "--rollout-max-response-len", "24",
-                    "--warmup-data", str(warmup[name]), "--out", str(out / name), "--seed", str(ns.seed)]
+        configs = {
+            name: _yaml(out / f"{name}.yaml", name, urls, models, coordinator.url, ns) for name in (A, B)
+        }
+        for name, rollout_fn in (
+            (B, "mrlx_plugin.rollout.responder_rollout"),
+            (A, "mrlx_plugin.rollout.initiator_rollout"),
+        ):
+            argv = [
+                sys.executable,
+                "-m",
+                "mrlx_plugin.local.trainer",
+                "--config",
+                str(configs[name]),
+                "--model",
+                str(models[name]),
+                "--engine-url",
+                engines[name].url,
+                "--router-url",
+                urls[name],
+                "--rollout-function",
+                rollout_fn,
+                "--num-rollout",
+                str(ns.steps),
+                "--prompt-data",
+                str(prompt_file),
+                "--rollout-batch-size",
+                str(ns.prompts_per_step),
+                "--n-samples-per-prompt",
+                str(ns.samples_per_prompt),
+                "--rollout-max-response-len",
+                "24",
+                "--warmup-data",
+                str(warmup[name]),
+                "--out",
+                str(out / name),
+                "--seed",
+                str(ns.seed),
+            ]
             argv += (["--freeze"] if freeze == name else []) + (["--resume"] if ns.resume else [])
             with open(logs / f"trainer-{name}.log", "ab") as log:
-                jobs[name] = popen_tied(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                        start_new_session=True)
+                jobs[name] = popen_tied(
+                    argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+                )
         _follow(ns, out, jobs, procs, peak_kib)
         for name, job in jobs.items():
             if job.returncode != 0:
@@ -204,15 +274,19 @@ def _latest(agent_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def _follow(ns: Any, out: Path, jobs: dict[str, subprocess.Popen], procs: list[Any], peak_kib: dict[int, int]) -> None:
+def _follow(
+    ns: Any, out: Path, jobs: dict[str, subprocess.Popen], procs: list[Any], peak_kib: dict[int, int]
+) -> None:
     """A progress bar and a per-step table while the trainers run; the peak memory of every process."""
     bar = None
     if not ns.quiet:
         from tqdm import tqdm
 
         bar = tqdm(total=ns.steps, desc="co-training", unit="step", dynamic_ncols=True)
-        tqdm.write(f"{'step':>4}  {A + ' (A) right':>17}  {'team right':>10}  {B + ' (B) trained':>17}  "
-                   f"{'staleness':>9}  {'elapsed':>7}")
+        tqdm.write(
+            f"{'step':>4}  {A + ' (A) right':>17}  {'team right':>10}  {B + ' (B) trained':>17}  "
+            f"{'staleness':>9}  {'elapsed':>7}"
+        )
     shown = 0
     t0 = time.monotonic()
     while True:
@@ -222,20 +296,26 @@ def _follow(ns: Any, out: Path, jobs: dict[str, subprocess.Popen], procs: list[A
         b_done = sum(1 for r in _rows(out / B / "metrics.jsonl") if r.get("step", -1) >= 0)
         if bar is not None and len(a_rows) > shown:
             for r in a_rows[shown:]:
-                bar.write(f"{r['step']:>4}  {r.get(f'reward/{A}/mean', 0):>17.3f}  "
-                          f"{r.get('multi_agent/team_reward', 0):>10.3f}  {b_done:>11} steps  "
-                          f"{r.get(f'staleness/{B}', 0):>9.0f}  {time.monotonic() - t0:>6.0f}s")
+                bar.write(
+                    f"{r['step']:>4}  {r.get(f'reward/{A}/mean', 0):>17.3f}  "
+                    f"{r.get('multi_agent/team_reward', 0):>10.3f}  {b_done:>11} steps  "
+                    f"{r.get(f'staleness/{B}', 0):>9.0f}  {time.monotonic() - t0:>6.0f}s"
+                )
             bar.update(len(a_rows) - shown)
             bar.set_postfix_str(f"{B}: {b_done} steps trained")
         shown = len(a_rows)
-        if all(j.poll() is not None for j in jobs.values()) or any(j.poll() not in (None, 0) for j in jobs.values()):
+        if all(j.poll() is not None for j in jobs.values()) or any(
+            j.poll() not in (None, 0) for j in jobs.values()
+        ):
             break
         time.sleep(0.5)
     if bar is not None:
         bar.close()
 
 
-def _report(ns: Any, out: Path, wall: float, peak_mib: float, freeze: str | None, router: bool) -> dict[str, Any]:
+def _report(
+    ns: Any, out: Path, wall: float, peak_mib: float, freeze: str | None, router: bool
+) -> dict[str, Any]:
     rows = {name: [r for r in _rows(out / name / "metrics.jsonl")] for name in (A, B)}
     steps = {name: [r for r in rows[name] if r.get("step", -1) >= 0] for name in (A, B)}
     a_rows = steps[A]
@@ -244,8 +324,15 @@ def _report(ns: Any, out: Path, wall: float, peak_mib: float, freeze: str | None
         values = [r[key] for r in a_rows if r.get(key) is not None]
         return (values[0], values[-1]) if values else (None, None)
 
-    summary: dict[str, Any] = {"wall_time_s": wall, "peak_memory_mib": peak_mib, "frozen": freeze, "router": router,
-                               "steps": len(a_rows), "seed": ns.seed, "agents": {}}
+    summary: dict[str, Any] = {
+        "wall_time_s": wall,
+        "peak_memory_mib": peak_mib,
+        "frozen": freeze,
+        "router": router,
+        "steps": len(a_rows),
+        "seed": ns.seed,
+        "agents": {},
+    }
     # A's reward is A's own grade; B's is the team's final answer (what B is rewarded for).
     keys = {A: f"reward/{A}/mean", B: "multi_agent/team_reward"}
     for name in (A, B):
@@ -253,7 +340,8 @@ def _report(ns: Any, out: Path, wall: float, peak_mib: float, freeze: str | None
         warm = [r for r in rows[name] if r.get("step") == -1]
         summary["agents"][name] = {
             "reward": "own answer" if name == A else "team's final answer",
-            "first_step_reward": first, "last_step_reward": last,
+            "first_step_reward": first,
+            "last_step_reward": last,
             "steps_trained": len(steps[name]) if freeze != name else 0,
             "samples_trained": sum(r.get("samples", 0) for r in steps[name]) if freeze != name else 0,
             "warm_start_steps": warm[0]["warm_start/steps"] if warm else 0,
@@ -262,7 +350,9 @@ def _report(ns: Any, out: Path, wall: float, peak_mib: float, freeze: str | None
     team = [r.get("multi_agent/team_reward") for r in a_rows if r.get("multi_agent/team_reward") is not None]
     summary["team_reward_last5"] = sum(team[-5:]) / len(team[-5:]) if team else None
     summary["plot"] = str(_plot(out, a_rows, freeze))
-    (out / "metrics.json").write_text(json.dumps({"summary": summary, "metrics": rows}, indent=1, default=str))
+    (out / "metrics.json").write_text(
+        json.dumps({"summary": summary, "metrics": rows}, indent=1, default=str)
+    )
     summary["metrics"] = str(out / "metrics.json")
     return summary
 
@@ -275,7 +365,10 @@ def _plot(out: Path, a_rows: list[dict[str, Any]], freeze: str | None) -> Path:
 
     fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
     steps = [r["step"] for r in a_rows]
-    for key, label in ((f"reward/{A}/mean", f"{A} (A): own answer"), ("multi_agent/team_reward", f"{B} (B): team's final answer")):
+    for key, label in (
+        (f"reward/{A}/mean", f"{A} (A): own answer"),
+        ("multi_agent/team_reward", f"{B} (B): team's final answer"),
+    ):
         ax.plot(steps, [r.get(key) for r in a_rows], marker="o", ms=3, label=label)
     ax.set_xlabel("training step")
     ax.set_ylabel("mean reward (fraction right)")
@@ -291,15 +384,28 @@ def _plot(out: Path, a_rows: list[dict[str, Any]], freeze: str | None) -> Path:
 
 
 def print_summary(s: dict[str, Any]) -> None:
-    print(f"\nmrlx demo finished in {s['wall_time_s']:.0f} s ({s['steps']} steps; peak memory "
-          f"{s['peak_memory_mib']:.0f} MiB{'; frozen: ' + s['frozen'] if s['frozen'] else ''})")
-    print(f"  {'agent':<10} {'rewarded for':<20} {'first step':>10} {'last step':>10} {'steps':>6} {'samples':>8}  warm-start")
+    print(
+        f"\nmrlx demo finished in {s['wall_time_s']:.0f} s ({s['steps']} steps; peak memory "
+        f"{s['peak_memory_mib']:.0f} MiB{'; frozen: ' + s['frozen'] if s['frozen'] else ''})"
+    )
+    print(
+        f"  {'agent':<10} {'rewarded for':<20} {'first step':>10} {'last step':>10} {'steps':>6} "
+        f"{'samples':>8}  warm-start"
+    )
+
+    def fmt(v: Any) -> str:
+        return f"{v:.3f}" if isinstance(v, float) else "-"
+
     for name, a in s["agents"].items():
-        fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else "-"
-        print(f"  {name:<10} {a['reward']:<20} {fmt(a['first_step_reward']):>10} {fmt(a['last_step_reward']):>10} "
-              f"{a['steps_trained']:>6} {a['samples_trained']:>8}  {a['warm_start_steps']} format-only steps")
-    print(f"  plot: {s['plot']}\n  metrics: {s['metrics']}\n  checkpoints: "
-          + ", ".join(a["checkpoints"] for a in s["agents"].values()))
+        print(
+            f"  {name:<10} {a['reward']:<20} {fmt(a['first_step_reward']):>10} "
+            f"{fmt(a['last_step_reward']):>10} "
+            f"{a['steps_trained']:>6} {a['samples_trained']:>8}  {a['warm_start_steps']} format-only steps"
+        )
+    print(
+        f"  plot: {s['plot']}\n  metrics: {s['metrics']}\n  checkpoints: "
+        + ", ".join(a["checkpoints"] for a in s["agents"].values())
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -29,6 +29,7 @@ from typing import Any
 import aiohttp
 import orjson
 from aiohttp import web
+
 from mrlx_plugin.core.netutil import free_port, public_bind_refusal, write_port_file
 from mrlx_plugin.core.retry import Backoff, Deadline, retry
 from mrlx_plugin.local.batcher import BatchWorker, Job, JobResult, WeightUpdate, load_torch
@@ -196,32 +197,52 @@ class EngineServer:
     async def _jobs(self, body: Any) -> tuple[list[Job], list[asyncio.Future], bool]:
         w = self.worker
         parts, batched = split_generate_body(body)
-        reqs = [(validate(GenerateRequest, item, renamed, vocab_size=w.vocab_size), renamed)
-                for item, renamed in parts]
+        reqs = [
+            (validate(GenerateRequest, item, renamed, vocab_size=w.vocab_size), renamed)
+            for item, renamed in parts
+        ]
         loop = asyncio.get_running_loop()
         texts = [r.text for r, _ in reqs if r.text is not None]
         if texts:
             encode = w.tokenizer.encode
-            encoded = iter(await loop.run_in_executor(None, lambda: [encode(t, add_special_tokens=False)
-                                                                     for t in texts]))
+            encoded = iter(
+                await loop.run_in_executor(None, lambda: [encode(t, add_special_tokens=False) for t in texts])
+            )
         jobs, futures = [], []
         for req, renamed in reqs:
-            where = renamed.get("input_ids", "input_ids") if req.input_ids is not None else renamed.get("text", "text")
+            where = (
+                renamed.get("input_ids", "input_ids")
+                if req.input_ids is not None
+                else renamed.get("text", "text")
+            )
             prompt = req.input_ids if req.input_ids is not None else next(encoded)
             if len(prompt) >= w.max_positions:
-                raise RequestError(where, f"the prompt has {len(prompt)} tokens; this model takes at most "
-                                          f"{w.max_positions - 1} prompt tokens")
+                raise RequestError(
+                    where,
+                    f"the prompt has {len(prompt)} tokens; this model takes at most "
+                    f"{w.max_positions - 1} prompt tokens",
+                )
             if req.logprob_start_len >= len(prompt):
-                raise RequestError("logprob_start_len", f"must be -1 (no prompt log-probs) or in [0, {len(prompt)}), "
-                                                        f"got {req.logprob_start_len}")
+                raise RequestError(
+                    "logprob_start_len",
+                    f"must be -1 (no prompt log-probs) or in [0, {len(prompt)}), got {req.logprob_start_len}",
+                )
             fut: asyncio.Future = loop.create_future()
 
             def deliver(result: JobResult, fut: asyncio.Future = fut) -> None:
                 loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(result))
 
             start = req.logprob_start_len if req.return_logprob else -1
-            jobs.append(Job(req.rid or uuid.uuid4().hex, prompt, req.sampling_params, req.return_logprob, start,
-                            deliver))
+            jobs.append(
+                Job(
+                    req.rid or uuid.uuid4().hex,
+                    prompt,
+                    req.sampling_params,
+                    req.return_logprob,
+                    start,
+                    deliver,
+                )
+            )
             futures.append(fut)
         return jobs, futures, batched
 
@@ -285,8 +306,14 @@ class EngineServer:
             return web.Response(status=200)
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
-        job = Job(f"health-{uuid.uuid4().hex}", [w.pad_id], SamplingParams(temperature=0.0, max_new_tokens=1),
-                  False, -1, lambda r: loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(r)))
+        job = Job(
+            f"health-{uuid.uuid4().hex}",
+            [w.pad_id],
+            SamplingParams(temperature=0.0, max_new_tokens=1),
+            False,
+            -1,
+            lambda r: loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(r)),
+        )
         w.submit([job])
         try:
             result = await asyncio.wait_for(fut, 30)
@@ -297,38 +324,57 @@ class EngineServer:
 
     async def model_info(self, request: web.Request) -> web.Response:
         w = self.worker
-        return _json({"model_path": w.model_path, "tokenizer_path": w.model_path, "is_generation": True,
-                      "weight_version": w.weight_version, "preferred_sampling_params": None})
+        return _json(
+            {
+                "model_path": w.model_path,
+                "tokenizer_path": w.model_path,
+                "is_generation": True,
+                "weight_version": w.weight_version,
+                "preferred_sampling_params": None,
+            }
+        )
 
     async def server_info(self, request: web.Request) -> web.Response:
         w = self.worker
         load = w.load()
-        return _json({
-            "engine": "mrlx-local",
-            "model_path": w.model_path,
-            "tokenizer_path": w.model_path,
-            "host": self.host,
-            "port": self.port,
-            "weight_version": w.weight_version,
-            "max_running_requests": w.max_batch,
-            "context_length": w.max_positions,
-            "vocab_size": w.vocab_size,
-            "tp_size": 1,
-            "dp_size": 1,
-            "threads": self.threads,
-            "paused": w.paused,
-            "num_running_reqs": load["running"],
-            "num_waiting_reqs": load["waiting"] + self.held,
-            "decode_steps": w.steps,
-            "generated_tokens": w.generated_tokens,
-            "uptime_s": time.time() - self.started,
-        })
+        return _json(
+            {
+                "engine": "mrlx-local",
+                "model_path": w.model_path,
+                "tokenizer_path": w.model_path,
+                "host": self.host,
+                "port": self.port,
+                "weight_version": w.weight_version,
+                "max_running_requests": w.max_batch,
+                "context_length": w.max_positions,
+                "vocab_size": w.vocab_size,
+                "tp_size": 1,
+                "dp_size": 1,
+                "threads": self.threads,
+                "paused": w.paused,
+                "num_running_reqs": load["running"],
+                "num_waiting_reqs": load["waiting"] + self.held,
+                "decode_steps": w.steps,
+                "generated_tokens": w.generated_tokens,
+                "uptime_s": time.time() - self.started,
+            }
+        )
 
     async def v1_loads(self, request: web.Request) -> web.Response:
         load = self.worker.load()
         waiting = load["waiting"] + self.held
-        return _json({"loads": [{"dp_rank": 0, "num_running_reqs": load["running"], "num_waiting_reqs": waiting,
-                                 "num_total_reqs": load["running"] + waiting}]})
+        return _json(
+            {
+                "loads": [
+                    {
+                        "dp_rank": 0,
+                        "num_running_reqs": load["running"],
+                        "num_waiting_reqs": waiting,
+                        "num_total_reqs": load["running"] + waiting,
+                    }
+                ]
+            }
+        )
 
     async def flush_cache(self, request: web.Request) -> web.Response:
         # There is no prefix cache to flush; every request is prefilled from scratch.
@@ -341,8 +387,9 @@ class EngineServer:
                 raise RequestError("rid", 'send {"abort_all": true} or {"rid": "<request id>"}')
         except RequestError as exc:
             return _error(exc.message, 400, exc.field)
-        n = self.worker.abort(None if req.abort_all else req.rid,
-                              message=req.abort_message or "aborted by /abort_request")
+        n = self.worker.abort(
+            None if req.abort_all else req.rid, message=req.abort_message or "aborted by /abort_request"
+        )
         return _json({"success": True, "num_aborted": n})
 
     async def pause_generation(self, request: web.Request) -> web.Response:
@@ -363,16 +410,24 @@ class EngineServer:
         try:
             req = validate(UpdateWeightsRequest, await _read_json(request))
             if not (Path(req.model_path) / "config.json").is_file():
-                raise RequestError("model_path", f"{req.model_path!r} is not a model directory (no config.json); "
-                                                 "the old weights keep serving")
+                raise RequestError(
+                    "model_path",
+                    f"{req.model_path!r} is not a model directory (no config.json); "
+                    "the old weights keep serving",
+                )
         except RequestError as exc:
             return _json({"success": False, "message": exc.message, "num_paused_requests": 0}, 400)
         loop = asyncio.get_running_loop()
         async with self._update_lock:
             fut: asyncio.Future = loop.create_future()
-            self.worker.request_weight_update(WeightUpdate(
-                req.model_path, req.weight_version, req.abort_all_requests,
-                lambda r: loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(r))))
+            self.worker.request_weight_update(
+                WeightUpdate(
+                    req.model_path,
+                    req.weight_version,
+                    req.abort_all_requests,
+                    lambda r: loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(r)),
+                )
+            )
             result = await fut
         return _json(result, 200 if result["success"] else 400)
 
@@ -386,8 +441,13 @@ class _Refused(Exception):
     pass
 
 
-async def register_with_router(router_url: str, worker_url: str, stop: asyncio.Event, timeout_s: float = 5.0,
-                               backoff: Backoff = Backoff(base_s=0.25, max_s=5.0)) -> bool:
+async def register_with_router(
+    router_url: str,
+    worker_url: str,
+    stop: asyncio.Event,
+    timeout_s: float = 5.0,
+    backoff: Backoff = Backoff(base_s=0.25, max_s=5.0),
+) -> bool:
     """Add `worker_url` to the router, retrying with backoff until the router takes it.
 
     Uses `POST /add_worker?url=...` (sglang-router 0.2/0.3); falls back to `POST /workers`
@@ -410,9 +470,15 @@ async def register_with_router(router_url: str, worker_url: str, stop: asyncio.E
             log.warning("router %s not reachable yet (%s); retrying", router_url, exc)
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
-        registering = asyncio.ensure_future(retry(
-            lambda _: attempt(session), deadline=Deadline(None), backoff=backoff, on_retry=on_retry,
-            retryable=lambda e: isinstance(e, (_Refused, aiohttp.ClientError, asyncio.TimeoutError))))
+        registering = asyncio.ensure_future(
+            retry(
+                lambda _: attempt(session),
+                deadline=Deadline(None),
+                backoff=backoff,
+                on_retry=on_retry,
+                retryable=lambda e: isinstance(e, (_Refused, aiohttp.ClientError, asyncio.TimeoutError)),
+            )
+        )
         stopped = asyncio.ensure_future(stop.wait())
         await asyncio.wait({registering, stopped}, return_when=asyncio.FIRST_COMPLETED)
         stopped.cancel()
@@ -452,16 +518,30 @@ async def deregister_from_router(router_url: str, worker_url: str, timeout_s: fl
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the engine's flags to `parser` (used by `mrlx engine` and by `main`)."""
-    parser.add_argument("--model", required=True, help="model directory (from_pretrained layout, with its tokenizer)")
+    parser.add_argument(
+        "--model", required=True, help="model directory (from_pretrained layout, with its tokenizer)"
+    )
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
-    parser.add_argument("--allow-remote", action="store_true",
-                        help="allow a non-loopback --host (the engine has no authentication: trusted networks only)")
-    parser.add_argument("--port", type=int, default=0, help="port to listen on; 0 picks a free one (default: 0)")
+    parser.add_argument(
+        "--allow-remote",
+        action="store_true",
+        help="allow a non-loopback --host (the engine has no authentication: trusted networks only)",
+    )
+    parser.add_argument(
+        "--port", type=int, default=0, help="port to listen on; 0 picks a free one (default: 0)"
+    )
     parser.add_argument("--port-file", default=None, help="write the bound port to this file once listening")
-    parser.add_argument("--router-url", default=None,
-                        help="register with this sglang-router (POST /add_worker) once up, leave it on shutdown")
-    parser.add_argument("--max-batch", type=int, default=32, help="most sequences decoded together (default: 32)")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument(
+        "--router-url",
+        default=None,
+        help="register with this sglang-router (POST /add_worker) once up, leave it on shutdown",
+    )
+    parser.add_argument(
+        "--max-batch", type=int, default=32, help="most sequences decoded together (default: 32)"
+    )
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampling generator (default: 0)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return parser
@@ -487,19 +567,26 @@ async def _serve(args: argparse.Namespace) -> int:
         log.error("--max-batch must be >= 1, got %s", args.max_batch)
         return 2
     if not (Path(args.model) / "config.json").is_file():
-        log.error("--model %s is not a model directory (no config.json); save one with from_pretrained's layout, "
-                  "e.g. mrlx_plugin.local.model.ensure_model(DIR)", args.model)
+        log.error(
+            "--model %s is not a model directory (no config.json); save one with from_pretrained's layout, "
+            "e.g. mrlx_plugin.local.model.ensure_model(DIR)",
+            args.model,
+        )
         return 2
     torch = load_torch()
     if args.threads:
         torch.set_num_threads(args.threads)
     loop = asyncio.get_running_loop()
     try:
-        model, tokenizer = await loop.run_in_executor(None, lambda: (load_model(args.model), load_tokenizer(args.model)))
+        model, tokenizer = await loop.run_in_executor(
+            None, lambda: (load_model(args.model), load_tokenizer(args.model))
+        )
     except Exception as exc:  # noqa: BLE001 - reported as one line and exit code 2
         log.error("cannot load the model and its tokenizer from %s: %s", args.model, exc)
         return 2
-    worker = BatchWorker(model, tokenizer, model_path=str(args.model), max_batch=args.max_batch, seed=args.seed)
+    worker = BatchWorker(
+        model, tokenizer, model_path=str(args.model), max_batch=args.max_batch, seed=args.seed
+    )
     worker.start()
     # A router must reach the engine at an address it can dial, never at a wildcard.
     advertise = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
@@ -519,8 +606,14 @@ async def _serve(args: argparse.Namespace) -> int:
     server.port = int(sockets[0].getsockname()[1])
     if args.port_file:
         write_port_file(args.port_file, server.port)
-    log.info("engine serving %s at http://%s:%s (max batch %s, %s threads)", args.model, args.host, server.port,
-             args.max_batch, torch.get_num_threads())
+    log.info(
+        "engine serving %s at http://%s:%s (max batch %s, %s threads)",
+        args.model,
+        args.host,
+        server.port,
+        args.max_batch,
+        torch.get_num_threads(),
+    )
 
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

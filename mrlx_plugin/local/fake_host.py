@@ -26,14 +26,23 @@ from typing import Any
 from urllib.parse import urlparse
 
 from mrlx_plugin.core.config import ConfigError, load_yaml
-from mrlx_plugin.core.host import RolloutFnEvalOutput, RolloutFnTrainOutput, Sample, Status, load_function, run_in_host_loop
+from mrlx_plugin.core.host import (
+    RolloutFnEvalOutput,
+    RolloutFnTrainOutput,
+    Sample,
+    Status,
+    load_function,
+    run_in_host_loop,
+)
 from mrlx_plugin.runtime import cached_runtime
 
 
 def add_host_arguments(parser: argparse.ArgumentParser) -> None:
     """The slime flags the plugin reads, under slime's names and defaults."""
     g = parser.add_argument_group("host settings (slime's flag names)")
-    g.add_argument("--hf-checkpoint", default=None, help="tokenizer/model path for agents with no tokenizer set")
+    g.add_argument(
+        "--hf-checkpoint", default=None, help="tokenizer/model path for agents with no tokenizer set"
+    )
     g.add_argument("--router-url", default=None, help="the job's router, http://host:port (url: self)")
     g.add_argument("--rollout-max-response-len", type=int, default=256)
     g.add_argument("--rollout-max-context-len", type=int, default=None)
@@ -125,7 +134,9 @@ def read_prompts(path: str, input_key: str, label_key: str) -> list[tuple[Any, A
     return rows
 
 
-def make_groups(prompts: list[tuple[Any, Any]], groups: int, per_prompt: int, start: int = 0) -> Iterator[list[Sample]]:
+def make_groups(
+    prompts: list[tuple[Any, Any]], groups: int, per_prompt: int, start: int = 0
+) -> Iterator[list[Sample]]:
     """Prompt groups the way the host's data source hands them out: n copies per prompt."""
     for g in range(groups):
         prompt, label = prompts[(start + g) % len(prompts)]
@@ -139,8 +150,15 @@ class LocalDataSource:
     """slime's data source for prompts held in memory: `n_samples_per_prompt` copies of each
     prompt per group, with `group_index` and `index` counting up across the whole run."""
 
-    def __init__(self, prompts: list[tuple[Any, Any]], n_samples_per_prompt: int, *, shuffle: bool = False,
-                 seed: int = 0, eval_prompts: list[tuple[Any, Any]] | None = None):
+    def __init__(
+        self,
+        prompts: list[tuple[Any, Any]],
+        n_samples_per_prompt: int,
+        *,
+        shuffle: bool = False,
+        seed: int = 0,
+        eval_prompts: list[tuple[Any, Any]] | None = None,
+    ):
         if not prompts:
             raise ValueError("no prompts")
         self.prompts = list(prompts)
@@ -169,8 +187,14 @@ class LocalDataSource:
             prompt, label = self._next_prompt()
             group = []
             for _ in range(self.n):
-                group.append(Sample(group_index=self.group_index, index=self.sample_index, prompt=copy.deepcopy(prompt),
-                                    label=label))
+                group.append(
+                    Sample(
+                        group_index=self.group_index,
+                        index=self.sample_index,
+                        prompt=copy.deepcopy(prompt),
+                        label=label,
+                    )
+                )
                 self.sample_index += 1
             self.group_index += 1
             groups.append(group)
@@ -180,8 +204,13 @@ class LocalDataSource:
         raise RuntimeError("this data source is read-only (the plugin does not use partial rollouts)")
 
     def state_dict(self) -> dict[str, Any]:
-        return {"offset": self.offset, "epoch": self.epoch, "group_index": self.group_index,
-                "sample_index": self.sample_index, "order": list(self._order)}
+        return {
+            "offset": self.offset,
+            "epoch": self.epoch,
+            "group_index": self.group_index,
+            "sample_index": self.sample_index,
+            "order": list(self._order),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.offset, self.epoch = state["offset"], state["epoch"]
@@ -190,7 +219,9 @@ class LocalDataSource:
 
 
 async def _generate_groups(args: Any, groups: list[list[Sample]], evaluation: bool) -> list[list[Any]]:
-    generate = load_function(getattr(args, "custom_generate_function_path", None) or "mrlx_plugin.rollout.generate")
+    generate = load_function(
+        getattr(args, "custom_generate_function_path", None) or "mrlx_plugin.rollout.generate"
+    )
     semaphore = asyncio.Semaphore(getattr(args, "sglang_server_concurrency", None) or 512)
     params = sampling_params(args)
 
@@ -208,15 +239,21 @@ def default_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: bo
     """slime's `generate_rollout`, for the plugin's purposes (see the module docstring)."""
     if evaluation:
         prompts = getattr(data_source, "eval_prompts", None) or []
-        eval_source = LocalDataSource(prompts or [("", None)], getattr(args, "n_samples_per_eval_prompt", 1) or 1)
+        eval_source = LocalDataSource(
+            prompts or [("", None)], getattr(args, "n_samples_per_eval_prompt", 1) or 1
+        )
         groups = eval_source.get_samples(len(prompts)) if prompts else []
         results = run_in_host_loop(_generate_groups(args, groups, evaluation=True))
         samples = [s for g in results for s in g]
-        return RolloutFnEvalOutput(data={"eval": {
-            "rewards": [float(s.reward or 0.0) for s in samples],
-            "truncated": [s.status == Status.TRUNCATED for s in samples],
-            "samples": samples,
-        }})
+        return RolloutFnEvalOutput(
+            data={
+                "eval": {
+                    "rewards": [float(s.reward or 0.0) for s in samples],
+                    "truncated": [s.status == Status.TRUNCATED for s in samples],
+                    "samples": samples,
+                }
+            }
+        )
     groups = data_source.get_samples(args.rollout_batch_size)
     results = run_in_host_loop(_generate_groups(args, groups, evaluation=False))
     runtime = cached_runtime(args)
@@ -237,7 +274,9 @@ def check_like_host(groups: list[list[Any]], fixed_fan_out: bool) -> None:
                 sizes.add(1)
                 continue
             ids = {getattr(s, "rollout_id", None) for s in result}
-            assert len(ids) == 1 and None not in ids, f"siblings of one generate call must share a rollout_id; got {ids}"
+            assert len(ids) == 1 and None not in ids, (
+                f"siblings of one generate call must share a rollout_id; got {ids}"
+            )
             sizes.add(len(result))
     assert not fixed_fan_out or len(sizes) <= 1, (
         f"generate calls of one step returned different sample counts {sorted(sizes)}; the host's static "

@@ -170,7 +170,8 @@ def build_tokenizer(out_dir: str | os.PathLike[str], vocab_size: int = 512) -> A
     """
     if not isinstance(vocab_size, int) or vocab_size < 260:
         raise ValueError(
-            f"vocab_size must be an integer >= 260 (3 special tokens + 256 bytes + merges), got {vocab_size!r}"
+            "vocab_size must be an integer >= 260 (3 special tokens + 256 bytes + merges), got "
+            f"{vocab_size!r}"
         )
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from transformers import PreTrainedTokenizerFast

@@ -132,7 +132,9 @@ class ManagedProcess:
             return ""
 
 
-def wait_http_ok(url: str, timeout: float, proc: subprocess.Popen | None = None, headers: dict | None = None) -> None:
+def wait_http_ok(
+    url: str, timeout: float, proc: subprocess.Popen | None = None, headers: dict | None = None
+) -> None:
     """Block until `url` answers 200 (ProcessStartError after `timeout` s, or at once if `proc` exits)."""
     last = "no answer yet"
 
@@ -141,7 +143,9 @@ def wait_http_ok(url: str, timeout: float, proc: subprocess.Popen | None = None,
         if proc is not None and proc.poll() is not None:
             raise ProcessStartError(f"process exited with code {proc.returncode} before {url} answered")
         try:
-            with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=2) as resp:
+            with urllib.request.urlopen(
+                urllib.request.Request(url, headers=headers or {}), timeout=2
+            ) as resp:
                 if resp.status == 200:
                     return True
                 last = f"HTTP {resp.status}"
@@ -184,6 +188,7 @@ def start_service(
     deadline = Deadline(timeout)  # one for both waits: the port, then the health URL
     try:
         if port is None:
+
             def port_written() -> bool:
                 if proc.poll() is not None:
                     raise _start_failure(name, full, log_path)
@@ -208,8 +213,14 @@ def start_service(
     return handle
 
 
-def start_engine(model_dir: str | os.PathLike, *, log_dir=None, name: str = "engine", extra: list[str] | None = None,
-                 threads: int | None = None) -> ManagedProcess:
+def start_engine(
+    model_dir: str | os.PathLike,
+    *,
+    log_dir=None,
+    name: str = "engine",
+    extra: list[str] | None = None,
+    threads: int | None = None,
+) -> ManagedProcess:
     argv = [sys.executable, "-m", "mrlx_plugin.local.engine", "--model", str(model_dir)]
     if threads:
         argv += ["--threads", str(threads)]
@@ -238,10 +249,29 @@ def start_router(worker_urls: list[str], *, log_dir=None, name: str = "router") 
     return start_service(name, argv, log_dir=log_dir, port=port, health_path="/health", timeout=60)
 
 
-def start_coordinator(db: str | os.PathLike, run_id: str, agents: list[str], *, log_dir=None,
-                      token_env: str = "MRLX_TOKEN", name: str = "coordinator", extra: list[str] | None = None,
-                      env: dict[str, str] | None = None) -> ManagedProcess:
+def start_coordinator(
+    db: str | os.PathLike,
+    run_id: str,
+    agents: list[str],
+    *,
+    log_dir=None,
+    token_env: str = "MRLX_TOKEN",
+    name: str = "coordinator",
+    extra: list[str] | None = None,
+    env: dict[str, str] | None = None,
+) -> ManagedProcess:
     """`mrlx coordinator` on 127.0.0.1 with its database at `db` (the token from `token_env`)."""
-    argv = [sys.executable, "-m", "mrlx_plugin.coordinator.server", "--db", str(db), "--run-id", run_id,
-            "--agents", ",".join(agents), "--token-env", token_env] + list(extra or [])
+    argv = [
+        sys.executable,
+        "-m",
+        "mrlx_plugin.coordinator.server",
+        "--db",
+        str(db),
+        "--run-id",
+        run_id,
+        "--agents",
+        ",".join(agents),
+        "--token-env",
+        token_env,
+    ] + list(extra or [])
     return start_service(name, argv, log_dir=log_dir, env=env)

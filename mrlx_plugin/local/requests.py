@@ -22,8 +22,6 @@ from pydantic_core import PydanticCustomError
 DEFAULT_MAX_NEW_TOKENS = 128
 
 
-
-
 class RequestError(ValueError):
     """A request the engine refuses (HTTP 400); `field` names the offending part."""
 
@@ -50,8 +48,11 @@ def _neutral(ok: Callable[[Any], bool]) -> Any:
 
     def check(v: Any) -> Any:
         if not ok(v):
-            raise PydanticCustomError("unsupported", "is not supported by this engine (got {got}); leave it unset",
-                                      {"got": repr(v)[:80]})
+            raise PydanticCustomError(
+                "unsupported",
+                "is not supported by this engine (got {got}); leave it unset",
+                {"got": repr(v)[:80]},
+            )
         return v
 
     return Annotated[Any, AfterValidator(check)]
@@ -62,8 +63,11 @@ def _token_ids(ids: list[int], info: ValidationInfo) -> list[int]:
     if vocab is not None and ids and (min(ids) < 0 or max(ids) >= vocab):
         for i, t in enumerate(ids):
             if not 0 <= t < vocab:
-                raise PydanticCustomError("token_id", "{token} is not a token id of this model (0 <= id < {vocab})",
-                                          {"token": t, "vocab": vocab, "index": i})
+                raise PydanticCustomError(
+                    "token_id",
+                    "{token} is not a token id of this model (0 <= id < {vocab})",
+                    {"token": t, "vocab": vocab, "index": i},
+                )
     return ids
 
 
@@ -80,7 +84,9 @@ def _stops(v: list[str]) -> list[str]:
 
 
 TokenIds = Annotated[list[int], AfterValidator(_token_ids)]
-Stops = Annotated[list[str], BeforeValidator(lambda v: [v] if isinstance(v, str) else v), AfterValidator(_stops)]
+Stops = Annotated[
+    list[str], BeforeValidator(lambda v: [v] if isinstance(v, str) else v), AfterValidator(_stops)
+]
 
 
 class SamplingParams(_Request):
@@ -216,4 +222,6 @@ def split_generate_body(body: Any) -> tuple[list[tuple[dict[str, Any], dict[str,
     for key in listed:
         if len(body[key]) != n:
             raise RequestError(key, f"has {len(body[key])} entries for {n} prompts")
-    return [({**body, **{k: body[k][i] for k in listed}}, {k: f"{k}[{i}]" for k in listed}) for i in range(n)], True
+    return [
+        ({**body, **{k: body[k][i] for k in listed}}, {k: f"{k}[{i}]" for k in listed}) for i in range(n)
+    ], True

@@ -41,8 +41,9 @@ def addition_prompts(n: int, seed: int = 0, max_operand: int = 4) -> list[tuple[
     return out
 
 
-def format_examples(path: str | Path, prompts: list[tuple[str, str]], n: int, seed: int = 0,
-                    context: bool = False) -> Path:
+def format_examples(
+    path: str | Path, prompts: list[tuple[str, str]], n: int, seed: int = 0, context: bool = False
+) -> Path:
     """A warm-start file teaching the output FORMAT only: "\\boxed{N}" with N drawn at random.
 
     Labels are never used, so the warm-started model knows how to answer but not what: its
@@ -62,7 +63,9 @@ def format_examples(path: str | Path, prompts: list[tuple[str, str]], n: int, se
     return Path(path)
 
 
-def nim_prompts(n: int, seed: int = 0, low: int = 3, high: int = 9, max_take: int = 3) -> list[tuple[str, str]]:
+def nim_prompts(
+    n: int, seed: int = 0, low: int = 3, high: int = 9, max_take: int = 3
+) -> list[tuple[str, str]]:
     """`n` Nim games "Nim: 7 stones" with `low` to `high` stones (the game system's `nim`; its
     `max_stones` option must be at least `high`). The label is the winning first move for
     `max_take` ("0": the first seat cannot force a win)."""
@@ -86,8 +89,9 @@ def kuhn_prompts(n: int, seed: int = 0) -> list[tuple[str, str]]:
     return out
 
 
-def chain_prompts(n: int, seed: int = 0, steps: int = 3, max_start: int = 4, max_step: int = 3,
-                  ops: str = "+") -> list[tuple[str, str]]:
+def chain_prompts(
+    n: int, seed: int = 0, steps: int = 3, max_start: int = 4, max_step: int = 3, ops: str = "+"
+) -> list[tuple[str, str]]:
     """`n` chains "Chain: 2 +3 +1 +2": a start value from 0 to `max_start`, then `steps`
     operations (signs from `ops`, numbers from 1 to `max_step`; a subtraction never goes below
     0). The label is the final value. The game system's `chain` (its `max_steps` option must be
@@ -107,8 +111,13 @@ def chain_prompts(n: int, seed: int = 0, steps: int = 3, max_start: int = 4, max
     return out
 
 
-TASKS = {"arithmetic": arithmetic_prompts, "addition": addition_prompts, "nim": nim_prompts,
-         "kuhn_poker": kuhn_prompts, "chain": chain_prompts}
+TASKS = {
+    "arithmetic": arithmetic_prompts,
+    "addition": addition_prompts,
+    "nim": nim_prompts,
+    "kuhn_poker": kuhn_prompts,
+    "chain": chain_prompts,
+}
 
 
 def task_prompts(name: str, n: int, seed: int = 0) -> list[tuple[str, str]]:

@@ -49,31 +49,59 @@ log = logging.getLogger("mrlx.trainer")
 def build_parser() -> argparse.ArgumentParser:
     from mrlx_plugin.local.fake_host import add_host_arguments
 
-    p = argparse.ArgumentParser(prog="python -m mrlx_plugin.local.trainer", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m mrlx_plugin.local.trainer", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("--config", required=True, help="the job's YAML (mrlx: ..., with mrlx.trainer)")
     p.add_argument("--model", required=True, help="the agent's initial model directory")
-    p.add_argument("--engine-url", action="append", default=[], help="this agent's engine(s), for weight pushes")
-    p.add_argument("--rollout-function", default="mrlx_plugin.local.fake_host.default_rollout",
-                   help="what slime's --rollout-function-path would name")
+    p.add_argument(
+        "--engine-url", action="append", default=[], help="this agent's engine(s), for weight pushes"
+    )
+    p.add_argument(
+        "--rollout-function",
+        default="mrlx_plugin.local.fake_host.default_rollout",
+        help="what slime's --rollout-function-path would name",
+    )
     p.add_argument("--custom-generate-function-path", default="mrlx_plugin.rollout.generate")
     p.add_argument("--num-rollout", type=int, default=10)
-    p.add_argument("--task", default="arithmetic", help="built-in prompts (mrlx_plugin.local.tasks) when no --prompt-data")
+    p.add_argument(
+        "--task",
+        default="arithmetic",
+        help="built-in prompts (mrlx_plugin.local.tasks) when no --prompt-data",
+    )
     p.add_argument("--task-size", type=int, default=256, help="how many built-in prompts")
-    p.add_argument("--warmup-data", default=None, help="JSONL of {'messages': [...]} for the supervised warm-start")
+    p.add_argument(
+        "--warmup-data", default=None, help="JSONL of {'messages': [...]} for the supervised warm-start"
+    )
     p.add_argument("--out", required=True, help="checkpoints, metrics.jsonl and samples go here")
     p.add_argument("--keep-checkpoints", type=int, default=2)
-    p.add_argument("--freeze", action="store_true", help="no RL updates (the warm-start still runs): a baseline")
+    p.add_argument(
+        "--freeze", action="store_true", help="no RL updates (the warm-start still runs): a baseline"
+    )
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save-samples", action="store_true", help="write every trained sample to samples.jsonl")
-    p.add_argument("--eval-interval", type=int, default=None,
-                   help="evaluate before the first step, after every N steps and after the last (slime's flag); "
-                        "needs --eval-prompt-data")
-    p.add_argument("--eval-prompt-data", default=None, help="JSONL of held-out prompts for evaluation episodes")
-    p.add_argument("--n-samples-per-eval-prompt", type=int, default=1, help="evaluation episodes per held-out prompt")
-    p.add_argument("--eval-config", action="append", default=[], metavar="[NAME=]FILE",
-                   help="YAML of the evaluation episodes (default: --config, as set `eval`); repeat for several "
-                        "sets, e.g. one per seat order of a game")
+    p.add_argument(
+        "--eval-interval",
+        type=int,
+        default=None,
+        help="evaluate before the first step, after every N steps and after the last (slime's flag); "
+        "needs --eval-prompt-data",
+    )
+    p.add_argument(
+        "--eval-prompt-data", default=None, help="JSONL of held-out prompts for evaluation episodes"
+    )
+    p.add_argument(
+        "--n-samples-per-eval-prompt", type=int, default=1, help="evaluation episodes per held-out prompt"
+    )
+    p.add_argument(
+        "--eval-config",
+        action="append",
+        default=[],
+        metavar="[NAME=]FILE",
+        help="YAML of the evaluation episodes (default: --config, as set `eval`); repeat for several "
+        "sets, e.g. one per seat order of a game",
+    )
     add_host_arguments(p)
     return p
 
@@ -112,8 +140,15 @@ def token_logprobs(model: Any, ids: Any, attention: Any, temperature: float) -> 
     return torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
 
 
-def ppo_loss(model: Any, ref: Any, samples: list[Any], advantages: list[float], cfg: Any, temperature: float,
-             total_tokens: int) -> tuple[Any, dict[str, float]]:
+def ppo_loss(
+    model: Any,
+    ref: Any,
+    samples: list[Any],
+    advantages: list[float],
+    cfg: Any,
+    temperature: float,
+    total_tokens: int,
+) -> tuple[Any, dict[str, float]]:
     """Sum over the micro-batch of the per-token PPO-clip (+ KL) loss, divided by the step's
     trainable token count, so micro-batches add up to the step's per-token mean."""
     import torch
@@ -127,8 +162,11 @@ def ppo_loss(model: Any, ref: Any, samples: list[Any], advantages: list[float], 
     unclipped = -adv * ratio
     clip = -adv * torch.clamp(ratio, 1 - cfg.eps_clip, 1 + cfg.eps_clip_high)
     per_token = torch.maximum(unclipped, clip)
-    info = {"clipped_tokens": float(((clip > unclipped).float() * mask).sum()), "kl_sum": 0.0,
-            "drift_sum": float(((new.detach() - old).abs() * mask).sum())}
+    info = {
+        "clipped_tokens": float(((clip > unclipped).float() * mask).sum()),
+        "kl_sum": 0.0,
+        "drift_sum": float(((new.detach() - old).abs() * mask).sum()),
+    }
     if ref is not None and cfg.kl_coef:
         with torch.no_grad():
             ref_lp = token_logprobs(ref, ids, attention, temperature)
@@ -149,8 +187,15 @@ def learning_rate(cfg: Any, step: int, total: int) -> float:
     return cfg.lr
 
 
-def ppo_step(model: Any, ref: Any, optimizer: Any, samples: list[Any], advantages: list[float], cfg: Any,
-             temperature: float) -> dict[str, float]:
+def ppo_step(
+    model: Any,
+    ref: Any,
+    optimizer: Any,
+    samples: list[Any],
+    advantages: list[float],
+    cfg: Any,
+    temperature: float,
+) -> dict[str, float]:
     """One optimizer step per PPO epoch over every sample with a trainable token."""
     import torch
 
@@ -165,7 +210,9 @@ def ppo_step(model: Any, ref: Any, optimizer: Any, samples: list[Any], advantage
         loss_value = clipped = kl_sum = drift = 0.0
         for k in range(0, len(batch), cfg.micro_batch_size):
             part = batch[k : k + cfg.micro_batch_size]
-            loss, info = ppo_loss(model, ref, [s for s, _ in part], [a for _, a in part], cfg, temperature, total)
+            loss, info = ppo_loss(
+                model, ref, [s for s, _ in part], [a for _, a in part], cfg, temperature, total
+            )
             loss.backward()
             loss_value += float(loss.detach())
             clipped += info["clipped_tokens"]
@@ -176,8 +223,13 @@ def ppo_step(model: Any, ref: Any, optimizer: Any, samples: list[Any], advantage
         # train/logprob_drift: mean |trainer log-prob - rollout log-prob| of the step's first pass;
         # near 0 when the engine and the trainer agree on the weights and the sampling temperature.
         stats = stats or {"train/logprob_drift": drift / total}
-        stats |= {"train/loss": loss_value, "train/clip_fraction": clipped / total, "train/kl": kl_sum / total,
-                 "train/grad_norm": grad_norm, "train/tokens": float(total)}
+        stats |= {
+            "train/loss": loss_value,
+            "train/clip_fraction": clipped / total,
+            "train/kl": kl_sum / total,
+            "train/grad_norm": grad_norm,
+            "train/tokens": float(total),
+        }
     model.eval()
     return stats
 
@@ -187,7 +239,9 @@ def ppo_step(model: Any, ref: Any, optimizer: Any, samples: list[Any], advantage
 # ----------------------------------------------------------------------------------------------
 
 
-def warm_start(model: Any, tokenizer: Any, path: str, steps: int, lr: float, batch: int, seed: int) -> list[float]:
+def warm_start(
+    model: Any, tokenizer: Any, path: str, steps: int, lr: float, batch: int, seed: int
+) -> list[float]:
     """Cross-entropy on the assistant messages of `path` for `steps` steps; returns the losses."""
     import torch
 
@@ -224,8 +278,9 @@ def warm_start(model: Any, tokenizer: Any, path: str, steps: int, lr: float, bat
 # ----------------------------------------------------------------------------------------------
 
 
-def save_checkpoint(out: Path, step: int, model: Any, tokenizer: Any, optimizer: Any, data_source: Any,
-                    keep: int) -> Path:
+def save_checkpoint(
+    out: Path, step: int, model: Any, tokenizer: Any, optimizer: Any, data_source: Any, keep: int
+) -> Path:
     """out/checkpoints/step_{step:05d}: the weights (from_pretrained layout) and the trainer state."""
     import torch
 
@@ -234,9 +289,13 @@ def save_checkpoint(out: Path, step: int, model: Any, tokenizer: Any, optimizer:
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(str(tmp))
     tokenizer.save_pretrained(str(tmp))
-    state = {"step": step, "optimizer": optimizer.state_dict(), "torch_rng": torch.get_rng_state(),
-             "python_rng": random.getstate(),
-             "data_source": data_source.state_dict() if hasattr(data_source, "state_dict") else None}
+    state = {
+        "step": step,
+        "optimizer": optimizer.state_dict(),
+        "torch_rng": torch.get_rng_state(),
+        "python_rng": random.getstate(),
+        "data_source": data_source.state_dict() if hasattr(data_source, "state_dict") else None,
+    }
     torch.save(state, tmp / "trainer_state.pt")
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)  # a checkpoint directory is complete or absent
@@ -283,13 +342,16 @@ async def _push_weights(engines: list[str], path: Path, version: int, deadline_s
         for url in engines:
             deadline = Deadline(deadline_s)
 
-            async def attempt(_: int, url: str = url) -> dict[str, Any]:
+            async def attempt(_: int, url: str = url, deadline: Deadline = deadline) -> dict[str, Any]:
                 timeout = aiohttp.ClientTimeout(total=max(1.0, deadline.remaining()))
-                async with session.post(url.rstrip("/") + "/update_weights_from_disk", json=body,
-                                        timeout=timeout) as resp:
+                async with session.post(
+                    url.rstrip("/") + "/update_weights_from_disk", json=body, timeout=timeout
+                ) as resp:
                     raw = await resp.read()
                 if resp.status != 200:
-                    raise RuntimeError(f"{url} refused the weights at {path}: HTTP {resp.status} {raw[:200]!r}")
+                    raise RuntimeError(
+                        f"{url} refused the weights at {path}: HTTP {resp.status} {raw[:200]!r}"
+                    )
                 return json.loads(raw or b"{}")
 
             def on_retry(n: int, exc: BaseException, wait: float, url: str = url) -> None:
@@ -297,11 +359,16 @@ async def _push_weights(engines: list[str], path: Path, version: int, deadline_s
 
             try:
                 answer = await retry(
-                    attempt, deadline=deadline, backoff=Backoff(base_s=0.25, max_s=2.0), on_retry=on_retry,
-                    retryable=lambda e: isinstance(e, (aiohttp.ClientConnectionError, asyncio.TimeoutError)))
+                    attempt,
+                    deadline=deadline,
+                    backoff=Backoff(base_s=0.25, max_s=2.0),
+                    on_retry=on_retry,
+                    retryable=lambda e: isinstance(e, (aiohttp.ClientConnectionError, asyncio.TimeoutError)),
+                )
             except RetriesExhausted as exc:
-                raise RuntimeError(f"{url} did not take the weights at {path} within {deadline_s:.0f}s: "
-                                   f"{exc.last}") from None
+                raise RuntimeError(
+                    f"{url} did not take the weights at {path} within {deadline_s:.0f}s: {exc.last}"
+                ) from None
             if not answer.get("success", True):
                 raise RuntimeError(f"{url} refused the weights at {path}: {answer.get('message')}")
 
@@ -383,14 +450,13 @@ def main(argv: list[str] | None = None) -> int:
 
     from mrlx_plugin.core.config import ConfigError
     from mrlx_plugin.core.host import load_function, run_in_host_loop
-    from mrlx_plugin.local.fake_host import host_args, read_prompts
     from mrlx_plugin.core.metrics import log_rollout
+    from mrlx_plugin.local.fake_host import LocalDataSource, host_args, read_prompts
+    from mrlx_plugin.local.model import load_model, load_tokenizer
+    from mrlx_plugin.local.tasks import task_prompts
     from mrlx_plugin.rewards.shaping import normalize
     from mrlx_plugin.rollout import ack_trained_groups
     from mrlx_plugin.runtime import cached_runtime, runtime_for
-    from mrlx_plugin.local.fake_host import LocalDataSource
-    from mrlx_plugin.local.model import load_model, load_tokenizer
-    from mrlx_plugin.local.tasks import task_prompts
 
     out = Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -407,14 +473,20 @@ def main(argv: list[str] | None = None) -> int:
     args.save, args.save_interval, args.async_save = str(out / "checkpoints"), 1, False
     args.num_rollout = ns.num_rollout
     try:
-        cfg = runtime_for(args, tokenizers=ns.rollout_function.endswith("initiator_rollout") or
-                          ns.rollout_function.endswith("default_rollout")).settings.trainer
+        cfg = runtime_for(
+            args,
+            tokenizers=ns.rollout_function.endswith("initiator_rollout")
+            or ns.rollout_function.endswith("default_rollout"),
+        ).settings.trainer
     except ConfigError as exc:
         print(f"trainer: {exc}", file=sys.stderr)
         return 2
     torch.set_num_threads(cfg.threads)
-    prompts = read_prompts(ns.prompt_data, ns.input_key, ns.label_key) if ns.prompt_data else \
-        task_prompts(ns.task, ns.task_size, seed=ns.seed)
+    prompts = (
+        read_prompts(ns.prompt_data, ns.input_key, ns.label_key)
+        if ns.prompt_data
+        else task_prompts(ns.task, ns.task_size, seed=ns.seed)
+    )
     data_source = LocalDataSource(prompts, ns.n_samples_per_prompt, shuffle=True, seed=ns.seed)
     rollout_fn = load_function(ns.rollout_function)
     responder = ns.rollout_function.endswith("responder_rollout")
@@ -424,8 +496,13 @@ def main(argv: list[str] | None = None) -> int:
     checkpoint = latest_checkpoint(out) if ns.resume else None
     model = load_model(checkpoint or ns.model)
     tokenizer = load_tokenizer(checkpoint or ns.model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                  betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
+    optimizer = torch.optim.AdamW(
+        model.parameters(),
+        lr=cfg.lr,
+        weight_decay=cfg.weight_decay,
+        betas=(cfg.adam_beta1, cfg.adam_beta2),
+        eps=cfg.adam_eps,
+    )
     if checkpoint is not None:
         state = torch.load(checkpoint / "trainer_state.pt", weights_only=False)
         optimizer.load_state_dict(state["optimizer"])
@@ -439,12 +516,30 @@ def main(argv: list[str] | None = None) -> int:
         log.info("resumed from %s: continuing at step %d", checkpoint, start)
         push_weights(ns.engine_url, checkpoint, version=start)
     elif ns.warmup_data and cfg.warmup_sft_steps:  # a frozen agent is warm-started too: it is the baseline
-        losses = warm_start(model, tokenizer, ns.warmup_data, cfg.warmup_sft_steps, cfg.warmup_sft_lr,
-                            cfg.micro_batch_size, ns.seed)
-        log.info("warm-start (supervised, output format only): %d steps, loss %.3f -> %.3f",
-                 len(losses), losses[0], losses[-1])
-        _append(out / "metrics.jsonl", {"step": -1, "warm_start/steps": len(losses),
-                                        "warm_start/loss_first": losses[0], "warm_start/loss_last": losses[-1]})
+        losses = warm_start(
+            model,
+            tokenizer,
+            ns.warmup_data,
+            cfg.warmup_sft_steps,
+            cfg.warmup_sft_lr,
+            cfg.micro_batch_size,
+            ns.seed,
+        )
+        log.info(
+            "warm-start (supervised, output format only): %d steps, loss %.3f -> %.3f",
+            len(losses),
+            losses[0],
+            losses[-1],
+        )
+        _append(
+            out / "metrics.jsonl",
+            {
+                "step": -1,
+                "warm_start/steps": len(losses),
+                "warm_start/loss_first": losses[0],
+                "warm_start/loss_last": losses[-1],
+            },
+        )
         model.save_pretrained(str(out / "warm_start"))
         tokenizer.save_pretrained(str(out / "warm_start"))
         push_weights(ns.engine_url, out / "warm_start", version=0)
@@ -456,8 +551,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         eval_sets = evaluation_sets(ns, args)
         if eval_sets and start == 0:  # the starting policy, before any RL step (weight version 0)
-            _append(out / "metrics.jsonl", {"step": -1, "eval/before_training": True,
-                                            **evaluate(eval_sets, rollout_fn, 0)})
+            _append(
+                out / "metrics.jsonl",
+                {"step": -1, "eval/before_training": True, **evaluate(eval_sets, rollout_fn, 0)},
+            )
         for rollout_id in range(start, ns.num_rollout):
             t0 = time.monotonic()
             output = rollout_fn(args, rollout_id, data_source, evaluation=False)
@@ -470,26 +567,47 @@ def main(argv: list[str] | None = None) -> int:
             t1 = time.monotonic()
             for group in optimizer.param_groups:
                 group["lr"] = learning_rate(cfg, rollout_id, ns.num_rollout)
-            train = {"train/frozen": 1.0} if ns.freeze else ppo_step(model, ref, optimizer, samples, advantages, cfg,
-                                                                     args.rollout_temperature)
+            train = (
+                {"train/frozen": 1.0}
+                if ns.freeze
+                else ppo_step(model, ref, optimizer, samples, advantages, cfg, args.rollout_temperature)
+            )
             if ns.save_samples:  # before the checkpoint: a resumed run drops the rows of an unsaved step
                 with (out / "samples.jsonl").open("a") as f:
                     for s, adv in zip(samples, advantages):
-                        f.write(json.dumps({"step": rollout_id, "advantage": adv, **s.to_dict()}, default=str) + "\n")
-            checkpoint = save_checkpoint(out, rollout_id, model, tokenizer, optimizer, data_source, ns.keep_checkpoints)
+                        f.write(
+                            json.dumps({"step": rollout_id, "advantage": adv, **s.to_dict()}, default=str)
+                            + "\n"
+                        )
+            checkpoint = save_checkpoint(
+                out, rollout_id, model, tokenizer, optimizer, data_source, ns.keep_checkpoints
+            )
             if responder:  # trained and saved (the checkpoint holds the step): never trained again
                 ack_trained_groups(args, rollout_id)
             push_weights(ns.engine_url, checkpoint, version=rollout_id + 1)
-            row = {"step": rollout_id, "samples": len(samples), "rollout_s": rollout_s,
-                   "train_s": time.monotonic() - t1, "raw_reward_mean": sum(raw) / max(1, len(raw)),
-                   "engine/weight_versions": [engine_version(url) for url in ns.engine_url], **metrics, **train}
+            row = {
+                "step": rollout_id,
+                "samples": len(samples),
+                "rollout_s": rollout_s,
+                "train_s": time.monotonic() - t1,
+                "raw_reward_mean": sum(raw) / max(1, len(raw)),
+                "engine/weight_versions": [engine_version(url) for url in ns.engine_url],
+                **metrics,
+                **train,
+            }
             if resumed_from and rollout_id == start:
                 row["resumed_from"] = resumed_from
             if eval_sets and ((rollout_id + 1) % ns.eval_interval == 0 or rollout_id + 1 == ns.num_rollout):
                 row |= evaluate(eval_sets, rollout_fn, rollout_id + 1)  # the weights this step made
             _append(out / "metrics.jsonl", row)
-            log.info("step %d: %d samples, reward %.3f, rollout %.1fs, train %.1fs", rollout_id, len(samples),
-                     row["raw_reward_mean"], rollout_s, row["train_s"])
+            log.info(
+                "step %d: %d samples, reward %.3f, rollout %.1fs, train %.1fs",
+                rollout_id,
+                len(samples),
+                row["raw_reward_mean"],
+                rollout_s,
+                row["train_s"],
+            )
     except ConfigError as exc:  # a setting found wrong at the first step (say, the coordinator's queue)
         print(f"trainer: {exc}", file=sys.stderr)
         return 2
@@ -504,7 +622,11 @@ def main(argv: list[str] | None = None) -> int:
 def _drop_rows_from(path: Path, step: int) -> None:
     if not path.exists():
         return
-    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line).get("step", -1) < step]
+    keep = [
+        line
+        for line in path.read_text().splitlines()
+        if line.strip() and json.loads(line).get("step", -1) < step
+    ]
     tmp = path.with_suffix(".tmp")
     tmp.write_text("".join(line + "\n" for line in keep))
     os.replace(tmp, path)

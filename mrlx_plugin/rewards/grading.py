@@ -209,7 +209,9 @@ class MathVerifier:
             fut = asyncio.get_running_loop().create_future()
             self._pending[req_id] = fut
             assert proc.stdin is not None
-            proc.stdin.write((json.dumps({"id": req_id, "label": label, "response": response}) + "\n").encode())
+            proc.stdin.write(
+                (json.dumps({"id": req_id, "label": label, "response": response}) + "\n").encode()
+            )
             try:
                 await proc.stdin.drain()
                 ok = await asyncio.wait_for(fut, self.timeout_s)

@@ -20,12 +20,13 @@ from typing import Any
 import numpy as np
 
 from mrlx_plugin.core.config import PipelineSettings
-from mrlx_plugin.rewards.grading import MathVerifier, grade_math
 from mrlx_plugin.core.host import HOST, HOST_PROCESS, Status, host_reward
 from mrlx_plugin.core.transcript import strip_reasoning
+from mrlx_plugin.rewards.grading import MathVerifier, grade_math
 
 GRPO_FAMILY = ("grpo", "gspo", "cispo", "reinforce_plus_plus_baseline")
 STD_NORMALIZED = ("grpo", "gspo", "cispo")
+
 
 def math_verifier(args: Any) -> MathVerifier:
     """The math-verify worker of the host's `args`: one per rollout process, shared by the
@@ -58,8 +59,10 @@ async def _reward_one(args: Any, sample: Any) -> Any:
     if HOST is not None and rm_type:
         value = await host_reward(_WithoutCustomRm(args), sample)
         if isinstance(value, (int, float)) and not math.isfinite(value):
-            raise ValueError(f"the host's grader (--rm-type {rm_type}) gave {value!r} for sample "
-                             f"{sample.index}; rewards must be finite numbers")
+            raise ValueError(
+                f"the host's grader (--rm-type {rm_type}) gave {value!r} for sample "
+                f"{sample.index}; rewards must be finite numbers"
+            )
         return value
     return await grade_math(strip_reasoning(sample.response or ""), sample.label, math_verifier(args))
 
@@ -99,8 +102,11 @@ def _reward_value(sample: Any, reward_key: str | None) -> float:
         # Every reward mrlx makes is checked where it is made; one that is not finite here came
         # from elsewhere, and a 0.0 in its place would train on a reward nobody computed.
         meta = (sample.metadata or {}).get("mrlx") or {}
-        who = (f" (agent {meta.get('agent')!r}, episode {meta.get('episode_id')!r})" if meta
-               else " (not an mrlx sample: the host's own grader or generate function made it)")
+        who = (
+            f" (agent {meta.get('agent')!r}, episode {meta.get('episode_id')!r})"
+            if meta
+            else " (not an mrlx sample: the host's own grader or generate function made it)"
+        )
         raise ValueError(f"sample {sample.index}{who} has reward {value!r}; rewards must be finite numbers")
     return number
 
@@ -181,7 +187,9 @@ def team_weighting(raw: float, team_reward: float | None, p: PipelineSettings) -
     return raw
 
 
-def coupling_matrix(kind: str, agents: list[str], custom: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+def coupling_matrix(
+    kind: str, agents: list[str], custom: dict[str, dict[str, float]]
+) -> dict[str, dict[str, float]]:
     """How each agent's trained reward mixes every agent's own reward: r'_i = sum_j C[i][j] r_j.
 
     independent: C = I. cooperative: everyone gets the team mean. zero_sum: r_i minus the mean

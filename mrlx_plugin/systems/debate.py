@@ -44,8 +44,9 @@ from mrlx_plugin.systems.quoting import quote
 SIDES = ("A", "B")
 # The whole last line, nothing else on it (bold, brackets, "Debater" and a final period
 # allowed): words such as "no clear winner: a draw." name no side.
-_VERDICT = re.compile(r"\**\s*winner\s*:\s*\**\s*\[?\s*(?:debater\s+)?([ab])\s*\]?\s*\.?\s*\**",
-                      re.IGNORECASE)
+_VERDICT = re.compile(
+    r"\**\s*winner\s*:\s*\**\s*\[?\s*(?:debater\s+)?([ab])\s*\]?\s*\.?\s*\**", re.IGNORECASE
+)
 
 
 def debater_prompt(problem: str, side: str, rounds: int) -> str:
@@ -113,7 +114,9 @@ def make_debate(prompts: DebatePrompts = DebatePrompts()):
             t = views.get(side)
             if t is None:
                 opening = {"role": "user", "content": prompts.debater(episode.problem, side, d.rounds)}
-                t = views[side] = episode.new_transcript(debaters[side], [opening] + unread[side], f"debater-{side}")
+                t = views[side] = episode.new_transcript(
+                    debaters[side], [opening] + unread[side], f"debater-{side}"
+                )
             elif not t.append_messages(unread[side]):
                 episode.metadata["stopped_by"] = f"context full ({debaters[side]})"
                 break
@@ -131,14 +134,24 @@ def make_debate(prompts: DebatePrompts = DebatePrompts()):
 
         # Every speech in the judge's one message, each cut (keeping its end) if they would not fit.
         sides = [side for side, _ in speeches]
-        message = fit_solutions(episode, judge, lambda texts: prompts.judge(episode.problem, list(zip(sides, texts))),
-                                [text for _, text in speeches], None)
+        message = fit_solutions(
+            episode,
+            judge,
+            lambda texts: prompts.judge(episode.problem, list(zip(sides, texts))),
+            [text for _, text in speeches],
+            None,
+        )
         judge_t = episode.new_transcript(judge, [{"role": "user", "content": message}], "judge")
         await episode.generate(judge_t)
         answer = judge_t.answer_text
         winner = parse_verdict(answer)
-        episode.metadata.update(winner=debaters.get(winner), winner_side=winner, verdict=final_line(answer),
-                                invalid_verdict=winner is None, judge_answer=answer[-300:])
+        episode.metadata.update(
+            winner=debaters.get(winner),
+            winner_side=winner,
+            verdict=final_line(answer),
+            invalid_verdict=winner is None,
+            judge_answer=answer[-300:],
+        )
         for side, t in views.items():
             outcome = 0.0 if winner is None else d.win_reward if side == winner else d.lose_reward
             setting = "mrlx.debate." + ("win_reward" if side == winner else "lose_reward")

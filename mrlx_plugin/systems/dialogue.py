@@ -40,8 +40,11 @@ def opening(episode: Episode, agent: str) -> dict[str, str]:
         return {"role": "user", "content": episode.problem}
     metadata = dict(getattr(episode.sample, "metadata", None) or {})
     try:
-        text = template.format(problem=episode.problem, label=episode.label if episode.label is not None else "",
-                               metadata=metadata)
+        text = template.format(
+            problem=episode.problem,
+            label=episode.label if episode.label is not None else "",
+            metadata=metadata,
+        )
     except KeyError as exc:
         raise ValueError(
             f"mrlx.dialogue.openings.{agent}: input sample {episode.sample.index} has no metadata key {exc} "
@@ -65,8 +68,9 @@ async def run_dialogue(episode: Episode) -> None:
                 # The history has outgrown this agent's context before it spoke: the turns so far
                 # stand, its samples are ABORTED fillers counted as over the context. (On the first
                 # turn there is nothing to keep: new_transcript aborts the episode.)
-                episode.over_context(f"the history is past the context limit of {agent!r} before its first "
-                                     "turn")
+                episode.over_context(
+                    f"the history is past the context limit of {agent!r} before its first turn"
+                )
                 episode.metadata["stopped_by"] = f"context full ({agent})"
                 break
             t = views[agent] = episode.new_transcript(agent, messages)

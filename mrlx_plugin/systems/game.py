@@ -28,11 +28,11 @@ frozen pool member found down (nothing accepts a connection at its URL) ends its
 once for `POOL_DOWN_S`, recorded as `opponent_down`, instead of waiting `engine.peer_deadline_s`.
 
 `episode.metadata` (read by the `game/` metrics): `game`, `seats` (their names), `players` (who
-played each seat), `first_seat` (the seat whose result the episode reports: `first_agent_seat`), `opponent` (who played the
-other seat(s) against it), `winner` (a seat name, or None for a draw), `outcome` (per seat),
-`moves`, `illegal_move` (the seat, when one was), `stopped_by` (`max_turns` or
-`context full (SEAT)`, when the game was cut short: a draw, every seat 0), `opponent_down` (the
-pool member that was down, in an episode that ended for it).
+played each seat), `first_seat` (the seat whose result the episode reports: `first_agent_seat`),
+`opponent` (who played the other seat(s) against it), `winner` (a seat name, or None for a
+draw), `outcome` (per seat), `moves`, `illegal_move` (the seat, when one was), `stopped_by`
+(`max_turns` or `context full (SEAT)`, when the game was cut short: a draw, every seat 0),
+`opponent_down` (the pool member that was down, in an episode that ended for it).
 
 Evaluation (`mrlx rollout --evaluation`): the final transcript is the first seat's, and
 `team_reward` its outcome, so an evaluation's mean reward is that seat's mean result.
@@ -167,8 +167,10 @@ def _registry(runtime: Any) -> tuple[dict[str, Any], dict[str, str]]:
             results = call()
             for name, game in ((results[0] if results else None) or {}).items():
                 if name in games and games[name] is not game:
-                    raise ConfigError(f"{runtime.source}: game {name!r} is registered twice: by "
-                                      f"{owners[name]} and by {plugin}")
+                    raise ConfigError(
+                        f"{runtime.source}: game {name!r} is registered twice: by "
+                        f"{owners[name]} and by {plugin}"
+                    )
                 games[name] = game
                 owners.setdefault(name, plugin)
         found = _REGISTRIES[runtime] = (games, owners)
@@ -180,8 +182,10 @@ def the_game(runtime: Any) -> Any:
     g = runtime.settings.game
     games = registered_games(runtime)
     if g.name not in games:
-        raise ConfigError(f"{runtime.source}: mrlx.game.name: no game named {g.name!r} is registered (known: "
-                          f"{', '.join(sorted(games))}); list the module that registers it under mrlx.plugins")
+        raise ConfigError(
+            f"{runtime.source}: mrlx.game.name: no game named {g.name!r} is registered (known: "
+            f"{', '.join(sorted(games))}); list the module that registers it under mrlx.plugins"
+        )
     check_players(games[g.name], runtime.settings, runtime.source)
     return games[g.name]
 
@@ -191,13 +195,19 @@ def check_players(game: Any, settings: Any, source: str) -> None:
     g, where = settings.game, f"{source}: " if source else ""
     seats = seat_players(settings)
     if len(seats) != len(game.seats):
-        raise ConfigError(f"{where}mrlx.game.seats: game {g.name!r} has {len(game.seats)} seat(s) "
-                          f"({', '.join(game.seats)}); got {len(seats)} player(s) {seats}: list one per seat")
-    for key, who in [*((f"seats[{i}]", w) for i, w in enumerate(seats)),
-                     *((f"opponents[{i}]", w) for i, w in enumerate(g.opponents))]:
-        if is_script(who) and who[len(SCRIPT_PREFIX):] not in game.scripts:
-            raise ConfigError(f"{where}mrlx.game.{key}: game {g.name!r} has no scripted player {who!r} "
-                              f"(it has: {', '.join(SCRIPT_PREFIX + s for s in game.scripts)})")
+        raise ConfigError(
+            f"{where}mrlx.game.seats: game {g.name!r} has {len(game.seats)} seat(s) "
+            f"({', '.join(game.seats)}); got {len(seats)} player(s) {seats}: list one per seat"
+        )
+    for key, who in [
+        *((f"seats[{i}]", w) for i, w in enumerate(seats)),
+        *((f"opponents[{i}]", w) for i, w in enumerate(g.opponents)),
+    ]:
+        if is_script(who) and who[len(SCRIPT_PREFIX) :] not in game.scripts:
+            raise ConfigError(
+                f"{where}mrlx.game.{key}: game {g.name!r} has no scripted player {who!r} "
+                f"(it has: {', '.join(SCRIPT_PREFIX + s for s in game.scripts)})"
+            )
 
 
 def seat_players(settings: Any) -> list[str]:
@@ -224,8 +234,11 @@ def first_agent_seat(players: list[str], settings: Any) -> int | None:
     the agent this job trains (`mrlx.self`), else the first trainable agent's, else the first
     agent's; None when scripts play every seat."""
     seats = [i for i, who in enumerate(players) if not is_script(who)]
-    for wanted in (lambda a: a == settings.self_agent, lambda a: bool(settings.agents[a].trainable),
-                   lambda a: True):
+    for wanted in (
+        lambda a: a == settings.self_agent,
+        lambda a: bool(settings.agents[a].trainable),
+        lambda a: True,
+    ):
         for i in seats:
             if wanted(players[i]):
                 return i
@@ -239,8 +252,9 @@ def is_script(player: str) -> bool:
 # --- one episode ----------------------------------------------------------------------------
 
 
-def judge_move(game: Any, state: Any, seat: int, text: str, penalty: float,
-               producer: str = "the game") -> tuple[Any, Any, float, float]:
+def judge_move(
+    game: Any, state: Any, seat: int, text: str, penalty: float, producer: str = "the game"
+) -> tuple[Any, Any, float, float]:
     """(move, next state, own reward, score) of an answer. The own reward is the move's
     (`move_reward`); the score adds the seat's outcome when the move ends the game. An answer
     that makes no legal move: (None, None, 0.0, penalty), the penalty being its outcome.
@@ -251,19 +265,27 @@ def judge_move(game: Any, state: Any, seat: int, text: str, penalty: float,
     if move is None:
         return None, None, 0.0, finite_reward(penalty, "the setting mrlx.game.illegal_penalty")
     after = game.play(state, seat, move)
-    own = finite_reward(game.move_reward(state, seat, move, after),
-                        f"{producer}: move_reward of seat {game.seats[seat]}'s move {move!r}")
+    own = finite_reward(
+        game.move_reward(state, seat, move, after),
+        f"{producer}: move_reward of seat {game.seats[seat]}'s move {move!r}",
+    )
     if game.to_move(after) is not None:
         return move, after, own, own
     score = own + game_outcome(game, after, producer)[seat]
-    return move, after, own, finite_reward(score, f"{producer}: move_reward plus outcome of seat "
-                                                  f"{game.seats[seat]}")
+    return (
+        move,
+        after,
+        own,
+        finite_reward(score, f"{producer}: move_reward plus outcome of seat {game.seats[seat]}"),
+    )
 
 
 def game_outcome(game: Any, state: Any, producer: str = "the game") -> list[float]:
     """`game.outcome(state)` as floats, each a finite number (else RewardError naming `producer`)."""
-    return [finite_reward(x, f"{producer}: outcome of seat {game.seats[i] if i < len(game.seats) else i}")
-            for i, x in enumerate(game.outcome(state))]
+    return [
+        finite_reward(x, f"{producer}: outcome of seat {game.seats[i] if i < len(game.seats) else i}")
+        for i, x in enumerate(game.outcome(state))
+    ]
 
 
 def winner_of(outcome: list[float], names: tuple[str, ...]) -> str | None:
@@ -278,10 +300,16 @@ class _Stop(Exception):
     """The game cannot go on (a seat's transcript is full); the outcome is a draw."""
 
 
-async def _agent_move(episode: Episode, game: Any, views: dict[int, Transcript], player: str, seat: int,
-                      state: Any, text: str,
-                      on_fault: Callable[[EngineError], Awaitable[str | None]] | None = None
-                      ) -> tuple[Any, Any]:
+async def _agent_move(
+    episode: Episode,
+    game: Any,
+    views: dict[int, Transcript],
+    player: str,
+    seat: int,
+    state: Any,
+    text: str,
+    on_fault: Callable[[EngineError], Awaitable[str | None]] | None = None,
+) -> tuple[Any, Any]:
     """One model turn of `player` in `seat`, shown `text`: (move, next state), move None if illegal."""
     name, penalty = game.seats[seat], episode.settings.game.illegal_penalty
     producer = game_producer(episode.runtime, episode.settings.game.name)
@@ -311,15 +339,24 @@ async def run_game(episode: Episode) -> None:
     g = episode.settings.game
     game = the_game(episode.runtime)
     names = tuple(game.seats)
-    players = [pool_draw(pool_key(episode), g.opponents, i) if who == POOL_SEAT else who
-               for i, who in enumerate(seat_players(episode.settings))]
+    players = [
+        pool_draw(pool_key(episode), g.opponents, i) if who == POOL_SEAT else who
+        for i, who in enumerate(seat_players(episode.settings))
+    ]
     first = first_agent_seat(players, episode.settings)
     others = [who for i, who in enumerate(players) if i != first]
-    episode.metadata.update(game=g.name, seats=list(names), players=players,
-                            first_seat=None if first is None else names[first],
-                            opponent=" + ".join(others) if first is not None and others else None)
-    watched = {i: _watch_member(episode, players[i]) for i, who in enumerate(seat_players(episode.settings))
-               if who == POOL_SEAT and _frozen_agent(episode.settings, players[i])}
+    episode.metadata.update(
+        game=g.name,
+        seats=list(names),
+        players=players,
+        first_seat=None if first is None else names[first],
+        opponent=" + ".join(others) if first is not None and others else None,
+    )
+    watched = {
+        i: _watch_member(episode, players[i])
+        for i, who in enumerate(seat_players(episode.settings))
+        if who == POOL_SEAT and _frozen_agent(episode.settings, players[i])
+    }
     for i in watched:
         _check_member(episode, players[i])  # a member known to be down: no move is made at all
     rng = random.Random(zlib.crc32(episode.id.encode()))
@@ -334,11 +371,13 @@ async def run_game(episode: Episode) -> None:
             episode.metadata["stopped_by"] = "max_turns"
             break
         if made[seat] >= bound.get(seat, 0):
-            raise RuntimeError(f"game {g.name!r}: seat {names[seat]} is to make move {made[seat] + 1}, more than "
-                               f"its max_moves ({bound.get(seat, 0)}); fix the game's max_moves")
+            raise RuntimeError(
+                f"game {g.name!r}: seat {names[seat]} is to make move {made[seat] + 1}, more than "
+                f"its max_moves ({bound.get(seat, 0)}); fix the game's max_moves"
+            )
         player = players[seat]
         if is_script(player):
-            move = game.scripted_move(state, seat, player[len(SCRIPT_PREFIX):], rng)
+            move = game.scripted_move(state, seat, player[len(SCRIPT_PREFIX) :], rng)
             after = game.play(state, seat, move)
             made[seat] += 1
         else:
@@ -347,8 +386,9 @@ async def run_game(episode: Episode) -> None:
             text = " ".join([*unread[seat], game.observation(state, seat)])
             unread[seat] = []
             try:
-                move, after = await _agent_move(episode, game, views, player, seat, state, text,
-                                                watched.get(seat))
+                move, after = await _agent_move(
+                    episode, game, views, player, seat, state, text, watched.get(seat)
+                )
             except _Stop as stop:
                 episode.metadata["stopped_by"] = str(stop)
                 break
@@ -399,8 +439,10 @@ def _member_down(episode: Episode, player: str) -> str | None:
 
 def _down_reason(episode: Episode, player: str, why: str) -> str:
     episode.metadata["opponent_down"] = player
-    return (f"opponent-pool member {player!r} is down ({why}); the episodes that draw it end at once for "
-            f"{POOL_DOWN_S:g} s after it was found down, instead of waiting engine.peer_deadline_s")
+    return (
+        f"opponent-pool member {player!r} is down ({why}); the episodes that draw it end at once for "
+        f"{POOL_DOWN_S:g} s after it was found down, instead of waiting engine.peer_deadline_s"
+    )
 
 
 def _check_member(episode: Episode, player: str) -> None:
@@ -430,6 +472,7 @@ def _watch_member(episode: Episode, player: str) -> Callable[[EngineError], Awai
     """The `on_fault` of pool member `player`'s turns: on an engine fault (its client's retries
     spent), probe its address; nothing listening marks it down (`POOL_DOWN_S`) and ends the
     episode at once. An engine that accepts connections but fails is waited for as before."""
+
     async def on_fault(error: EngineError) -> str | None:
         why = _member_down(episode, player)
         if why is None:
@@ -437,8 +480,14 @@ def _watch_member(episode: Episode, player: str) -> Callable[[EngineError], Awai
             if why is None:
                 return None
             _DOWN.setdefault(episode.runtime, {})[player] = (time.monotonic() + POOL_DOWN_S, why)
-            logger.warning("opponent-pool member %r is down (%s; the last call: %s): the episodes that draw "
-                           "it end at once for the next %g s", player, why, error, POOL_DOWN_S)
+            logger.warning(
+                "opponent-pool member %r is down (%s; the last call: %s): the episodes that draw "
+                "it end at once for the next %g s",
+                player,
+                why,
+                error,
+                POOL_DOWN_S,
+            )
         return _down_reason(episode, player, why)
 
     return on_fault
@@ -483,8 +532,10 @@ def game_turns(settings: Any) -> dict[str, int]:
     (this runs before any episode): its bound is `max_turns`."""
     g, game = settings.game, _built_in(settings)
     bound = game.max_moves(dict(g.options)) if game is not None else {}
-    return {agent: max((min(bound.get(i, g.max_turns), g.max_turns) for i in seats), default=1)
-            for agent, seats in _seats_of(settings).items()}
+    return {
+        agent: max((min(bound.get(i, g.max_turns), g.max_turns) for i in seats), default=1)
+        for agent, seats in _seats_of(settings).items()
+    }
 
 
 run_game.fan_out = game_fan_out  # type: ignore[attr-defined]

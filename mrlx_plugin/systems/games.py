@@ -54,8 +54,10 @@ def game_options(game: str, options: dict[str, Any], defaults: dict[str, int]) -
     unknown = sorted(set(options) - set(defaults))
     if unknown:
         known = ", ".join(defaults) or "none"
-        raise ValueError(f"mrlx.game.options: {', '.join(map(repr, unknown))} is no option of {game} (its options: "
-                         f"{known})")
+        raise ValueError(
+            f"mrlx.game.options: {', '.join(map(repr, unknown))} is no option of {game} (its options: "
+            f"{known})"
+        )
     out = {**defaults, **options}
     for key, value in out.items():
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -84,13 +86,17 @@ class Nim:
         o = game_options("nim", options, self.option_defaults)
         found = re.search(r"(\d+)\s+stones?\b", problem)
         if found is None:
-            raise ValueError(f"nim: the prompt {problem[:80]!r} gives no number of stones; write prompts like "
-                             "'Nim: 7 stones' (mrlx_plugin.local.tasks.nim_prompts)")
+            raise ValueError(
+                f"nim: the prompt {problem[:80]!r} gives no number of stones; write prompts like "
+                "'Nim: 7 stones' (mrlx_plugin.local.tasks.nim_prompts)"
+            )
         stones = int(found.group(1))
         if not 1 <= stones <= o["max_stones"]:
-            raise ValueError(f"nim: the prompt {problem[:80]!r} has {stones} stones; mrlx.game.options.max_stones "
-                             f"is {o['max_stones']} (it bounds the moves per seat, so the samples per episode): "
-                             "raise it, or use prompts with 1 to max_stones stones")
+            raise ValueError(
+                f"nim: the prompt {problem[:80]!r} has {stones} stones; mrlx.game.options.max_stones "
+                f"is {o['max_stones']} (it bounds the moves per seat, so the samples per episode): "
+                "raise it, or use prompts with 1 to max_stones stones"
+            )
         return NimState(stones, o["max_take"])
 
     def to_move(self, state: NimState) -> int | None:
@@ -177,8 +183,10 @@ class KuhnPoker:
         if deal is None:
             return KuhnState(tuple(rng.sample(CARDS, 2)))  # type: ignore[arg-type]
         if deal.group(1) == deal.group(2):
-            raise ValueError(f"kuhn_poker: the prompt {problem[:80]!r} deals one card twice; the deck has one each "
-                             "of J, Q and K")
+            raise ValueError(
+                f"kuhn_poker: the prompt {problem[:80]!r} deals one card twice; the deck has one each "
+                "of J, Q and K"
+            )
         return KuhnState((deal.group(1), deal.group(2)))
 
     def to_move(self, state: KuhnState) -> int | None:
@@ -196,8 +204,10 @@ class KuhnPoker:
         answer = f"Answer \\boxed{{{moves[0]}}} or \\boxed{{{moves[1]}}}."
         if len(state.history) >= 2:  # the first seat's second move: it has read the rules
             return f"{question} {answer}"
-        return ("Kuhn poker: the deck is J, Q and K (K is highest); each player antes 1 chip and gets one card. "
-                f"You are the {self.seats[seat]} player. Your card: {state.cards[seat]}. {question} {answer}")
+        return (
+            "Kuhn poker: the deck is J, Q and K (K is highest); each player antes 1 chip and gets one card. "
+            f"You are the {self.seats[seat]} player. Your card: {state.cards[seat]}. {question} {answer}"
+        )
 
     def play(self, state: KuhnState, seat: int, move: str) -> KuhnState:
         return KuhnState(state.cards, state.history + (move,))
@@ -254,12 +264,16 @@ class Chain:
         o = game_options("chain", options, self.option_defaults)
         parts = re.findall(r"[-+*]?\d+", problem.partition(":")[2] if ":" in problem else problem)
         if len(parts) < 2 or not parts[0].isdigit() or any(p[0] not in "+-*" for p in parts[1:]):
-            raise ValueError(f"chain: the prompt {problem[:80]!r} is no chain; write prompts like 'Chain: 2 +3 -1' "
-                             "(a start value, then operations; mrlx_plugin.local.tasks.chain_prompts)")
+            raise ValueError(
+                f"chain: the prompt {problem[:80]!r} is no chain; write prompts like 'Chain: 2 +3 -1' "
+                "(a start value, then operations; mrlx_plugin.local.tasks.chain_prompts)"
+            )
         steps = tuple(parts[1:])
         if len(steps) > o["max_steps"]:
-            raise ValueError(f"chain: the prompt {problem[:80]!r} has {len(steps)} steps; mrlx.game.options.max_steps "
-                             f"is {o['max_steps']} (it bounds the turns, so the samples per episode): raise it")
+            raise ValueError(
+                f"chain: the prompt {problem[:80]!r} has {len(steps)} steps; mrlx.game.options.max_steps "
+                f"is {o['max_steps']} (it bounds the turns, so the samples per episode): raise it"
+            )
         return ChainState(int(parts[0]), steps)
 
     def to_move(self, state: ChainState) -> int | None:

@@ -88,7 +88,9 @@ def parse_judgment(text: str, n: int) -> int | None:
     return idx if 0 <= idx < n else None
 
 
-def fit_solutions(episode: Episode, agent: str, build: Callable[[list[str]], str], solutions: list[str], cap: int | None) -> str:
+def fit_solutions(
+    episode: Episode, agent: str, build: Callable[[list[str]], str], solutions: list[str], cap: int | None
+) -> str:
     """The prompt built from `solutions`, with each solution cut (keeping its end, where the answer
     is) so that the prompt leaves room to answer within the host's context limit."""
     tok = episode.runtime.tokenizers[agent]
@@ -138,7 +140,9 @@ def make_pipeline(prompts: PipelinePrompts = PipelinePrompts()):
             await episode.grade(t)
 
         solvers = [
-            episode.new_transcript("solver", [{"role": "user", "content": prompts.solver(problem)}], f"solver-{i}")
+            episode.new_transcript(
+                "solver", [{"role": "user", "content": prompts.solver(problem)}], f"solver-{i}"
+            )
             for i in range(p.num_parallel)
         ]
         await episode.gather(*(answer(t) for t in solvers))
@@ -162,10 +166,15 @@ def make_pipeline(prompts: PipelinePrompts = PipelinePrompts()):
             return
 
         select_prompt = fit_solutions(
-            episode, "selector", lambda s: prompts.selector(problem, s), [t.answer_text for t in rewrites],
+            episode,
+            "selector",
+            lambda s: prompts.selector(problem, s),
+            [t.answer_text for t in rewrites],
             p.max_solution_tokens,
         )
-        selector = episode.new_transcript("selector", [{"role": "user", "content": select_prompt}], "selector")
+        selector = episode.new_transcript(
+            "selector", [{"role": "user", "content": select_prompt}], "selector"
+        )
         await episode.generate(selector)
         choice = parse_judgment(selector.answer_text, len(rewrites))
         if choice is None:

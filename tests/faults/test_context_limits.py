@@ -55,7 +55,8 @@ def _check_within(out: list, limit: int = CTX) -> None:
     for s in out:
         assert len(s.tokens) <= limit, (
             f"a {s.status.value} sample of agent {s.metadata['mrlx']['agent']!r} holds {len(s.tokens)} "
-            f"tokens, past the context of {limit}")
+            f"tokens, past the context of {limit}"
+        )
         assert len(s.loss_mask) == len(s.rollout_log_probs) == s.response_length >= 1
 
 
@@ -66,14 +67,20 @@ def _check_over_context(out: list) -> None:
 
 
 def _dialogue(credit: str) -> dict:
-    return {"run_id": "ctx", "system": "dialogue",
-            "agents": {a: {"url": "self"} for a in ("asker", "answerer")},
-            "dialogue": {"max_turns": 4}, "rewards": {"credit": credit}, "engine": ENGINE}
+    return {
+        "run_id": "ctx",
+        "system": "dialogue",
+        "agents": {a: {"url": "self"} for a in ("asker", "answerer")},
+        "dialogue": {"max_turns": 4},
+        "rewards": {"credit": credit},
+        "engine": ENGINE,
+    }
 
 
 @pytest.mark.parametrize("credit", ["episode", "turn"])
 def test_a_dialogue_whose_prompt_is_past_the_context_is_aborted_before_any_engine_call(
-        credit, stub_engine, tiny_model_dir):
+    credit, stub_engine, tiny_model_dir
+):
     long_out, short_out = _run(stub_engine, tiny_model_dir, _dialogue(credit), [LONG, "What is 40 + 2?"])
     assert len(long_out) == len(short_out) == (2 if credit == "episode" else 4)  # the step keeps its count
     for out in (long_out, short_out):
@@ -90,8 +97,11 @@ def test_a_dialogue_whose_prompt_is_past_the_context_is_aborted_before_any_engin
 def test_a_dialogue_stops_when_its_history_outgrows_the_context(credit, logs_dir, tiny_model_dir, request):
     # The asker's answer is 200 tokens. The answerer's opening (about 400 tokens) fits the context
     # alone, but with the asker's answer after it leaves no room for a turn.
-    stub = start_stub_engine(log_dir=logs_dir, name=f"stub-ctx-{request.node.name[:30]}",
-                             extra=["--response-tokens", "200", "--text", LONG[:600]])
+    stub = start_stub_engine(
+        log_dir=logs_dir,
+        name=f"stub-ctx-{request.node.name[:30]}",
+        extra=["--response-tokens", "200", "--text", LONG[:600]],
+    )
     try:
         mrlx = _dialogue(credit)
         mrlx["dialogue"]["openings"] = {"answerer": "{problem}\n" + "\n".join(LONG.splitlines()[:17])}
@@ -112,8 +122,13 @@ def test_a_dialogue_stops_when_its_history_outgrows_the_context(credit, logs_dir
 
 @pytest.mark.parametrize("credit", ["episode", "turn"])
 def test_a_pipeline_whose_problem_is_past_the_context_is_aborted(credit, stub_engine, tiny_model_dir):
-    mrlx = {"run_id": "ctx", "system": "pipeline", "pipeline": {"num_parallel": 2},
-            "rewards": {"credit": credit}, "engine": ENGINE}
+    mrlx = {
+        "run_id": "ctx",
+        "system": "pipeline",
+        "pipeline": {"num_parallel": 2},
+        "rewards": {"credit": credit},
+        "engine": ENGINE,
+    }
     long_out, short_out = _run(stub_engine, tiny_model_dir, mrlx, [LONG, "What is 40 + 2?"])
     assert len(long_out) == len(short_out) == 5
     for out in (long_out, short_out):
@@ -126,9 +141,14 @@ def test_a_pipeline_whose_problem_is_past_the_context_is_aborted(credit, stub_en
 
 @pytest.mark.parametrize("credit", ["episode", "turn"])
 def test_a_game_with_a_system_prompt_past_the_context_is_aborted(credit, stub_engine, tiny_model_dir):
-    mrlx = {"run_id": "ctx", "system": "game", "agents": {"p": {"url": "self", "system_prompt": LONG}},
-            "game": {"name": "nim", "seats": ["p", "p"], "options": {"max_stones": 5}},
-            "rewards": {"credit": credit}, "engine": ENGINE}
+    mrlx = {
+        "run_id": "ctx",
+        "system": "game",
+        "agents": {"p": {"url": "self", "system_prompt": LONG}},
+        "game": {"name": "nim", "seats": ["p", "p"], "options": {"max_stones": 5}},
+        "rewards": {"credit": credit},
+        "engine": ENGINE,
+    }
     [out] = _run(stub_engine, tiny_model_dir, mrlx, ["Nim: 5 stones"])
     assert len(out) == (2 if credit == "episode" else 6)
     _check_within(out)
@@ -139,8 +159,15 @@ def test_a_game_with_a_system_prompt_past_the_context_is_aborted(credit, stub_en
 
 def test_the_models_own_position_limit_bounds_the_samples_too(stub_engine, tiny_model_dir):
     # No --rollout-max-context-len: the model's max_position_embeddings (Megatron's flag) is the limit.
-    [out] = _run(stub_engine, tiny_model_dir, _dialogue("episode"), [LONG],
-                 rollout_max_context_len=None, eval_max_context_len=None, max_position_embeddings=CTX)
+    [out] = _run(
+        stub_engine,
+        tiny_model_dir,
+        _dialogue("episode"),
+        [LONG],
+        rollout_max_context_len=None,
+        eval_max_context_len=None,
+        max_position_embeddings=CTX,
+    )
     _check_within(out)
     _check_over_context(out)
     assert _requests(stub_engine) == 0
@@ -148,8 +175,9 @@ def test_the_models_own_position_limit_bounds_the_samples_too(stub_engine, tiny_
 
 def test_a_turn_that_would_cross_the_context_is_capped_and_truncated(logs_dir, tiny_model_dir, request):
     # The answer would be 400 tokens; the prompt leaves fewer: max_new_tokens is capped to the room.
-    stub = start_stub_engine(log_dir=logs_dir, name=f"stub-ctx-{request.node.name[:30]}",
-                             extra=["--response-tokens", "400"])
+    stub = start_stub_engine(
+        log_dir=logs_dir, name=f"stub-ctx-{request.node.name[:30]}", extra=["--response-tokens", "400"]
+    )
     try:
         problem = " ".join(f"Consider the number {i} and its square." for i in range(8))
         mrlx = {"run_id": "ctx", "system": "pipeline", "pipeline": {"num_parallel": 1}, "engine": ENGINE}
@@ -161,21 +189,31 @@ def test_a_turn_that_would_cross_the_context_is_capped_and_truncated(logs_dir, t
         stub.stop()
 
 
-def test_a_sample_a_system_built_past_the_limit_is_replaced_by_a_counted_filler(stub_engine, tiny_model_dir,
-                                                                               tmp_path, monkeypatch, caplog):
+def test_a_sample_a_system_built_past_the_limit_is_replaced_by_a_counted_filler(
+    stub_engine, tiny_model_dir, tmp_path, monkeypatch, caplog
+):
     # A user's system that opens its own transcript, without the episode's limits.
-    module = write_hook_module(tmp_path, monkeypatch, "unbounded_system",
-                               "from mrlx_plugin.core.transcript import Transcript\n\n"
-                               "async def unbounded(episode):\n"
-                               "    t = Transcript.start('asker', episode.runtime.tokenizers['asker'],\n"
-                               "                         [{'role': 'user', 'content': episode.problem}])\n"
-                               "    episode.transcripts.append(t)\n"
-                               "    await episode.generate(t)\n\n"
-                               "unbounded.fan_out = lambda settings: {'asker': 1}\n\n"
-                               "@hookimpl\ndef mrlx_register_systems():\n"
-                               "    return {'unbounded': unbounded}\n")
-    mrlx = {"run_id": "ctx", "system": "unbounded", "plugins": [module], "agents": {"asker": {"url": "self"}},
-            "engine": ENGINE}
+    module = write_hook_module(
+        tmp_path,
+        monkeypatch,
+        "unbounded_system",
+        "from mrlx_plugin.core.transcript import Transcript\n\n"
+        "async def unbounded(episode):\n"
+        "    t = Transcript.start('asker', episode.runtime.tokenizers['asker'],\n"
+        "                         [{'role': 'user', 'content': episode.problem}])\n"
+        "    episode.transcripts.append(t)\n"
+        "    await episode.generate(t)\n\n"
+        "unbounded.fan_out = lambda settings: {'asker': 1}\n\n"
+        "@hookimpl\ndef mrlx_register_systems():\n"
+        "    return {'unbounded': unbounded}\n",
+    )
+    mrlx = {
+        "run_id": "ctx",
+        "system": "unbounded",
+        "plugins": [module],
+        "agents": {"asker": {"url": "self"}},
+        "engine": ENGINE,
+    }
     [out] = _run(stub_engine, tiny_model_dir, mrlx, [LONG])
     _check_within(out)
     _check_over_context(out)

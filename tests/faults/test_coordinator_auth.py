@@ -113,8 +113,9 @@ def test_an_impostor_on_the_coordinators_port_gets_no_token_and_trains_nothing(s
     real = make_items(3, "real")
 
     def client(agent: str, **kwargs) -> CoordinatorClient:
-        return CoordinatorClient(coord.url, run_id=coord.run_id, agent=agent, token=coord.token,
-                                 backoff_max_s=0.5, **kwargs)
+        return CoordinatorClient(
+            coord.url, run_id=coord.run_id, agent=agent, token=coord.token, backoff_max_s=0.5, **kwargs
+        )
 
     async def scenario() -> None:
         loop = asyncio.get_running_loop()
@@ -131,8 +132,11 @@ def test_an_impostor_on_the_coordinators_port_gets_no_token_and_trains_nothing(s
             # A call that rides the outage out, as a job's calls do.
             riding = asyncio.ensure_future(consumer.lease(10, 60, 0))
             before = impostor.leases
-            await async_wait_until(lambda: impostor.leases >= before + 2 or riding.done(), 30,
-                                   what="the consumer's lease refused by the client and sent again")
+            await async_wait_until(
+                lambda: impostor.leases >= before + 2 or riding.done(),
+                30,
+                what="the consumer's lease refused by the client and sent again",
+            )
         assert impostor.requests, "the impostor was never asked"
         for request in impostor.requests:
             for name, value in secrets_of(coord.token).items():
@@ -161,8 +165,14 @@ def test_the_client_refuses_an_answer_of_a_coordinator_with_another_token(start_
     coord = start_coordinator(token="the-coordinators-token")
 
     async def scenario() -> None:
-        other = CoordinatorClient(coord.url, run_id=coord.run_id, agent="doctor", token="another-token",
-                                  outage_deadline_s=1, backoff_max_s=0.2)
+        other = CoordinatorClient(
+            coord.url,
+            run_id=coord.run_id,
+            agent="doctor",
+            token="another-token",
+            outage_deadline_s=1,
+            backoff_max_s=0.2,
+        )
         with pytest.raises(CoordinatorError) as refused:
             await other.health()
         assert "could not prove it holds the run's token" in str(refused.value), refused.value
@@ -201,8 +211,13 @@ def test_a_caller_without_the_token_learns_nothing_about_the_run(start_coordinat
     status, answer_headers, body = coord.http("GET", "/health", token=None, headers=headers)
     health = json.loads(body)
     assert status == 200 and health["run_id"] == "hidden-run-7" and health["db"] == str(coord.db)
-    assert proven(derive_keys(coord.token)[1], headers[NONCE_HEADER], 200, content_sha256(body),
-                  answer_headers.get(PROOF_HEADER))
+    assert proven(
+        derive_keys(coord.token)[1],
+        headers[NONCE_HEADER],
+        200,
+        content_sha256(body),
+        answer_headers.get(PROOF_HEADER),
+    )
     status, _, body = coord.http("GET", "/openapi.json")
     assert status == 200 and "hidden-run-7" in body.decode() and "alice-agent" in body.decode()
 
@@ -216,22 +231,36 @@ def test_replays_stale_times_and_other_bodies_are_refused(start_coordinator):
     # retryable: a copy that went first must not end the true sender's call (it signs again)
     assert status == 503 and "used before" in error_of(body), body
     # the refusal of a request whose signature checks out is proven too
-    assert proven(derive_keys(coord.token)[1], headers[NONCE_HEADER], 503, content_sha256(body),
-                  answer_headers.get(PROOF_HEADER))
+    assert proven(
+        derive_keys(coord.token)[1],
+        headers[NONCE_HEADER],
+        503,
+        content_sha256(body),
+        answer_headers.get(PROOF_HEADER),
+    )
 
     stamp, nonce = f"{time.time() - 3600:.3f}", "ab" * 16
-    old = {**signed_headers(coord.token, "GET", path), "X-Mrlx-Time": stamp, "X-Mrlx-Nonce": nonce,
-           "X-Mrlx-Signature": request_mac(derive_keys(coord.token)[0], "GET", path, nonce, stamp,
-                                           content_sha256(None))}
+    old = {
+        **signed_headers(coord.token, "GET", path),
+        "X-Mrlx-Time": stamp,
+        "X-Mrlx-Nonce": nonce,
+        "X-Mrlx-Signature": request_mac(
+            derive_keys(coord.token)[0], "GET", path, nonce, stamp, content_sha256(None)
+        ),
+    }
     status, _, body = coord.http("GET", path, token=None, headers=old)
     assert status == 401 and "synchronise the clocks" in error_of(body), body
 
     commit = f"/v1/runs/{coord.run_id}/queues/patient/commit"
     signed_for = encode_items(make_items(2, "signed"))
     sent = encode_items(make_items(3, "swapped", start=10))
-    status, _, body = coord.http("POST", commit, sent, token=None,
-                                 headers={**signed_headers(coord.token, "POST", commit, signed_for),
-                                          "Content-Type": CONTENT_TYPE})
+    status, _, body = coord.http(
+        "POST",
+        commit,
+        sent,
+        token=None,
+        headers={**signed_headers(coord.token, "POST", commit, signed_for), "Content-Type": CONTENT_TYPE},
+    )
     assert status == 401 and "X-Mrlx-Content-Sha256" in error_of(body), body
     status, _, body = coord.http("GET", path)
     assert status == 200 and json.loads(body)["queued_items"] == 0, body
@@ -278,10 +307,17 @@ def test_a_metrics_token_opens_metrics_alone(start_coordinator, monkeypatch):
     scraper = {"Authorization": "Bearer scraper-secret-123"}
     status, _, body = coord.http("GET", "/metrics", token=None, headers=scraper)
     assert status == 200 and b"mrlx_coordinator" in body, body[:300]
-    for method, path in [("GET", f"/v1/runs/{coord.run_id}"), ("POST", f"/v1/runs/{coord.run_id}/queues/patient/lease")]:
-        status, _, body = coord.http(method, path, {} if method == "POST" else None, token=None, headers=scraper)
+    for method, path in [
+        ("GET", f"/v1/runs/{coord.run_id}"),
+        ("POST", f"/v1/runs/{coord.run_id}/queues/patient/lease"),
+    ]:
+        status, _, body = coord.http(
+            method, path, {} if method == "POST" else None, token=None, headers=scraper
+        )
         assert status == 401, (method, path, status, body)
-    status, _, _ = coord.http("GET", "/metrics", token=None, headers={"Authorization": f"Bearer {coord.token}"})
+    status, _, _ = coord.http(
+        "GET", "/metrics", token=None, headers={"Authorization": f"Bearer {coord.token}"}
+    )
     assert status == 401  # the run's token is never taken as a bearer
 
 
@@ -305,8 +341,14 @@ def test_an_endless_answer_is_cut_before_its_proof_is_checked():
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
         port = site._server.sockets[0].getsockname()[1]
-        client = CoordinatorClient(f"http://127.0.0.1:{port}", run_id="run1", agent="doctor", token="t" * 32,
-                                   outage_deadline_s=1, backoff_max_s=0.2)
+        client = CoordinatorClient(
+            f"http://127.0.0.1:{port}",
+            run_id="run1",
+            agent="doctor",
+            token="t" * 32,
+            outage_deadline_s=1,
+            backoff_max_s=0.2,
+        )
         with pytest.raises(CoordinatorError) as refused:
             await client.health()
         assert "byte limit" in str(refused.value), refused.value

@@ -50,7 +50,9 @@ def test_a_group_delivered_max_deliveries_times_is_set_aside_reported_and_counte
     async def scenario():
         producer, consumer = clients(coord)
         try:
-            await producer.commit("patient", make_items(2, "g0", step=0) + make_items(2, "g1", step=0, start=2))
+            await producer.commit(
+                "patient", make_items(2, "g0", step=0) + make_items(2, "g1", step=0, start=2)
+            )
             first = await consumer.lease(10, lease_s=600, wait_s=0, step=0)
             assert names(first) == ["g0", "g1"] and first.dead == []
             # The consumer dies holding the lease; its successor takes the lease over at once
@@ -69,14 +71,19 @@ def test_a_group_delivered_max_deliveries_times_is_set_aside_reported_and_counte
             info = await consumer.queue_info()
             assert (info["queued_items"], info["leased_items"], info["dead_items"]) == (0, 0, 4), info
             # Kept by key: committing them again queues nothing.
-            repeat = await producer.commit("patient", make_items(2, "g0", step=0) + make_items(2, "g1", step=0, start=2))
+            repeat = await producer.commit(
+                "patient", make_items(2, "g0", step=0) + make_items(2, "g1", step=0, start=2)
+            )
             assert (repeat.accepted, repeat.duplicates) == (0, 4)
         finally:
             await producer.close()
             await consumer.close()
 
     asyncio.run(scenario())
-    assert metric(coord, "mrlx_coordinator_items_dead_lettered_total", consumer="patient", reason="deliveries") == 4
+    assert (
+        metric(coord, "mrlx_coordinator_items_dead_lettered_total", consumer="patient", reason="deliveries")
+        == 4
+    )
     assert metric(coord, "mrlx_coordinator_queue_dead_items", consumer="patient") == 4
 
 
@@ -86,7 +93,9 @@ def test_a_rejected_group_is_set_aside_at_once_with_its_reason(coord):
     async def scenario():
         producer, consumer = clients(coord)
         try:
-            await producer.commit("patient", make_items(2, "g0", step=3) + make_items(2, "g1", step=3, start=2))
+            await producer.commit(
+                "patient", make_items(2, "g0", step=3) + make_items(2, "g1", step=3, start=2)
+            )
             lease = await consumer.lease(10, lease_s=600, wait_s=0, step=3)
             assert names(lease) == ["g0", "g1"]
             answer = await consumer.reject("g0", "token id 400 is outside the vocabulary (384 ids)")
@@ -96,7 +105,8 @@ def test_a_rejected_group_is_set_aside_at_once_with_its_reason(coord):
             after = await consumer.lease(10, lease_s=600, wait_s=0, step=3)
             assert names(after) == ["g1"]
             assert [(d["group"], d["reason"]) for d in after.dead] == [
-                ("g0", "token id 400 is outside the vocabulary (384 ids)")]
+                ("g0", "token id 400 is outside the vocabulary (384 ids)")
+            ]
             with pytest.raises(CoordinatorError) as unknown:
                 await consumer.reject("no-such-group", "x")
             assert unknown.value.status == 404
@@ -105,7 +115,10 @@ def test_a_rejected_group_is_set_aside_at_once_with_its_reason(coord):
             await consumer.close()
 
     asyncio.run(scenario())
-    assert metric(coord, "mrlx_coordinator_items_dead_lettered_total", consumer="patient", reason="rejected") == 2
+    assert (
+        metric(coord, "mrlx_coordinator_items_dead_lettered_total", consumer="patient", reason="rejected")
+        == 2
+    )
 
 
 def test_ack_through_a_step_is_durable_idempotent_and_drops_late_items_of_acked_steps(coord):
@@ -114,8 +127,12 @@ def test_ack_through_a_step_is_durable_idempotent_and_drops_late_items_of_acked_
     async def first_life():
         producer, consumer = clients(coord)
         try:
-            await producer.commit("patient", make_items(2, "g0", step=0) + make_items(2, "g1", step=1, start=2)
-                                  + make_items(2, "g2", step=2, start=4))
+            await producer.commit(
+                "patient",
+                make_items(2, "g0", step=0)
+                + make_items(2, "g1", step=1, start=2)
+                + make_items(2, "g2", step=2, start=4),
+            )
             held = await consumer.lease(10, lease_s=600, wait_s=0, step=1)
             assert names(held) == ["g1"]
             # Through step 1: the queued group of step 0 and the leased one of step 1.
@@ -163,8 +180,11 @@ def test_a_client_call_rides_out_an_outage_longer_than_its_old_retries(coord, ca
             await asyncio.get_running_loop().run_in_executor(None, coord.kill)
             call = asyncio.ensure_future(consumer.heartbeat())
             # 15 attempts: past the 8 retries after which the client used to give up.
-            await async_wait_until(lambda: call.done() or attempts() >= 15, 120,
-                                   what="the call retrying against the dead coordinator")
+            await async_wait_until(
+                lambda: call.done() or attempts() >= 15,
+                120,
+                what="the call retrying against the dead coordinator",
+            )
             assert not call.done(), f"the call gave up during the outage: {call.exception()!r}"
             await asyncio.get_running_loop().run_in_executor(None, lambda: coord.start(same_port=True))
             assert (await asyncio.wait_for(call, 120))["agent"] == "patient"

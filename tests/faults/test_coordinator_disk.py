@@ -44,14 +44,28 @@ def failing_file_writes(pid: int, error: str) -> Iterator[None]:
     strace = shutil.which("strace")
     if strace is None:
         pytest.skip("strace is not installed (apt-get install strace); it injects the disk errors")
-    argv = [strace, "-f", "-qq", "-p", str(pid), "-e", f"trace={FILE_WRITES}",
-            "-e", f"inject={FILE_WRITES}:error={error}", "-o", "/dev/null"]
+    argv = [
+        strace,
+        "-f",
+        "-qq",
+        "-p",
+        str(pid),
+        "-e",
+        f"trace={FILE_WRITES}",
+        "-e",
+        f"inject={FILE_WRITES}:error={error}",
+        "-o",
+        "/dev/null",
+    ]
     tracer = subprocess.Popen(argv, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 20
         while not all_threads_traced(pid):
             if tracer.poll() is not None:
-                pytest.skip(f"strace could not attach (ptrace not allowed here): {tracer.stderr.read().decode()[:300]}")
+                pytest.skip(
+                    "strace could not attach (ptrace not allowed here): "
+                    f"{tracer.stderr.read().decode()[:300]}"
+                )
             assert time.monotonic() < deadline, "strace did not attach to every thread in 20 s"
             time.sleep(0.02)
         yield
@@ -87,10 +101,16 @@ def small_disk(path: Path, size_mib: int) -> Iterator[Path]:
     path.mkdir(parents=True, exist_ok=True)
     if os.geteuid() != 0 or shutil.which("mount") is None:
         pytest.skip("mounting a small tmpfs needs root; the injected ENOSPC test covers this case")
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mib}m", "tmpfs", str(path)],
-                          capture_output=True, text=True, check=False)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size_mib}m", "tmpfs", str(path)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip()}); the injected ENOSPC test covers this case")
+        pytest.skip(
+            f"cannot mount a tmpfs here ({done.stderr.strip()}); the injected ENOSPC test covers this case"
+        )
     try:
         yield path
     finally:
@@ -112,8 +132,9 @@ def fill(path: Path) -> Path:
 
 
 def clients(coord: CoordinatorProcess) -> tuple[CoordinatorClient, CoordinatorClient]:
-    producer = CoordinatorClient(coord.url, run_id=coord.run_id, agent="doctor", token=coord.token,
-                                 commit_deadline_s=3.0)
+    producer = CoordinatorClient(
+        coord.url, run_id=coord.run_id, agent="doctor", token=coord.token, commit_deadline_s=3.0
+    )
     consumer = CoordinatorClient(coord.url, run_id=coord.run_id, agent="patient", token=coord.token)
     return producer, consumer
 
@@ -123,12 +144,16 @@ async def commit_until_refused(producer: CoordinatorClient, tries: int = 300) ->
     accepted = 0
     for i in range(tries):
         try:
-            result = await producer.commit("patient", make_items(2, f"fill{i}", start=10_000 + 2 * i, tokens=TOKENS))
+            result = await producer.commit(
+                "patient", make_items(2, f"fill{i}", start=10_000 + 2 * i, tokens=TOKENS)
+            )
         except CoordinatorError as exc:
             return accepted, exc
         assert result.accepted == 2
         accepted += 2
-    raise AssertionError(f"{tries} commits of {2 * TOKENS * 8 // 1024} KiB each were all accepted on a failing disk")
+    raise AssertionError(
+        f"{tries} commits of {2 * TOKENS * 8 // 1024} KiB each were all accepted on a failing disk"
+    )
 
 
 def reads_still_answer(coord: CoordinatorProcess, queued: int) -> None:
@@ -151,8 +176,9 @@ async def drain(consumer: CoordinatorClient) -> list[str]:
         await consumer.ack(lease.lease_id)
 
 
-def run_fault(coord: CoordinatorProcess, fault: contextlib.AbstractContextManager, expect_status: int,
-              expect_words: str) -> None:
+def run_fault(
+    coord: CoordinatorProcess, fault: contextlib.AbstractContextManager, expect_status: int, expect_words: str
+) -> None:
     """The scenario shared by every disk fault: commit before, during (refused) and after."""
 
     async def scenario() -> None:
@@ -163,7 +189,9 @@ def run_fault(coord: CoordinatorProcess, fault: contextlib.AbstractContextManage
             with fault:
                 accepted, refused = await commit_until_refused(producer)
                 assert refused.status == expect_status, refused
-                assert "database could not be written" in str(refused) and expect_words in str(refused), refused
+                assert "database could not be written" in str(refused) and expect_words in str(refused), (
+                    refused
+                )
                 assert coord.proc is not None and coord.proc.poll() is None, coord.log_tail()
                 await asyncio.to_thread(reads_still_answer, coord, 4 + accepted)
                 failed_group = make_items(2, f"fill{accepted // 2}", start=10_000 + accepted, tokens=TOKENS)

@@ -20,9 +20,8 @@ import json
 import math
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from concurrent.futures import TimeoutError as FutureTimeout
-from concurrent.futures import wait
 from pathlib import Path
 
 import numpy as np

@@ -16,10 +16,10 @@ must get:
 
 JSON bodies are judged against the server's own published /openapi.json: a body the document allows
 is never refused as invalid (422), and one it forbids always is. Frames start from valid ones made
-by `wire.encode_items` and are cut, flipped, given lying lengths, columns, values and headers. Path parameters,
-methods, signatures and identity headers, oversized bodies and malformed HTTP get their own tests.
-Every request is signed with the run's token as the client signs (mrlx_plugin.link.auth) unless a
-test says otherwise.
+by `wire.encode_items` and are cut, flipped, given lying lengths, columns, values and headers. Path
+parameters, methods, signatures and identity headers, oversized bodies and malformed HTTP get their
+own tests. Every request is signed with the run's token as the client signs (mrlx_plugin.link.auth)
+unless a test says otherwise.
 """
 
 from __future__ import annotations
@@ -39,12 +39,11 @@ from typing import Any
 from urllib.parse import quote
 
 import numpy as np
+import pyarrow as pa
 import pytest
 from _coord_procs import CoordinatorProcess
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-import pyarrow as pa
 
 from mrlx_plugin.link.auth import derive_keys, request_mac, signed_headers
 from mrlx_plugin.link.wire import (
@@ -57,7 +56,8 @@ from mrlx_plugin.link.wire import (
     items_batch,
 )
 
-# About a minute of generated requests: the full suite's; test_coordinator.py covers the service in the fast tier.
+# About a minute of generated requests: the full suite's; test_coordinator.py covers the service in
+# the fast tier.
 pytestmark = pytest.mark.slow
 
 RUN = "fuzz-run"
@@ -227,7 +227,9 @@ def exchange(
     assert answer.status < 500 or afresh, f"{where}: {answer.describe()}\n{api.coord.log_tail(15)}"
     after = api.snapshot()
     if answer.status >= 400:
-        assert answer.headers.get("Content-Type", "").startswith("application/json"), f"{where}: {answer.describe()}"
+        assert answer.headers.get("Content-Type", "").startswith("application/json"), (
+            f"{where}: {answer.describe()}"
+        )
         message = answer.json().get("error")
         assert isinstance(message, str) and message.strip(), f"{where}: {answer.describe()}"
         changed = same_state(before, after)
@@ -543,7 +545,9 @@ def test_json_endpoints_refuse_bad_bodies_and_write_nothing(fuzz_api, data):
 
 # Decoded values that are no run and no agent; sent percent-encoded.
 odd_names = st.one_of(
-    st.sampled_from(["ghost", "Doctor", "patient ", "doctor\u0000", "\u00e9", "\U0001f600", "a" * 3000, "-", "%"]),
+    st.sampled_from(
+        ["ghost", "Doctor", "patient ", "doctor\u0000", "\u00e9", "\U0001f600", "a" * 3000, "-", "%"]
+    ),
     st.text(min_size=1, max_size=30),
 ).filter(lambda s: s not in AGENTS and s != RUN and s not in (".", ".."))
 # Raw path segments whose decoding is odd (bad escapes, dot segments, encoded slashes), sent as they are.
@@ -562,7 +566,10 @@ VALID_BODY = {
     "end": (b"{}", 200),
     "heartbeat": (b"{}", 200),
     "version": (b'{"version": 0}', 200),
-    "wait_version": (b'{"min_version": 0, "timeout_s": 0}', 200),  # no 30 s long poll racing the socket timeout
+    "wait_version": (
+        b'{"min_version": 0, "timeout_s": 0}',
+        200,
+    ),  # no 30 s long poll racing the socket timeout
 }
 
 
@@ -637,7 +644,9 @@ def write_stream(batch: pa.RecordBatch, schema: pa.Schema | None = None, **optio
     return sink.getvalue().to_pybytes()
 
 
-def with_column(batch: pa.RecordBatch, name: str, array: pa.Array | None, field: pa.Field | None = None) -> pa.RecordBatch:
+def with_column(
+    batch: pa.RecordBatch, name: str, array: pa.Array | None, field: pa.Field | None = None
+) -> pa.RecordBatch:
     """The batch with column `name` replaced by `array` (None: dropped; a new name: appended)."""
     arrays, fields = list(batch.columns), list(batch.schema)
     names = batch.schema.names
@@ -683,7 +692,11 @@ COLUMN_LIES: list[tuple[str, Any]] = [
     ("fields", '{"reward": 1, "prompt": 5}'),
     ("fields", '{"reward": 1, "metadata": []}'),
     ("fields", '{"reward": 1, "remove_sample": "yes"}'),
-    ("fields", '{"reward": 18446744073709551615, "index": 9223372036854775808, "metadata": {"big": 9223372036854775808}}'),
+    (
+        "fields",
+        '{"reward": 18446744073709551615, "index": 9223372036854775808, "metadata": {"big": '
+        "9223372036854775808}}",
+    ),
 ]
 # Lies that are still samples (a reward or index beyond 64 bits is a number): no refusal owed.
 ALLOWED_LIES = [COLUMN_LIES[-1]]
@@ -763,15 +776,21 @@ def test_commit_frames_mutated_are_refused_whole_or_accepted_exactly(fuzz_api, d
         where = frame.index(packed, schema_end)
         body = frame[:where] + struct.pack(f"<{len(offsets)}i", *offsets) + frame[where + len(packed) :]
     elif mutation == "lying schema length":
-        lie = data.draw(st.sampled_from([0, 1, 3, 8, len(frame), 2**31 - 1, -8]) | st.integers(-(2**31), 2**31 - 1))
+        lie = data.draw(
+            st.sampled_from([0, 1, 3, 8, len(frame), 2**31 - 1, -8]) | st.integers(-(2**31), 2**31 - 1)
+        )
         body = frame[:4] + struct.pack("<i", lie) + frame[8:]
     elif mutation == "lying message lengths":
         at = schema_end + data.draw(st.sampled_from([0, 4]))
         old = struct.unpack_from("<i", frame, at)[0]
-        lie = data.draw(st.sampled_from([old + 8, old - 8, old + 1, 0, 2**31 - 1]) | st.integers(-(2**31), 2**31 - 1))
+        lie = data.draw(
+            st.sampled_from([old + 8, old - 8, old + 1, 0, 2**31 - 1]) | st.integers(-(2**31), 2**31 - 1)
+        )
         body = frame[:at] + struct.pack("<i", lie) + frame[at + 4 :]
     elif mutation == "bad header JSON":
-        junk = data.draw(st.sampled_from([b"[]", b"null", b"{", b"\xff\xfe", b'"x"', b"1"]) | st.binary(max_size=40))
+        junk = data.draw(
+            st.sampled_from([b"[]", b"null", b"{", b"\xff\xfe", b'"x"', b"1"]) | st.binary(max_size=40)
+        )
         body = write_stream(batch, batch.schema.with_metadata({**batch.schema.metadata, HEADER_KEY: junk}))
     elif mutation == "column lie":
         lie = data.draw(st.sampled_from(COLUMN_LIES))
@@ -798,10 +817,15 @@ def test_commit_frames_mutated_are_refused_whole_or_accepted_exactly(fuzz_api, d
         # Arrow unpacks a compressed body into buffers as large as the frame claims: refused unread
         body = write_stream(batch, compression=data.draw(st.sampled_from(["zstd", "lz4"])))
     elif mutation == "wrong magic":
-        body = data.draw(st.sampled_from([b"MRLX", b"ARRO", b"\x00\x00\x00\x00", b"\xff\xff\xff\xfe"])) + frame[4:]
+        body = (
+            data.draw(st.sampled_from([b"MRLX", b"ARRO", b"\x00\x00\x00\x00", b"\xff\xff\xff\xfe"]))
+            + frame[4:]
+        )
     elif mutation == "wrong version":
         version = data.draw(st.sampled_from([b"1", b"3", b"", b"two"]))
-        body = write_stream(batch, batch.schema.with_metadata({**batch.schema.metadata, VERSION_KEY: version}))
+        body = write_stream(
+            batch, batch.schema.with_metadata({**batch.schema.metadata, VERSION_KEY: version})
+        )
     elif mutation == "trailing bytes":
         body = frame + data.draw(st.binary(min_size=1, max_size=12))
     elif mutation == "two frames":
@@ -831,8 +855,17 @@ def test_commit_frames_mutated_are_refused_whole_or_accepted_exactly(fuzz_api, d
         return
     if expected_accepted is not None and consumer == OPEN_QUEUE:
         assert answer.status == 200 and answer.json()["accepted"] == expected_accepted, what
-    if mutation in ("column lie", "unknown column", "missing column", "wrong column type", "null value",
-                    "dictionary column", "compressed batch", "wrong version", "bad header JSON"):
+    if mutation in (
+        "column lie",
+        "unknown column",
+        "missing column",
+        "wrong column type",
+        "null value",
+        "dictionary column",
+        "compressed batch",
+        "wrong version",
+        "bad header JSON",
+    ):
         # never a sample as the format or the rules define one: refused whole
         allowed = (mutation == "bad header JSON" and _json_object(junk)) or (
             mutation == "column lie" and lie in ALLOWED_LIES
@@ -908,7 +941,9 @@ def test_items_with_misaligned_masks_or_log_probs_are_422_naming_key_and_field(
     else:
         values[at] = 1 + amount
     setattr(victim, field_name, values)
-    answer, _, _ = exchange(fuzz_api, "POST", COMMIT.path(), encode_items(items), [("Content-Type", CONTENT_TYPE)])
+    answer, _, _ = exchange(
+        fuzz_api, "POST", COMMIT.path(), encode_items(items), [("Content-Type", CONTENT_TYPE)]
+    )
     message = answer.json().get("error", "") if answer.status >= 400 else ""
     assert answer.status == 422, f"{fault}: {answer.describe()}"
     assert repr(victim.key) in message and field_name in message and "nothing written" in message, message
@@ -924,7 +959,12 @@ def test_items_with_misaligned_masks_or_log_probs_are_422_naming_key_and_field(
 
 
 @settings(FUZZ, max_examples=90)
-@given(where=st.sampled_from(["run", "consumer", "producer"]), name=odd_names, n=st.integers(1, 3), seed=st.integers(0, 2**16))
+@given(
+    where=st.sampled_from(["run", "consumer", "producer"]),
+    name=odd_names,
+    n=st.integers(1, 3),
+    seed=st.integers(0, 2**16),
+)
 def test_items_for_an_unknown_run_or_agent_are_rejected_and_never_queued(fuzz_api, where, name, n, seed):
     uid = next(_unique)
     producer = name if where == "producer" else "doctor"
@@ -943,9 +983,16 @@ def test_items_for_an_unknown_run_or_agent_are_rejected_and_never_queued(fuzz_ap
 
 # --------------------------------------------------------------------------- headers
 
+
 def signature(
-    method: str, path: str, body: bytes | None, *, token: str = TOKEN, stamp: str | None = None,
-    nonce: str | None = None, **replace: str | bytes | None,
+    method: str,
+    path: str,
+    body: bytes | None,
+    *,
+    token: str = TOKEN,
+    stamp: str | None = None,
+    nonce: str | None = None,
+    **replace: str | bytes | None,
 ) -> list[tuple[str, str | bytes]]:
     """Signature headers of a request, made with `token` (at `stamp`, with `nonce` when given), then
     with the headers named in `replace` (X_Mrlx_Time=...) replaced or, for None, left out."""
@@ -982,12 +1029,21 @@ AUTH_VARIANTS: list[tuple[str, Any, bool]] = [
     ("no time", lambda m, p, b: signature(m, p, b, X_Mrlx_Time=None), False),
     ("no nonce", lambda m, p, b: signature(m, p, b, X_Mrlx_Nonce=None), False),
     ("no body hash", lambda m, p, b: signature(m, p, b, X_Mrlx_Content_Sha256=None), False),
-    ("signature cut short", lambda m, p, b: [(k, v[:-1] if k == "X-Mrlx-Signature" else v)
-                                             for k, v in signature(m, p, b)], False),
-    ("signature in upper case", lambda m, p, b: [(k, v.upper() if k == "X-Mrlx-Signature" else v)
-                                                 for k, v in signature(m, p, b)], False),
-    ("signature with bytes past it", lambda m, p, b: [(k, v + "\xe9" if k == "X-Mrlx-Signature" else v)
-                                                      for k, v in signature(m, p, b)], False),
+    (
+        "signature cut short",
+        lambda m, p, b: [(k, v[:-1] if k == "X-Mrlx-Signature" else v) for k, v in signature(m, p, b)],
+        False,
+    ),
+    (
+        "signature in upper case",
+        lambda m, p, b: [(k, v.upper() if k == "X-Mrlx-Signature" else v) for k, v in signature(m, p, b)],
+        False,
+    ),
+    (
+        "signature with bytes past it",
+        lambda m, p, b: [(k, v + "\xe9" if k == "X-Mrlx-Signature" else v) for k, v in signature(m, p, b)],
+        False,
+    ),
     ("signed 10 minutes ago", lambda m, p, b: signature(m, p, b, stamp=_now(-600)), False),
     ("signed 10 minutes ahead", lambda m, p, b: signature(m, p, b, stamp=_now(600)), False),
     ("a time that is no number", lambda m, p, b: signature(m, p, b, stamp="soon"), False),
@@ -997,8 +1053,11 @@ AUTH_VARIANTS: list[tuple[str, Any, bool]] = [
     ("a huge header", lambda m, p, b: signature(m, p, b, X_Mrlx_Signature="y" * 4000), False),
     ("replayed", lambda m, p, b: signature(m, p, b), False),  # sent once before the exchange
     ("signed", lambda m, p, b: signature(m, p, b), True),
-    ("signed, with spaces around the signature", lambda m, p, b: [
-        (k, f"  {v} " if k == "X-Mrlx-Signature" else v) for k, v in signature(m, p, b)], True),
+    (
+        "signed, with spaces around the signature",
+        lambda m, p, b: [(k, f"  {v} " if k == "X-Mrlx-Signature" else v) for k, v in signature(m, p, b)],
+        True,
+    ),
     ("signed a minute ago", lambda m, p, b: signature(m, p, b, stamp=_now(-60)), True),
 ]
 header_bytes = st.binary(max_size=60).map(
@@ -1041,7 +1100,9 @@ def test_missing_or_wrong_token_is_401_and_health_stays_open(fuzz_api, route, va
 @settings(FUZZ, max_examples=100)
 @given(
     agent=st.none() | st.sampled_from([*AGENTS, "ghost", "", "DOCTOR"]) | header_bytes,
-    pid=st.none() | st.sampled_from(["1", "123", "-1", "abc", "99999999999", "\uff11".encode(), "1.5", "", " 7"]) | header_bytes,
+    pid=st.none()
+    | st.sampled_from(["1", "123", "-1", "abc", "99999999999", "\uff11".encode(), "1.5", "", " 7"])
+    | header_bytes,
     host=st.none() | st.sampled_from(["node-1", "x" * 300, "h\tost", "\u00e9".encode()]) | header_bytes,
     route=st.sampled_from([r for r in AUTHED_ROUTES if "{run}" in r.template]),
 )
@@ -1052,7 +1113,9 @@ def test_identity_headers_never_break_the_service(fuzz_api, agent, pid, host, ro
         if value is not None
     ]
     body = plain_body(route)
-    answer, _, _ = exchange(fuzz_api, route.method, route.path(agent=agent_for(route, "doctor")), body, headers)
+    answer, _, _ = exchange(
+        fuzz_api, route.method, route.path(agent=agent_for(route, "doctor")), body, headers
+    )
     agent_text = agent.decode("latin-1") if isinstance(agent, bytes) else agent
     if agent is not None and agent_text not in AGENTS:
         assert answer.status == 422 and "X-Mrlx-Agent" in answer.json()["error"], answer.describe()
@@ -1089,8 +1152,12 @@ MALFORMED = [
     b"GET /health HTTP/9.9\r\n\r\n",
     b"GET /health HTTP/1.1\r\nno colon here\r\n\r\n",
     b"GET /" + b"a" * 9000 + b" HTTP/1.1\r\nHost: x\r\n\r\n",
-    b"POST /v1/runs/" + RUN.encode() + b"/queues/patient/commit HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
-    b"POST /v1/runs/" + RUN.encode() + b"/queues/patient/commit HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n",
+    b"POST /v1/runs/"
+    + RUN.encode()
+    + b"/queues/patient/commit HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
+    b"POST /v1/runs/"
+    + RUN.encode()
+    + b"/queues/patient/commit HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n",
     b"POST /v1/runs/" + RUN.encode() + b"/queues/patient/commit HTTP/1.1\r\nHost: x\r\n"
     b"Content-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
     b"POST /v1/runs/" + RUN.encode() + b"/queues/patient/commit HTTP/1.1\r\nHost: x\r\n"
@@ -1124,7 +1191,8 @@ def test_malformed_http_is_refused_and_the_service_stays_up(fuzz_api, raw):
 def test_schemathesis_against_the_published_document(fuzz_api):
     """An independent, schema-driven fuzzer over /openapi.json (only where schemathesis is installed)."""
     schemathesis = pytest.importorskip(
-        "schemathesis", reason="schemathesis is not installed (optional; pip install schemathesis to run this)"
+        "schemathesis",
+        reason="schemathesis is not installed (optional; pip install schemathesis to run this)",
     )
     import requests
     from hypothesis import given as given_
@@ -1166,7 +1234,8 @@ def test_schemathesis_against_the_published_document(fuzz_api):
             try:
                 case.call_and_validate(session=session, checks=checks)
             except Exception as exc:  # collected, so every operation is tried
-                failures.append(f"{operation.method.upper()} {operation.path}: {exc}"[:2000])
+                # run() is called below, within this iteration: `operation` is this one
+                failures.append(f"{operation.method.upper()} {operation.path}: {exc}"[:2000])  # noqa: B023
                 raise
 
         try:
@@ -1208,7 +1277,9 @@ def enough_requests_were_sent_and_the_server_exits_cleanly(api: Api) -> None:
     print(f"generated requests: {total} ({dict(SENT)})")
     if len(ran) < len(FUZZ_TESTS):
         # A selection (-k, a failed test's rerun): the count is the whole module's.
-        print(f"only {len(ran)} of the {len(FUZZ_TESTS)} fuzz tests ran ({total} requests); the count needs all")
+        print(
+            f"only {len(ran)} of the {len(FUZZ_TESTS)} fuzz tests ran ({total} requests); the count needs all"
+        )
         return
     assert total >= MIN_REQUESTS, dict(SENT)
 
@@ -1217,4 +1288,6 @@ def test_the_request_count_covers_every_fuzz_test():
     """The closing count adds up the tests named in FUZZ_TESTS: each must be a test of this module
     (a renamed test would otherwise turn the count off, as if it had not run)."""
     tests = {name for name, fn in globals().items() if name.startswith("test_") and callable(fn)}
-    assert set(FUZZ_TESTS) <= tests, f"FUZZ_TESTS names no test of this module: {sorted(set(FUZZ_TESTS) - tests)}"
+    assert set(FUZZ_TESTS) <= tests, (
+        f"FUZZ_TESTS names no test of this module: {sorted(set(FUZZ_TESTS) - tests)}"
+    )

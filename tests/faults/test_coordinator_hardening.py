@@ -51,8 +51,10 @@ class LimitedCoordinator(CoordinatorProcess):
 
     def argv(self, port: int, port_file: Path) -> list[str]:
         inner = super().argv(port, port_file)
-        limit = "" if self.nofile is None else (
-            f"resource.setrlimit(resource.RLIMIT_NOFILE, ({self.nofile}, {self.nofile})); "
+        limit = (
+            ""
+            if self.nofile is None
+            else (f"resource.setrlimit(resource.RLIMIT_NOFILE, ({self.nofile}, {self.nofile})); ")
         )
         shim = f"import os, resource, sys; os.umask({self.umask}); {limit}os.execv(sys.argv[1], sys.argv[1:])"
         return [sys.executable, "-c", shim, *inner]
@@ -124,7 +126,10 @@ def test_database_files_found_with_loose_modes_are_tightened_and_logged(tmp_path
 def test_coordinator_help_says_the_database_is_owner_only():
     done = subprocess.run(
         [sys.executable, "-m", "mrlx_plugin.cli", "coordinator", "--help"],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert done.returncode == 0, done.stderr
     text = " ".join(done.stdout.split())
@@ -155,7 +160,9 @@ def open_idle_connections(port: int, n: int, deadline_s: float = 120.0) -> list[
     deadline = time.monotonic() + deadline_s
     try:
         for _ in range(n):
-            assert time.monotonic() < deadline, f"opened only {len(socks)} of {n} connections in {deadline_s:g} s"
+            assert time.monotonic() < deadline, (
+                f"opened only {len(socks)} of {n} connections in {deadline_s:g} s"
+            )
             socks.append(socket.create_connection(("127.0.0.1", port), timeout=30))
     except BaseException:
         for sock in socks:
@@ -299,8 +306,11 @@ def test_declared_body_sizes_cost_no_memory_until_the_bytes_arrive(tmp_path):
         for pid in (900001, 900002):  # two commits declaring 400 MB each
             socks.append(hanging_commit(coord, 400_000_000, pid))
             # the identity header is recorded just before the handler reads the body
-            wait_until(lambda: last_pid_seen(coord, "doctor") == pid, timeout=60,
-                       what=f"the coordinator to start reading commit {pid}")
+            wait_until(
+                lambda pid=pid: last_pid_seen(coord, "doctor") == pid,
+                timeout=60,
+                what=f"the coordinator to start reading commit {pid}",
+            )
         assert coord.http("GET", "/health")[0] == 200
         after, _ = memory_mib(coord.proc.pid)
         assert after - before < 64, (

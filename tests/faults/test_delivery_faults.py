@@ -33,8 +33,10 @@ def refuses_connections(port: int) -> bool:
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("delivery-models")
-    return (ensure_model(root / "a", preset="tiny", seed=3),
-            ensure_model(root / "b", preset="tiny", seed=4, vocab_size=B_VOCAB))
+    return (
+        ensure_model(root / "a", preset="tiny", seed=3),
+        ensure_model(root / "b", preset="tiny", seed=4, vocab_size=B_VOCAB),
+    )
 
 
 @pytest.fixture
@@ -49,15 +51,20 @@ def alive(jobs: TwoJobs, *names: str) -> None:
     for name in names:
         code = jobs.jobs[name].poll()
         if code is not None:
-            raise AssertionError(f"job {name} exited ({code}) where it had to keep running:\n{jobs.log(name)}")
+            raise AssertionError(
+                f"job {name} exited ({code}) where it had to keep running:\n{jobs.log(name)}"
+            )
 
 
 def b_is_training_a_step(jobs: TwoJobs) -> bool:
     """B has finished a step, leased the whole next one and not saved it yet: it is training it."""
     alive(jobs, "a", "b")
     done = len(jobs.rows("b", "metrics.jsonl"))
-    return (done >= 1 and jobs.latest_checkpoint("b") == done - 1
-            and jobs.queue()["leased_items"] >= jobs.groups * jobs.per_prompt)
+    return (
+        done >= 1
+        and jobs.latest_checkpoint("b") == done - 1
+        and jobs.queue()["leased_items"] >= jobs.groups * jobs.per_prompt
+    )
 
 
 def kill(jobs: TwoJobs, name: str) -> None:
@@ -77,15 +84,23 @@ def test_jobs_resumed_after_a_crash_between_save_and_ack_train_each_step_once_an
     jobs.start_services()
     jobs.start_job("b")
     jobs.start_job("a")
-    jobs.wait_until(lambda: b_is_training_a_step(jobs), timeout=300, what="B training its second step or later")
+    jobs.wait_until(
+        lambda: b_is_training_a_step(jobs), timeout=300, what="B training its second step or later"
+    )
     jobs.coordinator.kill()
     # B finishes the step and saves it; what it says to the coordinator next cannot arrive.
-    jobs.wait_until(lambda: (jobs.latest_checkpoint("b") or 0) >= len(jobs.rows("b", "metrics.jsonl")),
-                    timeout=300, what="B saving the step it trained while the coordinator was down")
+    jobs.wait_until(
+        lambda: (jobs.latest_checkpoint("b") or 0) >= len(jobs.rows("b", "metrics.jsonl")),
+        timeout=300,
+        what="B saving the step it trained while the coordinator was down",
+    )
     kill(jobs, "b")
     kill(jobs, "a")
-    jobs.wait_until(lambda: refuses_connections(jobs.coord_port), timeout=30,
-                    what="the killed coordinator's port to refuse connections")
+    jobs.wait_until(
+        lambda: refuses_connections(jobs.coord_port),
+        timeout=30,
+        what="the killed coordinator's port to refuse connections",
+    )
     jobs.coordinator = jobs.start_coordinator()  # same database, same port
     jobs.b_trainer_settings = "lr: 0.001"
     jobs.start_job("b", "--resume")
@@ -108,7 +123,9 @@ def test_consumer_resumed_before_its_lease_expires_trains_the_same_steps_within_
     jobs.start_services()
     b = jobs.start_job("b")
     jobs.start_job("a")
-    jobs.wait_until(lambda: b_is_training_a_step(jobs), timeout=300, what="B training its second step or later")
+    jobs.wait_until(
+        lambda: b_is_training_a_step(jobs), timeout=300, what="B training its second step or later"
+    )
     b.kill()
     b.wait(30)
     assert jobs.queue()["leased_items"] > 0  # the dead process's lease, 30 s long, still holds its step
@@ -141,13 +158,22 @@ def test_a_coordinator_outage_longer_than_the_old_retries_costs_both_jobs_waitin
     jobs.start_services()
     jobs.start_job("b")
     jobs.start_job("a")
-    jobs.wait_until(lambda: alive(jobs, "a", "b") or len(jobs.rows("a", "metrics.jsonl")) >= 1, timeout=300,
-                    what="A's first step")
+    jobs.wait_until(
+        lambda: alive(jobs, "a", "b") or len(jobs.rows("a", "metrics.jsonl")) >= 1,
+        timeout=300,
+        what="A's first step",
+    )
     jobs.coordinator.kill()
     # Down until a job reports having waited 10 s for it (the jobs' own view of the outage).
-    jobs.wait_until(lambda: alive(jobs, "a", "b") or max(unreachable_seconds(jobs.log("a")),
-                                                         unreachable_seconds(jobs.log("b"))) >= 10,
-                    timeout=300, every=0.2, what="a job waiting 10 s for the dead coordinator")
+    jobs.wait_until(
+        lambda: (
+            alive(jobs, "a", "b")
+            or max(unreachable_seconds(jobs.log("a")), unreachable_seconds(jobs.log("b"))) >= 10
+        ),
+        timeout=300,
+        every=0.2,
+        what="a job waiting 10 s for the dead coordinator",
+    )
     jobs.coordinator = jobs.start_coordinator()
     assert jobs.wait("b", 400) == 0, jobs.log("b")
     assert jobs.wait("a", 400) == 0, jobs.log("a")
@@ -159,14 +185,37 @@ def test_a_coordinator_outage_longer_than_the_old_retries_costs_both_jobs_waitin
 
 def poison_group(step: int, size: int) -> list[QueueItem]:
     """A group for B of step `step` whose token ids lie outside B's vocabulary."""
-    return [QueueItem(key=f"poison-{step}-{i}:b", group=f"poison:{step}", group_size=size, producer="a", step=step,
-                      tokens=[5, B_VOCAB + 16, B_VOCAB + 17, 7], response_length=2, loss_mask=[1, 1],
-                      rollout_log_probs=[-0.5, -0.5],
-                      fields={"reward": 1.0, "status": "completed", "weight_versions": [str(step)],
-                              "group_index": 10_000 + step, "index": 10_000 + 10 * step + i, "rollout_id": step,
-                              "metadata": {"mrlx": {"episode_id": f"poison-{step}-{i}", "agent": "b", "turns": 1,
-                                                    "raw_reward": 1.0, "episode": {}}}})
-            for i in range(size)]
+    return [
+        QueueItem(
+            key=f"poison-{step}-{i}:b",
+            group=f"poison:{step}",
+            group_size=size,
+            producer="a",
+            step=step,
+            tokens=[5, B_VOCAB + 16, B_VOCAB + 17, 7],
+            response_length=2,
+            loss_mask=[1, 1],
+            rollout_log_probs=[-0.5, -0.5],
+            fields={
+                "reward": 1.0,
+                "status": "completed",
+                "weight_versions": [str(step)],
+                "group_index": 10_000 + step,
+                "index": 10_000 + 10 * step + i,
+                "rollout_id": step,
+                "metadata": {
+                    "mrlx": {
+                        "episode_id": f"poison-{step}-{i}",
+                        "agent": "b",
+                        "turns": 1,
+                        "raw_reward": 1.0,
+                        "episode": {},
+                    }
+                },
+            },
+        )
+        for i in range(size)
+    ]
 
 
 @pytest.mark.slow
@@ -179,10 +228,14 @@ def test_items_b_cannot_train_are_set_aside_and_replaced_by_fillers_of_the_same_
     jobs.start_services()
 
     async def commit_poison() -> None:
-        client = CoordinatorClient(f"http://127.0.0.1:{jobs.coord_port}", run_id="jobs", agent="a", token=TOKEN)
+        client = CoordinatorClient(
+            f"http://127.0.0.1:{jobs.coord_port}", run_id="jobs", agent="a", token=TOKEN
+        )
         try:
             for step in range(jobs.steps):
-                assert (await client.commit("b", poison_group(step, jobs.per_prompt))).accepted == jobs.per_prompt
+                assert (
+                    await client.commit("b", poison_group(step, jobs.per_prompt))
+                ).accepted == jobs.per_prompt
         finally:
             await client.close()
 
@@ -204,11 +257,16 @@ def test_items_b_cannot_train_are_set_aside_and_replaced_by_fillers_of_the_same_
             assert (s["status"], s["remove_sample"], s["reward"]) == ("aborted", True, 0.0), s
             assert not any(s["loss_mask"]) and max(s["tokens"]) < B_VOCAB, s
         ids = [s["rollout_id"] for s in fillers]
-        assert len(set(ids)) == len(ids) and not set(ids) & {s["rollout_id"] for s in mine if s not in fillers}
+        assert len(set(ids)) == len(ids) and not set(ids) & {
+            s["rollout_id"] for s in mine if s not in fillers
+        }
     for row in jobs.rows("b", "metrics.jsonl"):
         assert row["coordinator/dead_lettered_groups"] == 1, row
-    dead = [line for line in jobs.metrics().splitlines()
-            if line.startswith("mrlx_coordinator_items_dead_lettered_total") and 'consumer="b"' in line]
+    dead = [
+        line
+        for line in jobs.metrics().splitlines()
+        if line.startswith("mrlx_coordinator_items_dead_lettered_total") and 'consumer="b"' in line
+    ]
     assert sum(float(line.rsplit(" ", 1)[1]) for line in dead) == jobs.steps * jobs.per_prompt, dead
 
 
@@ -227,8 +285,9 @@ def test_a_queue_smaller_than_one_step_is_refused_at_start_naming_the_limit_and_
 
 
 @pytest.mark.slow  # builds two models (~12 s)
-def test_the_initiator_sends_fillers_for_samples_its_peer_model_cannot_take(engine, tiny_model_dir, tmp_path,
-                                                                           monkeypatch, start_coordinator):
+def test_the_initiator_sends_fillers_for_samples_its_peer_model_cannot_take(
+    engine, tiny_model_dir, tmp_path, monkeypatch, start_coordinator
+):
     """Finding 4, the producer's side: A checks B's samples against B's model (as A knows it from
     B's tokenizer directory) before committing them; one B cannot take goes as an ABORTED filler
     (the group stays whole), counted in A's rollout metrics."""
@@ -250,9 +309,16 @@ def test_the_initiator_sends_fillers_for_samples_its_peer_model_cannot_take(engi
     coordinator = start_coordinator(run_id="refuse", agents=("a", "b"), token=TOKEN)
     monkeypatch.setenv(TOKEN_ENV, TOKEN)
     try:
-        mrlx = two_job_config("a", run_id="refuse", urls={"b": engine.url}, coordinator=coordinator.url,
-                              tokenizers={"b": b_model}, max_new_tokens=4,
-                              coordinator_settings={"wait_deadline_s": 20}, dialogue={"max_turns": 2})
+        mrlx = two_job_config(
+            "a",
+            run_id="refuse",
+            urls={"b": engine.url},
+            coordinator=coordinator.url,
+            tokenizers={"b": b_model},
+            max_new_tokens=4,
+            coordinator_settings={"wait_deadline_s": 20},
+            dialogue={"max_turns": 2},
+        )
         args = slime_args(engine.url, str(tiny_model_dir), mrlx, rollout_batch_size=1, n_samples_per_prompt=2)
         out = initiator_rollout(args, 0, LocalDataSource([("What is 1 + 1?", "2")], 2))
         run_in_host_loop(runtime_for(args).aclose())
@@ -275,17 +341,21 @@ def test_the_initiator_sends_fillers_for_samples_its_peer_model_cannot_take(engi
         coordinator.stop()
 
 
-@pytest.mark.parametrize("flags, expected", [
-    # slime saves after steps 1, 3, 5 (every 2nd and the last); at the top of step k the responder
-    # acknowledges through the last save before k ...
-    ({"save_interval": 2}, [None, None, 1, 1, 3, 3]),
-    # ... with --async-save through the save before that one (the newest may not be on disk yet) ...
-    ({"save_interval": 2, "async_save": True}, [None, None, None, None, 1, 1]),
-    # ... and without --save nothing can be resumed: through the step before.
-    ({"save": None}, [None, 0, 1, 2, 3, 4]),
-])
-def test_a_slime_responder_acknowledges_through_the_last_durable_save(tiny_model_dir, tmp_path, monkeypatch,
-                                                                      start_coordinator, flags, expected):
+@pytest.mark.parametrize(
+    "flags, expected",
+    [
+        # slime saves after steps 1, 3, 5 (every 2nd and the last); at the top of step k the responder
+        # acknowledges through the last save before k ...
+        ({"save_interval": 2}, [None, None, 1, 1, 3, 3]),
+        # ... with --async-save through the save before that one (the newest may not be on disk yet) ...
+        ({"save_interval": 2, "async_save": True}, [None, None, None, None, 1, 1]),
+        # ... and without --save nothing can be resumed: through the step before.
+        ({"save": None}, [None, 0, 1, 2, 3, 4]),
+    ],
+)
+def test_a_slime_responder_acknowledges_through_the_last_durable_save(
+    tiny_model_dir, tmp_path, monkeypatch, start_coordinator, flags, expected
+):
     """Finding 1, for a real slime responder (no hook after its save): at the top of each step it
     acknowledges exactly the steps that a job resumed now would not train again."""
     from _host import slime_args
@@ -297,19 +367,55 @@ def test_a_slime_responder_acknowledges_through_the_last_durable_save(tiny_model
     coordinator = start_coordinator(run_id="acks", agents=("a", "b"), token=TOKEN)
     monkeypatch.setenv(TOKEN_ENV, TOKEN)
     nowhere = "http://127.0.0.1:9"  # no episode runs here: no engine is called
-    mrlx = two_job_config("b", run_id="acks", urls={"a": nowhere}, coordinator=coordinator.url,
-                          coordinator_settings={"wait_deadline_s": 60})
-    host = {"save": str(tmp_path / "ckpt"), "save_interval": None, "async_save": False, "num_rollout": 6, **flags}
-    args = slime_args(nowhere, str(tiny_model_dir), mrlx, rollout_batch_size=1, n_samples_per_prompt=2, **host)
+    mrlx = two_job_config(
+        "b",
+        run_id="acks",
+        urls={"a": nowhere},
+        coordinator=coordinator.url,
+        coordinator_settings={"wait_deadline_s": 60},
+    )
+    host = {
+        "save": str(tmp_path / "ckpt"),
+        "save_interval": None,
+        "async_save": False,
+        "num_rollout": 6,
+        **flags,
+    }
+    args = slime_args(
+        nowhere, str(tiny_model_dir), mrlx, rollout_batch_size=1, n_samples_per_prompt=2, **host
+    )
 
     def group(step: int) -> list[QueueItem]:
-        return [QueueItem(key=f"e{step}-{i}:b", group=f"a:{step}", group_size=2, producer="a", step=step,
-                          tokens=[5, 6, 7, 8], response_length=2, loss_mask=[1, 1], rollout_log_probs=[-0.5, -0.5],
-                          fields={"reward": float(i), "status": "completed", "weight_versions": [str(step)],
-                                  "group_index": step, "index": 2 * step + i,
-                                  "metadata": {"mrlx": {"episode_id": f"e{step}-{i}", "agent": "b", "turns": 1,
-                                                        "raw_reward": float(i), "episode": {}}}})
-                for i in range(2)]
+        return [
+            QueueItem(
+                key=f"e{step}-{i}:b",
+                group=f"a:{step}",
+                group_size=2,
+                producer="a",
+                step=step,
+                tokens=[5, 6, 7, 8],
+                response_length=2,
+                loss_mask=[1, 1],
+                rollout_log_probs=[-0.5, -0.5],
+                fields={
+                    "reward": float(i),
+                    "status": "completed",
+                    "weight_versions": [str(step)],
+                    "group_index": step,
+                    "index": 2 * step + i,
+                    "metadata": {
+                        "mrlx": {
+                            "episode_id": f"e{step}-{i}",
+                            "agent": "b",
+                            "turns": 1,
+                            "raw_reward": float(i),
+                            "episode": {},
+                        }
+                    },
+                },
+            )
+            for i in range(2)
+        ]
 
     async def commit(step: int) -> dict:
         client = CoordinatorClient(coordinator.url, run_id="acks", agent="a", token=TOKEN)
@@ -324,7 +430,9 @@ def test_a_slime_responder_acknowledges_through_the_last_durable_save(tiny_model
         for step in range(6):
             asyncio.run(commit(step))
             out = responder_rollout(args, step, None)
-            assert [[s.metadata["mrlx"]["episode_id"] for s in g] for g in out.samples] == [[f"e{step}-0", f"e{step}-1"]]
+            assert [[s.metadata["mrlx"]["episode_id"] for s in g] for g in out.samples] == [
+                [f"e{step}-0", f"e{step}-1"]
+            ]
             seen.append(asyncio.run(commit(step))["acked_through"])  # committing again: duplicates only
         assert seen == expected
         run_in_host_loop(runtime_for(args).aclose())

@@ -25,23 +25,32 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from _raw_server import RawServer, answer as http_answer
 from _host import group, params, slime_args
+from _raw_server import RawServer
+from _raw_server import answer as http_answer
 
 from mrlx_plugin.core.config import EngineSettings
-from mrlx_plugin.core.engine_client import (ANSWER_BYTES_FIXED, ANSWER_BYTES_PER_TOKEN, MAX_BODY_BYTES,
-                                           EngineClient, EngineError, MalformedAnswer)
+from mrlx_plugin.core.engine_client import (
+    ANSWER_BYTES_FIXED,
+    ANSWER_BYTES_PER_TOKEN,
+    MAX_BODY_BYTES,
+    EngineClient,
+    EngineError,
+    MalformedAnswer,
+)
 from mrlx_plugin.core.host import Status, run_in_host_loop
+from mrlx_plugin.core.metrics import compute_metrics
 from mrlx_plugin.local.fake_host import LocalDataSource, default_rollout
 from mrlx_plugin.local.stub_engine import DEFAULT_TEXT, MALFORMED_MODES, WRONG_TEXT
-from mrlx_plugin.core.metrics import compute_metrics
 from mrlx_plugin.rewards.shaping import normalize
 from mrlx_plugin.rollout import generate
 from mrlx_plugin.runtime import get_runtime, runtime_for
 
 
 def post(url: str, body: dict) -> dict:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=10) as resp:
         return json.loads(resp.read() or b"{}")
 
@@ -73,24 +82,44 @@ def test_every_refused_mode_is_named():
 
 @pytest.mark.parametrize("mode", REFUSED)
 def test_a_malformed_answer_fails_its_episode_not_the_rollout(mode, stub_engine, tiny_model_dir):
-    mrlx = {"run_id": "malformed", "system": "pipeline", "pipeline": {"num_parallel": 1},
-            "engine": {"max_retries": 2, "request_timeout_s": 10.0, "backoff_s": 0.01}}
-    args = slime_args(stub_engine.url, str(tiny_model_dir), mrlx, rollout_batch_size=2, n_samples_per_prompt=2,
-                      sglang_server_concurrency=1, rollout_max_response_len=128)
+    mrlx = {
+        "run_id": "malformed",
+        "system": "pipeline",
+        "pipeline": {"num_parallel": 1},
+        "engine": {"max_retries": 2, "request_timeout_s": 10.0, "backoff_s": 0.01},
+    }
+    args = slime_args(
+        stub_engine.url,
+        str(tiny_model_dir),
+        mrlx,
+        rollout_batch_size=2,
+        n_samples_per_prompt=2,
+        sglang_server_concurrency=1,
+        rollout_max_response_len=128,
+    )
     source = LocalDataSource([("What is 40 + 2?", "42")], 2)
     post(stub_engine.url + "/_stub/faults", {"mode": mode, "count": 1})
     out = default_rollout(args, 0, source)  # returns: nothing raised out of generate
     run_in_host_loop(runtime_for(args).aclose())
     samples = [s for g in out.samples for episode in g for s in episode]
     aborted = [s for s in samples if s.status == Status.ABORTED]
-    assert len({s.metadata["mrlx"]["episode_id"] for s in aborted}) == 1, "only the malformed answer's episode"
+    assert len({s.metadata["mrlx"]["episode_id"] for s in aborted}) == 1, (
+        "only the malformed answer's episode"
+    )
     assert [s for s in samples if s.status == Status.COMPLETED], "the other episodes went on"
     for s in aborted:
-        assert s.reward == 0.0 and set(s.loss_mask) == {0} and set(s.rollout_log_probs) == {0.0} and s.remove_sample
+        assert (
+            s.reward == 0.0
+            and set(s.loss_mask) == {0}
+            and set(s.rollout_log_probs) == {0.0}
+            and s.remove_sample
+        )
         reason = s.metadata["mrlx"]["abort_reason"]
-        assert reason.startswith("malformed answer from " + stub_engine.url) and REASONS[mode] in reason, reason
+        assert reason.startswith("malformed answer from " + stub_engine.url) and REASONS[mode] in reason, (
+            reason
+        )
     for s in samples:  # no sample carries an id the trainer or the coordinator's int32 frames cannot hold
-        assert 0 <= min(s.tokens) and max(s.tokens) < 512
+        assert min(s.tokens) >= 0 and max(s.tokens) < 512
         assert len(s.loss_mask) == len(s.rollout_log_probs) == s.response_length
     assert get(stub_engine.url + "/_stub/stats")["faults_served"] == 1, "a malformed answer is not retried"
     metrics = compute_metrics(samples)
@@ -112,16 +141,23 @@ def test_the_engine_client_refuses_a_malformed_answer_with_one_clear_error(stub_
 
     error = asyncio.run(run())
     assert not error.retryable and error.attempts == 1
-    assert str(error) == (f"{stub_engine.url}/generate: malformed answer: log-prob 3.0 is positive "
-                          "(log-probabilities are <= 0) (after 1 attempt)")
+    assert str(error) == (
+        f"{stub_engine.url}/generate: malformed answer: log-prob 3.0 is positive "
+        "(log-probabilities are <= 0) (after 1 attempt)"
+    )
 
 
 def test_a_text_the_ids_do_not_spell_is_not_what_is_graded(stub_engine, tiny_model_dir):
     """The stub's ids spell its default text (`\\boxed{42}`, right) while its `text` says
     `\\boxed{7}` (wrong): graders and peers read what the trained ids spell."""
+
     async def run():
-        mrlx = {"run_id": "wrong-text", "system": "pipeline", "pipeline": {"num_parallel": 1, "weighting": "none"},
-                "engine": {"max_retries": 0, "request_timeout_s": 10.0}}
+        mrlx = {
+            "run_id": "wrong-text",
+            "system": "pipeline",
+            "pipeline": {"num_parallel": 1, "weighting": "none"},
+            "engine": {"max_retries": 0, "request_timeout_s": 10.0},
+        }
         args = slime_args(stub_engine.url, str(tiny_model_dir), mrlx)
         post(stub_engine.url + "/_stub/faults", {"mode": "wrong_text", "count": 1000})
         out = await generate(args, group(0, 1)[0], params(args))
@@ -145,7 +181,9 @@ async def _hold(server: RawServer, writer: asyncio.StreamWriter) -> None:
 
 
 async def bad_length(server: RawServer, writer: asyncio.StreamWriter) -> None:
-    await server.write(writer, b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 12x\r\n\r\n{}")
+    await server.write(
+        writer, b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 12x\r\n\r\n{}"
+    )
     await _hold(server, writer)
 
 
@@ -155,7 +193,9 @@ async def bad_status(server: RawServer, writer: asyncio.StreamWriter) -> None:
 
 
 async def endless_chunks(server: RawServer, writer: asyncio.StreamWriter) -> None:
-    await server.write(writer, b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n")
+    await server.write(
+        writer, b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+    )
     chunk = b"[" * (1 << 20)
     while True:
         await server.write(writer, b"%x\r\n%s\r\n" % (len(chunk), chunk))
@@ -172,10 +212,12 @@ def refuse(answer, sampling: dict, timeout: float, retries: int = 1):
     """Call `generate` against a raw server answering `answer`; return the EngineError, the
     seconds it took, how much the process's peak RSS grew (MiB; None where the kernel cannot
     restart the count) and the server."""
+
     async def run():
         async with RawServer(answer) as server:
-            client = EngineClient(server.url, EngineSettings(max_retries=retries, backoff_s=0.01,
-                                                             request_timeout_s=timeout))
+            client = EngineClient(
+                server.url, EngineSettings(max_retries=retries, backoff_s=0.01, request_timeout_s=timeout)
+            )
             try:
                 try:
                     Path("/proc/self/clear_refs").write_text("5")  # restart the peak-RSS count here
@@ -193,12 +235,16 @@ def refuse(answer, sampling: dict, timeout: float, retries: int = 1):
     return asyncio.run(run())
 
 
-@pytest.mark.parametrize("answer, sampling, reason", [
-    (bad_length, {"max_new_tokens": 16}, "bad Content-Length in the answer: '12x'"),
-    (bad_status, {"max_new_tokens": 16}, "not an HTTP/1.1 status line: 'HTTP/1.1 2OO OK'"),
-    # a request that does not bound its answer: the client's absolute limit cuts it
-    (endless_chunks, {}, f"the answer is over the {MAX_BODY_BYTES}-byte limit"),
-], ids=["content-length", "status-line", "endless-chunked-body"])
+@pytest.mark.parametrize(
+    "answer, sampling, reason",
+    [
+        (bad_length, {"max_new_tokens": 16}, "bad Content-Length in the answer: '12x'"),
+        (bad_status, {"max_new_tokens": 16}, "not an HTTP/1.1 status line: 'HTTP/1.1 2OO OK'"),
+        # a request that does not bound its answer: the client's absolute limit cuts it
+        (endless_chunks, {}, f"the answer is over the {MAX_BODY_BYTES}-byte limit"),
+    ],
+    ids=["content-length", "status-line", "endless-chunked-body"],
+)
 def test_an_answer_that_is_not_http_fails_at_once_with_bounded_memory(answer, sampling, reason):
     timeout = 30.0
     error, elapsed, grew_mib, server = refuse(answer, sampling, timeout)
@@ -228,14 +274,16 @@ def bomb(size: int, head: bytes = BOMB_HEAD, entry: bytes = b"[0,0]") -> bytes:
 async def declared_and_held(server: RawServer, writer: asyncio.StreamWriter) -> None:
     """A 200 head declaring a 4 MiB body, then nothing: only a client that refuses it by its
     declared length ends the call before its deadline."""
-    await server.write(writer, b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
-                               b"Content-Length: %d\r\n\r\n" % (4 << 20))
+    await server.write(
+        writer, b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % (4 << 20)
+    )
     await _hold(server, writer)
 
 
 def reply_with(body: bytes):
     async def reply(server: RawServer, writer: asyncio.StreamWriter) -> None:
         await server.write(writer, http_answer(200, body))
+
     return reply
 
 
@@ -243,16 +291,34 @@ def reply_with(body: bytes):
 SMALL_REQUEST_BYTES = ANSWER_BYTES_FIXED + 16 * ANSWER_BYTES_PER_TOKEN
 
 
-@pytest.mark.parametrize("answer, reason", [
-    (declared_and_held, f"the answer is {4 << 20} bytes, more than an answer of max_new_tokens 16 may take "
-                        f"({SMALL_REQUEST_BYTES} bytes)"),
-    (endless_chunks, f"the answer is over {SMALL_REQUEST_BYTES} bytes, more than an answer of "
-                     "max_new_tokens 16 may take"),
-    # within the byte allowance, and no entry more than asked for: junk beside them
-    (reply_with(bomb(SMALL_REQUEST_BYTES - 100, head=b'{"text":"","meta_info":{"finish_reason":"stop",'
-                     b'"output_token_logprobs":[[-0.5,7]],"junk":[', entry=b"0")),
-     "JSON values, more than an answer of max_new_tokens 16 holds (4608)"),
-], ids=["declared-length", "endless-chunked-body", "many-values"])
+@pytest.mark.parametrize(
+    "answer, reason",
+    [
+        (
+            declared_and_held,
+            f"the answer is {4 << 20} bytes, more than an answer of max_new_tokens 16 may take "
+            f"({SMALL_REQUEST_BYTES} bytes)",
+        ),
+        (
+            endless_chunks,
+            f"the answer is over {SMALL_REQUEST_BYTES} bytes, more than an answer of "
+            "max_new_tokens 16 may take",
+        ),
+        # within the byte allowance, and no entry more than asked for: junk beside them
+        (
+            reply_with(
+                bomb(
+                    SMALL_REQUEST_BYTES - 100,
+                    head=b'{"text":"","meta_info":{"finish_reason":"stop",'
+                    b'"output_token_logprobs":[[-0.5,7]],"junk":[',
+                    entry=b"0",
+                )
+            ),
+            "JSON values, more than an answer of max_new_tokens 16 holds (4608)",
+        ),
+    ],
+    ids=["declared-length", "endless-chunked-body", "many-values"],
+)
 def test_an_answer_larger_than_its_request_allows_is_refused_before_it_is_read_or_parsed(answer, reason):
     """The request's `max_new_tokens` bounds the answer's bytes and its JSON values; an answer
     past either is malformed (not retried) and refused before the body is read (by its declared
@@ -280,8 +346,15 @@ def test_a_hostile_answer_within_the_byte_allowance_is_refused_before_its_values
 # --- a peer's samples: what job A hands job B through the coordinator ----------------------
 
 
-def initiator_step(a_url: str, b_url: str, model_dir, start_coordinator, monkeypatch, run_id: str,
-                   plugins: list[str] | None = None):
+def initiator_step(
+    a_url: str,
+    b_url: str,
+    model_dir,
+    start_coordinator,
+    monkeypatch,
+    run_id: str,
+    plugins: list[str] | None = None,
+):
     """One step of job A of a two-model dialogue run (A speaks on `a_url`, B on `b_url`): A's
     rollout output, and what B's queue then holds for that step (the groups B leases)."""
     from _coord_procs import TOKEN_ENV
@@ -292,13 +365,25 @@ def initiator_step(a_url: str, b_url: str, model_dir, start_coordinator, monkeyp
 
     coordinator = start_coordinator(run_id=run_id, agents=("a", "b"), token=TOKEN)
     monkeypatch.setenv(TOKEN_ENV, TOKEN)
-    mrlx = two_job_config("a", run_id=run_id, urls={"b": b_url}, coordinator=coordinator.url,
-                          coordinator_settings={"wait_deadline_s": 20}, dialogue={"max_turns": 2},
-                          engine={"max_retries": 0, "request_timeout_s": 10.0})
+    mrlx = two_job_config(
+        "a",
+        run_id=run_id,
+        urls={"b": b_url},
+        coordinator=coordinator.url,
+        coordinator_settings={"wait_deadline_s": 20},
+        dialogue={"max_turns": 2},
+        engine={"max_retries": 0, "request_timeout_s": 10.0},
+    )
     if plugins:
         mrlx["plugins"] = plugins
-    args = slime_args(a_url, str(model_dir), mrlx, rollout_batch_size=1, n_samples_per_prompt=2,
-                      rollout_max_response_len=128)
+    args = slime_args(
+        a_url,
+        str(model_dir),
+        mrlx,
+        rollout_batch_size=1,
+        n_samples_per_prompt=2,
+        rollout_max_response_len=128,
+    )
     out = initiator_rollout(args, 0, LocalDataSource([("What is 40 + 2?", "42")], 2))
     run_in_host_loop(runtime_for(args).aclose())
 
@@ -313,7 +398,8 @@ def initiator_step(a_url: str, b_url: str, model_dir, start_coordinator, monkeyp
 
 
 def test_a_peer_turn_with_a_log_prob_past_float32_aborts_its_episode_not_the_step(
-        stub_engine, logs_dir, tiny_model_dir, monkeypatch, start_coordinator):
+    stub_engine, logs_dir, tiny_model_dir, monkeypatch, start_coordinator
+):
     """B's engine answers one turn with a log-prob of -1e39, which no float32 holds: the episode
     ends ABORTED as for any malformed answer, and A's step goes on with its group whole (the
     coordinator's frames carry log-probs as float32; such a value once failed A's whole step)."""
@@ -322,8 +408,9 @@ def test_a_peer_turn_with_a_log_prob_past_float32_aborts_its_episode_not_the_ste
     b_engine = start_stub_engine(log_dir=logs_dir, name="stub-b-overflow-logprob")
     try:
         post(b_engine.url + "/_stub/faults", {"mode": "overflow_logprob", "count": 1})
-        out, lease = initiator_step(stub_engine.url, b_engine.url, tiny_model_dir, start_coordinator,
-                                    monkeypatch, "overflow-logprob")
+        out, lease = initiator_step(
+            stub_engine.url, b_engine.url, tiny_model_dir, start_coordinator, monkeypatch, "overflow-logprob"
+        )
         assert get(b_engine.url + "/_stub/stats")["faults_served"] == 1
     finally:
         b_engine.stop()
@@ -355,7 +442,8 @@ def mrlx_episode_end(episode, samples):
 
 
 def test_a_peer_sample_the_coordinator_frames_cannot_encode_goes_as_a_filler_and_the_step_goes_on(
-        stub_engine, tiny_model_dir, tmp_path, monkeypatch, start_coordinator, caplog):
+    stub_engine, tiny_model_dir, tmp_path, monkeypatch, start_coordinator, caplog
+):
     """One of B's samples holds a value the frame encoder refuses (a numpy number in its metadata,
     put there by a plugin): it goes to B as an ABORTED filler, counted with the refused items and
     logged naming the agent and the cause; the other sample and A's step go on."""
@@ -363,8 +451,15 @@ def test_a_peer_sample_the_coordinator_frames_cannot_encode_goes_as_a_filler_and
 
     plugin = write_hook_module(tmp_path, monkeypatch, "numpy_episode_metadata", UNENCODABLE_METADATA)
     with caplog.at_level("WARNING", logger="mrlx_plugin.link.peers"):
-        out, lease = initiator_step(stub_engine.url, stub_engine.url, tiny_model_dir, start_coordinator,
-                                    monkeypatch, "unencodable", plugins=[plugin])
+        out, lease = initiator_step(
+            stub_engine.url,
+            stub_engine.url,
+            tiny_model_dir,
+            start_coordinator,
+            monkeypatch,
+            "unencodable",
+            plugins=[plugin],
+        )
     assert out.metrics["coordinator/items_refused"] == 1 and out.metrics["coordinator/samples_sent"] == 2
     assert [len(g) for g in lease.groups] == [2], "B's group arrives whole"
     items = sorted(lease.groups[0], key=lambda item: item.fields["status"])

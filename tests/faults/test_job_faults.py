@@ -25,7 +25,9 @@ def refuses_connections(port: int) -> bool:
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("fault-models")
-    return ensure_model(root / "a", preset="tiny", seed=3), ensure_model(root / "b", preset="tiny", seed=4, vocab_size=384)
+    return ensure_model(root / "a", preset="tiny", seed=3), ensure_model(
+        root / "b", preset="tiny", seed=4, vocab_size=384
+    )
 
 
 @pytest.fixture
@@ -46,8 +48,11 @@ def test_coordinator_killed_mid_step_and_restarted_loses_and_repeats_nothing(job
     # Back as soon as the old one is observably gone, not after a fixed downtime: the jobs' calls
     # meet the dead address while the new process starts, and a downtime that grows with a loaded
     # machine's slow restart only risks outlasting the retries of the jobs' coordinator calls.
-    jobs.wait_until(lambda: refuses_connections(jobs.coord_port), timeout=30,
-                    what="the killed coordinator's port to refuse connections")
+    jobs.wait_until(
+        lambda: refuses_connections(jobs.coord_port),
+        timeout=30,
+        what="the killed coordinator's port to refuse connections",
+    )
     jobs.coordinator = jobs.start_coordinator()  # same database, same port
     assert jobs.wait("b") == 0, jobs.log("b")
     assert jobs.wait("a") == 0, jobs.log("a")

@@ -41,8 +41,11 @@ def stubs(logs_dir, request):
 
     def start(text: str):
         name = f"nonfinite-{request.node.name[:30]}-{len(started)}"
-        started.append(start_stub_engine(log_dir=logs_dir, name=name,
-                                         extra=["--text", text, "--response-tokens", str(len(text) + 1)]))
+        started.append(
+            start_stub_engine(
+                log_dir=logs_dir, name=name, extra=["--text", text, "--response-tokens", str(len(text) + 1)]
+            )
+        )
         return started[-1]
 
     yield start
@@ -53,6 +56,7 @@ def stubs(logs_dir, request):
 def run(url: str, tokenizer, mrlx: dict, samples: list[Sample], settings=None) -> list[list]:
     """One `generate` call per sample, concurrently, as the host makes them; each call's samples.
     `settings(runtime_settings)` may change the loaded settings first (a value no loader lets in)."""
+
     async def go():
         args = slime_args(url, str(tokenizer), mrlx, rollout_max_response_len=256)
         if settings is not None:
@@ -66,8 +70,9 @@ def run(url: str, tokenizer, mrlx: dict, samples: list[Sample], settings=None) -
     return asyncio.run(go())
 
 
-def samples_of(groups: int, per_group: int, prompt: str = "What is 40 + 2?",
-               label: str = "42") -> list[Sample]:
+def samples_of(
+    groups: int, per_group: int, prompt: str = "What is 40 + 2?", label: str = "42"
+) -> list[Sample]:
     return [s for g in range(groups) for s in group(g, per_group, prompt, label)]
 
 
@@ -131,30 +136,40 @@ SHOWN = {"math.nan": "nan", "math.inf": "inf", "-math.inf": "-inf"}  # each valu
 
 
 def game_config(module: str, **rewards) -> dict:
-    return {"run_id": "nonfinite-game", "system": "game", "plugins": [module],
-            "agents": {"player": {"url": "self"}},
-            "game": {"name": "steps", "max_turns": 2}, "rewards": rewards, "engine": ENGINE}
+    return {
+        "run_id": "nonfinite-game",
+        "system": "game",
+        "plugins": [module],
+        "agents": {"player": {"url": "self"}},
+        "game": {"name": "steps", "max_turns": 2},
+        "rewards": rewards,
+        "engine": ENGINE,
+    }
 
 
 @pytest.mark.parametrize("branch", [1, 2])
 @pytest.mark.parametrize("bad", ["math.nan", "math.inf", "-math.inf"])
-def test_a_move_reward_that_is_not_finite_aborts_naming_the_game_and_its_plugin(bad, branch, stub_engine,
-                                                                                tiny_model_dir, tmp_path,
-                                                                                monkeypatch, caplog):
+def test_a_move_reward_that_is_not_finite_aborts_naming_the_game_and_its_plugin(
+    bad, branch, stub_engine, tiny_model_dir, tmp_path, monkeypatch, caplog
+):
     module = f"steps_move_{bad.replace('-', 'minus_').replace('.', '_')}_{branch}"
-    write_hook_module(tmp_path, monkeypatch, module,
-                      GAME.format(move_reward=f"{bad} if state == 1 else 0.5", outcome="[1.0]"))
-    outs = run(stub_engine.url, tiny_model_dir, game_config(module, credit="turn", branch=branch),
-               samples_of(2, 2))
+    write_hook_module(
+        tmp_path,
+        monkeypatch,
+        module,
+        GAME.format(move_reward=f"{bad} if state == 1 else 0.5", outcome="[1.0]"),
+    )
+    outs = run(
+        stub_engine.url, tiny_model_dir, game_config(module, credit="turn", branch=branch), samples_of(2, 2)
+    )
     assert [len(out) for out in outs] == [2 * branch] * 4  # the fixed fan-out: 2 turns x branch
-    assert_aborted_naming(outs, caplog, "game 'steps'", f"plugin '{module}'", "move_reward",
-                          SHOWN[bad])
+    assert_aborted_naming(outs, caplog, "game 'steps'", f"plugin '{module}'", "move_reward", SHOWN[bad])
 
 
 @pytest.mark.parametrize("credit", ["episode", "turn"])
-def test_an_outcome_that_is_not_finite_aborts_naming_the_game_and_its_plugin(credit, stub_engine,
-                                                                             tiny_model_dir, tmp_path,
-                                                                             monkeypatch, caplog):
+def test_an_outcome_that_is_not_finite_aborts_naming_the_game_and_its_plugin(
+    credit, stub_engine, tiny_model_dir, tmp_path, monkeypatch, caplog
+):
     module = f"steps_outcome_nan_{credit}"
     write_hook_module(tmp_path, monkeypatch, module, GAME.format(move_reward="0.5", outcome="[math.nan]"))
     outs = run(stub_engine.url, tiny_model_dir, game_config(module, credit=credit), samples_of(2, 2))
@@ -164,8 +179,13 @@ def test_an_outcome_that_is_not_finite_aborts_naming_the_game_and_its_plugin(cre
 
 def test_an_illegal_move_penalty_that_is_not_finite_is_blamed_on_the_setting(stubs, tiny_model_dir, caplog):
     stub = stubs("\\boxed{9}")  # no legal move in nim
-    mrlx = {"run_id": "nonfinite-penalty", "system": "game", "agents": {"p": {"url": "self"}},
-            "game": {"name": "nim", "seats": ["p", "script:random"]}, "engine": ENGINE}
+    mrlx = {
+        "run_id": "nonfinite-penalty",
+        "system": "game",
+        "agents": {"p": {"url": "self"}},
+        "game": {"name": "nim", "seats": ["p", "script:random"]},
+        "engine": ENGINE,
+    }
 
     def nan_penalty(settings):  # the loader's bounds aside: a value that reaches the episode
         settings.game.illegal_penalty = math.nan
@@ -178,52 +198,89 @@ def test_an_illegal_move_penalty_that_is_not_finite_is_blamed_on_the_setting(stu
 
 
 def dialogue_config(module: str, **rewards) -> dict:
-    return {"run_id": "nonfinite-hooks", "system": "dialogue", "plugins": [module],
-            "agents": {a: {"url": "self"} for a in ("asker", "answerer")},
-            "dialogue": {"max_turns": 4}, "rewards": rewards, "engine": ENGINE}
+    return {
+        "run_id": "nonfinite-hooks",
+        "system": "dialogue",
+        "plugins": [module],
+        "agents": {a: {"url": "self"} for a in ("asker", "answerer")},
+        "dialogue": {"max_turns": 4},
+        "rewards": rewards,
+        "engine": ENGINE,
+    }
 
 
 @pytest.mark.parametrize("branch", [1, 2])
 @pytest.mark.parametrize("bad", ["math.nan", "math.inf"])
-def test_a_turn_reward_that_is_not_finite_aborts_naming_the_plugin(bad, branch, stub_engine, tiny_model_dir,
-                                                                   tmp_path, monkeypatch, caplog):
+def test_a_turn_reward_that_is_not_finite_aborts_naming_the_plugin(
+    bad, branch, stub_engine, tiny_model_dir, tmp_path, monkeypatch, caplog
+):
     module = f"turn_reward_{bad.replace('.', '_')}_{branch}"
-    write_hook_module(tmp_path, monkeypatch, module, (
-        "@hookimpl\ndef mrlx_turn_reward(episode, transcript, index, turn):\n"
-        f"    return {bad} if index == 1 else 0.25\n"))
-    outs = run(stub_engine.url, tiny_model_dir, dialogue_config(module, credit="turn", branch=branch),
-               samples_of(2, 2))
+    write_hook_module(
+        tmp_path,
+        monkeypatch,
+        module,
+        (
+            "@hookimpl\ndef mrlx_turn_reward(episode, transcript, index, turn):\n"
+            f"    return {bad} if index == 1 else 0.25\n"
+        ),
+    )
+    outs = run(
+        stub_engine.url,
+        tiny_model_dir,
+        dialogue_config(module, credit="turn", branch=branch),
+        samples_of(2, 2),
+    )
     assert_aborted_naming(outs, caplog, f"mrlx_turn_reward of plugin '{module}'", SHOWN[bad])
 
 
 @pytest.mark.parametrize("credit", ["episode", "turn"])
-def test_a_shaped_reward_that_is_not_finite_aborts_naming_the_plugin(credit, stub_engine, tiny_model_dir,
-                                                                     tmp_path, monkeypatch, caplog):
+def test_a_shaped_reward_that_is_not_finite_aborts_naming_the_plugin(
+    credit, stub_engine, tiny_model_dir, tmp_path, monkeypatch, caplog
+):
     module = f"shape_nan_{credit}"
-    write_hook_module(tmp_path, monkeypatch, module, (
-        "@hookimpl\ndef mrlx_shape_rewards(episode):\n"
-        "    return {i: (math.nan if i == 0 else t.raw_reward) for i, t in enumerate(episode.transcripts)\n"
-        "            if t.raw_reward is not None}\n"))
+    write_hook_module(
+        tmp_path,
+        monkeypatch,
+        module,
+        (
+            "@hookimpl\ndef mrlx_shape_rewards(episode):\n"
+            "    return {i: (math.nan if i == 0 else t.raw_reward) for i, t in "
+            "enumerate(episode.transcripts)\n"
+            "            if t.raw_reward is not None}\n"
+        ),
+    )
     outs = run(stub_engine.url, tiny_model_dir, dialogue_config(module, credit=credit), samples_of(2, 2))
     assert_aborted_naming(outs, caplog, f"mrlx_shape_rewards of plugin '{module}'", "nan")
 
 
-def test_a_grade_that_is_not_finite_aborts_naming_the_plugin(stub_engine, tiny_model_dir, tmp_path,
-                                                             monkeypatch, caplog):
+def test_a_grade_that_is_not_finite_aborts_naming_the_plugin(
+    stub_engine, tiny_model_dir, tmp_path, monkeypatch, caplog
+):
     module = "grade_inf"
-    write_hook_module(tmp_path, monkeypatch, module, (
-        "@hookimpl\nasync def mrlx_grade(agent, transcript, episode):\n"
-        "    return -math.inf if agent == 'answerer' else None\n"))
+    write_hook_module(
+        tmp_path,
+        monkeypatch,
+        module,
+        (
+            "@hookimpl\nasync def mrlx_grade(agent, transcript, episode):\n"
+            "    return -math.inf if agent == 'answerer' else None\n"
+        ),
+    )
     outs = run(stub_engine.url, tiny_model_dir, dialogue_config(module), samples_of(1, 2))
-    assert_aborted_naming(outs, caplog, "grading agent 'answerer'", f"mrlx_grade of plugin '{module}'",
-                          "-inf")
+    assert_aborted_naming(
+        outs, caplog, "grading agent 'answerer'", f"mrlx_grade of plugin '{module}'", "-inf"
+    )
 
 
 def test_a_shaping_setting_that_is_not_finite_is_blamed_on_the_setting(stub_engine, tiny_model_dir, caplog):
-    mrlx = {"run_id": "nonfinite-coupling", "system": "dialogue",
-            "agents": {a: {"url": "self"} for a in ("asker", "answerer")},
-            "dialogue": {"max_turns": 2}, "engine": ENGINE,
-            "rewards": {"shaping": "asymmetric", "coupling": {"asker": {"asker": 1.0, "answerer": 0.5}}}}
+    mrlx = {
+        "run_id": "nonfinite-coupling",
+        "system": "dialogue",
+        "agents": {a: {"url": "self"} for a in ("asker", "answerer")},
+        "dialogue": {"max_turns": 2},
+        "engine": ENGINE,
+        "rewards": {"shaping": "asymmetric", "coupling": {"asker": {"asker": 1.0, "answerer": 0.5}}},
+    }
 
     def nan_weight(settings):
         settings.rewards.coupling["asker"]["answerer"] = math.nan
@@ -234,9 +291,17 @@ def test_a_shaping_setting_that_is_not_finite_is_blamed_on_the_setting(stub_engi
 
 def test_a_debate_reward_setting_that_is_not_finite_is_blamed_on_the_setting(stubs, tiny_model_dir, caplog):
     stub = stubs("Winner: A")
-    mrlx = {"run_id": "nonfinite-debate", "system": "debate", "engine": ENGINE, "debate": {"rounds": 1},
-            "agents": {"pro": {"url": "self"}, "con": {"url": "self"},
-                       "judge": {"url": stub.url, "trainable": False}}}
+    mrlx = {
+        "run_id": "nonfinite-debate",
+        "system": "debate",
+        "engine": ENGINE,
+        "debate": {"rounds": 1},
+        "agents": {
+            "pro": {"url": "self"},
+            "con": {"url": "self"},
+            "judge": {"url": stub.url, "trainable": False},
+        },
+    }
 
     def nan_win(settings):
         settings.debate.win_reward = math.nan
@@ -246,9 +311,17 @@ def test_a_debate_reward_setting_that_is_not_finite_is_blamed_on_the_setting(stu
 
 
 def test_the_normaliser_refuses_a_reward_that_is_not_finite_naming_the_sample():
-    samples = [Sample(group_index=0, index=i, prompt="p", label=None, reward=r,
-                      metadata={"mrlx": {"agent": "solver", "episode_id": f"run:{i}"}})
-               for i, r in enumerate([1.0, math.nan])]
+    samples = [
+        Sample(
+            group_index=0,
+            index=i,
+            prompt="p",
+            label=None,
+            reward=r,
+            metadata={"mrlx": {"agent": "solver", "episode_id": f"run:{i}"}},
+        )
+        for i, r in enumerate([1.0, math.nan])
+    ]
     args = type("Args", (), {"advantage_estimator": "grpo", "reward_key": None})()
     with pytest.raises(ValueError, match=r"sample 1 .*agent 'solver'.*episode 'run:1'.*reward nan"):
         normalize(args, samples)
@@ -270,17 +343,21 @@ def refusing_url():
 def test_a_pool_member_that_is_down_fails_its_episodes_at_once(stubs, tiny_model_dir, refusing_url, caplog):
     me = stubs("\\boxed{1}")  # p takes one stone per move
     opponents = ["past", "script:random"]
-    mrlx = {"run_id": "pool-down", "system": "game",
-            "agents": {"p": {"url": "self"}, "past": {"url": refusing_url, "trainable": False}},
-            "game": {"name": "nim", "seats": ["p", "pool"], "opponents": opponents},
-            "engine": {**ENGINE, "peer_deadline_s": 600, "abort_retry_wait_s": 0.05, "connect_timeout_s": 2}}
+    mrlx = {
+        "run_id": "pool-down",
+        "system": "game",
+        "agents": {"p": {"url": "self"}, "past": {"url": refusing_url, "trainable": False}},
+        "game": {"name": "nim", "seats": ["p", "pool"], "opponents": opponents},
+        "engine": {**ENGINE, "peer_deadline_s": 600, "abort_retry_wait_s": 0.05, "connect_timeout_s": 2},
+    }
     prompts = "Nim: 7 stones"
 
     async def go():
         args = slime_args(me.url, str(tiny_model_dir), mrlx, rollout_max_response_len=256)
         try:
-            first = await asyncio.gather(*(generate(args, s, params(args))
-                                           for s in samples_of(6, 2, prompts, "")))
+            first = await asyncio.gather(
+                *(generate(args, s, params(args)) for s in samples_of(6, 2, prompts, ""))
+            )
             # a later step: the member is still marked down, its episodes end without a call
             later = [await generate(args, s, params(args)) for s in group(6, 2, prompts, "")]
             later += [await generate(args, s, params(args)) for s in group(10, 2, prompts, "")]

@@ -20,7 +20,9 @@ def align_of(parallel: dict[str, int]) -> int:
     return parallel["dp_size"] * (group if vpp > 1 else 1)
 
 
-def split_by_dp(args: Any, parallel: dict[str, int], lengths: list[int], rollout_ids: list[Any]) -> list[list[int]]:
+def split_by_dp(
+    args: Any, parallel: dict[str, int], lengths: list[int], rollout_ids: list[Any]
+) -> list[list[int]]:
     """Sample positions per data-parallel rank; raises AssertionError where the host would."""
     dp = parallel["dp_size"]
     gbs = int(args.global_batch_size)
@@ -29,11 +31,13 @@ def split_by_dp(args: Any, parallel: dict[str, int], lengths: list[int], rollout
         by_rollout.setdefault(rid, []).append(pos)
     ids = list(by_rollout)
     steps = len(ids) // gbs
-    assert steps >= 1, f"num_rollouts ({len(ids)}) < global_batch_size ({gbs}); need at least one rollout per step."
+    assert steps >= 1, (
+        f"num_rollouts ({len(ids)}) < global_batch_size ({gbs}); need at least one rollout per step."
+    )
     align = align_of(parallel)
     ranks: list[list[int]] = [[] for _ in range(dp)]
     for step in range(steps):
-        positions = [p for rid in ids[step * gbs:(step + 1) * gbs] for p in by_rollout[rid]]
+        positions = [p for rid in ids[step * gbs : (step + 1) * gbs] for p in by_rollout[rid]]
         assert len(positions) >= dp, f"step {step}: {len(positions)} samples < dp_size {dp}"
         if getattr(args, "use_dynamic_batch_size", False):
             cap = int(args.max_tokens_per_gpu) * parallel.get("cp_size", 1)
@@ -54,13 +58,14 @@ def split_by_dp(args: Any, parallel: dict[str, int], lengths: list[int], rollout
                 assert splittable, f"dynamic path: could only produce {len(bins)} mbs; need {target}"
                 big = max(splittable, key=len)
                 bins.remove(big)
-                bins += [big[: len(big) // 2], big[len(big) // 2:]]
+                bins += [big[: len(big) // 2], big[len(big) // 2 :]]
         else:
             mbs = int(args.micro_batch_size)
-            bins = [positions[i:i + mbs] for i in range(0, len(positions), mbs)]
+            bins = [positions[i : i + mbs] for i in range(0, len(positions), mbs)]
             if len(bins) % align:
                 raise AssertionError(
-                    f"static path: num_mbs ({len(bins)}) is not a multiple of dp_size * mb_group ({align}); got "
+                    f"static path: num_mbs ({len(bins)}) is not a multiple of dp_size * mb_group ({align}); "
+                    "got "
                     f"step_size={len(positions)}, micro_batch_size={mbs}, dp_size={dp}"
                 )
         for k, b in enumerate(bins):

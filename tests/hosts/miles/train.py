@@ -76,7 +76,8 @@ class Driver:
                 last = dropped[-1]
                 message = (
                     f"{last} (the class-based rollout dropped {len(dropped)} groups whose "
-                    "generate call raised and keeps drawing more, as Miles does: this rollout would never end)"
+                    "generate call raised and keeps drawing more, as Miles does: this rollout would never "
+                    "end)"
                 )
                 self._give_up(
                     {

@@ -49,9 +49,14 @@ def _probe_aborts(urls: list[str], probes: list[dict[str, Any]]) -> None:
         state = sglang_rollout.GenerateState(args)
         capacity = args.sglang_server_concurrency * sglang_rollout.get_rollout_num_engines(args)
         # Blocking on purpose: no episode runs on the loop between this count and the flag.
-        probes.append({"rollout_id": rollout_id, "requests_at_abort": _generate_requests(urls),
-                       "generate_calls_in_flight": capacity - state.semaphore._value,
-                       "groups_pending": sum(not t.done() for t in state.pendings)})
+        probes.append(
+            {
+                "rollout_id": rollout_id,
+                "requests_at_abort": _generate_requests(urls),
+                "generate_calls_in_flight": capacity - state.semaphore._value,
+                "groups_pending": sum(not t.done() for t in state.pendings),
+            }
+        )
         return await real_abort(args, rollout_id)
 
     sglang_rollout.abort = abort
@@ -59,8 +64,13 @@ def _probe_aborts(urls: list[str], probes: list[dict[str, Any]]) -> None:
 
 def _error(exc: BaseException, rollout_id: int, phase: str) -> dict[str, Any]:
     kind = f"{type(exc).__module__}.{type(exc).__qualname__}"
-    return {"rollout_id": rollout_id, "phase": phase, "type": kind, "message": str(exc),
-            "traceback": traceback.format_exc()}
+    return {
+        "rollout_id": rollout_id,
+        "phase": phase,
+        "type": kind,
+        "message": str(exc),
+        "traceback": traceback.format_exc(),
+    }
 
 
 def main(argv: list[str]) -> int:
@@ -84,8 +94,14 @@ def main(argv: list[str]) -> int:
     }
     data_source = load_function(args.data_source_path)(args)
     manager = RolloutManager(args, data_source, parallel)
-    result: dict[str, Any] = {"parallel": parallel, "global_batch_size": args.global_batch_size, "steps": [],
-                              "evals": [], "aborts": probes, "errors": []}
+    result: dict[str, Any] = {
+        "parallel": parallel,
+        "global_batch_size": args.global_batch_size,
+        "steps": [],
+        "evals": [],
+        "aborts": probes,
+        "errors": [],
+    }
 
     def write() -> None:
         with open(fake.fake_result, "w") as f:
@@ -130,5 +146,7 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")  # slime logs to stderr
+    logging.basicConfig(
+        level=logging.INFO, format="%(levelname)s %(name)s: %(message)s"
+    )  # slime logs to stderr
     sys.exit(main(sys.argv[1:]))

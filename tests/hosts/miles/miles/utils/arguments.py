@@ -165,8 +165,10 @@ def validate_args(args: argparse.Namespace) -> None:
     if args.num_steps_per_rollout is not None:
         gbs = args.rollout_batch_size * args.n_samples_per_prompt // args.num_steps_per_rollout
         assert args.global_batch_size in (None, gbs), (
-            f"global_batch_size {args.global_batch_size} is not equal to rollout_batch_size {args.rollout_batch_size} "
-            f"* n_samples_per_prompt {args.n_samples_per_prompt} // num_steps_per_rollout {args.num_steps_per_rollout}"
+            f"global_batch_size {args.global_batch_size} is not equal to rollout_batch_size "
+            f"{args.rollout_batch_size} "
+            f"* n_samples_per_prompt {args.n_samples_per_prompt} // num_steps_per_rollout "
+            f"{args.num_steps_per_rollout}"
         )
         args.global_batch_size = gbs
     elif args.global_batch_size is None:

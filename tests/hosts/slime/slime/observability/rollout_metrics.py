@@ -22,11 +22,13 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else 0.0
 
 
-def log_rollout_data(rollout_id: int, args: Any, samples: list[Sample],
-                     rollout_extra_metrics: dict | None, rollout_time: float) -> None:
+def log_rollout_data(
+    rollout_id: int, args: Any, samples: list[Sample], rollout_extra_metrics: dict | None, rollout_time: float
+) -> None:
     custom = args.custom_rollout_log_function_path
-    if custom is not None and load_function(custom)(rollout_id, args, samples, rollout_extra_metrics,
-                                                    rollout_time):
+    if custom is not None and load_function(custom)(
+        rollout_id, args, samples, rollout_extra_metrics, rollout_time
+    ):
         return
     log_dict = {**(rollout_extra_metrics or {})}
     log_dict["rollout/response_len/mean"] = _mean([s.response_length for s in samples])
@@ -36,8 +38,9 @@ def log_rollout_data(rollout_id: int, args: Any, samples: list[Sample],
     logging_utils.log(args, log_dict, step_key="rollout/step")
 
 
-def log_eval_rollout_data(rollout_id: int, args: Any, data: dict,
-                          extra_metrics: dict | None = None) -> dict | None:
+def log_eval_rollout_data(
+    rollout_id: int, args: Any, data: dict, extra_metrics: dict | None = None
+) -> dict | None:
     custom = args.custom_eval_rollout_log_function_path
     if custom is not None and load_function(custom)(rollout_id, args, data, extra_metrics):
         return None

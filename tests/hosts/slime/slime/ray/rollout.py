@@ -31,8 +31,16 @@ from slime.utils.dp_schedule import build_dp_schedule
 from slime.utils.misc import load_function
 from slime.utils.types import Sample
 
-_PER_RANK_KEYS = ("tokens", "response_lengths", "rewards", "truncated", "loss_masks", "sample_indices",
-                  "rollout_ids", "rollout_log_probs")
+_PER_RANK_KEYS = (
+    "tokens",
+    "response_lengths",
+    "rewards",
+    "truncated",
+    "loss_masks",
+    "sample_indices",
+    "rollout_ids",
+    "rollout_log_probs",
+)
 
 
 class RolloutManager:
@@ -42,8 +50,11 @@ class RolloutManager:
         self.train_parallel_config = train_parallel_config
         self.generate_rollout = load_function(args.rollout_function_path)
         self.eval_generate_rollout = load_function(args.eval_function_path)
-        self.post_process = (load_function(args.custom_reward_post_process_path)
-                             if args.custom_reward_post_process_path else None)
+        self.post_process = (
+            load_function(args.custom_reward_post_process_path)
+            if args.custom_reward_post_process_path
+            else None
+        )
         self.last_samples: list[Sample] = []
 
     def generate(self, rollout_id: int) -> list[dict[str, Any]]:
@@ -71,14 +82,19 @@ class RolloutManager:
             return self.post_process(self.args, samples)
         args = self.args
         raw = [s.get_reward_value(args) for s in samples]
-        if args.advantage_estimator not in ("grpo", "gspo", "cispo", "reinforce_plus_plus_baseline") \
-                or not args.rewards_normalization:
+        if (
+            args.advantage_estimator not in ("grpo", "gspo", "cispo", "reinforce_plus_plus_baseline")
+            or not args.rewards_normalization
+        ):
             return raw, raw
-        width = args.n_samples_per_prompt if len(raw) == args.n_samples_per_prompt * args.rollout_batch_size \
-            else len(raw)  # a variable count normalises across the whole batch (slime issue 1414)
+        width = (
+            args.n_samples_per_prompt
+            if len(raw) == args.n_samples_per_prompt * args.rollout_batch_size
+            else len(raw)
+        )  # a variable count normalises across the whole batch (slime issue 1414)
         out: list[float] = []
         for i in range(0, len(raw), width):
-            row = [float(r) for r in raw[i:i + width]]
+            row = [float(r) for r in raw[i : i + width]]
             mean = sum(row) / len(row)
             row = [r - mean for r in row]
             if args.advantage_estimator != "reinforce_plus_plus_baseline" and args.grpo_std_normalization:
@@ -103,8 +119,9 @@ class RolloutManager:
         for s in samples:
             if s.loss_mask is None:
                 s.loss_mask = [1] * s.response_length
-            assert len(s.loss_mask) == s.response_length, \
+            assert len(s.loss_mask) == s.response_length, (
                 f"loss mask length {len(s.loss_mask)} != response length {s.response_length}"
+            )
             if s.remove_sample:
                 s.loss_mask = [0] * s.response_length
             masks.append(s.loss_mask)
@@ -128,9 +145,13 @@ class RolloutManager:
 
     def _split_by_dp(self, data: dict[str, Any]) -> list[dict[str, Any]]:
         lengths = [len(t) for t in data["tokens"]]
-        partitions = build_dp_schedule(self.args, self.train_parallel_config, lengths,
-                                       global_batch_size=self.args.global_batch_size,
-                                       rollout_indices=data["rollout_ids"])
+        partitions = build_dp_schedule(
+            self.args,
+            self.train_parallel_config,
+            lengths,
+            global_batch_size=self.args.global_batch_size,
+            rollout_indices=data["rollout_ids"],
+        )
         ranks = []
         for partition in partitions:
             rank = {"partition": partition}

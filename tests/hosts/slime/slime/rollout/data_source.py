@@ -25,8 +25,11 @@ class RolloutDataSourceWithBuffer:
             with open(args.prompt_data) as f:
                 rows = [json.loads(line) for line in f if line.strip()]
         self.prompts = [
-            Sample(prompt=row[args.input_key], label=row.get(args.label_key) if args.label_key else None,
-                   metadata=dict(row.get(args.metadata_key) or {}))
+            Sample(
+                prompt=row[args.input_key],
+                label=row.get(args.label_key) if args.label_key else None,
+                metadata=dict(row.get(args.metadata_key) or {}),
+            )
             for row in rows or []
         ]
         self.buffer: list[list[Any]] = []

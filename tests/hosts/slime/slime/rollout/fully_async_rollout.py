@@ -91,6 +91,7 @@ class AsyncRolloutWorker:
                 self.data_buffer.add_samples([group])
                 return
             self.output_queue.put((gid, group))
+
         return callback
 
 
@@ -134,8 +135,9 @@ async def _collect(args: Any, rollout_id: int, data_buffer: Any) -> list[list[An
     return sorted(collected.values(), key=_first_index)
 
 
-def generate_rollout_fully_async(args: Any, rollout_id: int, data_buffer: Any,
-                                 evaluation: bool = False) -> Any:
+def generate_rollout_fully_async(
+    args: Any, rollout_id: int, data_buffer: Any, evaluation: bool = False
+) -> Any:
     if evaluation:
         raise ValueError("fully-async rollout doesn't support evaluation mode")
     return run(_collect(args, rollout_id, data_buffer))

@@ -72,8 +72,9 @@ class GenerateState(metaclass=SingletonMeta):
         self.remaining_batch_size += len(groups)
 
 
-async def generate_and_rm(args: Any, sample: Sample, sampling_params: dict[str, Any],
-                          evaluation: bool = False) -> Sample | list[Sample]:
+async def generate_and_rm(
+    args: Any, sample: Sample, sampling_params: dict[str, Any], evaluation: bool = False
+) -> Sample | list[Sample]:
     if sample.status in (Sample.Status.COMPLETED, Sample.Status.TRUNCATED):
         assert sample.reward is not None
         return sample
@@ -103,16 +104,19 @@ async def generate_and_rm(args: Any, sample: Sample, sampling_params: dict[str, 
     return sample
 
 
-async def generate_and_rm_group(args: Any, group: list[Sample], sampling_params: dict[str, Any],
-                                evaluation: bool = False) -> list[Any]:
+async def generate_and_rm_group(
+    args: Any, group: list[Sample], sampling_params: dict[str, Any], evaluation: bool = False
+) -> list[Any]:
     state = GenerateState(args)
     if state.aborted:
         return group
     for sample in group:
         if sample.session_id is None:
             sample.session_id = str(uuid.uuid4())
-    tasks = [asyncio.create_task(generate_and_rm(args, s, sampling_params.copy(), evaluation=evaluation))
-             for s in group]
+    tasks = [
+        asyncio.create_task(generate_and_rm(args, s, sampling_params.copy(), evaluation=evaluation))
+        for s in group
+    ]
     return list(await asyncio.gather(*tasks))
 
 
@@ -142,8 +146,9 @@ def _group_index(group: list[Any]) -> int:
     return first.index
 
 
-async def generate_rollout_async(args: Any, rollout_id: int,
-                                 get_samples: Any) -> tuple[RolloutFnTrainOutput, list]:
+async def generate_rollout_async(
+    args: Any, rollout_id: int, get_samples: Any
+) -> tuple[RolloutFnTrainOutput, list]:
     assert args.rollout_global_dataset
     state = GenerateState(args)
     target = args.rollout_batch_size
@@ -175,8 +180,11 @@ def _eval_datasets(args: Any) -> list[tuple[str, list[Sample]]]:
             with open(path) as f:
                 rows = [json.loads(line) for line in f if line.strip()]
             EVAL_DATASETS[path] = [
-                Sample(prompt=r[args.input_key], label=r.get(args.label_key) if args.label_key else None,
-                       metadata=dict(r.get(args.metadata_key) or {}))
+                Sample(
+                    prompt=r[args.input_key],
+                    label=r.get(args.label_key) if args.label_key else None,
+                    metadata=dict(r.get(args.metadata_key) or {}),
+                )
                 for r in rows
             ]
         out.append((name, EVAL_DATASETS[path]))

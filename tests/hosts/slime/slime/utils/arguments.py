@@ -104,9 +104,10 @@ def _add_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load", type=str, default=None)
 
 
-def parse_args(argv: list[str] | None = None,
-               add_custom_arguments: Callable[[argparse.ArgumentParser], None] | None = None,
-               ) -> argparse.Namespace:
+def parse_args(
+    argv: list[str] | None = None,
+    add_custom_arguments: Callable[[argparse.ArgumentParser], None] | None = None,
+) -> argparse.Namespace:
     parser = argparse.ArgumentParser(allow_abbrev=False)
     _add_flags(parser)
     if add_custom_arguments is not None:
@@ -143,8 +144,12 @@ def parse_args(argv: list[str] | None = None,
             data = yaml.safe_load(f) or {}
         for key, value in data.items():
             if hasattr(args, key):
-                logger.info("argument %s is already %r; the custom config overrides it with %r", key,
-                            getattr(args, key), value)
+                logger.info(
+                    "argument %s is already %r; the custom config overrides it with %r",
+                    key,
+                    getattr(args, key),
+                    value,
+                )
             setattr(args, key, value)
 
     if args.eval_max_context_len is None:

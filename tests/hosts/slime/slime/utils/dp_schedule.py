@@ -14,7 +14,13 @@ from typing import Any
 from dp_split import split_by_dp
 
 
-def build_dp_schedule(args: Any, train_parallel_config: dict, total_lengths: list[int], *,
-                      global_batch_size: int, rollout_indices: list[Any]) -> list[list[int]]:
+def build_dp_schedule(
+    args: Any,
+    train_parallel_config: dict,
+    total_lengths: list[int],
+    *,
+    global_batch_size: int,
+    rollout_indices: list[Any],
+) -> list[list[int]]:
     view = argparse.Namespace(**{**vars(args), "global_batch_size": global_batch_size})
     return split_by_dp(view, train_parallel_config, total_lengths, rollout_indices)

@@ -93,7 +93,8 @@ def _normalize_rewards_by_rollout(args: Any, samples: list[Sample], raw_rewards:
             values = [raw_rewards[r] for r in members]
             if any(v != values[0] for v in values[1:]):
                 raise ValueError(
-                    f"all samples in rollout {key!r} must share one reward; rows {members} have rewards {values}"
+                    f"all samples in rollout {key!r} must share one reward; rows {members} have rewards "
+                    f"{values}"
                 )
             shared.append(float(values[0]))
         mean = sum(shared) / len(shared)
