@@ -383,17 +383,23 @@ def test_check_refuses_seconds_out_of_bounds_on_its_command_line(tmp_path, flag,
     assert r.returncode == 2 and f"mrlx check: error: {flag} {shown}: expected seconds" in r.stderr, r.stderr
 
 
-@pytest.mark.parametrize("options, expected", [
-    ("{max_stones: .inf}", "mrlx.game.options.max_stones: got inf"),
-    ("{heaps: [.inf, 3]}", "'heaps' is no option of nim"),
-])
+@pytest.mark.parametrize(
+    "options, expected",
+    [
+        ("{max_stones: .inf}", "mrlx.game.options.max_stones: got inf"),
+        ("{heaps: [.inf, 3]}", "'heaps' is no option of nim"),
+    ],
+)
 def test_a_built_in_games_options_are_checked_by_check_as_at_start_up(tmp_path, options, expected):
     # game.options is free-form for plugin games; a built-in game checks its own, offline too.
     cfg = tmp_path / "nim.yaml"
-    cfg.write_text(f"mrlx:\n  system: game\n  agents: {{a: {{}}, b: {{}}}}\n  game: {{name: nim, options: {options}}}\n")
+    cfg.write_text(
+        f"mrlx:\n  system: game\n  agents: {{a: {{}}, b: {{}}}}\n  game: {{name: nim, options: {options}}}\n"
+    )
     r = check("--offline", "--config", str(cfg), "--skip-tokenizers")
     assert r.returncode != 0 and expected in r.stdout + r.stderr, (r.returncode, r.stdout, r.stderr)
-    args = argparse.Namespace(custom_config_path=str(cfg), hf_checkpoint=None, sglang_router_ip="127.0.0.1",
-                              sglang_router_port=9)
+    args = argparse.Namespace(
+        custom_config_path=str(cfg), hf_checkpoint=None, sglang_router_ip="127.0.0.1", sglang_router_port=9
+    )
     with pytest.raises(ConfigError, match=expected.replace("[", "\\[")):
         build_runtime(args, tokenizers=False)

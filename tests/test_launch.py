@@ -534,11 +534,20 @@ def test_an_env_file_sets_no_variable_that_changes_how_programs_run(name, tmp_pa
     e = env(tmp_path, MRLX_DRY_RUN="1")
     e.pop(name, None) if name != "PATH" else None
     script = "run_agents.sh"
-    r = subprocess.run(["bash", str(LAUNCH / script), str(env_file)], env=e, capture_output=True,
-                       text=True, timeout=60, check=False, cwd=tmp_path)
+    r = subprocess.run(
+        ["bash", str(LAUNCH / script), str(env_file)],
+        env=e,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        cwd=tmp_path,
+    )
     assert not made.exists(), f"{name} from the env file ran a file"
     assert r.returncode == 2 and f"{env_file}, line 2: {name} is not a launch setting" in r.stderr, (
-        r.returncode, r.stderr)
+        r.returncode,
+        r.stderr,
+    )
 
 
 def test_an_env_file_value_with_shell_characters_is_kept_as_written(tmp_path):

@@ -441,8 +441,16 @@ def test_an_engine_behind_an_api_key_gets_the_key(stub_engine, tiny_model_dir, m
     assert len(seen) == 2  # 401 is the engine's answer, not a passing fault: one call per solver, no retries
 
 
-@pytest.mark.parametrize("last_line", ["Judgment: " + "0" * 4400 + "1", "Judgment: \uff12", "Judgment: \u0661",
-                                       "Judgment: 1e3", "Judgment: -1"])
+@pytest.mark.parametrize(
+    "last_line",
+    [
+        "Judgment: " + "0" * 4400 + "1",
+        "Judgment: \uff12",
+        "Judgment: \u0661",
+        "Judgment: 1e3",
+        "Judgment: -1",
+    ],
+)
 def test_a_judgment_that_is_no_plain_small_number_is_invalid(last_line):
     from mrlx_plugin.systems.pipeline import parse_judgment
 

@@ -317,7 +317,9 @@ async def run_checks(
         except (ConfigError, KeyError) as exc:  # what start-up would refuse, said now
             report.fail(f"{path}: {exc}")
         else:
-            report.ok(f"{path}: settings valid (system {settings.system!r}, agents {', '.join(settings.agents)})")
+            report.ok(
+                f"{path}: settings valid (system {settings.system!r}, agents {', '.join(settings.agents)})"
+            )
         configs.append((path, settings))
     routers = {path: url for (path, _), url in zip(configs, router_urls)}
     cross_check(configs, report, routers, roles)
