@@ -31,6 +31,8 @@ import numpy as np
 import orjson
 import pyarrow as pa
 
+from mrlx_plugin.core.values import LOG_PROB_EPSILON, MIN_LOG_PROB
+
 WIRE_VERSION = 2
 CONTENT_TYPE = "application/vnd.apache.arrow.stream"
 HEADER_KEY = b"mrlx.header"
@@ -40,13 +42,6 @@ VERSION_KEY = b"mrlx.wire"
 CONTINUATION = b"\xff\xff\xff\xff"
 END_OF_STREAM = CONTINUATION + b"\x00\x00\x00\x00"
 
-# Log-probs must be <= 0; a sampler's float arithmetic can land a hair above zero for a token of
-# probability ~1, so values up to this epsilon are accepted as they are (not clamped).
-LOG_PROB_EPSILON = 1e-3
-# The lowest log-prob a frame may carry, the engine client's floor for an engine's answer
-# (mrlx_plugin.core.engine_client.MIN_LOG_PROB says why): lower is no model's output, and a
-# trainer's loss over it is infinite.
-MIN_LOG_PROB = -1e4
 MAX_KEY_CHARS = 256
 MAX_GROUP_SIZE = 1 << 16
 MAX_TOKENS_PER_ITEM = 1 << 24
