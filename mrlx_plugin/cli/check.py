@@ -170,6 +170,7 @@ def cross_check(
     report: Report,
     routers: dict[str, str] | None = None,
     roles: list[str] | None = None,
+    counts: dict[str, dict[str, int] | None] | None = None,
 ) -> None:
     """The jobs of one multi-model run against each other: one run, one coordinator, one system,
     the same agents with the same settings, one job per trainable agent, none for a frozen one,
@@ -220,7 +221,8 @@ def cross_check(
                 f"agent {name!r} is trainable but none of the {len(configs)} configs trains it (mrlx.self: "
                 f"{name}); add its job's config, or set mrlx.agents.{name}.trainable: false in every config"
             )
-    _same_samples_per_episode(configs, report)
+    if counts is not None and len(counts) == len(configs):  # (a config it lacks was refused already)
+        _same_samples_per_episode(counts, report)
     if roles:
         initiators = [p for (p, _), role in zip(configs, roles) if role == "initiator"]
         if len(initiators) != 1:
@@ -238,20 +240,18 @@ def _samples_per_agent(path: str, s: Settings) -> dict[str, int] | None:
     """What start-up computes of the system's declarations (its fan-out and turns, with the
     system's own checks of its settings, such as a built-in game's options)."""
     systems = collect_systems(make_plugin_manager(s.plugins, source=f"{path}: mrlx.plugins"))
+    if s.system not in systems:
+        raise ConfigError(
+            f"mrlx.system: no system named {s.system!r} is registered (known: {', '.join(sorted(systems))})"
+        )
     return samples_per_agent(systems[s.system], s, path)
 
 
-def _same_samples_per_episode(configs: list[tuple[str, Settings]], report: Report) -> None:
+def _same_samples_per_episode(counts: dict[str, dict[str, int] | None], report: Report) -> None:
     """Every job counts the same samples per episode for every agent: the initiator sends that
     many of each episode to a responder, which expects its own count (`rewards.credit`,
     `rewards.branch` and the system's settings, such as a game's seats or a dialogue's turns,
     decide it)."""
-    counts: dict[str, dict[str, int] | None] = {}
-    for path, s in configs:
-        try:
-            counts[path] = _samples_per_agent(path, s)
-        except (ConfigError, KeyError):
-            return  # said once, by run_checks' own check of this config
     (p0, c0), rest = next(iter(counts.items())), list(counts.items())[1:]
     for path, c in rest:
         for agent in sorted(set(c0 or {}) | set(c or {})):
@@ -310,11 +310,12 @@ async def run_checks(
 ) -> Report:
     report = Report()
     configs = []
+    counts: dict[str, dict[str, int] | None] = {}  # each config's samples per episode and agent
     for path in paths:
         settings = load_config(path)
         try:
-            _samples_per_agent(path, settings)
-        except (ConfigError, KeyError) as exc:  # what start-up would refuse, said now
+            counts[path] = _samples_per_agent(path, settings)
+        except ConfigError as exc:  # what start-up would refuse, said now
             report.fail(f"{path}: {exc}")
         else:
             report.ok(
@@ -322,7 +323,7 @@ async def run_checks(
             )
         configs.append((path, settings))
     routers = {path: url for (path, _), url in zip(configs, router_urls)}
-    cross_check(configs, report, routers, roles)
+    cross_check(configs, report, routers, roles, counts)
     for name in only or []:
         if not any(name in s.agents for _, s in configs):
             report.fail(f"--agent {name!r}: no such agent in {', '.join(paths)}")

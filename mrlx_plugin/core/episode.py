@@ -430,14 +430,14 @@ class Episode:
             if inspect.isawaitable(found):
                 found = await asyncio.wait_for(found, timeout)
             plugin, result = found
-            try:  # as float() reads it (a bool grade is 0 or 1)
-                value = 0.0 if result is None else float(result)
-            except (TypeError, ValueError, OverflowError):
-                value = math.nan
-            if not math.isfinite(value):
-                raise RewardError(
-                    f"mrlx_grade of plugin {plugin!r} gave {result!r}; expected a finite number"
+            # as float() reads it: None is 0.0 and a bool grade 0 or 1
+            value = (
+                0.0
+                if result is None
+                else finite_reward(
+                    float(result) if isinstance(result, bool) else result, f"mrlx_grade of plugin {plugin!r}"
                 )
+            )
         except (ConfigError, asyncio.CancelledError):
             raise
         except Exception as exc:  # noqa: BLE001 - one failed grade must not end the host's rollout

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from mrlx_plugin.core.config import PipelineSettings
+from mrlx_plugin.core.episode import finite_reward
 from mrlx_plugin.core.host import HOST, HOST_PROCESS, Status, host_reward
 from mrlx_plugin.core.transcript import strip_reasoning
 from mrlx_plugin.rewards.grading import MathVerifier, grade_math
@@ -58,11 +59,8 @@ async def _reward_one(args: Any, sample: Any) -> Any:
     rm_type = (sample.metadata or {}).get("rm_type") or getattr(args, "rm_type", None)
     if HOST is not None and rm_type:
         value = await host_reward(_WithoutCustomRm(args), sample)
-        if isinstance(value, (int, float)) and not math.isfinite(value):
-            raise ValueError(
-                f"the host's grader (--rm-type {rm_type}) gave {value!r} for sample "
-                f"{sample.index}; rewards must be finite numbers"
-            )
+        if isinstance(value, (int, float)) and not isinstance(value, bool):  # a dict: --reward-key picks
+            finite_reward(value, f"the host's grader (--rm-type {rm_type}) for sample {sample.index}")
         return value
     return await grade_math(strip_reasoning(sample.response or ""), sample.label, math_verifier(args))
 
