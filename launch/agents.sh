@@ -224,6 +224,8 @@ run() {
 }
 
 # Start a long-running command in the background, its log and pid in $1.log and $1.pid (or print it).
+# nohup, not mrlx_plugin.core.processes: these services (coordinator, servers, router) must outlive
+# the script and the terminal that started them, and are stopped later through their pid files.
 start_bg() {
   local base="$1"; shift
   if [ "${MRLX_DRY_RUN:-0}" = 1 ]; then sh_words "$@"; return; fi

@@ -5,9 +5,9 @@ functions the host's flags name).
 """
 
 from mrlx_plugin.core.config import ConfigError
-from mrlx_plugin.core.episode import Episode, EpisodeAborted
 from mrlx_plugin.core.host import HOST, Sample
 from mrlx_plugin.core.transcript import Transcript, Turn
+from mrlx_plugin.episodes import Episode, EpisodeAborted, System
 from mrlx_plugin.hookspecs import hookimpl
 
 __version__ = "0.1.0"
@@ -18,6 +18,7 @@ __all__ = [
     "Episode",
     "EpisodeAborted",
     "Sample",
+    "System",
     "Transcript",
     "Turn",
     "__version__",

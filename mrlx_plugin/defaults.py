@@ -7,42 +7,43 @@ import re
 from functools import lru_cache
 from typing import Any
 
-from mrlx_plugin.core.episode import RewardError, finite_reward
+from mrlx_plugin.core.config import Settings
+from mrlx_plugin.core.transcript import Transcript
+from mrlx_plugin.core.values import RewardError, finite_reward
+from mrlx_plugin.episodes import Episode, System
 from mrlx_plugin.hookspecs import hookimpl
 from mrlx_plugin.rewards.grading import grade_math, quick_grade
-from mrlx_plugin.rewards.shaping import coupling_matrix, team_weighting
+from mrlx_plugin.rewards.shaping import coupling_matrix, math_verifier, team_weighting
+from mrlx_plugin.systems.debate import DEBATE
+from mrlx_plugin.systems.dialogue import DIALOGUE
+from mrlx_plugin.systems.game import GAME
+from mrlx_plugin.systems.games import BUILT_IN_GAMES
+from mrlx_plugin.systems.pipeline import PIPELINE
 
 
 @hookimpl(trylast=True)
-def mrlx_register_systems() -> dict[str, Any]:
-    from mrlx_plugin.systems.debate import run_debate
-    from mrlx_plugin.systems.dialogue import run_dialogue
-    from mrlx_plugin.systems.game import run_game
-    from mrlx_plugin.systems.pipeline import run_pipeline
-
-    return {"pipeline": run_pipeline, "dialogue": run_dialogue, "game": run_game, "debate": run_debate}
+def mrlx_register_systems() -> dict[str, System]:
+    return {"pipeline": PIPELINE, "dialogue": DIALOGUE, "game": GAME, "debate": DEBATE}
 
 
 @hookimpl(trylast=True)
 def mrlx_register_games() -> dict[str, Any]:
-    from mrlx_plugin.systems.games import BUILT_IN_GAMES
-
     return dict(BUILT_IN_GAMES)
 
 
 @hookimpl(trylast=True)
-def mrlx_grade(agent: str, transcript: Any, episode: Any) -> Any:
+def mrlx_grade(agent: str, transcript: Transcript, episode: Episode) -> object:
     if episode.settings.rewards.grader == "host":
         from mrlx_plugin.core.host import host_reward
         from mrlx_plugin.rewards.shaping import _WithoutCustomRm
 
         sample = transcript.to_sample(episode.sample, episode.rollout_id, aborted=False, meta={})
         sample.response = transcript.answer_text
-        return _as_float(host_reward(_WithoutCustomRm(episode.runtime.args), sample), episode.runtime.args)
+        return _as_float(host_reward(_WithoutCustomRm(episode.context.args), sample), episode.context.args)
     quick = quick_grade(transcript.answer_text, episode.label)
     if quick is not None:  # settled without algebra: no coroutine, no worker round trip
         return quick
-    return grade_math(transcript.answer_text, episode.label, episode.runtime.verifier)
+    return grade_math(transcript.answer_text, episode.label, math_verifier(episode.context.args))
 
 
 async def _as_float(awaitable: Any, args: Any) -> float:
@@ -61,7 +62,7 @@ async def _as_float(awaitable: Any, args: Any) -> float:
 
 
 @hookimpl(trylast=True)
-def mrlx_shape_rewards(episode: Any, settings: Any, team_shaping: bool) -> dict[int, float]:
+def mrlx_shape_rewards(episode: Episode, settings: Settings, team_shaping: bool) -> dict[int, float]:
     graded = [(i, t) for i, t in enumerate(episode.transcripts) if t.raw_reward is not None]
     if team_shaping:
         weighted = {
@@ -83,7 +84,7 @@ def mrlx_shape_rewards(episode: Any, settings: Any, team_shaping: bool) -> dict[
     return _finite(shaped, episode, setting)
 
 
-def _finite(shaped: dict[int, float], episode: Any, setting: str) -> dict[int, float]:
+def _finite(shaped: dict[int, float], episode: Episode, setting: str) -> dict[int, float]:
     """`shaped`, when every value is finite. The raw rewards are (each is checked as it is made),
     so one that is not comes from the shaping's settings: the error names them, not this module."""
     for i, value in shaped.items():
@@ -102,6 +103,6 @@ def _pattern(text: str) -> re.Pattern:
 
 
 @hookimpl(trylast=True)
-def mrlx_should_stop(episode: Any, agent: str, transcript: Any) -> bool:
+def mrlx_should_stop(episode: Episode, agent: str, transcript: Transcript) -> bool:
     pattern = episode.settings.dialogue.stop_patterns.get(agent)
     return bool(pattern and _pattern(pattern).search(transcript.last_text))

@@ -28,7 +28,7 @@ keep implementations quick, and return an awaitable where you must wait on somet
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
 
 import pluggy
@@ -40,38 +40,43 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 
 if TYPE_CHECKING:
     from mrlx_plugin.core.config import Settings
-    from mrlx_plugin.core.episode import Episode
     from mrlx_plugin.core.transcript import Transcript, Turn
+    from mrlx_plugin.episodes import Episode, System
 
 
 @hookspec
-def mrlx_register_systems() -> dict[str, Callable[[Episode], Awaitable[None]]]:
+def mrlx_register_systems() -> dict[str, System]:
     """Register agent systems by name.
 
-    Return a mapping of system names to async functions `run(episode) -> None`. A run function
-    drives one episode: it opens transcripts with `episode.new_transcript(agent, messages)`,
-    calls `await episode.generate(transcript)` for each model turn, may grade with
-    `await episode.grade(transcript)`, and sets `episode.final_answer`. It raises nothing for
-    engine faults: the episode turns them into ABORTED samples.
+    Return a mapping of system names to `mrlx_plugin.System` objects. A system's `run(episode)`,
+    an async function, drives one episode: it opens transcripts with
+    `episode.new_transcript(agent, messages)`, calls `await episode.generate(transcript)` for each
+    model turn, may grade with `await episode.grade(transcript)`, and sets `episode.final_answer`.
+    It raises nothing for engine faults: the episode turns them into ABORTED samples.
 
-    Called once per process when the plugins load. Select a system with `mrlx.system: NAME`;
-    its settings live under `mrlx.NAME` (a mapping, given to you as `episode.system_settings`).
-    The package registers `pipeline` and `dialogue` itself.
+        SOLO = System(run=run, fan_out=lambda settings: {"solver": 1}, turns=lambda settings: {"solver": 1})
 
-    A run function should declare its fan-out: set `run.fan_out = fn(settings) -> {agent: n}`,
-    the number of transcripts one episode opens per agent. Every episode then returns exactly
-    that many samples per trained agent (ABORTED fillers for what an aborted or short episode
-    did not open), so a host step has a fixed sample count, and the plugin checks the host's
-    micro-batch flags against it at start-up. A system without `fan_out` returns a varying
-    count and needs the host's `--use-dynamic-batch-size`. For per-turn credit
-    (`mrlx.rewards.credit: turn`) a system also declares `run.turns = fn(settings) -> {agent: n}`,
-    the most model turns one transcript of the agent takes (an agent left out: 1; a system with a
-    fan-out and no `turns` is refused under per-turn credit): an episode then returns
-    fan_out x turns x `rewards.branch` samples per trained agent.
+    Called once per process when the plugins load; the systems of every plugin are collected
+    then (a name registered twice is an error naming both plugins). Select a system with
+    `mrlx.system: NAME`; its settings live under `mrlx.NAME` (given to a plugin's system as
+    `episode.system_settings`). The package registers `pipeline`, `dialogue`, `game` and `debate`.
 
-    A run function whose samples are weighted by the team's outcome declares it:
-    `run.team_shaping = True` (the pipeline does); `mrlx_shape_rewards` receives it as its
-    `team_shaping` argument.
+    A system should declare its fan-out, `fan_out(settings) -> {agent: n}`, the number of
+    transcripts one episode opens per agent. Every episode then returns exactly that many samples
+    per trained agent (ABORTED fillers for what an aborted or short episode did not open), so a
+    host step has a fixed sample count, and the plugin checks the host's micro-batch flags against
+    it at start-up. A system without `fan_out` returns a varying count and needs the host's
+    `--use-dynamic-batch-size`. For per-turn credit (`mrlx.rewards.credit: turn`) a system also
+    declares `turns(settings) -> {agent: n}`, the most model turns one transcript of the agent
+    takes (an agent left out: 1; a system with a fan-out and no `turns` is refused under per-turn
+    credit): an episode then returns fan_out x turns x `rewards.branch` samples per trained agent.
+
+    A system whose samples are weighted by the team's outcome declares `team_shaping=True` (the
+    pipeline does); `mrlx_shape_rewards` receives it as its `team_shaping` argument. A system's
+    `check(settings, games)` runs at start-up and returns the problems of its settings.
+
+    Migration: a system used to be a bare async function carrying `run.fan_out`, `run.turns` and
+    `run.team_shaping` attributes; wrap such a function: `System(run=run, fan_out=run.fan_out, ...)`.
     """
 
 
@@ -105,8 +110,7 @@ def mrlx_shape_rewards(episode: Episode, settings: Settings, team_shaping: bool)
     error naming your plugin.
 
     `team_shaping` is True when the system declares that its samples are weighted by the team
-    outcome (`run.team_shaping = True` on its run function, as the pipeline does; see
-    `mrlx_register_systems`).
+    outcome (`System(team_shaping=True)`, as the pipeline does; see `mrlx_register_systems`).
 
     Called once per finished (not aborted) episode, after grading and before the samples are
     built. The default applies the pipeline's team weighting (`mrlx.pipeline.weighting`) when
@@ -139,7 +143,9 @@ def mrlx_register_games() -> dict[str, Any]:
     Return a mapping of game names to game objects (see `mrlx_plugin.systems.game` for the
     methods a game has: its seats, start state, what each seat sees, the legality check of a
     move, the next state, per-move rewards and the outcome). Select one with
-    `mrlx.game.name`. The package registers `nim`, `kuhn_poker` and `chain` itself.
+    `mrlx.game.name`. The package registers `nim`, `kuhn_poker` and `chain` itself. Collected
+    once when the plugins load, as systems are: a `mrlx.game.name` no plugin registers is a
+    start-up error naming the plugins that registered games.
     """
 
 

@@ -3,19 +3,16 @@
 from __future__ import annotations
 
 import importlib
-import inspect
 import traceback
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pluggy
 
 from mrlx_plugin import hookspecs
 from mrlx_plugin.core.config import ConfigError
+from mrlx_plugin.episodes import FirstAnswer, Hooks, Registered, System
 
 ENTRY_POINT_GROUP = hookspecs.PROJECT  # [project.entry-points.mrlx_plugin] in a user's package
-
-SystemFn = Callable[[Any], Awaitable[None]]
 
 
 def make_plugin_manager(modules: list[str], source: str = "mrlx.plugins") -> pluggy.PluginManager:
@@ -113,111 +110,62 @@ def plugin_callers(pm: pluggy.PluginManager, hook: str, call_order: bool = True)
     return callers
 
 
-class FirstResult:
-    """A first-result hook, asked one plugin at a time in pluggy's call order.
-
-    pluggy stops a first-result hook at the first implementation that returns something other
-    than None, and an `async def` implementation returns a coroutine: called as a whole, the hook
-    would stop there even when that coroutine's result is None, which is how an implementation
-    defers. Asking one plugin at a time (each through `pm.subset_hook_caller`, never by calling
-    an implementation's function) lets an awaited None defer to the next plugin as a returned
-    None does, and tells which plugin gave the answer (for error messages).
-    """
-
-    def __init__(self, pm: pluggy.PluginManager, hook: str):
-        self.pm = pm
-        self.hook = hook
-        self._seen: tuple[int, ...] = ()
-        self._callers: list[tuple[str, Any]] = []
-
-    def callers(self) -> list[tuple[str, Any]]:
-        """The per-plugin callers, rebuilt when a plugin was registered or removed since."""
-        seen = tuple(id(i) for i in getattr(self.pm.hook, self.hook).get_hookimpls())
-        if seen != self._seen:
-            self._callers, self._seen = plugin_callers(self.pm, self.hook), seen
-        return self._callers
-
-    def answer(self, **kwargs: Any) -> tuple[str | None, Any]:
-        """(the plugin that answered, its result) for a hook whose results are not awaited;
-        (None, None) when every plugin deferred."""
-        for name, call in self.callers():
-            result = call(**kwargs)
-            if result is not None:
-                return name, result
-        return None, None
-
-    def __call__(self, **kwargs: Any) -> Any:
-        """The first result that is not None, awaiting awaitables: a plain value while every plugin
-        asked answers synchronously (no coroutine, no task), else an awaitable of the answer."""
-        callers = self.callers()
-        for i, (_, call) in enumerate(callers):
-            result = call(**kwargs)
-            if result is None:
-                continue
-            if inspect.isawaitable(result):
-                return self._finish(result, callers[i + 1 :], kwargs)
-            return result
-        return None
-
-    def named(self, **kwargs: Any) -> Any:
-        """As calling it, with the answer's producer: (the plugin that answered, its result), or an
-        awaitable of that pair once a plugin answers with an awaitable; (None, None) when every
-        plugin deferred. A value the caller refuses is then blamed on the plugin that gave it."""
-        callers = self.callers()
-        for i, (name, call) in enumerate(callers):
-            result = call(**kwargs)
-            if result is None:
-                continue
-            if inspect.isawaitable(result):
-                return self._finish_named(name, result, callers[i + 1 :], kwargs)
-            return name, result
-        return None, None
-
-    @staticmethod
-    async def _finish_named(
-        name: str, pending: Awaitable[Any], rest: list[tuple[str, Any]], kwargs: dict[str, Any]
-    ) -> tuple[str | None, Any]:
-        result = await pending
-        for other, call in rest:
-            if result is not None:
-                break
-            name, result = other, call(**kwargs)
-            if inspect.isawaitable(result):
-                result = await result
-        return (name, result) if result is not None else (None, None)
-
-    @staticmethod
-    async def _finish(pending: Awaitable[Any], rest: list[tuple[str, Any]], kwargs: dict[str, Any]) -> Any:
-        result = await pending
-        for _, call in rest:
-            if result is not None:
-                break
-            result = call(**kwargs)
-            if inspect.isawaitable(result):
-                result = await result
-        return result
+def resolve_first(pm: pluggy.PluginManager, hook: str) -> FirstAnswer:
+    """First-result hook `hook`, resolved now: each implementing plugin's caller in pluggy's call
+    order. A plugin registered later is not asked (plugins load once, before any episode)."""
+    return FirstAnswer(hook, tuple(plugin_callers(pm, hook)))
 
 
-def collect_systems(pm: pluggy.PluginManager) -> dict[str, SystemFn]:
-    """Every agent system the plugins register, by name. Two registrations of one name is an error."""
-    systems: dict[str, SystemFn] = {}
-    owners: dict[str, str] = {}
+def resolve_hooks(pm: pluggy.PluginManager) -> Hooks:
+    """The hooks an episode calls, resolved once when the plugins have loaded."""
+    return Hooks(
+        grade=resolve_first(pm, "mrlx_grade"),
+        shape_rewards=resolve_first(pm, "mrlx_shape_rewards"),
+        turn_reward=resolve_first(pm, "mrlx_turn_reward"),
+        should_stop=pm.hook.mrlx_should_stop,
+        episode_end=pm.hook.mrlx_episode_end,
+    )
+
+
+def collect_registered(pm: pluggy.PluginManager, hook: str, what: str, kind: type) -> dict[str, Registered]:
+    """Everything the plugins register through `hook` (each returns a dict of name -> `kind`), by
+    name, with the plugin that registered it. One name registered twice is an error naming both
+    plugins; so is a value of another kind. The one way systems and games are collected."""
+    found: dict[str, Registered] = {}
     # One plugin at a time: the hook's combined result list drops Nones, so it cannot say which
     # plugin registered what.
-    for plugin, call in plugin_callers(pm, "mrlx_register_systems", call_order=False):
+    for plugin, call in plugin_callers(pm, hook, call_order=False):
         results = call()
         result = results[0] if results else None
         if result is None:
             continue
         if not isinstance(result, dict):
-            raise ConfigError(f"{plugin}: mrlx_register_systems must return a dict of name -> async function")
-        for name, fn in result.items():
-            if name in systems:
+            raise ConfigError(f"{plugin}: {hook} must return a dict of name -> {what}")
+        for name, value in result.items():
+            if name in found and found[name].value is not value:
                 raise ConfigError(
-                    f"agent system {name!r} is registered twice: by {owners[name]} and by {plugin}"
+                    f"{what} {name!r} is registered twice: by {found[name].plugin} and by {plugin}"
                 )
-            if not inspect.iscoroutinefunction(fn):
-                raise ConfigError(f"{plugin}: system {name!r} must be an async function run(episode)")
-            systems[name] = fn
-            owners[name] = plugin
-    return systems
+            if not isinstance(value, kind):
+                raise ConfigError(
+                    f"{plugin}: {what} {name!r} is a {type(value).__name__}; expected a {kind.__name__}"
+                    + _MIGRATION.get(kind, "")
+                )
+            found.setdefault(name, Registered(name, value, plugin))
+    return found
+
+
+_MIGRATION = {
+    System: " (wrap an async run function: `System(run=run, fan_out=lambda settings: {agent: n})`; see "
+    "mrlx_plugin.episodes.system)"
+}
+
+
+def collect_systems(pm: pluggy.PluginManager) -> dict[str, Registered]:
+    """Every agent system the plugins register (`mrlx_register_systems`), by name."""
+    return collect_registered(pm, "mrlx_register_systems", "agent system", System)
+
+
+def collect_games(pm: pluggy.PluginManager) -> dict[str, Registered]:
+    """Every game the plugins register (`mrlx_register_games`), by name."""
+    return collect_registered(pm, "mrlx_register_games", "game", object)

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from mrlx_plugin.core.episode import run_episode
 from mrlx_plugin.core.host import (
     RolloutFnTrainOutput,
     host_abort_flag,
@@ -33,15 +32,11 @@ from mrlx_plugin.core.host import (
     wrap_generate_output,
 )
 from mrlx_plugin.core.metrics import compute_metrics, log_eval_rollout, log_rollout
-from mrlx_plugin.link.peers import (
-    durable_step_before,
-    initiator_barrier,
-    read_model_limits,
-    responder_finish,
-    responder_take,
-)
+from mrlx_plugin.episodes import run_episode
+from mrlx_plugin.link.outbox import initiator_barrier
+from mrlx_plugin.link.save_rules import durable_step_before
 from mrlx_plugin.rewards.shaping import normalize, reward
-from mrlx_plugin.runtime import get_runtime, runtime_for
+from mrlx_plugin.runtime import get_runtime, responder_for, runtime_for
 
 # Every function a host flag names is reachable here (the reward, normalisation and logging
 # functions live with their kind and are named through this module).
@@ -77,18 +72,10 @@ async def generate(
         input, sample, sampling_params, evaluation
     )
     runtime = await get_runtime(args)
-    outbox = None if evaluation else runtime.outbox  # evaluation sends nothing to other jobs
-    if outbox is not None:
-        outbox.require_step()  # before the episode: its peers' samples need a step to go to
-    episode, result = await run_episode(
-        runtime, sample, sampling_params, evaluation, host_aborted=host_abort_flag(miles_input)
+    # Other jobs' agents' samples reach the outbox through the mrlx_episode_end hook (see runtime).
+    _, result = await run_episode(
+        runtime.context, sample, sampling_params, evaluation, host_aborted=host_abort_flag(miles_input)
     )
-    if outbox is not None:  # other jobs' agents: their samples go through the coordinator
-        outbox.add(
-            episode.sample.group_index,
-            episode.id,
-            {a: episode.samples_of([a], every_agent=True) for a in outbox.peer_agents},
-        )
     return wrap_generate_output(result, miles_input)
 
 
@@ -163,27 +150,12 @@ def responder_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: 
     `--hf-checkpoint` config), becomes as many ABORTED fillers. Evaluation runs the host's default
     evaluation.
     """
-    runtime = runtime_for(args, tokenizers=False)
     if evaluation:  # the host's evaluation runs whole episodes here: they need every agent's tokenizer
-        runtime.load_tokenizers()
+        runtime = runtime_for(args)
+        runtime.load_tokenizers()  # those a Runtime built without them skipped (the embedded trainer's)
         return host_default_rollout(args, rollout_id, data_source, evaluation=True)
-    if runtime.responder.limits is None:  # once; a file read stays off the event loop
-        runtime.responder.limits = read_model_limits(args, getattr(args, "hf_checkpoint", None))
-    settings = runtime.settings
-    groups, metrics = run_in_host_loop(
-        responder_take(
-            runtime.coordinator,
-            runtime.responder,
-            args,
-            rollout_id,
-            int(args.rollout_batch_size),
-            agent=settings.self_agent,
-            coordinator=settings.coordinator,
-            fan_out=runtime.fan_out,
-            source=runtime.source,
-            ack_through=durable_step_before(args, rollout_id),
-        )
-    )
+    responder = responder_for(args)  # built once; its file reads stay off the event loop
+    groups, metrics = run_in_host_loop(responder.take(rollout_id, durable_step_before(args, rollout_id)))
     metrics.update(compute_metrics([s for g in groups for s in g]))
     return RolloutFnTrainOutput(samples=groups, metrics=metrics)
 
@@ -197,8 +169,7 @@ def ack_trained_groups(args: Any, step: int) -> None:
     calls this right after the save, so that the queue is emptied at once. Never raises: a failure
     is logged and the next step acknowledges through this step again.
     """
-    runtime = runtime_for(args, tokenizers=False)
-    run_in_host_loop(responder_finish(runtime.coordinator, runtime.responder, step))
+    run_in_host_loop(responder_for(args).finish(step))
 
 
 initiator_rollout.add_arguments = add_arguments  # type: ignore[attr-defined]

@@ -10,8 +10,8 @@ process registry (`core.host.HOST_PROCESS`), the one place flat host calls can f
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,66 +21,32 @@ from mrlx_plugin.core.config import (
     AgentSettings,
     ConfigError,
     Settings,
-    parse_settings,
     raw_settings_from_args,
     read_text_setting,
 )
 from mrlx_plugin.core.engine_client import EngineClient
-from mrlx_plugin.core.episode import GradeFailures
-from mrlx_plugin.core.host import HOST_PROCESS, router_url
+from mrlx_plugin.core.host import HOST_PROCESS, HostLimits, router_url
 from mrlx_plugin.core.tokenizer import AgentTokenizer, TokenizerCache
+from mrlx_plugin.episodes import Episode, EpisodeContext, Registered, System
+from mrlx_plugin.hookspecs import hookimpl
 from mrlx_plugin.hostcheck import check_rollout_mode, check_step_split
 from mrlx_plugin.link.client import CoordinatorClient
-from mrlx_plugin.link.peers import PeerOutbox, ResponderState, make_client, read_model_limits
-from mrlx_plugin.plugins import FirstResult, SystemFn, collect_systems, make_plugin_manager, plugin_callers
-from mrlx_plugin.rewards.grading import MathVerifier
+from mrlx_plugin.link.job import make_client
+from mrlx_plugin.link.limits import read_model_limits
+from mrlx_plugin.link.outbox import PeerOutbox
+from mrlx_plugin.link.responder import Responder
+from mrlx_plugin.plugins import collect_games, collect_systems, make_plugin_manager, resolve_hooks
 from mrlx_plugin.rewards.shaping import math_verifier
-
-
-@dataclass
-class HostLimits:
-    """The host's generation limits, as read from `args` (slime's flag names)."""
-
-    max_context: int | None  # rollout_max_context_len (eval_max_context_len in evaluation)
-    max_context_eval: int | None
-    max_response: int | None  # rollout_max_response_len
-    default_sampling: dict[str, Any]  # used when the host passes no sampling_params (CLI)
-    # The host model's own position limit (`--max-position-embeddings`, else the checkpoint's
-    # config.json): a longer sample has positions the trainer's model has no embedding for.
-    model_max: int | None = None
-
-    @classmethod
-    def from_args(cls, args: Any) -> HostLimits:
-        """Blocking (reads the checkpoint's config.json): called while the Runtime is built."""
-        ctx = getattr(args, "rollout_max_context_len", None)
-        model = read_model_limits(args, getattr(args, "hf_checkpoint", None))
-        sampling = {
-            "temperature": getattr(args, "rollout_temperature", 1.0),
-            "top_p": getattr(args, "rollout_top_p", 1.0),
-            "top_k": getattr(args, "rollout_top_k", -1),
-            "max_new_tokens": getattr(args, "rollout_max_response_len", None) or 1024,
-            "stop": getattr(args, "rollout_stop", None),
-            "stop_token_ids": getattr(args, "rollout_stop_token_ids", None),
-            "skip_special_tokens": getattr(args, "rollout_skip_special_tokens", False),
-            "no_stop_trim": True,
-            "spaces_between_special_tokens": False,
-        }
-        return cls(
-            max_context=ctx,
-            max_context_eval=getattr(args, "eval_max_context_len", None) or ctx,
-            max_response=getattr(args, "rollout_max_response_len", None),
-            default_sampling={k: v for k, v in sampling.items() if v is not None},
-            model_max=model.max_length,
-        )
+from mrlx_plugin.settings import parse_settings
 
 
 class Runtime:
     """Settings, hooks, tokenizers and engine clients of one rollout process.
 
     It owns what its episodes share: the agents' tokenizers (one per model and chat template),
-    engine clients, the coordinator client, the peer outbox and responder state of a multi-model
-    job, and the count of failed grades. The math verifier is the process's (`math_verifier`),
-    shared with the `reward` function.
+    engine clients, the count of failed grades, and, in the job that runs a multi-model run's
+    episodes, the coordinator client and the peer outbox. The math verifier is the process's
+    (`math_verifier`), shared with the `reward` function.
     """
 
     def __init__(
@@ -91,36 +57,21 @@ class Runtime:
         source: str,
         base: Path | None = None,
         tokenizers: bool = True,
-        systems: dict[str, SystemFn] | None = None,
-        verifier: MathVerifier | None = None,
+        systems: dict[str, Registered] | None = None,
     ):
         self.args = args
         self.settings = settings
         self.pm = pm
-        self.hooks = pm.hook
-        # First-result hooks asked one plugin at a time: an awaited None defers, and the plugin
-        # that answered is known (see plugins.FirstResult).
-        self.grade_hook = FirstResult(pm, "mrlx_grade")
-        self.shape_hook = FirstResult(pm, "mrlx_shape_rewards")
-        self.turn_reward_hook = FirstResult(pm, "mrlx_turn_reward")
-        for first_result in (self.grade_hook, self.shape_hook, self.turn_reward_hook):
-            first_result.callers()  # built now: a plugin they cannot reach fails at start-up
         self.source = source
-        self.limits = HostLimits.from_args(args)
-        self.systems: dict[str, SystemFn] = systems if systems is not None else collect_systems(pm)
-        self.system: SystemFn = self.systems[settings.system]
-        # Samples per episode and agent: the system's transcripts per agent, times its turns per
-        # transcript and the candidates per turn under per-turn credit.
-        self.fan_out: dict[str, int] | None = samples_per_agent(self.system, settings, source)
-        # Declared by the system (`run.team_shaping`), passed to the mrlx_shape_rewards hook.
-        self.team_shaping = bool(getattr(self.system, "team_shaping", False))
-        self.verifier = verifier if verifier is not None else MathVerifier()
-        self.grade_failures = GradeFailures()
-        self.system_prompts: dict[str, str | None] = {}
+        systems = systems if systems is not None else collect_systems(pm)
+        games = collect_games(pm)
+        self.system, fan_out = start_system(systems, games, settings, source)
+        self.verifier = math_verifier(args)  # the process's, shared with the `reward` function
         self._tokenizer_cache = TokenizerCache()
         self.tokenizers: dict[str, AgentTokenizer] = {}
         self.clients: dict[str, EngineClient] = {}
         self.urls: dict[str, str] = {}
+        system_prompts: dict[str, str | None] = {}
         self._base = base
         by_url: dict[tuple[str, str | None], EngineClient] = {}
         for name, agent in settings.agents.items():
@@ -132,11 +83,29 @@ class Runtime:
                     self.urls[name], settings.engine, api_key=key
                 )
             self.clients[name] = client
-            self.system_prompts[name] = read_text_setting(
+            system_prompts[name] = read_text_setting(
                 agent.system_prompt, base, key=f"{source}: mrlx.agents.{name}.system_prompt"
             )
             if tokenizers:  # a responder job runs no episodes and may not have the others' tokenizers
                 self.tokenizers[name] = self._load_tokenizer(name, agent, base)
+        self.context = EpisodeContext(
+            args=args,
+            settings=settings,
+            system=self.system,
+            # First-result hooks resolved now, one plugin at a time: an awaited None defers, and
+            # the plugin that answered is known (see episodes.context.FirstAnswer).
+            hooks=resolve_hooks(pm),
+            limits=HostLimits.from_args(args, read_model_limits(args, getattr(args, "hf_checkpoint", None))),
+            tokenizers=self.tokenizers,
+            clients=self.clients,
+            urls=self.urls,
+            system_prompts=system_prompts,
+            fan_out=fan_out,
+            trained=frozenset(a for a in settings.agents if _trains_here(settings, a)),
+            games=games,
+        )
+        self.limits = self.context.limits
+        self.fan_out = self.context.fan_out
         peers = self.peer_agents()
         if peers and not settings.coordinator.url:
             raise ConfigError(
@@ -147,9 +116,10 @@ class Runtime:
             )
         self._coordinator: CoordinatorClient | None = None
         # Other jobs' agents' samples of this job's episodes; the initiator's rollout function
-        # opens each step on it.
+        # opens each step on it, and it observes every finished episode.
         self.outbox = PeerOutbox(settings, source, peers) if peers else None
-        self.responder = ResponderState()
+        if self.outbox is not None:
+            pm.register(_OutboxObserver(self.outbox), name="mrlx_plugin.link.outbox")
 
     def samples_per_episode(self) -> int | None:
         """How many samples each episode returns to this job's trainer (None: it varies)."""
@@ -173,7 +143,7 @@ class Runtime:
 
     def peer_agents(self) -> list[str]:
         """Trainable agents that another job trains: their samples go through the coordinator."""
-        return [a for a, s in self.settings.agents.items() if s.trainable and not self.trains_here(a)]
+        return _peer_agents(self.settings)
 
     def _resolve_url(self, name: str, agent: AgentSettings) -> str:
         if agent.url != "self":
@@ -215,46 +185,44 @@ class Runtime:
     async def aclose(self) -> None:
         """Close this event loop's connections and the grading worker (CLI and tests; slime's
         rollout loop lives as long as the process). The worker starts again on the next grade."""
-        if self.responder.renewer is not None:  # it would keep renewing leases through a closed client
-            self.responder.renewer.cancel()
-            self.responder.renewer = None
+        responder = cached_responder(self.args)
+        if responder is not None:  # a responder job's: it would keep renewing leases
+            await responder.aclose()
         for client in set(self.clients.values()):
             await client.close()
         if self._coordinator is not None:
             await self._coordinator.close()
         await self.verifier.aclose()
 
-    def callers_of(self, hook: str) -> list[tuple[str, Any]]:
-        """(plugin name, a caller of that plugin's `hook` alone) for each plugin implementing it,
-        in pluggy's list order: for systems that must say which plugin gave what."""
-        return plugin_callers(self.pm, hook, call_order=False)
-
     def trains_here(self, agent: str) -> bool:
         """Whether this job's trainer trains `agent` (its samples go back to the host)."""
-        a = self.settings.agents[agent]
-        if self.settings.self_agent is not None:
-            return agent == self.settings.self_agent
-        return bool(a.trainable) and a.url == "self"
-
-    def context_limit(self, agent: str, evaluation: bool = False) -> int | None:
-        """The most tokens one sample of `agent` may hold (None: no limit known): the host's
-        `--rollout-max-context-len` (`--eval-max-context-len` in evaluation) and, for an agent
-        the host's model serves or trains, that model's position limit. A peer agent's samples
-        are checked against its own model when they are committed (`PeerOutbox`)."""
-        host = self.limits.max_context_eval if evaluation else self.limits.max_context
-        on_host_model = self.settings.agents[agent].url == "self" or self.trains_here(agent)
-        known = [n for n in (host, self.limits.model_max if on_host_model else None) if n is not None]
-        return min(known) if known else None
+        return self.context.trains_here(agent)
 
 
-def build_runtime(args: Any, tokenizers: bool = True) -> Runtime:
+def _trains_here(settings: Settings, agent: str) -> bool:
+    if settings.self_agent is not None:
+        return agent == settings.self_agent
+    a = settings.agents[agent]
+    return bool(a.trainable) and a.url == "self"
+
+
+def read_settings(
+    args: Any,
+) -> tuple[Settings, pluggy.PluginManager, dict[str, Registered], str, Path | None]:
+    """The settings of `args` with the plugins they name and the systems those register, where the
+    settings came from (for messages) and the folder their relative paths start from (blocking)."""
     raw, source, base = raw_settings_from_args(args)
     plugins = raw.get("plugins", []) if isinstance(raw, dict) else []
     if not isinstance(plugins, list):
         raise ConfigError(f"{source}: mrlx.plugins: expected a list of module names, got {plugins!r}")
     pm = make_plugin_manager(plugins, source=f"{source}: mrlx.plugins")
     systems = collect_systems(pm)
-    settings = parse_settings(raw, source=source, known_systems=set(systems))
+    settings = parse_settings(raw, source=source, known_systems=set(systems), systems=systems)
+    return settings, pm, systems, source, base
+
+
+def build_runtime(args: Any, tokenizers: bool = True) -> Runtime:
+    settings, pm, systems, source, base = read_settings(args)
     if getattr(args, "apply_chat_template", False):
         raise ConfigError(
             f"{source}: the host was started with --apply-chat-template, so prompts arrive already "
@@ -267,19 +235,35 @@ def build_runtime(args: Any, tokenizers: bool = True) -> Runtime:
             "many "
             "samples; remove --partial-rollout (aborted episodes are returned as ABORTED samples instead)"
         )
-    runtime = Runtime(
-        args, settings, pm, source, base, tokenizers=tokenizers, systems=systems, verifier=math_verifier(args)
-    )
+    runtime = Runtime(args, settings, pm, source, base, tokenizers=tokenizers, systems=systems)
     check_rollout_mode(args, source, runtime.peer_agents())
     check_step_split(args, runtime.samples_per_episode(), settings.system, source)
     return runtime
 
 
-def declared_counts(system: SystemFn, settings: Settings, source: str, what: str) -> dict[str, int] | None:
-    """What `system` declares through its attribute `what` (see hookspecs.mrlx_register_systems):
-    `fan_out(settings)`, transcripts per episode and agent (0 or more), or `turns(settings)`, the
-    most model turns one transcript of an agent takes (1 or more); None when it declares none."""
-    declare = getattr(system, what, None)
+def start_system(
+    systems: dict[str, Registered], games: dict[str, Registered], settings: Settings, source: str
+) -> tuple[System, dict[str, int] | None]:
+    """The selected system, its start-up checks passed, and the samples one episode returns per
+    agent (`samples_per_agent`): what start-up computes, also for `mrlx check`."""
+    if settings.system not in systems:
+        raise ConfigError(
+            f"{source}: mrlx.system: no system named {settings.system!r} is registered "
+            f"(known: {', '.join(sorted(systems))})"
+        )
+    system = systems[settings.system].value
+    assert isinstance(system, System)  # collect_systems takes no other kind
+    problems = system.check(settings, games) if system.check is not None else []
+    if problems:
+        raise ConfigError("; ".join(f"{source}: {p}" for p in problems))
+    return system, samples_per_agent(system, settings, source)
+
+
+def declared_counts(system: System, settings: Settings, source: str, what: str) -> dict[str, int] | None:
+    """What `system` declares (see `System`): `fan_out(settings)`, transcripts per episode and
+    agent (0 or more), or `turns(settings)`, the most model turns one transcript of an agent
+    takes (1 or more); None when it declares none."""
+    declare = system.fan_out if what == "fan_out" else system.turns
     if declare is None:
         return None
     counts = declare(settings)
@@ -291,13 +275,12 @@ def declared_counts(system: SystemFn, settings: Settings, source: str, what: str
     ):
         raise ConfigError(
             f"{source}: system {settings.system!r}: {what}(settings) returned {counts!r}; expected a mapping "
-            "of "
-            f"configured agents ({', '.join(settings.agents)}) to {meaning} ({least} or more)"
+            f"of configured agents ({', '.join(settings.agents)}) to {meaning} ({least} or more)"
         )
     return counts
 
 
-def samples_per_agent(system: SystemFn, settings: Settings, source: str) -> dict[str, int] | None:
+def samples_per_agent(system: System, settings: Settings, source: str) -> dict[str, int] | None:
     """Samples one episode returns per agent: the declared fan-out (transcripts), times, under
     `rewards.credit: turn`, the declared turns per transcript and `rewards.branch`."""
     transcripts = declared_counts(system, settings, source, "fan_out")
@@ -307,9 +290,8 @@ def samples_per_agent(system: SystemFn, settings: Settings, source: str) -> dict
     if turns is None:
         raise ConfigError(
             f"{source}: mrlx.rewards.credit is `turn`, but system {settings.system!r} declares no "
-            "turns(settings) (the "
-            "most model turns one transcript takes), so the samples of an episode cannot be counted; set "
-            "`run.turns = lambda settings: {agent: n}` on its run function, or use credit: episode"
+            "turns(settings) (the most model turns one transcript takes), so the samples of an episode "
+            "cannot be counted; give its System `turns=lambda settings: {agent: n}`, or use credit: episode"
         )
     branch = settings.rewards.branch
     return {a: n * turns.get(a, 1) * branch for a, n in transcripts.items()}
@@ -324,7 +306,28 @@ def runtime_for(args: Any, tokenizers: bool = True) -> Runtime:
     """The Runtime of `args`, built on first use (blocking: call from a thread or at start-up).
 
     `tokenizers=False` (a responder job) skips loading the agents' tokenizers."""
-    return HOST_PROCESS.for_args(args, "runtime", lambda: build_runtime(args, tokenizers=tokenizers))
+    return HOST_PROCESS.for_args(
+        args, "runtime", lambda: _settled(build_runtime(args, tokenizers=tokenizers))
+    )
+
+
+def _settled(runtime: Runtime) -> Runtime:
+    """`runtime`, once the objects alive now are kept out of the cycle collector's full passes.
+
+    What exists once the Runtime is built lives as long as the process: the modules of torch,
+    transformers and the tokenizers, the plugins, the engine clients (a few hundred thousand
+    objects). Every full collection would walk them all again, ~0.15 s on one core, and one lands
+    in most steps, stalling every episode of the rollout at once. Collected first, then frozen
+    (`gc.freeze`): nothing that is garbage now is kept, and objects made later are collected as
+    before. Once per process: the first Runtime's build."""
+    if not _FROZEN:
+        _FROZEN.append(True)
+        gc.collect()
+        gc.freeze()
+    return runtime
+
+
+_FROZEN: list[bool] = []
 
 
 async def get_runtime(args: Any) -> Runtime:
@@ -333,3 +336,51 @@ async def get_runtime(args: Any) -> Runtime:
     if rt is not None:
         return rt
     return await asyncio.to_thread(runtime_for, args)
+
+
+# ----------------------------------------------------------------------------------------------
+# Multi-model jobs
+# ----------------------------------------------------------------------------------------------
+
+
+def _peer_agents(settings: Settings) -> list[str]:
+    return [a for a, s in settings.agents.items() if s.trainable and not _trains_here(settings, a)]
+
+
+class _OutboxObserver:
+    """The initiator's outbox as a plugin: every finished episode goes to it (the link area does
+    not know the hooks)."""
+
+    def __init__(self, outbox: PeerOutbox):
+        self.outbox = outbox
+
+    # Last: observers of the package's users see the episode first, as before it reached the outbox.
+    @hookimpl(trylast=True)
+    def mrlx_episode_end(self, episode: Episode) -> None:
+        self.outbox.episode_ended(episode)
+
+
+def build_responder(args: Any) -> Responder:
+    """A responder job's link (blocking): its settings, the samples per episode and agent the
+    system declares (the size of a step, and of the fillers for a group set aside), its model's
+    limits and its coordinator client; no tokenizer, engine client or system prompt (it runs no
+    episodes; its evaluation builds a Runtime)."""
+    settings, _, systems, source, _ = read_settings(args)
+    system = systems[settings.system].value
+    assert isinstance(system, System)  # collect_systems takes no other kind
+    fan_out = samples_per_agent(system, settings, source)
+    responder = Responder.for_job(settings, source, args, fan_out)
+    check_rollout_mode(args, source, _peer_agents(settings))
+    per_episode = None if fan_out is None else fan_out.get(responder.agent, 0)
+    check_step_split(args, per_episode, settings.system, source)
+    return responder
+
+
+def cached_responder(args: Any) -> Responder | None:
+    """The Responder of `args` if it was built, else None (never blocks)."""
+    return HOST_PROCESS.cached(args, "responder")
+
+
+def responder_for(args: Any) -> Responder:
+    """The Responder of `args`, built on first use (blocking: call from the rollout function)."""
+    return HOST_PROCESS.for_args(args, "responder", lambda: build_responder(args))

@@ -21,12 +21,12 @@ from typing import Any
 
 import aiohttp
 import numpy as np
-from _wait import wait_until
 
+from mrlx_plugin.core import processes
+from mrlx_plugin.core.retry import wait_until
 from mrlx_plugin.link.auth import request_target, signed_headers
 from mrlx_plugin.link.client import CoordinatorClient
 from mrlx_plugin.link.wire import QueueItem
-from mrlx_plugin.local.processes import popen_tied
 
 REPO = Path(__file__).resolve().parent.parent
 TOKEN_ENV = "MRLX_TEST_COORDINATOR_TOKEN"
@@ -97,7 +97,7 @@ class CoordinatorProcess:
         self.starts += 1
         log = open(self.workdir / f"coordinator-{self.starts}.log", "wb")  # noqa: SIM115 (the child keeps it)
         # Tied to this process: a test run killed halfway leaves no coordinator behind.
-        self.proc = popen_tied(
+        self.proc = processes.start(
             self.argv(self.port if same_port else 0, port_file),
             env=env,
             stdout=log,
@@ -135,12 +135,8 @@ class CoordinatorProcess:
             self.proc.wait(10)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.kill()
+        if self.proc is not None:
+            processes.stop(self.proc, timeout=10)
 
     def log_tail(self, lines: int = 40) -> str:
         path = self.workdir / f"coordinator-{self.starts}.log"

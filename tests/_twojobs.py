@@ -19,8 +19,8 @@ from typing import Any
 
 import yaml
 from _coord_procs import TOKEN_ENV, CoordinatorProcess
-from _wait import wait_until
 
+from mrlx_plugin.core import processes
 from mrlx_plugin.link.auth import signed_headers
 from mrlx_plugin.local.processes import ManagedProcess, start_engine
 
@@ -167,7 +167,7 @@ class TwoJobs:
             *extra,
         ]
         log = open(self.root / f"job_{me}.log", "ab")  # noqa: SIM115 (the job writes to it for its whole life)
-        job = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, **ENV))
+        job = processes.start(argv, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, **ENV))
         self.jobs[me] = job
         return job
 
@@ -202,16 +202,9 @@ class TwoJobs:
         with urllib.request.urlopen(req, timeout=5) as resp:
             return json.loads(resp.read())
 
-    def wait_until(
-        self, predicate, timeout: float = 120, every: float = 0.05, what: str | None = None
-    ) -> Any:
-        return wait_until(
-            predicate,
-            timeout,
-            every=every,
-            what=what,
-            details=lambda: "logs:\n" + self.log("a") + "\n---\n" + self.log("b"),
-        )
+    def logs(self) -> str:
+        """Both jobs' logs, for what a failed wait reports (`wait_until(..., details=jobs.logs)`)."""
+        return "logs:\n" + self.log("a") + "\n---\n" + self.log("b")
 
     def stop(self) -> None:
         for job in self.jobs.values():

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-# The repository (benchmarks, examples) and tests/ (the helper modules _coord_procs, _twojobs, ...)
+# The repository (examples) and tests/ (the helper modules _coord_procs, _twojobs, ...)
 # are importable through pytest's `pythonpath` setting in pyproject.toml. The stand-in hosts under
 # tests/hosts/ are not: they are `slime`/`miles` only in the subprocesses that put them on PYTHONPATH.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -151,6 +151,7 @@ def test_an_interrupted_run_leaves_no_process_behind(workdir: Path, tmp_path: Pa
     runs = tmp_path / "runs"
     runs.mkdir()
     os.symlink(workdir / "tokenizer-8k", runs / "tokenizer-8k")  # the module's tokenizer: no build here
+    # Plain Popen, as a shell starts it (see test_teardown.start): the test watches its own clean-up.
     proc = subprocess.Popen(
         tiny_run(runs, tmp_path / "never.json", soak_minutes=5),
         stdout=subprocess.PIPE,

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from mrlx_plugin.core import processes
 from mrlx_plugin.core.netutil import free_port
 from mrlx_plugin.local.processes import router_available
 
@@ -117,8 +118,7 @@ def test_subcommand_help(argv):
 def test_check_wait_repeats_the_checks_until_a_late_engine_answers(tmp_path, logs_dir, tiny_model_dir):
     """`mrlx check --wait` gates a launch: it keeps checking (through the one retry helper) and
     passes once the engine that was down comes up."""
-    from _wait import wait_until
-
+    from mrlx_plugin.core.retry import wait_until
     from mrlx_plugin.local.processes import start_service
 
     port = free_port()
@@ -131,7 +131,7 @@ def test_check_wait_repeats_the_checks_until_a_late_engine_answers(tmp_path, log
     )
     log = tmp_path / "check.log"
     with open(log, "w") as out:
-        check = subprocess.Popen(
+        check = processes.start(
             [
                 sys.executable,
                 "-m",
@@ -156,7 +156,7 @@ def test_check_wait_repeats_the_checks_until_a_late_engine_answers(tmp_path, log
         # the first round of checks has run (and failed) before the engine exists
         wait_until(
             lambda: check.poll() is not None or "checking again" in log.read_text(),
-            timeout=60,
+            deadline=60,
             what="a first, failed round of checks",
         )
         assert check.poll() is None, log.read_text()
@@ -170,7 +170,7 @@ def test_check_wait_repeats_the_checks_until_a_late_engine_answers(tmp_path, log
         assert check.wait(timeout=120) == 0, log.read_text()
         assert "all good" in log.read_text()
     finally:
-        check.kill()
+        processes.stop(check)
         if engine is not None:
             engine.stop()
 

@@ -8,7 +8,8 @@ import textwrap
 
 import pytest
 
-from mrlx_plugin.core.config import ConfigError, parse_settings, settings_from_yaml
+from mrlx_plugin.core.config import ConfigError
+from mrlx_plugin.local.settings import parse_settings, settings_from_yaml
 from mrlx_plugin.runtime import build_runtime
 
 
@@ -197,7 +198,7 @@ def test_inline_config_longer_than_a_file_name_builds_a_runtime(tiny_tokenizer_d
         sglang_router_port=9,
     )
     runtime = build_runtime(args)
-    assert runtime.system_prompts["agent_3"] == "You are agent number 3 of a long team."
+    assert runtime.context.system_prompts["agent_3"] == "You are agent number 3 of a long team."
     assert runtime.source == "--custom-config-path base64:..."
 
 
@@ -237,8 +238,9 @@ def _sections():
 
     from pydantic import BaseModel
 
-    from mrlx_plugin.core.config import Settings
+    from mrlx_plugin.local.settings import settings_model
 
+    Settings = settings_model()
     seen, todo = [], [Settings]
     while todo:
         model = todo.pop()
@@ -275,7 +277,7 @@ def test_every_setting_has_a_description():
 
 
 def test_the_reference_table_lists_every_key_with_type_default_and_description():
-    from mrlx_plugin.core.config import settings_reference_markdown
+    from mrlx_plugin.local.settings import settings_reference_markdown
 
     table = settings_reference_markdown()
     lines = table.splitlines()
@@ -299,9 +301,9 @@ def test_the_reference_table_lists_every_key_with_type_default_and_description()
 
 
 def test_the_json_schema_names_the_yaml_keys():
-    from mrlx_plugin.core.config import Settings
+    from mrlx_plugin.local.settings import settings_model
 
-    schema = Settings.model_json_schema()
+    schema = settings_model().model_json_schema()
     assert "self" in schema["properties"] and "extra" not in schema["properties"]
     assert schema["additionalProperties"]["type"] == "object"  # the sections of plugin systems
     engine = schema["$defs"]["EngineSettings"]["properties"]
@@ -376,9 +378,10 @@ def _numeric_keys():
 
     from pydantic import BaseModel
 
-    from mrlx_plugin.core.config import Settings, _unwrap
+    from mrlx_plugin.core.config import _unwrap
+    from mrlx_plugin.local.settings import settings_model
 
-    out, todo = [], [(Settings, [])]
+    out, todo = [], [(settings_model(), [])]
     while todo:
         model, path = todo.pop()
         for name, f in model.model_fields.items():

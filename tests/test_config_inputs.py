@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mrlx_plugin.core.config import ConfigError, looks_like_a_path, parse_settings, settings_from_yaml
+from mrlx_plugin.core.config import ConfigError, looks_like_a_path
 from mrlx_plugin.core.netutil import free_port
+from mrlx_plugin.local.settings import parse_settings, settings_from_yaml
 from mrlx_plugin.runtime import build_runtime
 
 REPO = Path(__file__).resolve().parent.parent
@@ -239,7 +240,7 @@ def test_the_rollout_refuses_a_missing_file_and_reads_files_and_inline_text(tmp_
         tiny_tokenizer_dir,
     )
     runtime = build_runtime(args)
-    assert runtime.system_prompts == {"a": "You are A.", "b": "You are B."}
+    assert runtime.context.system_prompts == {"a": "You are A.", "b": "You are B."}
     assert runtime.tokenizers["a"].hf.chat_template == (tmp_path / "chat.jinja").read_text()
     assert runtime.tokenizers["b"].hf.chat_template == inline
 

@@ -10,11 +10,11 @@ import time
 import numpy as np
 import pytest
 from _coord_procs import CoordinatorProcess, error_of, make_items, waits_in_progress
-from _wait import async_wait_until
 
 from mrlx_plugin.core.host import Sample
+from mrlx_plugin.core.retry import async_wait_until
 from mrlx_plugin.link.client import CoordinatorClient, CoordinatorError, CoordinatorWaitTimeout
-from mrlx_plugin.link.peers import sample_from_item
+from mrlx_plugin.link.codec import sample_from_item
 from mrlx_plugin.link.wire import CONTENT_TYPE, QueueItem, encode_items
 
 COMMIT = "/v1/runs/run1/queues/patient/commit"

@@ -8,9 +8,9 @@ import json
 
 import pytest
 from _coord_procs import CoordinatorProcess, attempts_of, make_items, waits_in_progress
-from _wait import async_wait_until
 
 from mrlx_plugin.core.netutil import free_port
+from mrlx_plugin.core.retry import async_wait_until
 from mrlx_plugin.link.client import (
     CoordinatorClient,
     CoordinatorError,

@@ -15,11 +15,12 @@ import pytest
 from _hookmodule import write_hook_module
 from _host import group, params, slime_args
 
-from mrlx_plugin.core.config import ConfigError, parse_settings
+from mrlx_plugin.core.config import ConfigError
 from mrlx_plugin.core.host import Status
 from mrlx_plugin.rewards.shaping import group_key, normalize
 from mrlx_plugin.rollout import generate
 from mrlx_plugin.runtime import get_runtime, runtime_for
+from mrlx_plugin.settings import parse_settings
 
 AGENTS = ("asker", "answerer")
 
@@ -214,9 +215,10 @@ def test_a_system_that_declares_no_turns_is_refused_under_per_turn_credit(
         tmp_path,
         monkeypatch,
         "turnless_system",
+        "from mrlx_plugin import System\n\n"
         "async def talk(episode):\n    pass\n\n"
-        "talk.fan_out = lambda settings: {'asker': 1, 'answerer': 1}\n\n"
-        "@hookimpl\ndef mrlx_register_systems():\n    return {'talk': talk}\n",
+        "TALK = System(run=talk, fan_out=lambda settings: {'asker': 1, 'answerer': 1})\n\n"
+        "@hookimpl\ndef mrlx_register_systems():\n    return {'talk': TALK}\n",
     )
     mrlx = {**_mrlx(credit="turn"), "system": "talk", "plugins": [module]}
     mrlx.pop("dialogue")

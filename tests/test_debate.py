@@ -11,13 +11,13 @@ import pytest
 from _host import group, params, slime_args
 from test_plain_text import markdown_reading
 
-from mrlx_plugin.core.config import parse_settings
 from mrlx_plugin.core.host import Status
 from mrlx_plugin.core.metrics import compute_metrics
 from mrlx_plugin.core.tokenizer import load_tokenizer
 from mrlx_plugin.local.processes import start_stub_engine
 from mrlx_plugin.rollout import generate
 from mrlx_plugin.runtime import get_runtime
+from mrlx_plugin.settings import parse_settings
 from mrlx_plugin.systems.debate import debate_fan_out, debate_turns, parse_verdict
 
 IM_START = 1  # the tiny tokenizer's <|im_start|>

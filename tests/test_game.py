@@ -17,15 +17,16 @@ from pathlib import Path
 import pytest
 from _host import params, slime_args
 
-from mrlx_plugin.core.config import ConfigError, parse_settings, settings_from_yaml
+from mrlx_plugin.core.config import ConfigError
 from mrlx_plugin.core.host import Sample, Status
 from mrlx_plugin.core.metrics import compute_metrics
 from mrlx_plugin.local.processes import start_stub_engine
-from mrlx_plugin.plugins import collect_systems, make_plugin_manager
+from mrlx_plugin.plugins import collect_games, collect_systems, make_plugin_manager
 from mrlx_plugin.rewards.shaping import group_key, normalize
 from mrlx_plugin.rollout import generate
 from mrlx_plugin.runtime import get_runtime
-from mrlx_plugin.systems.game import pool_draw, run_game
+from mrlx_plugin.settings import parse_settings, settings_from_yaml
+from mrlx_plugin.systems.game import GAME, check_game, pool_draw
 
 REPO = Path(__file__).resolve().parent.parent
 ENGINE = {"max_retries": 0, "request_timeout_s": 10}
@@ -130,11 +131,11 @@ def test_the_transcript_of_a_seat_holds_the_other_seats_moves(stubs, tiny_model_
             str(tiny_model_dir),
             game_mrlx({"p": {"url": "self"}}, {"name": "nim", "seats": ["p", "p"]}),
         )
-        from mrlx_plugin.core.episode import run_episode
+        from mrlx_plugin.episodes import run_episode
 
         runtime = await get_runtime(args)
         episode, _ = await run_episode(
-            runtime, Sample(group_index=0, index=0, prompt="Nim: 5 stones"), params(args), False
+            runtime.context, Sample(group_index=0, index=0, prompt="Nim: 5 stones"), params(args), False
         )
         seen.update({t.role: list(t.messages) for t in episode.transcripts})
         await runtime.aclose()
@@ -161,7 +162,7 @@ def test_every_episode_returns_the_same_number_of_samples_whatever_its_length(cr
         {"name": "nim", "seats": ["p", "p"], "options": {"max_stones": 5}},
         rewards={"credit": credit},
     )
-    assert run_game.turns(parse_settings(mrlx)) == {"p": 3}  # 5 stones: the first seat moves at most 3 times
+    assert GAME.turns(parse_settings(mrlx)) == {"p": 3}  # 5 stones: the first seat moves at most 3 times
     outs, _ = episodes(stub.url, tiny_model_dir, mrlx, ["Nim: 1 stones", "Nim: 2 stones", "Nim: 5 stones"])
     per_episode = 2 if credit == "episode" else 2 * 3
     assert [len(out) for out in outs] == [per_episode] * 3
@@ -414,7 +415,8 @@ def test_a_game_registered_by_a_plugin_is_played(stubs, tiny_model_dir, tmp_path
 
 
 def test_every_example_game_config_loads_through_the_real_loader():
-    systems = set(collect_systems(make_plugin_manager([])))
+    pm = make_plugin_manager([])
+    systems, games = set(collect_systems(pm)), collect_games(pm)
     paths = sorted((REPO / "examples" / "games").glob("*.yaml"))
     assert {p.name for p in paths} >= {
         "nim_selfplay.yaml",
@@ -426,7 +428,8 @@ def test_every_example_game_config_loads_through_the_real_loader():
     for path in paths:
         settings = settings_from_yaml(path, known_systems=systems)
         assert settings.system == "game"
-        assert run_game.fan_out(settings) and run_game.turns(settings)  # the seats fit the game
+        assert not check_game(settings, games)  # the seats fit the game
+        assert GAME.fan_out(settings) and GAME.turns(settings)
     for name, rows in (("nim", 64), ("chain", 64), ("kuhn", 64)):
         from mrlx_plugin.local.tasks import task_prompts
 

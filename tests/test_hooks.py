@@ -17,10 +17,10 @@ from _host import group, params, slime_args
 
 from mrlx_plugin import hookspecs
 from mrlx_plugin.core.config import ConfigError
-from mrlx_plugin.core.episode import HookResultError
+from mrlx_plugin.episodes import HookResultError
 from mrlx_plugin.hookspecs import hookimpl
-from mrlx_plugin.link.peers import PeerOutbox
-from mrlx_plugin.plugins import FirstResult, collect_systems, make_plugin_manager
+from mrlx_plugin.link.outbox import PeerOutbox
+from mrlx_plugin.plugins import collect_systems, make_plugin_manager, resolve_first
 from mrlx_plugin.rewards.shaping import math_verifier
 from mrlx_plugin.rollout import generate
 from mrlx_plugin.runtime import get_runtime, runtime_for
@@ -115,14 +115,15 @@ def test_plugins_are_asked_once_each_in_pluggys_call_order():
     pm.register(_Recorder("answers", 0.75, calls, True), name="answers")
     pm.register(_Recorder("sync_none", None, calls, False), name="sync_none")
     pm.register(_Recorder("first", None, calls, True, tryfirst=True), name="first")
-    hook = FirstResult(pm, "mrlx_grade")
-    assert [name for name, _ in hook.callers()] == ["first", "sync_none", "answers", "last"]
-    result = hook(agent="a", transcript=None, episode=None)
-    assert asyncio.run(result) == 0.75
+    hook = resolve_first(pm, "mrlx_grade")  # resolved once, as when the plugins load
+    assert [name for name, _ in hook.callers] == ["first", "sync_none", "answers", "last"]
+    result = hook.ask(agent="a", transcript=None, episode=None)
+    assert asyncio.run(result) == ("answers", 0.75)
     assert calls == ["first", "sync_none", "answers"]  # the trylast one is never asked
-    pm.unregister(name="answers")  # the plugin list changed: the callers follow it
     calls.clear()
-    assert asyncio.run(hook(agent="a", transcript=None, episode=None)) == 9.0
+    pm.unregister(name="answers")
+    plain = resolve_first(pm, "mrlx_grade")  # resolved again with the plugins now registered
+    assert asyncio.run(plain.ask(agent="a", transcript=None, episode=None)) == ("last", 9.0)
     assert calls == ["first", "sync_none", "last"]
 
 
@@ -214,8 +215,9 @@ def test_a_system_registered_twice_names_both_plugins(tmp_path, monkeypatch):
         monkeypatch,
         "systems_extra",
         (
+            "from mrlx_plugin import System\n\n"
             "async def solo(episode):\n    pass\n\n"
-            "@hookimpl\ndef mrlx_register_systems():\n    return {'solo': solo}\n"
+            "@hookimpl\ndef mrlx_register_systems():\n    return {'solo': System(run=solo)}\n"
         ),
     )
     assert set(collect_systems(make_plugin_manager([quiet, extra]))) == {
@@ -230,8 +232,9 @@ def test_a_system_registered_twice_names_both_plugins(tmp_path, monkeypatch):
         monkeypatch,
         "systems_twice",
         (
+            "from mrlx_plugin import System\n\n"
             "async def other(episode):\n    pass\n\n"
-            "@hookimpl\ndef mrlx_register_systems():\n    return {'pipeline': other}\n"
+            "@hookimpl\ndef mrlx_register_systems():\n    return {'pipeline': System(run=other)}\n"
         ),
     )
     with pytest.raises(
@@ -254,7 +257,7 @@ def test_one_runtime_per_args_sharing_tokenizers_and_the_reward_functions_verifi
     # `reward(args, ...)` gets nothing but args: it finds the same worker as the Runtime's grader
     assert math_verifier(args) is runtime.verifier and math_verifier(other) is runtime_for(other).verifier
     assert runtime.verifier is not runtime_for(other).verifier
-    assert runtime.team_shaping is True and runtime.samples_per_episode() == 5
+    assert runtime.system.team_shaping is True and runtime.samples_per_episode() == 5
 
 
 def test_peer_samples_need_an_open_step(tiny_model_dir):
@@ -269,6 +272,42 @@ def test_peer_samples_need_an_open_step(tiny_model_dir):
     outbox.open_step(3)
     outbox.add(0, "e0", {"b": []})
     assert outbox.step == 3 and outbox.groups[0].episodes == 1
+
+
+def test_the_outbox_observes_the_training_episodes_of_a_job_with_peers(tiny_model_dir):
+    """A job whose episodes have samples for another job's agent registers its outbox on the
+    mrlx_episode_end hook: a training episode's samples for that agent go to it, an evaluation
+    episode's do not. A job without peer agents registers none."""
+    from types import SimpleNamespace
+
+    from _twojobs import two_job_config
+
+    nowhere = "http://127.0.0.1:9"
+    mrlx = two_job_config("a", run_id="observe", urls={"b": nowhere}, coordinator=nowhere)
+    args = slime_args(
+        nowhere, str(tiny_model_dir), mrlx, rollout_function_path="mrlx_plugin.rollout.initiator_rollout"
+    )
+    runtime = runtime_for(args)
+    outbox = runtime.outbox
+    assert outbox is not None and outbox.peer_agents == ["b"]
+
+    def ended(evaluation: bool, episode_id: str):
+        return SimpleNamespace(
+            evaluation=evaluation,
+            sample=SimpleNamespace(group_index=7),
+            id=episode_id,
+            samples_of=lambda agents, every_agent: [f"{agents[0]}-sample" for _ in range(2)],
+        )
+
+    outbox.open_step(0)
+    runtime.pm.hook.mrlx_episode_end(episode=ended(True, "eval"), samples=[])
+    assert outbox.groups == {}
+    runtime.pm.hook.mrlx_episode_end(episode=ended(False, "e1"), samples=[])
+    assert outbox.groups[7].episodes == 1
+    assert outbox.groups[7].samples == {"b": [("e1:b:0", "b-sample"), ("e1:b:1", "b-sample")]}
+
+    shared = runtime_for(slime_args(nowhere, str(tiny_model_dir), _mrlx()))
+    assert shared.outbox is None and shared.pm.get_plugin("mrlx_plugin.link.outbox") is None
 
 
 def test_a_hook_under_another_name_is_refused_at_start_up(tiny_model_dir, tmp_path, monkeypatch):

@@ -20,7 +20,8 @@ from typing import Any
 
 import pytest
 import yaml
-from _wait import wait_until
+
+from mrlx_plugin.core.retry import wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 HOSTS = REPO / "tests" / "hosts"
@@ -366,6 +367,8 @@ def test_fully_async_rollout_is_refused_by_name(tmp_path, tiny_model_dir, stub_e
     refuses the mode at its first call, before any engine call. That call runs in slime's
     background worker, which logs a failed task and goes on waiting (it never ends the job), so
     the refusal shows in the job's log, once per prompt group it tries."""
+    from mrlx_plugin.core import processes
+
     argv, env, _, _ = slime_command(
         tmp_path,
         tiny_model_dir,
@@ -388,7 +391,7 @@ def test_fully_async_rollout_is_refused_by_name(tmp_path, tiny_model_dir, stub_e
     )
     log_path = tmp_path / "driver.log"
     with open(log_path, "wb") as out:
-        proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+        proc = processes.start(argv, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
 
         def refused() -> bool:
             text = log_path.read_text(errors="replace")

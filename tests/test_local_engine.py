@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _wait import wait_until
 
 from mrlx_plugin.core.netutil import free_port
+from mrlx_plugin.core.retry import wait_until
 from mrlx_plugin.local.engine import router_command
 from mrlx_plugin.local.model import CHATML_TEMPLATE, build_model, ensure_model, load_tokenizer
 from mrlx_plugin.local.processes import router_available, start_engine, start_router, start_service

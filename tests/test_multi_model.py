@@ -19,8 +19,9 @@ import pytest
 from _coord_procs import TOKEN_ENV
 from _recorder import RecordingProxy
 from _twojobs import ENV, TOKEN, two_job_config, write_config
-from _wait import wait_until
 
+from mrlx_plugin.core import processes
+from mrlx_plugin.core.retry import wait_until
 from mrlx_plugin.local.model import ensure_model
 from mrlx_plugin.local.processes import start_engine, start_service
 
@@ -86,7 +87,7 @@ def trainer(
         "--save-samples",
     ]
     env = dict(os.environ, **ENV)
-    return subprocess.Popen(argv, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env)
+    return processes.start(argv, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env)
 
 
 def rows(path: Path) -> list[dict]:
@@ -166,7 +167,10 @@ def test_two_jobs_co_train_through_the_coordinator(two_models, tmp_path, logs_di
             return proxy.failed > 0
 
         wait_until(
-            a_turn_for_b_failed, timeout=180, every=0.1, what="a turn of A's for B failing at B's dead engine"
+            a_turn_for_b_failed,
+            deadline=180,
+            every=0.1,
+            what="a turn of A's for B failing at B's dead engine",
         )
         restarted = start_service(
             "engine-b2",

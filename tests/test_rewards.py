@@ -8,10 +8,10 @@ import math
 
 import pytest
 
-from mrlx_plugin.core.config import PipelineSettings
 from mrlx_plugin.core.host import Sample, Status
 from mrlx_plugin.rewards.grading import MathVerifier, extract_answer, grade_math, quick_grade
 from mrlx_plugin.rewards.shaping import coupling_matrix, normalize, reward, team_weighting
+from mrlx_plugin.systems.pipeline import PipelineSettings
 
 
 def sample(group, agent, r, status=Status.COMPLETED, removed=False, index=0):
@@ -155,7 +155,8 @@ def test_coupling_matrices():
     ids=["1e400", "1e5000", "nan", "-inf", "bool"],
 )
 def test_a_reward_past_a_floats_range_is_refused_naming_its_producer(value):
-    from mrlx_plugin.core.episode import RewardError, _finite_number, finite_reward
+    from mrlx_plugin.core.values import RewardError, finite_reward
+    from mrlx_plugin.episodes.run import _finite_number
 
     assert not _finite_number(value)
     with pytest.raises(RewardError, match="plugin 'my_grader'"):

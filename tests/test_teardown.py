@@ -16,7 +16,8 @@ import uuid
 from pathlib import Path
 
 import pytest
-from _wait import wait_until
+
+from mrlx_plugin.core.retry import wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 MARK = "MRLX_TEST_TEARDOWN_MARK"
@@ -91,7 +92,11 @@ def marked(mark: str) -> dict[int, str]:
 
 def start(argv: list[str], log: Path, mark: str, cwd: Path = REPO) -> subprocess.Popen:
     """Run `python ARGV` in `cwd` (`mrlx rollout --local` keeps its logs and port files under
-    ./runs/logs: each test gets its own), the repository importable (the example hook modules)."""
+    ./runs/logs: each test gets its own), the repository importable (the example hook modules).
+
+    Plain `subprocess.Popen`, not `mrlx_plugin.core.processes.start`: these tests watch what a
+    command does on its own when signalled, so it starts as a shell would start it, without the
+    death signal that `start` would add to the process under test."""
     env = dict(os.environ, **{MARK: mark})
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     with open(log, "ab") as f:

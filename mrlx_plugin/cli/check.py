@@ -35,15 +35,16 @@ from mrlx_plugin.core.config import (
     Settings,
     config_dir,
     load_yaml,
-    parse_settings,
     public_text,
     read_text_setting,
 )
 from mrlx_plugin.core.engine_client import EngineClient, EngineError
 from mrlx_plugin.core.retry import Backoff, Deadline, wait_until
 from mrlx_plugin.link.client import CoordinatorClient, CoordinatorError
-from mrlx_plugin.plugins import collect_systems, make_plugin_manager
-from mrlx_plugin.runtime import samples_per_agent
+from mrlx_plugin.local.settings import SECTIONS as TRAINER_SECTIONS
+from mrlx_plugin.plugins import collect_games, collect_systems, make_plugin_manager
+from mrlx_plugin.runtime import start_system
+from mrlx_plugin.settings import parse_settings
 
 
 @dataclass
@@ -66,7 +67,9 @@ def load_config(path: str) -> Settings:
     raw = data["mrlx"] or {}
     plugins = raw.get("plugins", []) if isinstance(raw, dict) else []
     pm = make_plugin_manager(plugins if isinstance(plugins, list) else [], source=f"{path}: mrlx.plugins")
-    settings = parse_settings(raw, source=path, known_systems=set(collect_systems(pm)))
+    systems = collect_systems(pm)
+    # Every section, the embedded trainer's too: one file serves the rollout and that trainer.
+    settings = parse_settings(raw, path, set(systems), systems=systems, sections=TRAINER_SECTIONS)
     for name, agent in settings.agents.items():  # a file a setting names must be there (read as the job will)
         for key in ("system_prompt", "chat_template"):
             read_text_setting(getattr(agent, key), config_dir(path), key=f"{path}: mrlx.agents.{name}.{key}")
@@ -239,12 +242,8 @@ def cross_check(
 def _samples_per_agent(path: str, s: Settings) -> dict[str, int] | None:
     """What start-up computes of the system's declarations (its fan-out and turns, with the
     system's own checks of its settings, such as a built-in game's options)."""
-    systems = collect_systems(make_plugin_manager(s.plugins, source=f"{path}: mrlx.plugins"))
-    if s.system not in systems:
-        raise ConfigError(
-            f"mrlx.system: no system named {s.system!r} is registered (known: {', '.join(sorted(systems))})"
-        )
-    return samples_per_agent(systems[s.system], s, path)
+    pm = make_plugin_manager(s.plugins, source=f"{path}: mrlx.plugins")
+    return start_system(collect_systems(pm), collect_games(pm), s, path)[1]
 
 
 def _same_samples_per_episode(counts: dict[str, dict[str, int] | None], report: Report) -> None:
@@ -316,7 +315,7 @@ async def run_checks(
         try:
             counts[path] = _samples_per_agent(path, settings)
         except ConfigError as exc:  # what start-up would refuse, said now
-            report.fail(f"{path}: {exc}")
+            report.fail(str(exc) if str(exc).startswith(f"{path}: ") else f"{path}: {exc}")
         else:
             report.ok(
                 f"{path}: settings valid (system {settings.system!r}, agents {', '.join(settings.agents)})"
@@ -442,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
         return not problems
 
     try:  # --wait gates a launch: the checks again every few seconds until they pass
-        wait_until(passed, Deadline(ns.wait), what="mrlx check", backoff=Backoff(base_s=5.0, max_s=5.0))
+        wait_until(passed, Deadline(ns.wait), what="mrlx check", every=Backoff(base_s=5.0, max_s=5.0))
     except TimeoutError:
         pass
     report = reports[-1]

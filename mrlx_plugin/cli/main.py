@@ -10,7 +10,7 @@
 
 A command that starts processes stops them all when it ends: normally, on an exception, and on
 SIGTERM, SIGINT or SIGHUP (each becomes `Stopped`, raised in the main thread, so that every
-`finally` and ExitStack on the way runs); see `mrlx_plugin.local.processes` for what happens
+`finally` and ExitStack on the way runs); see `mrlx_plugin.core.processes` for what happens
 when it is SIGKILLed.
 """
 
@@ -20,7 +20,6 @@ import os
 import signal
 import sys
 from collections.abc import Callable
-from pathlib import Path
 
 from mrlx_plugin.core.config import ConfigError
 
@@ -62,21 +61,7 @@ def _demo(argv: list[str]) -> int:
 
 
 def _bench(argv: list[str]) -> int:
-    # The benchmarks live in the repository checkout (`benchmarks/` beside the package), not in
-    # the installed package: users' images do not carry them.
-    checkout = Path(__file__).resolve().parents[2]
-    if not (checkout / "benchmarks" / "__init__.py").is_file():
-        print(
-            "mrlx bench: the benchmarks live in the repository checkout (benchmarks/); run `mrlx bench` "
-            "from a clone installed with `pip install -e .`",
-            file=sys.stderr,
-        )
-        return 2
-    if str(checkout) not in sys.path:
-        sys.path.insert(0, str(checkout))
-    # their helper processes import them too
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(checkout), os.environ.get("PYTHONPATH")) if p)
-    from benchmarks import main
+    from mrlx_plugin.bench import main
 
     return main(argv)
 
@@ -97,7 +82,7 @@ SERVERS = ("engine", "stub-engine", "coordinator")
 def stop_on_signals() -> None:
     """Turn SIGTERM, SIGINT and SIGHUP into `Stopped` in the main thread. The first one wins:
     after it, all three are ignored, so that a second Ctrl-C cannot cut the clean-up short (a
-    SIGKILL still can; the kernel then ends the children, see `local.processes.tied`). A signal
+    SIGKILL still can; the kernel then ends the children, see `core.processes.tied`). A signal
     this process was started with ignored (nohup, a shell's background job) stays ignored."""
 
     def handler(signum: int, frame: object) -> None:
@@ -138,8 +123,9 @@ def main(argv: list[str] | None = None) -> int:
         print(__version__)
         return 0
     name, rest = argv[0], argv[1:]
-    # Hook modules named in a config are imported like `python -m` would: from the current
-    # directory first, then PYTHONPATH.
+    # Hook modules named in a config (users' own code, e.g. `my_rewards.score`) are imported like
+    # `python -m` would: from the current directory first, then PYTHONPATH. The console script's
+    # sys.path lacks the current directory, unlike `python -m`; nothing of the package needs this.
     if "" not in sys.path and os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     if name not in COMMANDS:

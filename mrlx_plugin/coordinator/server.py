@@ -72,7 +72,7 @@ from prometheus_client import (
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from mrlx_plugin.coordinator.storage import CoordinatorStore, QueueStats, StoreError, StoreOpenError
-from mrlx_plugin.core.netutil import is_loopback, write_port_file
+from mrlx_plugin.core.netutil import BodyLengthError, is_loopback, read_declared, write_port_file
 from mrlx_plugin.link.auth import (
     CONTENT_HEADER,
     MAX_SKEW_S,
@@ -879,25 +879,17 @@ class Coordinator:
             return memoryview(await request.read()), None
         kept = self._buffers.take_existing(length)
         buf = bytearray() if kept is None else kept
-        view = None if kept is None else memoryview(kept)
-        position = 0
         try:
-            while position < length:
-                chunk = await request.content.readany()
-                if not chunk:
-                    raise HttpProblem(400, f"the request body ended after {position} of its {length} bytes")
-                end = position + len(chunk)
-                if end > length:
-                    raise HttpProblem(400, f"the request body is longer than its Content-Length {length}")
-                if view is None:
-                    buf += chunk  # amortised growth (bytearray over-allocates)
-                else:
-                    view[position:end] = chunk
-                position = end
-        except BaseException:
+            return await read_declared(request.content, length, buf), buf
+        except BaseException as exc:
             self._buffers.give(buf)
-            raise
-        return (memoryview(buf) if view is None else view)[:length], buf
+            if not isinstance(exc, BodyLengthError):
+                raise
+            if exc.received < length:
+                raise HttpProblem(
+                    400, f"the request body ended after {exc.received} of its {length} bytes"
+                ) from None
+            raise HttpProblem(400, f"the request body is longer than its Content-Length {length}") from None
 
     def _scan(self, body: memoryview, consumer: str) -> FrameView:
         """Read and check a commit's frame, and cut it into the records the store keeps (on a

@@ -2,11 +2,13 @@
 
 slime sets every top-level key of the `--custom-config-path` YAML on `args`, so the plugin reads
 `args.mrlx` (a dict). Miles does the same and also accepts `--mrlx-config PATH` (see
-`rollout.add_arguments`). The schema is the pydantic models below; each field's description is
-the reference documentation of its key (`settings_reference_markdown()` renders them as the
-docs' table; `Settings.model_json_schema()` is the JSON Schema). Every error names the key it is
-about and says what is expected; all errors of one file are reported together in one
-`ConfigError`.
+`rollout.add_arguments`). The schema is the pydantic models below, the core's own sections,
+and the sections the caller adds (`settings_model`): each agent system's (`System.settings`,
+next to the system) and the embedded trainer's (`mrlx_plugin.local.settings`), which the core
+does not know. Each field's description is the reference documentation of its key
+(`settings_reference_markdown()` renders them as the docs' table; `model_json_schema()` of the
+model is the JSON Schema). Every error names the key it is about and says what is expected; all
+errors of one file are reported together in one `ConfigError`.
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ import re
 import reprlib
 import types
 import typing
+from collections.abc import Mapping
+from functools import cache
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal, Union
 
 import yaml
 from pydantic import (
@@ -31,13 +35,13 @@ from pydantic import (
     Field,
     ValidationError,
     ValidationInfo,
+    create_model,
     field_validator,
     model_validator,
 )
 from pydantic_core import PydanticCustomError
 
 TOP_KEY = "mrlx"
-PIPELINE_AGENTS = ("solver", "rewriter", "selector")
 
 
 class ConfigError(ValueError):
@@ -76,7 +80,7 @@ _SHORT.maxstring = _SHORT.maxother = 200
 _SHORT.maxlevel, _SHORT.maxlist, _SHORT.maxdict = 3, 8, 8
 
 
-def _show(value: Any) -> str:
+def show_value(value: Any) -> str:
     """A value in an error message: its repr, cut short (a value can be a whole YAML subtree),
     and for a value from the environment the variable, not the value."""
     if isinstance(value, EnvValue):
@@ -195,11 +199,16 @@ def _top_k(value: int) -> int:
 # ---------------------------------------------------------------------------------------------
 
 
-class _Section(BaseModel):
+class Section(BaseModel):
+    """A section of the settings: the base of every model here, and of the sections other areas
+    declare (a system's `mrlx.NAME`, the embedded trainer's `mrlx.trainer`). `about`: what the
+    reference says of the section's own key."""
+
     # strict: YAML's `true` is no number and `"5"` no integer; a setting means what it says.
     # Not frozen: the checks below fill in the defaults that follow from other settings in place
     # (pydantic keeps no other object from a validator of a model built by its constructor).
     model_config = ConfigDict(extra="forbid", strict=True)
+    about: ClassVar[str] = ""
 
     @model_validator(mode="before")
     @classmethod
@@ -207,7 +216,23 @@ class _Section(BaseModel):
         return {} if data is None else data  # `engine:` with nothing under it
 
 
-class SamplingSettings(_Section):
+class SystemSection(Section):
+    """The section of an agent system (`mrlx.NAME`, the model its `System` declares as `settings`).
+
+    `default_agents`: the agents (each at `url: self`) a config that lists none gets when the
+    system is selected. `problems(settings, path)`: the checks between this section and the
+    others (the agents it names), run when the system is selected, with every other check
+    between sections; `path` is the section's dotted key, and each problem is one line naming
+    its key.
+    """
+
+    default_agents: ClassVar[tuple[str, ...]] = ()
+
+    def problems(self, settings: Settings, path: str) -> list[str]:
+        return []
+
+
+class SamplingSettings(Section):
     """Per-agent overrides of the host's sampling parameters (None keeps the host's value)."""
 
     # The bounds go inside the optional type, where the JSON Schema shows them.
@@ -227,7 +252,7 @@ class SamplingSettings(_Section):
     ) = Field(None, description="token ids that end a turn")
 
 
-class AgentSettings(_Section):
+class AgentSettings(Section):
     url: Text = Field(
         "self", description="`self` (this job's router, from `--sglang-router-ip/port`) or `http://host:port`"
     )
@@ -261,7 +286,7 @@ class AgentSettings(_Section):
     @classmethod
     def _http_or_self(cls, url: str) -> str:
         if url != "self" and not url.startswith(("http://", "https://")):
-            raise _problem(f"got {_show(url)}; expected 'self' or an http://host:port URL")
+            raise _problem(f"got {show_value(url)}; expected 'self' or an http://host:port URL")
         return url
 
     @model_validator(mode="after")
@@ -275,7 +300,7 @@ class AgentSettings(_Section):
         return self
 
 
-class EngineSettings(_Section):
+class EngineSettings(Section):
     """How the engine client talks to `/generate` (applies to every agent)."""
 
     request_timeout_s: Seconds = Field(900.0, description="one `/generate` call, connect to last byte")
@@ -302,34 +327,7 @@ class EngineSettings(_Section):
     )
 
 
-class PipelineSettings(_Section):
-    """The solver -> rewriter -> selector system (agents `solver`, `rewriter`, `selector`)."""
-
-    num_parallel: bounded(
-        int,
-        ge=1,
-        le=256,
-        why="each is a solver and a rewriter call per episode, and the "
-        "selector reads every one in one prompt",
-    ) = Field(5, description="solvers, and rewriters, per episode")
-    correct_weight: bounded(float, ge=0) = Field(
-        1.2, description="team weight when the selected answer is right"
-    )
-    incorrect_weight: bounded(float, ge=0) = Field(
-        0.8, description="team weight when it is wrong or none was selected"
-    )
-    weighting: Literal["offset", "multiplicative", "none"] = Field(
-        "offset",
-        description="how the team weight meets each sample's own reward: `offset` adds weight - 1 "
-        "(wrong answers also feel the team outcome), `multiplicative` multiplies, "
-        "`none` leaves rewards unweighted",
-    )
-    max_solution_tokens: Tokens | None = Field(
-        None, description="cut each solution quoted to the rewriters and the selector to its last N tokens"
-    )
-
-
-class RewardSettings(_Section):
+class RewardSettings(Section):
     grader: Literal["math", "host"] = Field(
         "math", description="default grader hook: `math` (math-verify) or `host` (the host's `--rm-type`)"
     )
@@ -368,64 +366,7 @@ class RewardSettings(_Section):
     )
 
 
-class DialogueSettings(_Section):
-    first: Text | None = Field(None, description="who speaks first; none = the first agent listed")
-    order: list[Text] | None = Field(None, description="turn order; none = the agents in the order listed")
-    max_turns: bounded(int, ge=1, le=1024, why=TURNS_WHY) = Field(8, description="turn limit")
-    stop_patterns: dict[str, Text] = Field(
-        default_factory=dict, description="agent -> regular expression that ends the episode"
-    )
-    final_answer_agent: Text | None = Field(
-        None, description="whose last message is the episode's final answer; none = the last speaker"
-    )
-    openings: dict[str, Text] = Field(
-        default_factory=dict,
-        description="agent -> its first message; `{problem}`, `{label}` and `{metadata[KEY]}` are filled in "
-        "from the input sample (so an agent can be told what others must not see); default: "
-        "the problem",
-    )
-
-
-class GameSettings(_Section):
-    """The turn-based game system (`system: game`): rules, legality and outcome come from a game
-    registered through the `mrlx_register_games` hook (built in: `nim`, `kuhn_poker`, `chain`)."""
-
-    name: Text = Field("nim", description="the game, by the name it is registered under")
-    seats: list[Text] | None = Field(
-        None,
-        description="who plays each seat, in the game's seat order: an agent, `script:NAME` (a scripted "
-        "player the game provides, e.g. `script:random`), or `pool` (one of `opponents`, one "
-        "drawn per prompt group); none = the agents in the order listed",
-    )
-    opponents: list[Text] = Field(
-        default_factory=list,
-        description="the opponent pool of a `pool` seat: agents (frozen models, past "
-        "checkpoints behind their own URL) or `script:NAME` players",
-    )
-    max_turns: bounded(int, ge=1, le=1024, why=TURNS_WHY) = Field(
-        16, description="moves per episode, all seats together"
-    )
-    illegal_penalty: Number = Field(
-        -1.0, description="outcome of a seat whose move is illegal (the episode ends there; counted)"
-    )
-    options: dict[str, Any] = Field(default_factory=dict, description="the game's own options (see the game)")
-
-
-class DebateSettings(_Section):
-    """The debate system (`system: debate`): two debaters argue in turn, a judge picks the winner."""
-
-    debaters: list[Text] | None = Field(
-        None, description="the two debating agents, first speaker first; none = the first two agents listed"
-    )
-    judge: Text | None = Field(
-        None, description="the judging agent (usually `trainable: false`); none = the third agent"
-    )
-    rounds: bounded(int, ge=1, le=512, why=TURNS_WHY) = Field(2, description="speeches per debater")
-    win_reward: Number = Field(1.0, description="outcome of the debater the judge picks")
-    lose_reward: Number = Field(-0.5, description="outcome of the other debater")
-
-
-class CoordinatorSettings(_Section):
+class CoordinatorSettings(Section):
     url: Text | None = Field(
         None, description="the run's coordinator (needed when a trainable agent is trained by another job)"
     )
@@ -446,69 +387,13 @@ class CoordinatorSettings(_Section):
     )
 
 
-_LR_WHY = "a step as large as the weights themselves diverges at once"
-_BETA_WHY = "torch's Adam needs a beta below 1; at 1 it would never forget a gradient"
-
-
-class TrainerSettings(_Section):
-    """The embedded CPU trainer's loss and optimizer (`mrlx_plugin.local.trainer`); slime jobs
-    ignore this section (their own flags of the same names apply)."""
-
-    lr: bounded(float, ge=0, le=1, why=_LR_WHY) = Field(1e-4, description="learning rate")
-    lr_warmup_steps: bounded(int, ge=0) = Field(
-        0, description="RL steps over which the learning rate rises linearly from lr / steps to lr"
-    )
-    lr_decay_style: Literal["constant", "cosine"] = Field(
-        "constant", description="after warm-up: keep lr, or cosine down to lr_min"
-    )
-    lr_min: bounded(float, ge=0, le=1, why=_LR_WHY) = Field(
-        0.0, description="the learning rate cosine decay ends at"
-    )
-    eps_clip: bounded(
-        float, ge=0, le=1, why="the ratio's lower clip is 1 - eps_clip, which must stay 0 or more"
-    ) = Field(0.2, description="PPO clip range below 1")
-    eps_clip_high: bounded(float, ge=0) = Field(0.28, description="PPO clip range above 1")
-    kl_coef: bounded(float, ge=0) = Field(
-        0.0, description="KL to the initial (reference) model, low-variance estimator"
-    )
-    weight_decay: bounded(float, ge=0) = Field(0.0, description="AdamW weight decay")
-    adam_beta1: bounded(float, ge=0, lt=1, why=_BETA_WHY) = Field(0.9, description="Adam beta1")
-    adam_beta2: bounded(float, ge=0, lt=1, why=_BETA_WHY) = Field(0.98, description="Adam beta2")
-    # A large epsilon scales Adam's steps with the gradient where the gradient is tiny: RL's noisy
-    # small gradients then do not push every weight by a full `lr` (which wrecks small models).
-    adam_eps: bounded(float, gt=0) = Field(
-        1e-8,
-        description="Adam epsilon (a large one keeps tiny noisy gradients from moving every weight by "
-        "a full lr)",
-    )
-    max_grad_norm: bounded(float, gt=0) = Field(1.0, description="gradient clipping norm")
-    micro_batch_size: bounded(int, ge=1) = Field(32, description="samples per forward/backward pass")
-    ppo_epochs: bounded(int, ge=1) = Field(1, description="passes over each step's samples")
-    warmup_sft_steps: bounded(int, ge=0) = Field(
-        0, description="supervised warm-start steps on the task's format before RL"
-    )
-    warmup_sft_lr: bounded(float, ge=0, le=1, why=_LR_WHY) = Field(
-        3e-3, description="learning rate of the supervised warm-start"
-    )
-    threads: bounded(
-        int, ge=1, le=1024, why="torch threads per trainer: more than the machine's cores only slows it"
-    ) = Field(1, description="torch threads per trainer")
-
-
-class _AnyKey(dict):
-    """Stands in for sample metadata when checking an opening template."""
-
-    def __missing__(self, key: str) -> str:
-        return ""
-
-
 def _plugin_sections_schema(schema: dict[str, Any]) -> None:
     # `extra` is no key of the YAML: it holds the YAML's other keys, the plugin systems' sections.
     extra = schema["properties"].pop("extra")
     schema["additionalProperties"] = {"type": "object", "description": extra["description"]}
 
 
-class Settings(_Section):
+class Settings(Section):
     """Everything under the YAML's `mrlx:` key."""
 
     model_config = ConfigDict(json_schema_extra=_plugin_sections_schema)
@@ -528,28 +413,17 @@ class Settings(_Section):
         default_factory=EngineSettings, description="how the engine client talks to `/generate`"
     )
     rewards: RewardSettings = Field(default_factory=RewardSettings, description="grading and reward shaping")
-    pipeline: PipelineSettings = Field(
-        default_factory=PipelineSettings, description="the solver -> rewriter -> selector system"
-    )
-    dialogue: DialogueSettings = Field(
-        default_factory=DialogueSettings, description="the dialogue system (agents take turns)"
-    )
-    game: GameSettings = Field(default_factory=GameSettings, description="the turn-based game system")
-    debate: DebateSettings = Field(
-        default_factory=DebateSettings, description="the debate-with-a-judge system"
-    )
     coordinator: CoordinatorSettings = Field(
         default_factory=CoordinatorSettings, description="the multi-model run's coordinator"
     )
-    trainer: TrainerSettings = Field(
-        default_factory=TrainerSettings,
-        description="the embedded CPU trainer only (slime jobs use their own flags)",
-    )
     extra: dict[str, Any] = Field(
         default_factory=dict,
-        description="the settings section of a system a plugin registers, under the system's name; given to "
-        "it as `episode.system_settings` and validated by the plugin",
+        description="the settings section of a system a plugin registers without a settings model "
+        "(`System.settings`), under the system's name; given to it as `episode.system_settings` and "
+        "validated by the plugin",
     )
+    # The sections of the systems (and of the embedded trainer) are no fields here: `settings_model`
+    # adds one typed field per section the caller gives (`settings.pipeline`, `settings.game`).
 
     def agent(self, name: str) -> AgentSettings:
         return self.agents[name]
@@ -558,7 +432,7 @@ class Settings(_Section):
     @classmethod
     def _name_chars(cls, run_id: str) -> str:
         if not run_id or not all(c.isalnum() or c in "-_." for c in run_id):
-            raise _problem(f"got {_show(run_id)}; use letters, digits, '-', '_' and '.'")
+            raise _problem(f"got {show_value(run_id)}; use letters, digits, '-', '_' and '.'")
         return run_id
 
     @model_validator(mode="before")
@@ -579,14 +453,22 @@ class Settings(_Section):
         """The checks between sections. They run once every value has its type (a bad value is
         left out and its default used, so it is reported once), and all their problems come
         back together as one error that `parse_settings` spreads out."""
-        if self.system == "pipeline" and not self.agents:
-            self.agents = {name: AgentSettings() for name in PIPELINE_AGENTS}
+        section = self.system_section()
+        if section is not None and not self.agents:
+            self.agents = {name: AgentSettings() for name in section.default_agents}
         problems = _cross_problems(self, TOP_KEY, (info.context or {}).get("known_systems"))
         if problems:
             raise PydanticCustomError(
                 _CROSS, "{count} problem(s) between settings", {"count": len(problems), "problems": problems}
             )
         return self
+
+    def system_section(self) -> SystemSection | None:
+        """The section of the selected system, when the system declares one (a `SystemSection`)."""
+        if self.system in Settings.model_fields or self.system not in type(self).model_fields:
+            return None
+        section = getattr(self, self.system)
+        return section if isinstance(section, SystemSection) else None
 
 
 def _cross_problems(s: Settings, path: str, known_systems: set[str] | None) -> list[str]:
@@ -596,30 +478,18 @@ def _cross_problems(s: Settings, path: str, known_systems: set[str] | None) -> l
         errors.append(f"{path}.agents: no agents are configured; list each agent with its url")
     if s.self_agent is not None and s.self_agent not in s.agents:
         errors.append(
-            f"{path}.self: agent {_show(s.self_agent)} is not under {path}.agents "
+            f"{path}.self: agent {show_value(s.self_agent)} is not under {path}.agents "
             f"(agents: {', '.join(names) or 'none'})"
         )
-    if s.system == "pipeline":
-        missing = [n for n in PIPELINE_AGENTS if n not in s.agents]
-        if missing:
-            errors.append(
-                f"{path}.agents: the pipeline system needs agents {', '.join(PIPELINE_AGENTS)}; "
-                f"missing {', '.join(missing)} (add e.g. `{missing[0]}: {{url: self}}`)"
-            )
-    if s.system == "dialogue":
-        errors += _dialogue_problems(s, f"{path}.dialogue", names)
-        if len(names) < 2:
-            errors.append(f"{path}.agents: the dialogue system needs at least two agents; got {len(names)}")
+    section = s.system_section()
+    if section is not None:
+        errors += section.problems(s, f"{path}.{s.system}")
     r = s.rewards
     if r.branch > 1 and r.credit != "turn":
         errors.append(
             f"{path}.rewards.branch: {r.branch} candidates per turn are trained as one group per turn; "
             f"set {path}.rewards.credit: turn (or branch: 1)"
         )
-    if s.system == "game":
-        errors += _game_problems(s, f"{path}.game", names)
-    if s.system == "debate":
-        errors += _debate_problems(s, f"{path}.debate", names)
     for who, row in s.rewards.coupling.items():
         if who not in s.agents:
             errors.append(f"{path}.rewards.coupling.{who}: not an agent")
@@ -628,95 +498,36 @@ def _cross_problems(s: Settings, path: str, known_systems: set[str] | None) -> l
         ]
     if known_systems is not None and s.system not in known_systems:
         errors.append(
-            f"{path}.system: no agent system named {_show(s.system)} is registered "
+            f"{path}.system: no agent system named {show_value(s.system)} is registered "
             f"(known: {', '.join(sorted(known_systems))}); list the module that registers it under "
             f"{path}.plugins"
         )
-    for key in s.extra:
-        if key != s.system or s.system in BUILT_IN_SYSTEMS:
-            errors.append(_unknown_key(f"{path}.{key}", key, Settings))
+    # A key of no section: only the selected system's, when that system declares no model of it.
+    errors += [_unknown_key(f"{path}.{key}", key, type(s)) for key in s.extra if key != s.system]
     return errors
 
 
-BUILT_IN_SYSTEMS = ("pipeline", "dialogue", "game", "debate")
-SCRIPT_PREFIX, POOL_SEAT = "script:", "pool"
-
-
-def _game_problems(s: Settings, path: str, names: list[str]) -> list[str]:
-    g, errors = s.game, []
-    agents = f"(agents: {', '.join(names)})"
-
-    def check_player(where: str, who: str, pool_ok: bool) -> None:
-        if who.startswith(SCRIPT_PREFIX):
-            if not who[len(SCRIPT_PREFIX) :]:
-                errors.append(f"{where}: {_show(who)} names no script; e.g. `script:random`")
-        elif who == POOL_SEAT:
-            if not pool_ok:
-                errors.append(f"{where}: `pool` cannot be in the pool itself")
-            elif not g.opponents:
-                errors.append(f"{where}: a `pool` seat needs {path}.opponents (agents or `script:NAME`)")
-        elif who not in s.agents:
-            errors.append(f"{where}: {_show(who)} is not an agent {agents}, `script:NAME` or `pool`")
-
-    for i, who in enumerate(g.seats or []):
-        check_player(f"{path}.seats[{i}]", who, pool_ok=True)
-    for i, who in enumerate(g.opponents):
-        check_player(f"{path}.opponents[{i}]", who, pool_ok=False)
-    if g.seats is not None and len(g.seats) < 1:
-        errors.append(f"{path}.seats: list at least one seat")
-    return errors
-
-
-def _debate_problems(s: Settings, path: str, names: list[str]) -> list[str]:
-    d, errors = s.debate, []
-    agents = f"(agents: {', '.join(names)})"
-    debaters = d.debaters if d.debaters is not None else names[:2]
-    judge = d.judge if d.judge is not None else (names[2] if len(names) > 2 else None)
-    if len(debaters) != 2 or len(set(debaters)) != 2:
-        errors.append(f"{path}.debaters: expected two different agents; got {debaters}")
-    errors += [
-        f"{path}.debaters: {_show(who)} is not an agent {agents}" for who in debaters if who not in s.agents
-    ]
-    if judge is None:
-        errors.append(f"{path}.judge: name the judging agent (or list a third agent)")
-    elif judge not in s.agents:
-        errors.append(f"{path}.judge: {_show(judge)} is not an agent {agents}")
-    elif judge in debaters:
-        errors.append(f"{path}.judge: {_show(judge)} also debates; the judge must be another agent")
-    return errors
-
-
-def _dialogue_problems(s: Settings, path: str, names: list[str]) -> list[str]:
-    d, errors = s.dialogue, []
-    agents = f"(agents: {', '.join(names)})"
-    for key, who in (("first", d.first), ("final_answer_agent", d.final_answer_agent)):
-        if who is not None and who not in s.agents:
-            errors.append(f"{path}.{key}: {_show(who)} is not an agent {agents}")
-    errors += [
-        f"{path}.order[{i}]: {_show(who)} is not an agent {agents}"
-        for i, who in enumerate(d.order or [])
-        if who not in s.agents
-    ]
-    for who, pattern in d.stop_patterns.items():
-        if who not in s.agents:
-            errors.append(f"{path}.stop_patterns.{who}: not an agent {agents}")
-            continue
-        try:
-            re.compile(pattern)
-        except re.error as exc:
-            errors.append(f"{path}.stop_patterns.{who}: not a regular expression ({exc})")
-    for who, text in d.openings.items():
-        if who not in s.agents:
-            errors.append(f"{path}.openings.{who}: not an agent {agents}")
-            continue
-        try:
-            text.format(problem="", label="", metadata=_AnyKey())
-        except (KeyError, IndexError, ValueError, AttributeError) as exc:
-            errors.append(
-                f"{path}.openings.{who}: cannot fill in {exc}; use {{problem}}, {{label}} or "
-                "{metadata[KEY]} (double the braces for literal ones)"
+@cache
+def _settings_model(sections: tuple[tuple[str, type[BaseModel]], ...]) -> type[Settings]:
+    fields: dict[str, Any] = {}
+    for name, model in sections:
+        if not name.isidentifier() or name.startswith("_") or name in _keys(Settings) + ["extra"]:
+            raise ConfigError(
+                f"{TOP_KEY}.{name}: cannot be a section of its own (a key of the core's, or no Python "
+                "name); register the system that declares it under another name"
             )
-    return errors
+        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+            raise ConfigError(f"{TOP_KEY}.{name}: its settings must be a pydantic model; got {model!r}")
+        about = getattr(model, "about", "") or (model.__doc__ or "").strip().split("\n\n")[0]
+        fields[name] = (model, Field(default_factory=model, description=" ".join(about.split())))
+    return create_model("Settings", __base__=Settings, __module__=__name__, **fields)
+
+
+def settings_model(sections: Mapping[str, type[BaseModel]] | None = None) -> type[Settings]:
+    """Settings with one typed field per section in `sections` (key -> model): the sections of
+    the registered systems (`System.settings`) and of the embedded trainer, which the core does
+    not know. Built once per set of sections."""
+    return _settings_model(tuple((sections or {}).items())) if sections else Settings
 
 
 # ---------------------------------------------------------------------------------------------
@@ -752,10 +563,10 @@ def _unwrap(tp: Any) -> Any:
             return tp
 
 
-def _declared_at(loc: tuple) -> tuple[Any, list[Any]] | None:
+def _declared_at(loc: tuple, root: type[BaseModel]) -> tuple[Any, list[Any]] | None:
     """(declared type, the field's own metadata) of the value at a pydantic error's location,
-    walking from Settings; None when the location names no declared value."""
-    tp: Any = Settings
+    walking from the model validated (`root`); None when the location names no declared value."""
+    tp: Any = root
     found: list[Any] = []
     for part in loc:
         tp = _unwrap(tp)
@@ -771,9 +582,9 @@ def _declared_at(loc: tuple) -> tuple[Any, list[Any]] | None:
     return tp, found
 
 
-def _type_at(loc: tuple) -> Any:
-    """The declared type of the value at a pydantic error's location, walking from Settings."""
-    declared = _declared_at(loc)
+def _type_at(loc: tuple, root: type[BaseModel]) -> Any:
+    """The declared type of the value at a pydantic error's location, walking from `root`."""
+    declared = _declared_at(loc, root)
     return None if declared is None else _unwrap(declared[0])
 
 
@@ -801,10 +612,10 @@ def _type_name(tp: Any, plural: bool = False) -> str:
     return _NAMES[tp][plural] if tp in _NAMES else str(tp)
 
 
-def _why_at(loc: tuple) -> str | None:
+def _why_at(loc: tuple, root: type[BaseModel]) -> str | None:
     """What the upper bound of the setting at a pydantic error's location protects: the `Why` in
     its type (in the field's own metadata, or inside `X | None` and list items)."""
-    declared = _declared_at(loc)
+    declared = _declared_at(loc, root)
     if declared is None:
         return None
     tp, found = declared
@@ -831,41 +642,42 @@ def _dotted(loc: tuple) -> str:
     return out
 
 
-def _message(error: dict) -> list[str]:
+def _message(error: dict, root: type[BaseModel]) -> list[str]:
     """One pydantic error as this module's messages: `mrlx.dotted.key: what was wrong; what to do`."""
     kind, value, ctx = error["type"], error.get("input"), error.get("ctx") or {}
     if kind == _CROSS:
         return list(ctx["problems"])
     loc = error["loc"][1:] if error["loc"][:1] == ("extra",) else error["loc"]  # `extra` is no YAML key
     if loc[-1:] == ("[key]",):
-        return [f"{_dotted(loc[:-2])}: key {_show(loc[-2])} must be a string"]
+        return [f"{_dotted(loc[:-2])}: key {show_value(loc[-2])} must be a string"]
     path = _dotted(loc)
     if kind == "mrlx":
         return [f"{path}: {ctx['message']}"]
     if kind == "extra_forbidden":
-        model = _type_at(loc[:-1])
+        model = _type_at(loc[:-1], root)
         return [_unknown_key(path, loc[-1], model)]
     unit = " of seconds" if str(loc[-1]).endswith("_s") else ""
     if kind == "greater_than_equal":
         bound = "0 or more" if ctx["ge"] == 0 else f"at least {_bound(ctx['ge'])}"
-        return [f"{path}: got {_show(value)}; expected {bound}"]
+        return [f"{path}: got {show_value(value)}; expected {bound}"]
     if kind == "greater_than":
         return [
-            f"{path}: got {_show(value)}; expected "
+            f"{path}: got {show_value(value)}; expected "
             + (f"a positive number{unit}" if ctx["gt"] == 0 else f"more than {_bound(ctx['gt'])}")
         ]
     if kind in ("less_than_equal", "less_than"):
         bound = f"at most {_bound(ctx['le'])}" if "le" in ctx else f"less than {_bound(ctx['lt'])}"
-        why = _why_at(loc)
-        return [f"{path}: got {_show(value)}; expected {bound}" + (f" ({why})" if why else "")]
+        why = _why_at(loc, root)
+        return [f"{path}: got {show_value(value)}; expected {bound}" + (f" ({why})" if why else "")]
     if kind == "finite_number":
-        return [f"{path}: got {_show(value)}; expected a finite number{unit}"]
+        return [f"{path}: got {show_value(value)}; expected a finite number{unit}"]
     if kind in ("literal_error", "bool_type"):
-        return [f"{path}: got {_show(value)}; expected {_type_name(_type_at(loc))}"]
+        return [f"{path}: got {show_value(value)}; expected {_type_name(_type_at(loc, root))}"]
     if kind in ("model_type", "model_attributes_type"):
-        return [f"{path}: got {type(value).__name__} {_show(value)}; expected a mapping of settings"]
-    if kind.endswith(("_type", "_parsing")) and _type_at(loc) is not None:
-        return [f"{path}: got {type(value).__name__} {_show(value)}; expected {_type_name(_type_at(loc))}"]
+        return [f"{path}: got {type(value).__name__} {show_value(value)}; expected a mapping of settings"]
+    if kind.endswith(("_type", "_parsing")) and _type_at(loc, root) is not None:
+        expected = _type_name(_type_at(loc, root))
+        return [f"{path}: got {type(value).__name__} {show_value(value)}; expected {expected}"]
     return [f"{path}: {error['msg']}"]
 
 
@@ -896,8 +708,16 @@ def _leave_out(data: dict, loc: tuple) -> bool:
     return True
 
 
-def parse_settings(data: Any, source: str = "config", known_systems: set[str] | None = None) -> Settings:
-    """Build Settings from the YAML's `mrlx` mapping. Raises ConfigError naming every bad key.
+def parse_settings(
+    data: Any,
+    source: str = "config",
+    known_systems: set[str] | None = None,
+    sections: Mapping[str, type[BaseModel]] | None = None,
+) -> Settings:
+    """Build Settings from the YAML's `mrlx` mapping, with a typed field for each of `sections`
+    (see `settings_model`). Raises ConfigError naming every bad key. `known_systems`: the names
+    of the registered systems (None: not checked). `mrlx_plugin.settings.parse_settings` gives
+    the sections of the registered systems.
 
     pydantic stops at the first bad value of each place and checks between sections only once
     every value is good; to report every problem at once, each pass leaves the bad values out
@@ -907,17 +727,18 @@ def parse_settings(data: Any, source: str = "config", known_systems: set[str] | 
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: {TOP_KEY}: got {type(data).__name__}; expected a mapping of settings")
+    root = settings_model(sections)
     problems: list[str] = []
     context = {"known_systems": known_systems}
     copied = False
     while True:
         try:
-            settings = Settings.model_validate(data, context=context)
+            settings = root.model_validate(data, context=context)
             break
         except ValidationError as exc:
             found = exc.errors(include_url=False)
         for error in found:
-            problems += _message(error)
+            problems += _message(error, root)
         bad = [e["loc"] for e in found if e["type"] != _CROSS]
         if not copied:
             data, copied = _unshared(data), True
@@ -935,8 +756,11 @@ def parse_settings(data: Any, source: str = "config", known_systems: set[str] | 
 
 def _reference_rows(model: type[BaseModel], prefix: str) -> list[tuple[str, str, str, str]]:
     rows = []
-    for name, f in model.model_fields.items():
-        key = "<system name>" if (model is Settings and name == "extra") else (f.alias or name)
+    top = issubclass(model, Settings)
+    # The plugin systems' sections (`extra`) last, after the sections of the registered systems.
+    fields = sorted(model.model_fields.items(), key=lambda item: top and item[0] == "extra")
+    for name, f in fields:
+        key = "<system name>" if (top and name == "extra") else (f.alias or name)
         path, tp = f"{prefix}.{key}", _unwrap(f.annotation)
         optional = type(None) in typing.get_args(f.annotation)
         inner = typing.get_args(tp)[-1] if typing.get_origin(tp) is dict else None
@@ -984,14 +808,15 @@ def _bounds_text(f: Any) -> tuple[str, str | None]:
     return (f" ({low or high})" if low or high else ""), why
 
 
-def settings_reference_markdown() -> str:
-    """The reference of every setting as a Markdown table: dotted key, type, default, meaning."""
+def settings_reference_markdown(model: type[Settings] = Settings) -> str:
+    """The reference of every setting of `model` (see `settings_model`) as a Markdown table:
+    dotted key, type, default, meaning."""
 
     def cell(text: str) -> str:
         return text.replace("|", "\\|").replace("\n", " ")
 
     lines = ["| key | type | default | meaning |", "|---|---|---|---|"]
-    for path, kind, default, description in _reference_rows(Settings, TOP_KEY):
+    for path, kind, default, description in _reference_rows(model, TOP_KEY):
         shown = f"`{cell(default)}`" if default else ""
         lines.append(f"| `{cell(path)}` | {cell(kind)} | {shown} | {cell(description)} |")
     return "\n".join(lines) + "\n"
@@ -1215,13 +1040,18 @@ def _read_file_arg(value: str) -> str:
         raise ConfigError(f"{value}: cannot read the config file ({exc.strerror})") from None
 
 
-def settings_from_yaml(path: str | os.PathLike, known_systems: set[str] | None = None) -> Settings:
+def settings_from_yaml(
+    path: str | os.PathLike,
+    known_systems: set[str] | None = None,
+    sections: Mapping[str, type[BaseModel]] | None = None,
+) -> Settings:
+    """`parse_settings` of a YAML file's `mrlx` key."""
     data = load_yaml(path)
     if TOP_KEY not in data:
         raise ConfigError(
             f"{path}: no top-level '{TOP_KEY}' key; put every plugin setting under '{TOP_KEY}:'"
         )
-    return parse_settings(data[TOP_KEY], source=str(path), known_systems=known_systems)
+    return parse_settings(data[TOP_KEY], source=str(path), known_systems=known_systems, sections=sections)
 
 
 def raw_settings_from_args(args: Any) -> tuple[Any, str, Path | None]:
@@ -1281,7 +1111,7 @@ def read_text_setting(value: str | None, base: Path | None = None, key: str = "s
     if base is not None and not candidate.is_absolute():
         candidate = base / candidate
     # The file as a message may name it (a path from the environment stays `${NAME}`).
-    file = _show(value) if isinstance(value, EnvValue) else str(candidate)
+    file = show_value(value) if isinstance(value, EnvValue) else str(candidate)
     try:
         is_file = candidate.is_file()
     except OSError:  # e.g. a one-line text longer than a file name may be (ENAMETOOLONG): not a path
@@ -1297,7 +1127,7 @@ def read_text_setting(value: str | None, base: Path | None = None, key: str = "s
     where = f"from the YAML's folder, {base}" if base is not None else "from the working directory"
     problem = "is a folder, not a file" if candidate.exists() else "does not exist"
     raise ConfigError(
-        f"{key}: {_show(value)} names a file (one line, no spaces or braces, with a '/' or a file suffix), "
-        f"but {file} {problem} (a relative path is read {where}); fix the path, or write the text itself "
-        "(a prompt with spaces, a template with its braces)"
+        f"{key}: {show_value(value)} names a file (one line, no spaces or braces, with a '/' or a file "
+        f"suffix), but {file} {problem} (a relative path is read {where}); fix the path, or write the "
+        "text itself (a prompt with spaces, a template with its braces)"
     )

@@ -2,9 +2,10 @@
 
 One `EngineClient` per URL per process, holding an aiohttp session (a pool of keep-alive
 connections) per event loop, so a rollout reuses its connections across thousands of calls.
-Every call has a deadline and a cap on the size of the answer. Faults that may pass (connection
-resets, timeouts, HTTP 5xx/429, an answer that is not valid HTTP, not the protocol's JSON or
-larger than the cap) are retried a bounded number of times with exponential backoff and jitter
+Every call has a deadline and a cap on the size of the answer. Faults that may pass (the
+package's one policy, `mrlx_plugin.core.http`: connection resets, timeouts, HTTP 429/500/502/
+503/504, an answer that is not valid HTTP or larger than the cap; and here an answer that is not
+the protocol's JSON) are retried a bounded number of times with exponential backoff and jitter
 (`mrlx_plugin.core.retry`); the rest raise `EngineError` at once. An answer larger than its
 request's `max_new_tokens` allows, in bytes or in JSON values (`answer_limits`), is malformed, and
 refused before it is read in full or parsed: one answer cannot hold the event loop or the
@@ -20,23 +21,27 @@ tokenizer's vocabulary (`Transcript.turn_from`).
 
 from __future__ import annotations
 
-import ast
-import asyncio
 import math
-import re
-import weakref
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 import orjson
 from yarl import URL
 
 from mrlx_plugin.core.config import EngineSettings
+from mrlx_plugin.core.http import (
+    RETRYABLE_STATUS,
+    TRANSPORT_ERRORS,
+    AnswerTooLarge,
+    HttpClient,
+    Passing,
+    as_passing,
+    is_passing,
+    read_capped,
+)
 from mrlx_plugin.core.retry import Backoff, Deadline, RetriesExhausted, retry
 from mrlx_plugin.core.values import LOG_PROB_EPSILON, MAX_TOKEN_ID, MIN_LOG_PROB
 
-RETRYABLE_STATUS = {429, 500, 502, 503, 504}
 MAX_BODY_BYTES = 32 * 1024 * 1024  # a 32k-token answer with its log-probs is about 1.4 MB
 # What an answer to a request for N new tokens may take: N x ANSWER_BYTES_PER_TOKEN +
 # ANSWER_BYTES_FIXED bytes (never more than the client's `max_answer_bytes`). A token costs its
@@ -51,7 +56,7 @@ ANSWER_BYTES_FIXED = 64 * 1024
 # tiny entries (`[0,0],` repeated) make 3 objects of 6 bytes, and building them holds the event
 # loop (orjson keeps the GIL, so parsing in a worker thread would not free it): seconds and over
 # 1 GiB for 32 MiB. Within this allowance a parse builds at most a few times the objects of a
-# real answer of N tokens (benchmarks/answer_stall.py measures the stall).
+# real answer of N tokens (mrlx_plugin/bench/answer_stall.py measures the stall).
 ANSWER_VALUES_PER_TOKEN = 32
 ANSWER_VALUES_FIXED = 4096
 # Idle connections are dropped before SGLang's HTTP server (uvicorn, 5 s keep-alive) drops them,
@@ -80,10 +85,6 @@ class MalformedAnswer(EngineError):
 
 class _BadResponse(Exception):
     """A response that does not follow the SGLang protocol (retryable)."""
-
-
-class _Passing(Exception):
-    """A failed attempt that may pass (retried); its message is the EngineError's reason."""
 
 
 class _Malformed(Exception):
@@ -221,7 +222,7 @@ def _requested_max(sampling_params: dict[str, Any]) -> int | None:
     return value if type(value) is int and value >= 0 else None
 
 
-class EngineClient:
+class EngineClient(HttpClient):
     """Calls one engine URL. Safe to share between tasks and event loops of one process."""
 
     def __init__(
@@ -236,74 +237,20 @@ class EngineClient:
         if base.scheme not in ("http", "https") or not base.host:
             raise ValueError(f"engine URL {url!r} is not an http(s) URL; give one like http://host:30000")
         self.settings = settings or EngineSettings()
+        s = self.settings
+        headers = {"Content-Type": "application/json"}
+        if api_key:
+            headers["Authorization"] = f"Bearer {api_key}"
+        super().__init__(
+            headers,
+            max_connections=s.max_connections,
+            keepalive_s=KEEPALIVE_S,
+            connect_timeout_s=s.connect_timeout_s,
+        )
         self.max_answer_bytes = max_answer_bytes  # a larger (or endless) answer is cut off: retryable
         self._generate_url = URL(self.url + "/generate")
         self._address = f"{base.host}:{base.port}"
-        # Sent with every request from the session itself: headers given per request would be
-        # merged into a new set on every call (measurable at thousands of calls per second).
-        # The body cap counts the bytes on the wire: answers come uncompressed (a small
-        # compressed answer could expand past any cap). Naming these headers here rather than
-        # listing them in `skip_auto_headers` keeps aiohttp on its fast path (no per-call copy).
-        self._headers = {
-            "Content-Type": "application/json",
-            "Accept-Encoding": "identity",
-            "User-Agent": "mrlx-plugin",
-        }
-        if api_key:
-            self._headers["Authorization"] = f"Bearer {api_key}"
-        s = self.settings
         self._backoff = Backoff(base_s=s.backoff_s, max_s=s.max_backoff_s)
-        self._sessions: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, aiohttp.ClientSession] = (
-            weakref.WeakKeyDictionary()
-        )
-        self._last: tuple[asyncio.AbstractEventLoop, aiohttp.ClientSession] | None = None
-        self._closing: set[asyncio.Task] = set()
-
-    def _session(self) -> aiohttp.ClientSession:
-        loop = asyncio.get_running_loop()
-        last = self._last
-        if last is not None and last[0] is loop:
-            return last[1]  # the common case: one loop for the whole process
-        session = self._sessions.get(loop)
-        if session is None or session.closed:
-            self._forget_closed_loops(loop)
-            connector = aiohttp.TCPConnector(
-                limit=self.settings.max_connections, limit_per_host=0, keepalive_timeout=KEEPALIVE_S
-            )
-            session = self._sessions[loop] = aiohttp.ClientSession(
-                connector=connector,
-                cookie_jar=aiohttp.DummyCookieJar(),  # an engine sets no cookies: skip the jar's work
-                auto_decompress=False,  # whatever comes, the capped bytes are what is parsed
-                headers=self._headers,
-            )
-        self._last = (loop, session)
-        return session
-
-    def _forget_closed_loops(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Close the sessions of event loops that have ended (the host ran `asyncio.run` again).
-
-        Nothing of a closed loop can be awaited, and closing such a session awaits nothing of
-        it: it only marks the session closed and drops its pool, so no "unclosed client
-        session" report comes when it is collected."""
-        for stale in self._pop_closed_loops():
-            task = loop.create_task(stale.close())
-            self._closing.add(task)  # the loop holds tasks weakly
-            task.add_done_callback(self._closing.discard)
-
-    def _pop_closed_loops(self) -> list[aiohttp.ClientSession]:
-        return [self._sessions.pop(other) for other in list(self._sessions) if other.is_closed()]
-
-    async def close(self) -> None:
-        """Close this event loop's connections (and the sessions of loops that have ended)."""
-        loop = asyncio.get_running_loop()
-        sessions = self._pop_closed_loops()
-        mine = self._sessions.pop(loop, None)
-        if mine is not None:
-            sessions.append(mine)
-        if self._last is not None and (self._last[0] is loop or self._last[0].is_closed()):
-            self._last = None
-        for session in sessions:
-            await session.close()
 
     # --- one HTTP exchange -----------------------------------------------------------------
 
@@ -312,78 +259,32 @@ class EngineClient:
     ) -> tuple[int, bytes]:
         """Send one request and return (status, body).
 
-        Raises _Passing for whatever may pass: no connection, no answer within `timeout`, an
-        answer that is not HTTP/1.1, or one over `max_answer_bytes`; _Malformed for a 200 answer
-        larger than a request for `max_new_tokens` new tokens allows."""
+        Raises Passing for whatever may pass (`mrlx_plugin.core.http`): no connection, no answer
+        within `timeout`, an answer that is not HTTP/1.1, or one over `max_answer_bytes`;
+        _Malformed for a 200 answer larger than a request for `max_new_tokens` new tokens allows
+        (as an answer of more tokens than asked is; refused by its declared length before a byte
+        of it is read)."""
         try:
             async with self._session().request(
-                method,
-                url,
-                data=body,
-                timeout=aiohttp.ClientTimeout(total=timeout, sock_connect=self.settings.connect_timeout_s),
-                allow_redirects=False,
+                method, url, data=body, timeout=self._timeout(timeout), allow_redirects=False
             ) as resp:
-                try:
-                    return resp.status, await self._read_capped(resp, max_new_tokens)
-                except BaseException:
-                    resp.close()  # a cut-off or abandoned answer: the connection is not reused
-                    raise
-        except aiohttp.ConnectionTimeoutError:
-            raise _Passing(f"connect to {self._address} timed out") from None
-        except asyncio.TimeoutError:
-            raise _Passing(f"no answer within {timeout:.1f}s") from None
-        except aiohttp.ClientConnectorError as exc:
-            os_error = getattr(exc, "os_error", None)  # certificate errors carry none
-            why = getattr(os_error, "strerror", None) or _first_line(str(os_error or exc))
-            raise _Passing(f"cannot connect to {self._address}: {why}") from None
-        except aiohttp.ServerDisconnectedError:
-            raise _Passing("connection closed before the answer (by the server)") from None
-        except aiohttp.ClientPayloadError as exc:
-            raise _Passing(f"the answer was cut off ({_first_line(str(exc))})") from None
-        except aiohttp.ClientResponseError as exc:  # the response parser refused the answer
-            raise _Passing(_not_http(exc.message)) from None
-        except (aiohttp.ClientError, OSError) as exc:
-            raise _Passing(f"{type(exc).__name__}: {_first_line(str(exc))}") from None
-
-    async def _read_capped(self, resp: aiohttp.ClientResponse, max_new_tokens: int | None = None) -> bytes:
-        """The answer's body, read in chunks and refused once past the cap: an endless body
-        costs one chunk of memory beyond the cap, not the bytes the server keeps sending.
-
-        The cap is `max_answer_bytes` (past it: _Passing), and for a 200 answer to a request for
-        `max_new_tokens` new tokens what such an answer may take (`answer_limits`; past it:
-        _Malformed, as an answer of more tokens than asked is; refused by its declared length
-        before a byte of it is read)."""
-        cap = self.max_answer_bytes
-        allowed = None
-        if max_new_tokens is not None and resp.status == 200:
-            allowed = answer_limits(max_new_tokens)[0]
-            if allowed < cap:
-                cap = allowed
-            else:
+                cap = self.max_answer_bytes
                 allowed = None
-        length = resp.content_length
-        if length is not None and length > cap:
-            if allowed is not None:
-                raise _Malformed(
-                    f"the answer is {length} bytes, more than an answer of max_new_tokens "
-                    f"{max_new_tokens} may take ({cap} bytes)"
-                )
-            raise _Passing(f"the answer is {length} bytes, over the {cap}-byte limit")
-        content = resp.content
-        chunks: list[bytes] = []
-        size = 0
-        while chunk := await content.readany():
-            size += len(chunk)
-            if size > cap:
-                chunks.clear()
-                if allowed is not None:
-                    raise _Malformed(
-                        f"the answer is over {cap} bytes, more than an answer of max_new_tokens "
-                        f"{max_new_tokens} may take"
-                    )
-                raise _Passing(f"the answer is over the {cap}-byte limit")
-            chunks.append(chunk)
-        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+                if max_new_tokens is not None and resp.status == 200:
+                    allowed = answer_limits(max_new_tokens)[0]
+                    if allowed < cap:
+                        cap = allowed
+                    else:
+                        allowed = None
+                try:
+                    return resp.status, await read_capped(resp, cap)
+                except BaseException as exc:
+                    resp.close()  # a cut-off or abandoned answer: the connection is not reused
+                    if allowed is not None and isinstance(exc, AnswerTooLarge):
+                        raise _too_many_bytes(exc, max_new_tokens) from None
+                    raise
+        except TRANSPORT_ERRORS as exc:
+            raise as_passing(exc, self._address, timeout) from None
 
     # --- calls -----------------------------------------------------------------------------
 
@@ -442,21 +343,21 @@ class EngineClient:
                     except _Malformed as exc:
                         raise MalformedAnswer(where, str(exc), n + 1) from None
                     except _BadResponse as exc:
-                        raise _Passing(f"bad response: {exc}") from None
+                        raise Passing(f"bad response: {exc}") from None
                 reason = f"HTTP {status}: {raw[:200].decode(errors='replace')}"
                 if status not in RETRYABLE_STATUS:
                     raise EngineError(where, reason, n + 1, retryable=False)
-                raise _Passing(reason)
+                raise Passing(reason, status)
             except _Malformed as exc:  # an answer larger than its request allows
                 raise MalformedAnswer(where, str(exc), n + 1) from None
-            except _Passing as exc:
+            except Passing as exc:
                 last = str(exc)
                 raise
 
         try:
             return await retry(
                 attempt,
-                retryable=_is_passing,
+                retryable=is_passing,
                 deadline=until,
                 backoff=self._backoff,
                 max_retries=self.settings.max_retries,
@@ -470,7 +371,7 @@ class EngineClient:
             status, raw = await self._request(
                 method, URL(self.url + path), body, timeout or self.settings.connect_timeout_s * 3
             )
-        except _Passing as exc:
+        except Passing as exc:
             reason = str(exc)
             raise EngineError(
                 self.url + path, "no answer in time" if reason.startswith("no answer") else reason
@@ -489,42 +390,12 @@ class EngineClient:
         return await self._call("GET", path, None, timeout)
 
 
-def _is_passing(exc: BaseException) -> bool:
-    return isinstance(exc, _Passing)
-
-
-def _first_line(text: str) -> str:
-    return text.strip().split("\n", 1)[0][:200]
-
-
-# The response parser quotes the offending line: b'HTTP/1.1 2OO OK' (C parser) or 'HTTP/1.1 2OO OK'.
-_QUOTED = re.compile(r"b?'(?:[^'\\]|\\.)*'" + r'|b?"(?:[^"\\]|\\.)*"')
-
-
-def _quoted_line(message: str) -> str | None:
-    match = _QUOTED.search(message)
-    if match is None:
-        return None
-    try:
-        value = ast.literal_eval(match.group(0))
-    except (ValueError, SyntaxError):
-        return None
-    return value.decode("latin-1") if isinstance(value, bytes) else str(value)
-
-
-def _not_http(message: str) -> str:
-    """Why an answer is not HTTP/1.1, from the response parser's message."""
-    line = _quoted_line(message)
-    if message.startswith("Bad status line"):
-        return f"not an HTTP/1.1 status line: {(line or _first_line(message))[:80]!r}"
-    if "content-length" in message.lower():
-        name, sep, value = (line or "").partition(":")
-        if sep and name.strip().lower() == "content-length":
-            return f"bad Content-Length in the answer: {value.strip()[:40]!r}"
-        return f"bad Content-Length in the answer ({_first_line(message)})"
-    what = _first_line(message).rstrip(":")
-    return (
-        f"not a valid HTTP/1.1 answer ({what}: {line[:80]!r})"
-        if line
-        else f"not a valid HTTP/1.1 answer ({what})"
+def _too_many_bytes(exc: AnswerTooLarge, max_new_tokens: int | None) -> _Malformed:
+    if exc.length is not None:
+        return _Malformed(
+            f"the answer is {exc.length} bytes, more than an answer of max_new_tokens "
+            f"{max_new_tokens} may take ({exc.cap} bytes)"
+        )
+    return _Malformed(
+        f"the answer is over {exc.cap} bytes, more than an answer of max_new_tokens {max_new_tokens} may take"
     )

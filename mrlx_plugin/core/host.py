@@ -381,3 +381,40 @@ def _miles_default_rollout(args: Any, rollout_id: int, data_source: Any, evaluat
         else RolloutFnTrainInput(rollout_id=rollout_id)
     )
     return call_rollout_function(HOST_PROCESS.miles_rollout(args, data_source), rollout_input)
+
+
+@dataclass
+class HostLimits:
+    """The host's generation limits, as read from `args` (slime's flag names)."""
+
+    max_context: int | None  # rollout_max_context_len (eval_max_context_len in evaluation)
+    max_context_eval: int | None
+    max_response: int | None  # rollout_max_response_len
+    default_sampling: dict[str, Any]  # used when the host passes no sampling_params (CLI)
+    # The host model's own position limit (`--max-position-embeddings`, else the checkpoint's
+    # config.json): a longer sample has positions the trainer's model has no embedding for.
+    model_max: int | None = None
+
+    @classmethod
+    def from_args(cls, args: Any, model: Any) -> HostLimits:
+        """The limits of `args`; `model` holds the host model's limits (`max_length`), as read
+        (blocking) from the flags or the checkpoint's config.json when the Runtime is built."""
+        ctx = getattr(args, "rollout_max_context_len", None)
+        sampling = {
+            "temperature": getattr(args, "rollout_temperature", 1.0),
+            "top_p": getattr(args, "rollout_top_p", 1.0),
+            "top_k": getattr(args, "rollout_top_k", -1),
+            "max_new_tokens": getattr(args, "rollout_max_response_len", None) or 1024,
+            "stop": getattr(args, "rollout_stop", None),
+            "stop_token_ids": getattr(args, "rollout_stop_token_ids", None),
+            "skip_special_tokens": getattr(args, "rollout_skip_special_tokens", False),
+            "no_stop_trim": True,
+            "spaces_between_special_tokens": False,
+        }
+        return cls(
+            max_context=ctx,
+            max_context_eval=getattr(args, "eval_max_context_len", None) or ctx,
+            max_response=getattr(args, "rollout_max_response_len", None),
+            default_sampling={k: v for k, v in sampling.items() if v is not None},
+            model_max=model.max_length,
+        )

@@ -1,11 +1,14 @@
-"""Network plumbing shared by the package's servers (engine, stub engine, coordinator): who may
-connect, and how a server started on port 0 tells its parent which port it got."""
+"""Network plumbing shared by the package's servers (engine, stub engine, coordinator) and clients:
+who may connect, how a server started on port 0 tells its parent which port it got, and how a
+body of a declared length is read into a reused buffer (the coordinator's commits, its client's
+leases)."""
 
 from __future__ import annotations
 
 import ipaddress
 import os
 import socket
+from typing import Any
 
 
 def is_loopback(host: str) -> bool:
@@ -42,3 +45,44 @@ def write_port_file(path: str, port: int) -> None:
     with open(tmp, "w") as f:
         f.write(f"{port}\n")
     os.replace(tmp, path)
+
+
+class BodyLengthError(ValueError):
+    """A body that ended before its declared Content-Length (`received` < `length`), or went past
+    it (`received` > `length`)."""
+
+    def __init__(self, received: int, length: int) -> None:
+        super().__init__(
+            f"the body ended after {received} of its {length} bytes"
+            if received < length
+            else f"the body is longer than its Content-Length {length}"
+        )
+        self.received, self.length = received, length
+
+
+async def read_declared(content: Any, length: int, buf: bytearray) -> memoryview:
+    """Read a body of `length` declared bytes from `content` (an aiohttp stream: a request's or an
+    answer's) into `buf`, and return the view of its bytes there.
+
+    `buf` is a reused buffer of at least `length` bytes (written in place) or an empty one, grown as
+    the bytes arrive: memory follows the bytes received, never the length a peer declares (which
+    costs it nothing to send). Raises BodyLengthError when the body ends early or runs past
+    `length`; on any failure `buf` is left free to be reused."""
+    view = memoryview(buf) if len(buf) >= length else None
+    position = 0
+    try:
+        while position < length:
+            chunk = await content.readany()
+            end = position + len(chunk)
+            if not chunk or end > length:
+                raise BodyLengthError(end, length)
+            if view is None:
+                buf += chunk  # amortised growth (bytearray over-allocates)
+            else:
+                view[position:end] = chunk
+            position = end
+    except BaseException:
+        if view is not None:
+            view.release()  # the traceback keeps this frame: without it `buf` could not be resized
+        raise
+    return (memoryview(buf) if view is None else view)[:length]

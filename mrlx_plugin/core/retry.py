@@ -6,11 +6,16 @@ exponential backoff and jitter, until its deadline: no attempt starts once the d
 near enough that the next wait would cross it, and `max_retries` (when set) bounds the count.
 A failure may ask for a longer wait (HTTP `Retry-After`) through a `retry_after_s` attribute.
 How the engine client's retries nest inside an episode's turn retries: docs/guarantees.md.
+
+Waiting for a condition (a process to listen, a file to appear, a test's state) is `wait_until`
+(blocking) or `async_wait_until` (on an event loop): the package's and its tests' one way to
+wait, polling until a deadline, never for a fixed time.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import math
 import random
 import time
@@ -29,9 +34,11 @@ class Backoff:
 
     base_s: float = 0.05
     max_s: float = 2.0
+    jitter: bool = True  # False: the waits as computed (a peer's weight update, not a crowd, is waited on)
 
     def delay(self, retry: int) -> float:
-        return min(self.max_s, self.base_s * 2 ** min(max(retry, 1) - 1, 30)) * random.uniform(0.5, 1.0)
+        wait = min(self.max_s, self.base_s * 2 ** min(max(retry, 1) - 1, 30))
+        return wait * random.uniform(0.5, 1.0) if self.jitter else wait
 
 
 class Deadline:
@@ -103,35 +110,68 @@ async def retry(
             await asyncio.sleep(wait)
 
 
+# How a wait polls by default: soon at first, then every half second at most.
+POLL = Backoff(base_s=0.05, max_s=0.5)
+
+
 def wait_until(
-    ready: Callable[[], bool],
-    deadline: Deadline,
+    ready: Callable[[], T],
+    deadline: Deadline | float = 60.0,
     *,
-    what: str,
-    backoff: Backoff = Backoff(base_s=0.05, max_s=0.5),
-) -> None:
-    """Block until `ready()` is true, polling with backoff; TimeoutError naming `what` at the
-    deadline. For start-up waits outside any event loop (a process to listen, a file to appear)."""
-    retry_n = 0
-    while not ready():
-        retry_n += 1
-        wait = backoff.delay(retry_n)
-        if deadline.remaining() <= 0.0:
-            raise TimeoutError(f"{what}: not ready by the deadline")
-        time.sleep(min(wait, deadline.remaining()))
+    what: str | None = None,
+    every: float | Backoff = POLL,
+    details: Callable[[], str] | None = None,
+) -> T:
+    """Block until `ready()` returns something true, and return that; TimeoutError naming `what`
+    (and adding `details()`) at the `deadline` (a Deadline, or seconds from now). Polls every
+    `every` seconds, or with a Backoff's waits. `ready` may raise to end the wait early (say, the
+    process it watches has died). For waits outside any event loop (a process to listen, a file
+    to appear, a test's condition); `async_wait_until` is the same on an event loop."""
+    deadline, started, polls = _deadline(deadline), time.monotonic(), 0
+    while not (value := ready()):
+        if deadline.expired():
+            raise _not_ready(what, ready, started, details)
+        polls += 1
+        time.sleep(min(_poll_wait(every, polls), deadline.remaining()))
+    return value
 
 
 async def async_wait_until(
-    ready: Callable[[], Awaitable[bool]],
-    deadline: Deadline,
+    ready: Callable[[], T | Awaitable[T]],
+    deadline: Deadline | float = 60.0,
     *,
-    what: str,
-    backoff: Backoff = Backoff(base_s=0.05, max_s=0.5),
-) -> None:
-    """`wait_until` for code on an event loop: `ready` is awaited, the waits do not block."""
-    retry_n = 0
-    while not await ready():
-        retry_n += 1
-        if deadline.remaining() <= 0.0:
-            raise TimeoutError(f"{what}: not ready by the deadline")
-        await asyncio.sleep(min(backoff.delay(retry_n), deadline.remaining()))
+    what: str | None = None,
+    every: float | Backoff = POLL,
+    details: Callable[[], str] | None = None,
+) -> T:
+    """`wait_until` for code on an event loop: the loop runs its other tasks between checks, and
+    `ready` may be a plain function or return an awaitable (awaited)."""
+    deadline, started, polls = _deadline(deadline), time.monotonic(), 0
+    while True:
+        value = ready()
+        if inspect.isawaitable(value):
+            value = await value
+        if value:
+            return value  # type: ignore[return-value]
+        if deadline.expired():
+            raise _not_ready(what, ready, started, details)
+        polls += 1
+        await asyncio.sleep(min(_poll_wait(every, polls), deadline.remaining()))
+
+
+def _deadline(deadline: Deadline | float) -> Deadline:
+    return deadline if isinstance(deadline, Deadline) else Deadline(deadline)
+
+
+def _poll_wait(every: float | Backoff, polls: int) -> float:
+    return every.delay(polls) if isinstance(every, Backoff) else every
+
+
+def _not_ready(
+    what: str | None, ready: Callable[..., object], started: float, details: Callable[[], str] | None
+) -> TimeoutError:
+    name = what or getattr(ready, "__name__", "the condition")
+    message = f"waited {time.monotonic() - started:.1f} s for {name}; it never held"
+    if details is not None:
+        message += "\n" + details()
+    return TimeoutError(message)

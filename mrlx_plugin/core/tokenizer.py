@@ -28,14 +28,28 @@ from mrlx_plugin.core.config import ConfigError
 # tokenizers (GPT-2, Llama 3, Qwen) never merge across such a point, so encoding the paragraphs
 # one by one gives the same ids as encoding the whole text, and each paragraph (a problem
 # statement, a quoted solution) is encoded once however many prompts it appears in. Whether a
-# tokenizer has this property is checked on probe texts when it loads.
-_PARAGRAPH = re.compile(r"(?<=\n\n)(?=\S)")
+# tokenizer has this property is checked on probe texts when it loads. The pattern starts with its
+# newlines, so the regex engine searches for them (a look-behind would be tried at every
+# character: eight times slower on a 9k-character prompt, and every new prompt is split).
+_PARAGRAPH = re.compile(r"\n\n(?=\S)")
 _PIECEWISE_MIN_CHARS = 256
 _PROBES = [
     "Problem:\nWhat is 12 + 30?\n\n### Solution 1\nWe add: 12 + 30 = 42. The answer is \\boxed{42}.\n\n"
     "### Solution 2\n  indented\n\n\n3 blank lines, digits 12345 and  spaces\n\nÜnïcödé 数学 ✓\n\nend.",
     "a\n\nb\n\n c\n\n\td\n\n'quoted' \"text\"\n\n$x^2$\n\n<|im_end|>\n\n<|im_start|>user\nhi",
 ]
+
+
+def _paragraphs(text: str) -> list[str]:
+    """`text` cut at its paragraph breaks (`_PARAGRAPH`): each piece but the last ends with the
+    blank line, and the next starts with the non-space character after it."""
+    pieces = []
+    start = 0
+    for found in _PARAGRAPH.finditer(text):
+        pieces.append(text[start : found.end()])
+        start = found.end()
+    pieces.append(text[start:])
+    return pieces
 
 
 class TemplateError(ValueError):
@@ -63,8 +77,11 @@ class AgentTokenizer:
         self.hf = hf_tokenizer
         self.name = name
         self._cache: OrderedDict[tuple, tuple[str, tuple[int, ...]]] = OrderedDict()
-        self._pieces: OrderedDict[str, list[int]] = OrderedDict()  # markup: special tokens live
-        self._text_pieces: OrderedDict[str, list[int]] = OrderedDict()  # content: special tokens as text
+        # Pieces' ids are tuples: the garbage collector stops tracking a tuple of ints once it has
+        # seen it, so thousands of cached pieces add nothing to its passes (lists would).
+        # Markup pieces (special tokens live) and content pieces (special tokens as text).
+        self._pieces: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._text_pieces: OrderedDict[str, tuple[int, ...]] = OrderedDict()
         self._piecewise: bool | None = None  # decided on first use
         self._text_piecewise: bool | None = None
         self._cache_size = cache_size
@@ -133,10 +150,10 @@ class AgentTokenizer:
     def _encode_pieces(self, text: str, plain: bool = False) -> list[int]:
         ids: list[int] = []
         cache = self._text_pieces if plain else self._pieces
-        for piece in _PARAGRAPH.split(text):
+        for piece in _paragraphs(text):
             hit = cache.get(piece)
             if hit is None:
-                hit = self._encode_whole(piece, plain)
+                hit = tuple(self._encode_whole(piece, plain))
                 with self._lock:
                     cache[piece] = hit
                     if len(cache) > self._piece_cache_size:
@@ -144,11 +161,11 @@ class AgentTokenizer:
             ids.extend(hit)
         return ids
 
-    def _encode_markup(self, text: str) -> list[int]:
+    def _encode_markup(self, text: str) -> tuple[int, ...]:
         """Template text between contents: short and repeated, so cached whole."""
         hit = self._pieces.get(text)
         if hit is None:
-            hit = self._encode_whole(text)
+            hit = tuple(self._encode_whole(text))
             with self._lock:
                 self._pieces[text] = hit
                 if len(self._pieces) > self._piece_cache_size:

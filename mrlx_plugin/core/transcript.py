@@ -231,7 +231,7 @@ class Transcript:
         mask = list(self.loss_mask)
         logprobs = list(self.logprobs)
         pad = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else 0
-        prompt = list(self.prompt_ids)
+        prompt = self.prompt_ids  # a tuple: copied once, into `tokens`
         if aborted and self.max_context is not None and len(prompt) + len(response) > self.max_context:
             prompt, response = prompt[: max(0, self.max_context - 1)], []
         if not response:

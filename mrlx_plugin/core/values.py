@@ -1,5 +1,11 @@
-"""The values a model's answer can hold: one definition for the engine client, which checks an
-engine's answers, and the wire protocol, which checks what the coordinator queues."""
+"""The values a model's answer and a reward can hold: one definition for the engine client, which
+checks an engine's answers, the wire protocol, which checks what the coordinator queues, and
+everything that makes a reward (`finite_reward`)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
 
 # Log-probs must be <= 0; a sampler's float arithmetic can land a hair above zero for a token of
 # probability ~1, so values up to this epsilon are accepted as they are (not clamped).
@@ -13,3 +19,24 @@ LOG_PROB_EPSILON = 1e-3
 # -1e39 is past float32 (the coordinator's frames cannot carry it).
 MIN_LOG_PROB = -1e4
 MAX_TOKEN_ID = 2**31 - 1  # token ids travel as int32 (mrlx_plugin.link.wire)
+
+
+class RewardError(ValueError):
+    """A reward that is not a finite number, its message naming who made it (a plugin, a game, a
+    setting). It ends the episode like a failed grade: ABORTED samples, never a 0.0 in its place."""
+
+
+def finite_reward(value: Any, producer: str) -> float:
+    """`value` as a float when it is a finite number; else RewardError naming `producer`, e.g.
+    "game 'nim' (registered by plugin 'my_games'): move_reward of seat first's move 2"."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError, OverflowError):
+        number = math.nan
+    if isinstance(value, bool) or not math.isfinite(number):
+        try:
+            shown = repr(value)
+        except ValueError:  # an int of more digits than Python will print
+            shown = f"an int of {value.bit_length()} bits"
+        raise RewardError(f"{producer} gave {shown[:200]}; expected a finite number")
+    return number

@@ -1,9 +1,10 @@
 """The async client of the coordinator, for rollout code running on an event loop.
 
 Nothing here blocks the loop: HTTP goes through aiohttp (one session per event loop, connections
-reused), frames are encoded and decoded on a worker thread when they are large. Calls that fail
-for a passing reason (connection refused while the coordinator restarts, a request that times out,
-429 backpressure, 502/503/504) are retried with exponential backoff and jitter until the call's
+reused: `mrlx_plugin.core.http`), frames are encoded and decoded on a worker thread when they are
+large. Calls that fail for a passing reason (the package's one policy, `mrlx_plugin.core.http`:
+connection refused while the coordinator restarts, a request that times out, 429 backpressure,
+500/502/503/504) are retried with exponential backoff and jitter until the call's
 deadline: by default `outage_deadline_s` (minutes), so that a coordinator outage costs waiting, not
 the job; while it waits, the client logs what it waits for every few seconds ("coordinator
 unreachable for N s"). Errors the caller must fix (401, 404, 409, 413, 422, 507) are raised at once
@@ -21,11 +22,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import os
 import socket
 import time
-import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,13 +33,23 @@ import aiohttp
 import orjson
 from yarl import URL
 
+from mrlx_plugin.core.http import (
+    RETRYABLE_STATUS,
+    TRANSPORT_ERRORS,
+    HttpClient,
+    Passing,
+    as_passing,
+    is_passing,
+    read_capped,
+    retry_after,
+)
+from mrlx_plugin.core.netutil import BodyLengthError, read_declared
 from mrlx_plugin.core.retry import Backoff, Deadline, RetriesExhausted, retry
 from mrlx_plugin.link.auth import NONCE_HEADER, PROOF_HEADER, content_sha256, derive_keys, proven, sign
 from mrlx_plugin.link.wire import CONTENT_TYPE, BufferPool, QueueItem, decode_frame, encode_items_into
 
 log = logging.getLogger("mrlx.coordinator.client")
 
-RETRYABLE_STATUS = frozenset({429, 502, 503, 504})
 OUTAGE_DEADLINE_S = 600.0  # how long a call rides out an unreachable coordinator by default
 OUTAGE_LOG_EVERY_S = 5.0
 # Frames above this size are encoded/decoded on a worker thread so the loop keeps serving turns.
@@ -48,8 +57,7 @@ THREAD_FRAME_BYTES = 256 << 10
 # The most bytes of a JSON answer (every answer but a lease's frame) read before its proof is
 # checked: the coordinator's JSON answers are a few KiB; an impostor's endless body is cut here.
 MAX_JSON_ANSWER_BYTES = 16 << 20
-# Retry-After is outside an answer's proof: honoured up to this many seconds.
-MAX_RETRY_AFTER_S = 60.0
+MAX_CONNECTIONS = 32
 
 
 class CoordinatorError(RuntimeError):
@@ -91,24 +99,6 @@ class Lease:
     dead: list[dict[str, Any]] = field(default_factory=list)
 
 
-class _Passing(Exception):
-    """A failure of one attempt that may pass (unreachable, timed out, 429, 502-504): retried."""
-
-    def __init__(self, problem: str, status: int | None = None, retry_after_s: float = 0.0) -> None:
-        super().__init__(problem)
-        self.problem, self.status, self.retry_after_s = problem, status, retry_after_s
-
-
-def _retry_after(value: str | None) -> float:
-    """Seconds of a Retry-After header (0 when absent or not a number of seconds), at most
-    MAX_RETRY_AFTER_S: the header is not covered by the answer's proof."""
-    try:
-        seconds = float(value or 0)
-    except ValueError:
-        return 0.0
-    return min(max(0.0, seconds), MAX_RETRY_AFTER_S) if math.isfinite(seconds) else 0.0
-
-
 def _error_text(body: bytes) -> str:
     try:
         data = orjson.loads(body)
@@ -119,7 +109,7 @@ def _error_text(body: bytes) -> str:
     return body[:500].decode("utf-8", "replace")
 
 
-class CoordinatorClient:
+class CoordinatorClient(HttpClient):
     """One agent's connection to the run's coordinator.
 
     `url` is the coordinator's base URL; `agent` is who this client speaks for (its own queue is the
@@ -149,6 +139,8 @@ class CoordinatorClient:
         commit_concurrency: int = 2,
     ) -> None:
         self.url = url.rstrip("/")
+        base = URL(self.url)
+        self._address = f"{base.host}:{base.port}"
         self.run_id = run_id
         self.agent = agent
         self.request_timeout_s = request_timeout_s
@@ -162,42 +154,20 @@ class CoordinatorClient:
         self.max_commit_bytes = max_commit_bytes
         self.max_commit_items = max_commit_items
         self.commit_concurrency = max(1, commit_concurrency)
-        self._headers = {
+        identity = {
             "X-Mrlx-Agent": agent,
             "X-Mrlx-Pid": str(os.getpid()),
             "X-Mrlx-Host": socket.gethostname(),
         }
+        super().__init__(identity, max_connections=MAX_CONNECTIONS)
         # Keys derived from the token sign requests and check answers; the token is not kept.
         self._keys = derive_keys(token) if token else None
         self._buffers = BufferPool(keep=self.commit_concurrency + 2)
-        self._sessions: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, aiohttp.ClientSession] = (
-            weakref.WeakKeyDictionary()
-        )
 
     def __repr__(self) -> str:  # never shows the token
         return f"CoordinatorClient(url={self.url!r}, run_id={self.run_id!r}, agent={self.agent!r})"
 
     # ----------------------------------------------------------------- plumbing
-
-    def _session(self) -> aiohttp.ClientSession:
-        loop = asyncio.get_running_loop()
-        session = self._sessions.get(loop)
-        if session is None or session.closed:
-            session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=32), headers=self._headers, raise_for_status=False
-            )
-            self._sessions[loop] = session
-        return session
-
-    async def close(self) -> None:
-        """Close this loop's session (sessions of other loops close with their loop)."""
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            return
-        session = self._sessions.pop(loop, None)
-        if session is not None and not session.closed:
-            await session.close()
 
     async def __aenter__(self) -> CoordinatorClient:  # noqa: PYI034
         return self
@@ -234,7 +204,8 @@ class CoordinatorClient:
             headers["Content-Type"] = "application/json"
         elif data is not None:
             headers["Content-Type"] = CONTENT_TYPE
-        timeout = aiohttp.ClientTimeout(total=self.request_timeout_s + extra_timeout_s)
+        total = self.request_timeout_s + extra_timeout_s
+        timeout = self._timeout(total)
         content = None if self._keys is None else await _off_loop(content_sha256, payload)
         target = URL(url).raw_path_qs  # the path as the request line carries it: what is signed
 
@@ -249,7 +220,9 @@ class CoordinatorClient:
                 ) as resp:
                     frame = frame_answer and resp.status < 400
                     buf, body = (
-                        await self._read_frame(resp) if frame else (None, await _read_json_answer(resp))
+                        await self._read_frame(resp)
+                        if frame
+                        else (None, await read_capped(resp, MAX_JSON_ANSWER_BYTES))
                     )
                     if nonce is not None and self._keys is not None:
                         answer = await _off_loop(content_sha256, body)
@@ -271,18 +244,19 @@ class CoordinatorClient:
                     if resp.status not in RETRYABLE_STATUS:
                         self._reached()
                         raise CoordinatorError(f"coordinator {method} {url} failed: {problem}", resp.status)
-                    raise _Passing(problem, resp.status, _retry_after(resp.headers.get("Retry-After")))
-            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError) as exc:
-                raise _Passing(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__) from exc
+                    # Retry-After is outside the answer's proof: `retry_after` bounds it.
+                    raise Passing(problem, resp.status, retry_after(resp.headers.get("Retry-After")))
+            except TRANSPORT_ERRORS as exc:
+                raise as_passing(exc, self._address, total) from exc
 
         def on_retry(_: int, exc: BaseException, wait: float) -> None:
-            assert isinstance(exc, _Passing)
+            assert isinstance(exc, Passing)
             self._waiting(method, url, exc.problem, exc.status, deadline.remaining())
 
         try:
             return await retry(
                 attempt,
-                retryable=lambda exc: isinstance(exc, _Passing),
+                retryable=is_passing,
                 deadline=deadline,
                 backoff=Backoff(self.backoff_base_s, self.backoff_max_s),
                 max_retries=max_retries,
@@ -290,7 +264,7 @@ class CoordinatorClient:
             )
         except RetriesExhausted as exc:
             last = exc.last
-            assert isinstance(last, _Passing)
+            assert isinstance(last, Passing)
             raise CoordinatorUnavailable(
                 f"coordinator {method} {url} did not succeed after {exc.attempts} attempts: {last.problem}",
                 last.status,
@@ -307,7 +281,7 @@ class CoordinatorClient:
                 "the run's token, answers on its port",
                 401,
             )
-        raise _Passing(
+        raise Passing(
             f"the coordinator at {self.url} could not prove it holds the run's token (HTTP {status} "
             f"without a valid {PROOF_HEADER}; its answer was not used): is another process on its port? "
             "(Or does the coordinator run with another token, or none?)"
@@ -595,39 +569,13 @@ class CoordinatorClient:
             return None, await resp.read()
         kept = self._buffers.take_existing(length)
         buf = bytearray() if kept is None else kept
-        view = None if kept is None else memoryview(kept)
-        position = 0
         try:
-            while position < length:
-                chunk = await resp.content.readany()
-                end = position + len(chunk)
-                if not chunk or end > length:
-                    raise aiohttp.ClientPayloadError(f"the frame does not match its Content-Length {length}")
-                if view is None:
-                    buf += chunk  # amortised growth (bytearray over-allocates)
-                else:
-                    view[position:end] = chunk
-                position = end
-        except BaseException:
-            del view
+            return buf, await read_declared(resp.content, length, buf)
+        except BaseException as exc:
             self._buffers.give(buf)  # nothing else reads it
+            if isinstance(exc, BodyLengthError):
+                raise Passing(f"the frame does not match its Content-Length {length}") from None
             raise
-        return buf, (memoryview(buf) if view is None else view)[:length]
-
-
-async def _read_json_answer(resp: aiohttp.ClientResponse) -> bytes:
-    """A JSON answer's body, refused (as a passing failure) past MAX_JSON_ANSWER_BYTES."""
-    if resp.content_length is not None and resp.content_length > MAX_JSON_ANSWER_BYTES:
-        raise _Passing(
-            f"an answer of {resp.content_length} bytes, past the {MAX_JSON_ANSWER_BYTES}-byte limit"
-        )
-    chunks, size = [], 0
-    while chunk := await resp.content.readany():
-        size += len(chunk)
-        if size > MAX_JSON_ANSWER_BYTES:
-            raise _Passing(f"an answer past the {MAX_JSON_ANSWER_BYTES}-byte limit")
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 async def _off_loop(function: Callable[[Any], Any], data: Any) -> Any:

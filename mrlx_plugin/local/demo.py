@@ -144,15 +144,9 @@ def _previous_run(out: Path, ns: argparse.Namespace) -> None:
 
 def run_demo(ns: argparse.Namespace) -> dict[str, Any]:
     from mrlx_plugin.core.config import ConfigError
+    from mrlx_plugin.core.processes import start, stop_all
     from mrlx_plugin.local.model import ensure_model
-    from mrlx_plugin.local.processes import (
-        popen_tied,
-        router_available,
-        start_coordinator,
-        start_engine,
-        start_router,
-        stop_all,
-    )
+    from mrlx_plugin.local.processes import router_available, start_coordinator, start_engine, start_router
     from mrlx_plugin.local.tasks import addition_prompts, format_examples
 
     freeze = {"A": A, "B": B}.get(ns.freeze, ns.freeze)
@@ -187,7 +181,7 @@ def run_demo(ns: argparse.Namespace) -> dict[str, Any]:
 
         def stop_everything() -> None:  # also on an exception or a signal (see mrlx_plugin.cli.main)
             stop_all(jobs.values(), timeout=20)  # the trainers first: they use the services
-            stop_all(procs, timeout=10)
+            stop_all([p.proc for p in procs], timeout=10)
 
         stack.callback(stop_everything)
         coordinator = start_coordinator(
@@ -256,7 +250,7 @@ def run_demo(ns: argparse.Namespace) -> dict[str, Any]:
             ]
             argv += (["--freeze"] if freeze == name else []) + (["--resume"] if ns.resume else [])
             with open(logs / f"trainer-{name}.log", "ab") as log:
-                jobs[name] = popen_tied(
+                jobs[name] = start(
                     argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
                 )
         _follow(ns, out, jobs, procs, peak_kib)

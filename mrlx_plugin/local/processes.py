@@ -1,92 +1,33 @@
-"""Starting and stopping the embedded default's processes: engines, router, coordinator.
+"""The embedded default's services: engines, router, coordinator, each its own process.
 
 Used by the CLI (`mrlx rollout --local`, `mrlx demo`), the benchmarks and the tests. Each
 service is its own process on 127.0.0.1, started with `--port 0 --port-file F` so it binds a free
 port and says which, then polled on its health URL until it answers. This is launcher code that
 runs before any event loop; it blocks on purpose.
 
-Every process started here is tied to its starter: on Linux, a process started from the main
-thread is SIGKILLed by the kernel when the starting process dies, however it dies (SIGKILL
-included; `prctl(PR_SET_PDEATHSIG)`, set by a small exec wrapper in the child, see `tied`). A
-clean stop is still the starter's job (`ManagedProcess.stop`, `stop_all`), which sends SIGTERM
-first.
+Processes are started and stopped the one way, `mrlx_plugin.core.processes` (`start`, `stop`,
+`stop_all`): each is tied to its starter, so the kernel ends it when the starter dies however it
+dies, and a clean stop sends SIGTERM first.
 """
 
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import urllib.error
 import urllib.request
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from mrlx_plugin.core.netutil import free_port
+from mrlx_plugin.core.processes import start, stop
 from mrlx_plugin.core.retry import Deadline, wait_until
 
 
 class ProcessStartError(RuntimeError):
     pass
-
-
-# Runs in the child, as its own short program, before it execs the real command: ask the kernel
-# for SIGKILL when the parent dies (PR_SET_PDEATHSIG = 1), then make sure the parent did not die
-# before that request (the child would have been reparented already). A separate program and not
-# `preexec_fn`: the starter has threads (torch's, tqdm's), and Python code between fork and exec
-# in a threaded process can deadlock. The setting survives exec (not for set-uid programs).
-_TIE = (
-    "import ctypes, os, signal, sys\n"
-    "ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)\n"
-    "if os.getppid() != int(sys.argv[1]):\n"
-    "    os._exit(1)\n"
-    "os.execvp(sys.argv[2], sys.argv[2:])\n"
-)
-
-
-def tied(argv: list[str]) -> list[str]:
-    """`argv` wrapped so that the kernel SIGKILLs the process when this process dies.
-
-    Linux only, and only from the main thread: the kernel ties the child to the *thread* that
-    started it, and a worker thread may end long before the process does. Elsewhere `argv` is
-    returned as it is (the starter's own stop on exit still applies)."""
-    if not sys.platform.startswith("linux") or threading.current_thread() is not threading.main_thread():
-        return list(argv)
-    return [sys.executable, "-I", "-S", "-c", _TIE, str(os.getpid()), *argv]
-
-
-def popen_tied(argv: list[str], **kwargs: Any) -> subprocess.Popen:
-    """`subprocess.Popen(argv, **kwargs)` for a process that must not outlive this one (`tied`)."""
-    return subprocess.Popen(tied(argv), **kwargs)
-
-
-def stop_all(procs: Iterable[ManagedProcess | subprocess.Popen], timeout: float = 10.0) -> None:
-    """Stop several processes at once: SIGTERM to each, one shared `timeout` for all of them to
-    exit, then SIGKILL to any still running."""
-    popens = []
-    for p in procs:
-        if isinstance(p, ManagedProcess):
-            p._stopped = True
-            p = p.proc
-        popens.append(p)
-    for p in popens:
-        if p.poll() is None:
-            try:
-                p.send_signal(signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-    deadline = Deadline(timeout)
-    for p in popens:
-        try:
-            p.wait(deadline.remaining())
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(timeout)
 
 
 @dataclass
@@ -96,7 +37,6 @@ class ManagedProcess:
     proc: subprocess.Popen
     url: str
     log_path: Path
-    _stopped: bool = field(default=False, repr=False)
 
     @property
     def port(self) -> int:
@@ -106,21 +46,11 @@ class ManagedProcess:
         return self.proc.poll() is None
 
     def stop(self, timeout: float = 10.0) -> None:
-        """SIGTERM, then SIGKILL after `timeout` seconds."""
-        if self._stopped:
-            return
-        self._stopped = True
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout)
+        """SIGTERM, then SIGKILL after `timeout` seconds (`core.processes.stop`)."""
+        stop(self.proc, timeout)
 
     def kill(self) -> None:
         """SIGKILL at once (fault tests)."""
-        self._stopped = True
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
@@ -184,7 +114,7 @@ def start_service(
     penv = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     # Its own session: a terminal's Ctrl-C or hang-up reaches the starter, which stops it.
     with open(log_path, "ab") as log:
-        proc = popen_tied(full, stdout=log, stderr=subprocess.STDOUT, env=penv, start_new_session=True)
+        proc = start(full, stdout=log, stderr=subprocess.STDOUT, env=penv, start_new_session=True)
     deadline = Deadline(timeout)  # one for both waits: the port, then the health URL
     try:
         if port is None:

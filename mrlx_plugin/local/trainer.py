@@ -453,6 +453,7 @@ def main(argv: list[str] | None = None) -> int:
     from mrlx_plugin.core.metrics import log_rollout
     from mrlx_plugin.local.fake_host import LocalDataSource, host_args, read_prompts
     from mrlx_plugin.local.model import load_model, load_tokenizer
+    from mrlx_plugin.local.settings import trainer_settings
     from mrlx_plugin.local.tasks import task_prompts
     from mrlx_plugin.rewards.shaping import normalize
     from mrlx_plugin.rollout import ack_trained_groups
@@ -473,11 +474,13 @@ def main(argv: list[str] | None = None) -> int:
     args.save, args.save_interval, args.async_save = str(out / "checkpoints"), 1, False
     args.num_rollout = ns.num_rollout
     try:
-        cfg = runtime_for(
-            args,
-            tokenizers=ns.rollout_function.endswith("initiator_rollout")
-            or ns.rollout_function.endswith("default_rollout"),
-        ).settings.trainer
+        cfg = trainer_settings(
+            runtime_for(
+                args,
+                tokenizers=ns.rollout_function.endswith("initiator_rollout")
+                or ns.rollout_function.endswith("default_rollout"),
+            ).settings
+        )
     except ConfigError as exc:
         print(f"trainer: {exc}", file=sys.stderr)
         return 2

@@ -19,6 +19,9 @@ import sys
 from collections import OrderedDict
 from fractions import Fraction
 
+from mrlx_plugin.core.processes import start_async
+from mrlx_plugin.core.retry import Backoff, Deadline, RetriesExhausted, retry
+
 logger = logging.getLogger(__name__)
 
 _BOXED = ("\\boxed", "\\fbox")
@@ -161,10 +164,13 @@ class MathVerifier:
         async with self._start_lock:  # type: ignore[union-attr]
             if self._proc is None or self._proc.returncode is not None:
                 env = dict(os.environ, PYTHONUNBUFFERED="1")
-                self._proc = await asyncio.create_subprocess_exec(
-                    sys.executable,
-                    "-c",
-                    "from mrlx_plugin.rewards.grading import _worker_main; _worker_main()",
+                # tied: the worker goes with this process however it dies (also by SIGKILL)
+                self._proc = await start_async(
+                    [
+                        sys.executable,
+                        "-c",
+                        "from mrlx_plugin.rewards.grading import _worker_main; _worker_main()",
+                    ],
                     stdin=asyncio.subprocess.PIPE,
                     stdout=asyncio.subprocess.PIPE,
                     stderr=asyncio.subprocess.DEVNULL,
@@ -202,7 +208,8 @@ class MathVerifier:
         hit = self._cache.get(key)
         if hit is not None:
             return hit
-        for attempt in range(2):
+
+        async def attempt(_: int) -> bool:
             proc = await self._ensure_worker()
             self._next_id += 1
             req_id = self._next_id
@@ -214,29 +221,41 @@ class MathVerifier:
             )
             try:
                 await proc.stdin.drain()
-                ok = await asyncio.wait_for(fut, self.timeout_s)
+                return await asyncio.wait_for(fut, self.timeout_s)
             except asyncio.TimeoutError:
                 self.timeouts += 1
                 logger.warning("math-verify took over %.1fs on an answer; counted as wrong", self.timeout_s)
                 self._pending.pop(req_id, None)
                 self._kill()
-                ok = False
-            except (ConnectionError, BrokenPipeError):
+                return False
+            except ConnectionError:  # the worker died (BrokenPipeError included): once more on a new one
                 self._pending.pop(req_id, None)
-                if attempt == 0:
-                    continue
-                ok = False
-            self._cache[key] = ok
-            if len(self._cache) > self._cache_size:
-                self._cache.popitem(last=False)
-            return ok
-        return False
+                raise
+
+        try:
+            ok = await retry(
+                attempt, retryable=_worker_died, deadline=Deadline(None), backoff=_AT_ONCE, max_retries=1
+            )
+        except RetriesExhausted:
+            ok = False
+        self._cache[key] = ok
+        if len(self._cache) > self._cache_size:
+            self._cache.popitem(last=False)
+        return ok
 
     async def aclose(self) -> None:
         if self._proc is not None and self._proc.returncode is None:
             self._proc.kill()
             await self._proc.wait()
         self._proc = None
+
+
+# A grade whose worker died is sent again at once to the worker that replaces it: no wait helps.
+_AT_ONCE = Backoff(base_s=0.0, max_s=0.0)
+
+
+def _worker_died(exc: BaseException) -> bool:
+    return isinstance(exc, ConnectionError)
 
 
 async def grade_math(response: str, label: object, verifier: MathVerifier) -> float:

@@ -15,14 +15,13 @@ from __future__ import annotations
 import asyncio
 import math
 from collections import defaultdict
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
-from mrlx_plugin.core.config import PipelineSettings
-from mrlx_plugin.core.episode import finite_reward
 from mrlx_plugin.core.host import HOST, HOST_PROCESS, Status, host_reward
 from mrlx_plugin.core.transcript import strip_reasoning
+from mrlx_plugin.core.values import finite_reward
 from mrlx_plugin.rewards.grading import MathVerifier, grade_math
 
 GRPO_FAMILY = ("grpo", "gspo", "cispo", "reinforce_plus_plus_baseline")
@@ -169,7 +168,15 @@ def team_is_right(team_reward: float | None) -> bool:
     return team_reward is not None and team_reward >= 1.0
 
 
-def team_weighting(raw: float, team_reward: float | None, p: PipelineSettings) -> float:
+class TeamWeights(Protocol):
+    """The settings `team_weighting` reads (the pipeline's section, `mrlx.pipeline`)."""
+
+    correct_weight: float
+    incorrect_weight: float
+    weighting: str
+
+
+def team_weighting(raw: float, team_reward: float | None, p: TeamWeights) -> float:
     """A pipeline sample's reward given its own grade and the team's outcome.
 
     `multiplicative` is the host example's rule, raw * weight: a wrong answer scores 0 whatever

@@ -32,16 +32,59 @@ Replace the prompts with `make_debate(DebatePrompts(...))`, registered under you
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from mrlx_plugin.core.episode import Episode, finite_reward
+from pydantic import Field
+
+from mrlx_plugin.core.config import TURNS_WHY, Number, Settings, SystemSection, Text, bounded, show_value
 from mrlx_plugin.core.transcript import Transcript
+from mrlx_plugin.core.values import finite_reward
+from mrlx_plugin.episodes import Episode, System
 from mrlx_plugin.systems.pipeline import final_line, fit_solutions
 from mrlx_plugin.systems.quoting import quote
 
 SIDES = ("A", "B")
+
+
+class DebateSettings(SystemSection):
+    """The debate system (`system: debate`): two debaters argue in turn, a judge picks the winner."""
+
+    about = "the debate-with-a-judge system"
+
+    debaters: list[Text] | None = Field(
+        None, description="the two debating agents, first speaker first; none = the first two agents listed"
+    )
+    judge: Text | None = Field(
+        None, description="the judging agent (usually `trainable: false`); none = the third agent"
+    )
+    rounds: bounded(int, ge=1, le=512, why=TURNS_WHY) = Field(2, description="speeches per debater")
+    win_reward: Number = Field(1.0, description="outcome of the debater the judge picks")
+    lose_reward: Number = Field(-0.5, description="outcome of the other debater")
+
+    def problems(self, settings: Settings, path: str) -> list[str]:
+        names, errors = list(settings.agents), []
+        agents = f"(agents: {', '.join(names)})"
+        debaters = self.debaters if self.debaters is not None else names[:2]
+        judge = self.judge if self.judge is not None else (names[2] if len(names) > 2 else None)
+        if len(debaters) != 2 or len(set(debaters)) != 2:
+            errors.append(f"{path}.debaters: expected two different agents; got {debaters}")
+        errors += [
+            f"{path}.debaters: {show_value(who)} is not an agent {agents}"
+            for who in debaters
+            if who not in settings.agents
+        ]
+        if judge is None:
+            errors.append(f"{path}.judge: name the judging agent (or list a third agent)")
+        elif judge not in settings.agents:
+            errors.append(f"{path}.judge: {show_value(judge)} is not an agent {agents}")
+        elif judge in debaters:
+            errors.append(f"{path}.judge: {show_value(judge)} also debates; the judge must be another agent")
+        return errors
+
+
 # The whole last line, nothing else on it (bold, brackets, "Debater" and a final period
 # allowed): words such as "no clear winner: a draw." name no side.
 _VERDICT = re.compile(
@@ -163,9 +206,7 @@ def make_debate(prompts: DebatePrompts = DebatePrompts()):
             episode.final_answer = views[focus].answer_text
         episode.team_reward = 1.0 if winner == focus else 0.0
 
-    run.fan_out = debate_fan_out  # type: ignore[attr-defined]
-    run.turns = debate_turns  # type: ignore[attr-defined]
-    return run
+    return System(run=run, fan_out=debate_fan_out, turns=debate_turns)
 
 
 def debate_fan_out(settings) -> dict[str, int]:
@@ -183,4 +224,6 @@ def debate_turns(settings) -> dict[str, int]:
     return {a: settings.debate.rounds, b: settings.debate.rounds, judge: 1}
 
 
-run_debate = make_debate()
+# The system registered as `debate` owns the `mrlx.debate` section (its checks); a variant built
+# with `make_debate` under another name reads the same section.
+DEBATE = dataclasses.replace(make_debate(), settings=DebateSettings)

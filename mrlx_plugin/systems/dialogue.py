@@ -16,8 +16,78 @@ are ABORTED fillers, counted as over the context).
 
 from __future__ import annotations
 
-from mrlx_plugin.core.episode import Episode
+import re
+
+from pydantic import Field
+
+from mrlx_plugin.core.config import TOP_KEY, TURNS_WHY, Settings, SystemSection, Text, bounded, show_value
 from mrlx_plugin.core.transcript import Transcript
+from mrlx_plugin.episodes import Episode, System
+
+
+class DialogueSettings(SystemSection):
+    """The dialogue system (`system: dialogue`): two or more agents take turns."""
+
+    about = "the dialogue system (agents take turns)"
+
+    first: Text | None = Field(None, description="who speaks first; none = the first agent listed")
+    order: list[Text] | None = Field(None, description="turn order; none = the agents in the order listed")
+    max_turns: bounded(int, ge=1, le=1024, why=TURNS_WHY) = Field(8, description="turn limit")
+    stop_patterns: dict[str, Text] = Field(
+        default_factory=dict, description="agent -> regular expression that ends the episode"
+    )
+    final_answer_agent: Text | None = Field(
+        None, description="whose last message is the episode's final answer; none = the last speaker"
+    )
+    openings: dict[str, Text] = Field(
+        default_factory=dict,
+        description="agent -> its first message; `{problem}`, `{label}` and `{metadata[KEY]}` are filled in "
+        "from the input sample (so an agent can be told what others must not see); default: "
+        "the problem",
+    )
+
+    def problems(self, settings: Settings, path: str) -> list[str]:
+        names, errors = list(settings.agents), []
+        agents = f"(agents: {', '.join(names)})"
+        for key, who in (("first", self.first), ("final_answer_agent", self.final_answer_agent)):
+            if who is not None and who not in settings.agents:
+                errors.append(f"{path}.{key}: {show_value(who)} is not an agent {agents}")
+        errors += [
+            f"{path}.order[{i}]: {show_value(who)} is not an agent {agents}"
+            for i, who in enumerate(self.order or [])
+            if who not in settings.agents
+        ]
+        for who, pattern in self.stop_patterns.items():
+            if who not in settings.agents:
+                errors.append(f"{path}.stop_patterns.{who}: not an agent {agents}")
+                continue
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                errors.append(f"{path}.stop_patterns.{who}: not a regular expression ({exc})")
+        for who, text in self.openings.items():
+            if who not in settings.agents:
+                errors.append(f"{path}.openings.{who}: not an agent {agents}")
+                continue
+            try:
+                text.format(problem="", label="", metadata=_AnyKey())
+            except (KeyError, IndexError, ValueError, AttributeError) as exc:
+                errors.append(
+                    f"{path}.openings.{who}: cannot fill in {exc}; use {{problem}}, {{label}} or "
+                    "{metadata[KEY]} (double the braces for literal ones)"
+                )
+        if len(names) < 2:
+            errors.append(
+                f"{TOP_KEY}.agents: the dialogue system needs at least two agents; got {len(names)}"
+            )
+        return errors
+
+
+class _AnyKey(dict):
+    """Stands in for sample metadata when checking an opening template."""
+
+    def __missing__(self, key: str) -> str:
+        return ""
 
 
 def speaking_order(settings) -> list[str]:
@@ -87,7 +157,7 @@ async def run_dialogue(episode: Episode) -> None:
         if t.full:
             episode.metadata["stopped_by"] = f"context full ({agent})"
             break
-        stop = episode.runtime.hooks.mrlx_should_stop(episode=episode, agent=agent, transcript=t)
+        stop = episode.context.hooks.should_stop(episode=episode, agent=agent, transcript=t)
         if stop:
             episode.stopped_early = turn + 1 < d.max_turns
             episode.metadata["stopped_by"] = f"stop rule ({agent})"
@@ -112,5 +182,6 @@ def _dialogue_turns(settings) -> dict[str, int]:
     return {agent: max(1, n) for agent, n in counts.items()}
 
 
-run_dialogue.fan_out = _dialogue_fan_out  # type: ignore[attr-defined]
-run_dialogue.turns = _dialogue_turns  # type: ignore[attr-defined]
+DIALOGUE = System(
+    run=run_dialogue, fan_out=_dialogue_fan_out, turns=_dialogue_turns, settings=DialogueSettings
+)

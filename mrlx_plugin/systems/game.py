@@ -48,17 +48,84 @@ import time
 import urllib.parse
 import weakref
 import zlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-from mrlx_plugin.core.config import POOL_SEAT, SCRIPT_PREFIX, ConfigError
+from pydantic import Field
+
+from mrlx_plugin.core.config import (
+    TURNS_WHY,
+    ConfigError,
+    Number,
+    Settings,
+    SystemSection,
+    Text,
+    bounded,
+    show_value,
+)
 from mrlx_plugin.core.engine_client import EngineError
-from mrlx_plugin.core.episode import Episode, EpisodeAborted, finite_reward
 from mrlx_plugin.core.transcript import Transcript, strip_reasoning
+from mrlx_plugin.core.values import finite_reward
+from mrlx_plugin.episodes import Episode, EpisodeAborted, EpisodeContext, Registered, System
 from mrlx_plugin.systems.games import BUILT_IN_GAMES, boxed, boxed_move
 from mrlx_plugin.systems.quoting import quote
 
-__all__ = ["Game", "boxed", "quote", "run_game"]
+__all__ = ["GAME", "Game", "GameSettings", "boxed", "quote", "run_game"]
+
+SCRIPT_PREFIX, POOL_SEAT = "script:", "pool"
+
+
+class GameSettings(SystemSection):
+    """The turn-based game system (`system: game`): rules, legality and outcome come from a game
+    registered through the `mrlx_register_games` hook (built in: `nim`, `kuhn_poker`, `chain`)."""
+
+    about = "the turn-based game system"
+
+    name: Text = Field("nim", description="the game, by the name it is registered under")
+    seats: list[Text] | None = Field(
+        None,
+        description="who plays each seat, in the game's seat order: an agent, `script:NAME` (a scripted "
+        "player the game provides, e.g. `script:random`), or `pool` (one of `opponents`, one "
+        "drawn per prompt group); none = the agents in the order listed",
+    )
+    opponents: list[Text] = Field(
+        default_factory=list,
+        description="the opponent pool of a `pool` seat: agents (frozen models, past "
+        "checkpoints behind their own URL) or `script:NAME` players",
+    )
+    max_turns: bounded(int, ge=1, le=1024, why=TURNS_WHY) = Field(
+        16, description="moves per episode, all seats together"
+    )
+    illegal_penalty: Number = Field(
+        -1.0, description="outcome of a seat whose move is illegal (the episode ends there; counted)"
+    )
+    options: dict[str, Any] = Field(default_factory=dict, description="the game's own options (see the game)")
+
+    def problems(self, settings: Settings, path: str) -> list[str]:
+        """Who sits where names agents, scripts or the pool (the game's own checks, of its seats
+        and scripts, run at start-up: `check_game`)."""
+        errors: list[str] = []
+        agents = f"(agents: {', '.join(settings.agents)})"
+
+        def check_player(where: str, who: str, pool_ok: bool) -> None:
+            if who.startswith(SCRIPT_PREFIX):
+                if not who[len(SCRIPT_PREFIX) :]:
+                    errors.append(f"{where}: {show_value(who)} names no script; e.g. `script:random`")
+            elif who == POOL_SEAT:
+                if not pool_ok:
+                    errors.append(f"{where}: `pool` cannot be in the pool itself")
+                elif not self.opponents:
+                    errors.append(f"{where}: a `pool` seat needs {path}.opponents (agents or `script:NAME`)")
+            elif who not in settings.agents:
+                errors.append(f"{where}: {show_value(who)} is not an agent {agents}, `script:NAME` or `pool`")
+
+        for i, who in enumerate(self.seats or []):
+            check_player(f"{path}.seats[{i}]", who, pool_ok=True)
+        for i, who in enumerate(self.opponents):
+            check_player(f"{path}.opponents[{i}]", who, pool_ok=False)
+        if self.seats is not None and len(self.seats) < 1:
+            errors.append(f"{path}.seats: list at least one seat")
+        return errors
 
 
 class Game:
@@ -142,52 +209,36 @@ class Game:
 
 logger = logging.getLogger(__name__)
 
-# The games each runtime's plugins register, and the plugin that registered each, collected on
-# its first episode.
-_REGISTRIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
-
-def registered_games(runtime: Any) -> dict[str, Any]:
-    """Every game the plugins register (`mrlx_register_games`), by name; a name twice is an error."""
-    return _registry(runtime)[0]
-
-
-def game_producer(runtime: Any, name: str) -> str:
+def game_producer(context: EpisodeContext, name: str) -> str:
     """How errors name game `name`'s values: the game and the plugin that registered it."""
-    return f"game {name!r} (registered by plugin {_registry(runtime)[1].get(name, 'unknown')!r})"
+    found = context.games.get(name)
+    return f"game {name!r} (registered by plugin {found.plugin if found else 'unknown'!r})"
 
 
-def _registry(runtime: Any) -> tuple[dict[str, Any], dict[str, str]]:
-    found = _REGISTRIES.get(runtime)
-    if found is None:
-        games: dict[str, Any] = {}
-        owners: dict[str, str] = {}
-        # One plugin at a time: the hook's combined results cannot say which plugin registered what.
-        for plugin, call in runtime.callers_of("mrlx_register_games"):
-            results = call()
-            for name, game in ((results[0] if results else None) or {}).items():
-                if name in games and games[name] is not game:
-                    raise ConfigError(
-                        f"{runtime.source}: game {name!r} is registered twice: by "
-                        f"{owners[name]} and by {plugin}"
-                    )
-                games[name] = game
-                owners.setdefault(name, plugin)
-        found = _REGISTRIES[runtime] = (games, owners)
-    return found
+def the_game(context: EpisodeContext) -> Any:
+    """The game `mrlx.game.name` names (checked at start-up: `check_game`)."""
+    return context.games[context.settings.game.name].value
 
 
-def the_game(runtime: Any) -> Any:
-    """The game `mrlx.game.name` names, checked against `mrlx.game.seats` and `opponents`."""
-    g = runtime.settings.game
-    games = registered_games(runtime)
+def check_game(settings: Any, games: Mapping[str, Registered]) -> list[str]:
+    """The game system's start-up check: `mrlx.game.name` is a registered game, and the seats,
+    the scripted players and the game's options suit it."""
+    g = settings.game
     if g.name not in games:
-        raise ConfigError(
-            f"{runtime.source}: mrlx.game.name: no game named {g.name!r} is registered (known: "
-            f"{', '.join(sorted(games))}); list the module that registers it under mrlx.plugins"
-        )
-    check_players(games[g.name], runtime.settings, runtime.source)
-    return games[g.name]
+        plugins = sorted({r.plugin for r in games.values()})
+        return [
+            f"mrlx.game.name: no game named {g.name!r} is registered (known: {', '.join(sorted(games))}, "
+            f"registered by {', '.join(plugins) or 'no plugin'}); list the module that registers it "
+            "under mrlx.plugins"
+        ]
+    game = games[g.name].value
+    try:
+        check_players(game, settings, "")
+        game.max_moves(dict(g.options))  # the options' own checks
+    except (ConfigError, ValueError) as exc:
+        return [str(exc)]
+    return []
 
 
 def check_players(game: Any, settings: Any, source: str) -> None:
@@ -312,7 +363,7 @@ async def _agent_move(
 ) -> tuple[Any, Any]:
     """One model turn of `player` in `seat`, shown `text`: (move, next state), move None if illegal."""
     name, penalty = game.seats[seat], episode.settings.game.illegal_penalty
-    producer = game_producer(episode.runtime, episode.settings.game.name)
+    producer = game_producer(episode.context, episode.settings.game.name)
     message = [{"role": "user", "content": text}]
     t = views.get(seat)
     if t is None:
@@ -337,7 +388,7 @@ async def _agent_move(
 
 async def run_game(episode: Episode) -> None:
     g = episode.settings.game
-    game = the_game(episode.runtime)
+    game = the_game(episode.context)
     names = tuple(game.seats)
     players = [
         pool_draw(pool_key(episode), g.opponents, i) if who == POOL_SEAT else who
@@ -403,7 +454,7 @@ async def run_game(episode: Episode) -> None:
                 unread[other].append(game.describe_move(state, seat, move))
         state = after
     if outcome is None:  # a game cut short (max_turns, a full context) is a draw
-        producer = game_producer(episode.runtime, g.name)
+        producer = game_producer(episode.context, g.name)
         outcome = game_outcome(game, state, producer) if game.to_move(state) is None else [0.0] * len(names)
     episode.metadata.update(winner=winner_of(outcome, names), outcome=outcome, moves=sum(made))
     for seat, t in views.items():
@@ -421,7 +472,7 @@ async def run_game(episode: Episode) -> None:
 # for this long: the episodes that draw it end at once, counted as `opponent_down`, rather than
 # each waiting out `engine.peer_deadline_s` (a frozen model has no weight update to wait for).
 POOL_DOWN_S = 30.0
-# Per runtime: pool member -> (the monotonic time its mark ends, why it is down).
+# Per process (its episodes' context): pool member -> (the monotonic time its mark ends, why it is down).
 _DOWN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -433,7 +484,7 @@ def _frozen_agent(settings: Any, player: str) -> bool:
 
 def _member_down(episode: Episode, player: str) -> str | None:
     """Why pool member `player` is marked down, or None when it is not (or no longer) marked."""
-    mark = _DOWN.get(episode.runtime, {}).get(player)
+    mark = _DOWN.get(episode.context, {}).get(player)
     return mark[1] if mark is not None and mark[0] > time.monotonic() else None
 
 
@@ -476,10 +527,10 @@ def _watch_member(episode: Episode, player: str) -> Callable[[EngineError], Awai
     async def on_fault(error: EngineError) -> str | None:
         why = _member_down(episode, player)
         if why is None:
-            why = await _unreachable(episode.runtime.urls[player], episode.settings.engine.connect_timeout_s)
+            why = await _unreachable(episode.context.urls[player], episode.settings.engine.connect_timeout_s)
             if why is None:
                 return None
-            _DOWN.setdefault(episode.runtime, {})[player] = (time.monotonic() + POOL_DOWN_S, why)
+            _DOWN.setdefault(episode.context, {})[player] = (time.monotonic() + POOL_DOWN_S, why)
             logger.warning(
                 "opponent-pool member %r is down (%s; the last call: %s): the episodes that draw "
                 "it end at once for the next %g s",
@@ -507,22 +558,14 @@ def _seats_of(settings: Any) -> dict[str, list[int]]:
 
 
 def _built_in(settings: Any) -> Any:
-    """The built-in game `mrlx.game.name` names, its players and options checked (at start-up,
-    before any episode); None for a game a plugin registers (known once the first episode runs)."""
-    game = BUILT_IN_GAMES.get(settings.game.name)
-    if game is not None:
-        check_players(game, settings, "")
-        try:
-            game.max_moves(dict(settings.game.options))  # the options' own checks
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
-    return game
+    """The built-in game `mrlx.game.name` names (its players and options are checked at start-up:
+    `check_game`); None for a game a plugin registers."""
+    return BUILT_IN_GAMES.get(settings.game.name)
 
 
 def game_fan_out(settings: Any) -> dict[str, int]:
     """Transcripts per episode and agent: the seats the agent can occupy (a pool seat counts
     once for each agent in the pool, whether or not the draw picks it)."""
-    _built_in(settings)
     return {agent: len(seats) for agent, seats in _seats_of(settings).items()}
 
 
@@ -538,5 +581,4 @@ def game_turns(settings: Any) -> dict[str, int]:
     }
 
 
-run_game.fan_out = game_fan_out  # type: ignore[attr-defined]
-run_game.turns = game_turns  # type: ignore[attr-defined]
+GAME = System(run=run_game, fan_out=game_fan_out, turns=game_turns, settings=GameSettings, check=check_game)

@@ -9,7 +9,7 @@ One episode per input sample:
    no such line, or an out-of-range index, earns 0.0 and leaves the team without a final answer
    (counted as `multi_agent/invalid_selection_rate`).
 4. The team is right when its final answer earns a full mark; the system declares team shaping
-   (`run.team_shaping`), so the `mrlx_shape_rewards` hook's default weights every sample by the
+   (`System.team_shaping`), so the `mrlx_shape_rewards` hook's default weights every sample by the
    team outcome (`mrlx.pipeline.weighting`).
 
 The agents are named `solver`, `rewriter` and `selector` in the config; by default all three
@@ -18,13 +18,60 @@ are `url: self`, so one model plays every role and trains on all of them.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
-from mrlx_plugin.core.episode import Episode
+from pydantic import Field
+
+from mrlx_plugin.core.config import TOP_KEY, Settings, SystemSection, Tokens, bounded
 from mrlx_plugin.core.transcript import Transcript
+from mrlx_plugin.episodes import Episode, System
 from mrlx_plugin.systems.quoting import quote
+
+PIPELINE_AGENTS = ("solver", "rewriter", "selector")
+
+
+class PipelineSettings(SystemSection):
+    """The solver -> rewriter -> selector system (agents `solver`, `rewriter`, `selector`)."""
+
+    about = "the solver -> rewriter -> selector system"
+    default_agents = PIPELINE_AGENTS
+
+    num_parallel: bounded(
+        int,
+        ge=1,
+        le=256,
+        why="each is a solver and a rewriter call per episode, and the "
+        "selector reads every one in one prompt",
+    ) = Field(5, description="solvers, and rewriters, per episode")
+    correct_weight: bounded(float, ge=0) = Field(
+        1.2, description="team weight when the selected answer is right"
+    )
+    incorrect_weight: bounded(float, ge=0) = Field(
+        0.8, description="team weight when it is wrong or none was selected"
+    )
+    weighting: Literal["offset", "multiplicative", "none"] = Field(
+        "offset",
+        description="how the team weight meets each sample's own reward: `offset` adds weight - 1 "
+        "(wrong answers also feel the team outcome), `multiplicative` multiplies, "
+        "`none` leaves rewards unweighted",
+    )
+    max_solution_tokens: Tokens | None = Field(
+        None, description="cut each solution quoted to the rewriters and the selector to its last N tokens"
+    )
+
+    def problems(self, settings: Settings, path: str) -> list[str]:
+        missing = [n for n in PIPELINE_AGENTS if n not in settings.agents]
+        if not missing:
+            return []
+        return [
+            f"{TOP_KEY}.agents: the pipeline system needs agents {', '.join(PIPELINE_AGENTS)}; "
+            f"missing {', '.join(missing)} (add e.g. `{missing[0]}: {{url: self}}`)"
+        ]
+
 
 # The whole last line, nothing else on it (bold, brackets and a final period allowed): words
 # such as "my judgment: 2 of them are wrong" are no choice.
@@ -93,7 +140,7 @@ def fit_solutions(
 ) -> str:
     """The prompt built from `solutions`, with each solution cut (keeping its end, where the answer
     is) so that the prompt leaves room to answer within the host's context limit."""
-    tok = episode.runtime.tokenizers[agent]
+    tok = episode.context.tokenizers[agent]
     if cap is not None:
         solutions = [_tail(tok, s, cap) for s in solutions]
     prompt = build(solutions)
@@ -107,8 +154,9 @@ def fit_solutions(
     overhead = episode.prompt_tokens(agent, [{"role": "user", "content": build([""] * len(solutions))}])
     n = max(1, len(solutions))
     per_solution = max(16, (budget - overhead) // n)
+    encoded = [tok.encode_text(s) for s in solutions]  # once, however many rounds the cutting takes
     while True:
-        prompt = build([_tail(tok, s, per_solution) for s in solutions])
+        prompt = build([_cut(tok, s, ids, per_solution) for s, ids in zip(solutions, encoded)])
         over = episode.prompt_tokens(agent, [{"role": "user", "content": prompt}]) - budget
         # A quote's fence is longer than any backtick run in the text it holds, so a text of
         # long runs costs more than its own tokens: cut further, by the excess and at least a
@@ -122,14 +170,18 @@ def _tail(tok, text: str, max_tokens: int) -> str:
     """The end of a quoted solution, at most `max_tokens` tokens of it. A solution is another
     agent's text: it is counted and cut as plain text (a special token's string in it stays the
     characters it is made of, here and in the prompt it is quoted in)."""
-    ids = tok.encode_text(text)
+    return _cut(tok, text, tok.encode_text(text), max_tokens)
+
+
+def _cut(tok, text: str, ids: list[int], max_tokens: int) -> str:
+    """`_tail` of `text` whose plain-text ids are `ids`."""
     if len(ids) <= max_tokens:
         return text
     return "..." + tok.decode(ids[-max_tokens:], skip_special_tokens=False)
 
 
-def make_pipeline(prompts: PipelinePrompts = PipelinePrompts()):
-    """A pipeline run function with these prompts (register it under your own system name)."""
+def make_pipeline(prompts: PipelinePrompts = PipelinePrompts()) -> System:
+    """A pipeline system with these prompts (register it under your own system name)."""
 
     async def run(episode: Episode) -> None:
         p = episode.settings.pipeline
@@ -188,10 +240,12 @@ def make_pipeline(prompts: PipelinePrompts = PipelinePrompts()):
         episode.team_reward = float(chosen.raw_reward or 0.0)
         episode.metadata["selected"] = choice
 
-    run.fan_out = pipeline_fan_out  # type: ignore[attr-defined]
-    run.turns = lambda settings: {"solver": 1, "rewriter": 1, "selector": 1}  # type: ignore[attr-defined]
-    run.team_shaping = True  # type: ignore[attr-defined]  # every sample is weighted by the team outcome
-    return run
+    return System(
+        run=run,
+        fan_out=pipeline_fan_out,
+        turns=lambda settings: {"solver": 1, "rewriter": 1, "selector": 1},
+        team_shaping=True,  # every sample is weighted by the team outcome
+    )
 
 
 def pipeline_fan_out(settings) -> dict[str, int]:
@@ -200,4 +254,6 @@ def pipeline_fan_out(settings) -> dict[str, int]:
     return {"solver": n, "rewriter": n, "selector": 1}
 
 
-run_pipeline = make_pipeline()
+# The system registered as `pipeline` owns the `mrlx.pipeline` section (its checks and default
+# agents); a variant built with `make_pipeline` under another name reads the same section.
+PIPELINE = dataclasses.replace(make_pipeline(), settings=PipelineSettings)

@@ -197,15 +197,15 @@ def test_a_sample_a_system_built_past_the_limit_is_replaced_by_a_counted_filler(
         tmp_path,
         monkeypatch,
         "unbounded_system",
+        "from mrlx_plugin import System\n"
         "from mrlx_plugin.core.transcript import Transcript\n\n"
         "async def unbounded(episode):\n"
-        "    t = Transcript.start('asker', episode.runtime.tokenizers['asker'],\n"
+        "    t = Transcript.start('asker', episode.context.tokenizers['asker'],\n"
         "                         [{'role': 'user', 'content': episode.problem}])\n"
         "    episode.transcripts.append(t)\n"
         "    await episode.generate(t)\n\n"
-        "unbounded.fan_out = lambda settings: {'asker': 1}\n\n"
         "@hookimpl\ndef mrlx_register_systems():\n"
-        "    return {'unbounded': unbounded}\n",
+        "    return {'unbounded': System(run=unbounded, fan_out=lambda settings: {'asker': 1})}\n",
     )
     mrlx = {
         "run_id": "ctx",

@@ -25,9 +25,9 @@ import time
 
 import pytest
 from _coord_procs import CoordinatorProcess, error_of, make_items
-from _wait import async_wait_until
 from aiohttp import web
 
+from mrlx_plugin.core.retry import async_wait_until
 from mrlx_plugin.link.auth import (
     NONCE_HEADER,
     PROOF_HEADER,

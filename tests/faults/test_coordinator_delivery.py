@@ -10,8 +10,8 @@ import logging
 
 import pytest
 from _coord_procs import CoordinatorProcess, attempts_of, make_items
-from _wait import async_wait_until
 
+from mrlx_plugin.core.retry import async_wait_until
 from mrlx_plugin.link.client import CoordinatorClient, CoordinatorError
 
 

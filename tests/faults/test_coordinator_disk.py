@@ -31,6 +31,7 @@ from pathlib import Path
 import pytest
 from _coord_procs import CoordinatorProcess, http, make_items
 
+from mrlx_plugin.core import processes
 from mrlx_plugin.link.client import CoordinatorClient, CoordinatorError
 
 # The system calls SQLite writes files with; sockets (send/sendto) and pipes (write) keep working.
@@ -57,7 +58,7 @@ def failing_file_writes(pid: int, error: str) -> Iterator[None]:
         "-o",
         "/dev/null",
     ]
-    tracer = subprocess.Popen(argv, stderr=subprocess.PIPE)
+    tracer = processes.start(argv, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 20
         while not all_threads_traced(pid):
@@ -70,8 +71,7 @@ def failing_file_writes(pid: int, error: str) -> Iterator[None]:
             time.sleep(0.02)
         yield
     finally:
-        tracer.terminate()
-        tracer.wait(20)
+        processes.stop(tracer, timeout=20)
         deadline = time.monotonic() + 20
         while any_thread_traced(pid) and time.monotonic() < deadline:
             time.sleep(0.02)

@@ -30,8 +30,8 @@ from pathlib import Path
 
 import pytest
 from _coord_procs import REPO, CoordinatorProcess, make_items
-from _wait import wait_until
 
+from mrlx_plugin.core.retry import wait_until
 from mrlx_plugin.link.auth import signed_headers
 from mrlx_plugin.link.wire import CONTENT_TYPE, encode_items
 from mrlx_plugin.local.procstat import memory_mib
@@ -189,14 +189,14 @@ def test_idle_connections_past_the_fd_limit_do_not_starve_the_coordinator(tmp_pa
             socks = open_idle_connections(coord.port, IDLE_CONNECTIONS)
             health = wait_until(
                 lambda: answered(coord, "GET", "/health"),
-                timeout=90,
+                deadline=90,
                 what="an answer to /health with 1,100 idle connections open",
                 details=lambda: coord.log_tail(),
             )
             assert health[0] == 200, health
             run = wait_until(
                 lambda: answered(coord, "GET", f"/v1/runs/{coord.run_id}"),
-                timeout=90,
+                deadline=90,
                 what="an answer to an authorised call with 1,100 idle connections open",
                 details=lambda: coord.log_tail(),
             )
@@ -308,7 +308,7 @@ def test_declared_body_sizes_cost_no_memory_until_the_bytes_arrive(tmp_path):
             # the identity header is recorded just before the handler reads the body
             wait_until(
                 lambda pid=pid: last_pid_seen(coord, "doctor") == pid,
-                timeout=60,
+                deadline=60,
                 what=f"the coordinator to start reading commit {pid}",
             )
         assert coord.http("GET", "/health")[0] == 200

@@ -18,6 +18,7 @@ import pytest
 from _coord_procs import TOKEN_ENV
 from _twojobs import TOKEN, TwoJobs, two_job_config
 
+from mrlx_plugin.core.retry import wait_until
 from mrlx_plugin.link.client import CoordinatorClient
 from mrlx_plugin.link.wire import QueueItem
 from mrlx_plugin.local.model import ensure_model
@@ -84,22 +85,27 @@ def test_jobs_resumed_after_a_crash_between_save_and_ack_train_each_step_once_an
     jobs.start_services()
     jobs.start_job("b")
     jobs.start_job("a")
-    jobs.wait_until(
-        lambda: b_is_training_a_step(jobs), timeout=300, what="B training its second step or later"
+    wait_until(
+        lambda: b_is_training_a_step(jobs),
+        deadline=300,
+        what="B training its second step or later",
+        details=jobs.logs,
     )
     jobs.coordinator.kill()
     # B finishes the step and saves it; what it says to the coordinator next cannot arrive.
-    jobs.wait_until(
+    wait_until(
         lambda: (jobs.latest_checkpoint("b") or 0) >= len(jobs.rows("b", "metrics.jsonl")),
-        timeout=300,
+        deadline=300,
         what="B saving the step it trained while the coordinator was down",
+        details=jobs.logs,
     )
     kill(jobs, "b")
     kill(jobs, "a")
-    jobs.wait_until(
+    wait_until(
         lambda: refuses_connections(jobs.coord_port),
-        timeout=30,
+        deadline=30,
         what="the killed coordinator's port to refuse connections",
+        details=jobs.logs,
     )
     jobs.coordinator = jobs.start_coordinator()  # same database, same port
     jobs.b_trainer_settings = "lr: 0.001"
@@ -123,8 +129,11 @@ def test_consumer_resumed_before_its_lease_expires_trains_the_same_steps_within_
     jobs.start_services()
     b = jobs.start_job("b")
     jobs.start_job("a")
-    jobs.wait_until(
-        lambda: b_is_training_a_step(jobs), timeout=300, what="B training its second step or later"
+    wait_until(
+        lambda: b_is_training_a_step(jobs),
+        deadline=300,
+        what="B training its second step or later",
+        details=jobs.logs,
     )
     b.kill()
     b.wait(30)
@@ -158,21 +167,23 @@ def test_a_coordinator_outage_longer_than_the_old_retries_costs_both_jobs_waitin
     jobs.start_services()
     jobs.start_job("b")
     jobs.start_job("a")
-    jobs.wait_until(
+    wait_until(
         lambda: alive(jobs, "a", "b") or len(jobs.rows("a", "metrics.jsonl")) >= 1,
-        timeout=300,
+        deadline=300,
         what="A's first step",
+        details=jobs.logs,
     )
     jobs.coordinator.kill()
     # Down until a job reports having waited 10 s for it (the jobs' own view of the outage).
-    jobs.wait_until(
+    wait_until(
         lambda: (
             alive(jobs, "a", "b")
             or max(unreachable_seconds(jobs.log("a")), unreachable_seconds(jobs.log("b"))) >= 10
         ),
-        timeout=300,
+        deadline=300,
         every=0.2,
         what="a job waiting 10 s for the dead coordinator",
+        details=jobs.logs,
     )
     jobs.coordinator = jobs.start_coordinator()
     assert jobs.wait("b", 400) == 0, jobs.log("b")
@@ -362,7 +373,7 @@ def test_a_slime_responder_acknowledges_through_the_last_durable_save(
 
     from mrlx_plugin.core.host import run_in_host_loop
     from mrlx_plugin.rollout import responder_rollout
-    from mrlx_plugin.runtime import runtime_for
+    from mrlx_plugin.runtime import cached_runtime, responder_for
 
     coordinator = start_coordinator(run_id="acks", agents=("a", "b"), token=TOKEN)
     monkeypatch.setenv(TOKEN_ENV, TOKEN)
@@ -435,6 +446,7 @@ def test_a_slime_responder_acknowledges_through_the_last_durable_save(
             ]
             seen.append(asyncio.run(commit(step))["acked_through"])  # committing again: duplicates only
         assert seen == expected
-        run_in_host_loop(runtime_for(args).aclose())
+        assert cached_runtime(args) is None  # leasing builds no episode machinery
+        run_in_host_loop(responder_for(args).aclose())
     finally:
         coordinator.stop()

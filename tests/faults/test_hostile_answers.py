@@ -450,7 +450,7 @@ def test_a_peer_sample_the_coordinator_frames_cannot_encode_goes_as_a_filler_and
     from _hookmodule import write_hook_module
 
     plugin = write_hook_module(tmp_path, monkeypatch, "numpy_episode_metadata", UNENCODABLE_METADATA)
-    with caplog.at_level("WARNING", logger="mrlx_plugin.link.peers"):
+    with caplog.at_level("WARNING", logger="mrlx_plugin.link.outbox"):
         out, lease = initiator_step(
             stub_engine.url,
             stub_engine.url,

@@ -12,6 +12,7 @@ import socket
 import pytest
 from _twojobs import TwoJobs
 
+from mrlx_plugin.core.retry import wait_until
 from mrlx_plugin.local.model import ensure_model
 
 pytestmark = pytest.mark.slow  # two agent jobs end to end, each test minutes
@@ -43,15 +44,16 @@ def test_coordinator_killed_mid_step_and_restarted_loses_and_repeats_nothing(job
     jobs.start_job("b")
     jobs.start_job("a")
     # Kill the coordinator once A has finished its first step, while the next is under way.
-    jobs.wait_until(lambda: len(jobs.rows("a", "metrics.jsonl")) >= 1)
+    wait_until(lambda: len(jobs.rows("a", "metrics.jsonl")) >= 1, deadline=120, details=jobs.logs)
     jobs.coordinator.kill()
     # Back as soon as the old one is observably gone, not after a fixed downtime: the jobs' calls
     # meet the dead address while the new process starts, and a downtime that grows with a loaded
     # machine's slow restart only risks outlasting the retries of the jobs' coordinator calls.
-    jobs.wait_until(
+    wait_until(
         lambda: refuses_connections(jobs.coord_port),
-        timeout=30,
+        deadline=30,
         what="the killed coordinator's port to refuse connections",
+        details=jobs.logs,
     )
     jobs.coordinator = jobs.start_coordinator()  # same database, same port
     assert jobs.wait("b") == 0, jobs.log("b")
@@ -68,7 +70,7 @@ def test_consumer_killed_after_leasing_gets_its_groups_again_and_trains_them_onc
     jobs.start_services()
     b = jobs.start_job("b")
     jobs.start_job("a")
-    jobs.wait_until(lambda: jobs.queue()["leased_items"] > 0)
+    wait_until(lambda: jobs.queue()["leased_items"] > 0, deadline=120, details=jobs.logs)
     b.kill()
     b.wait(10)
     leased = jobs.queue()["leased_items"]
@@ -86,7 +88,7 @@ def test_producer_killed_mid_step_ends_the_consumers_wait_with_a_message(jobs):
     jobs.start_services()
     b = jobs.start_job("b")
     a = jobs.start_job("a")
-    jobs.wait_until(lambda: len(jobs.rows("a", "metrics.jsonl")) >= 1)
+    wait_until(lambda: len(jobs.rows("a", "metrics.jsonl")) >= 1, deadline=120, details=jobs.logs)
     a.kill()
     code = b.wait(timeout=120)  # bounded: the wait ends at its deadline, it does not hang
     assert code != 0

@@ -19,43 +19,20 @@ import inspect
 import logging
 import math
 import numbers
-import random
 import time
 import uuid
-import zlib
 from collections.abc import Awaitable, Callable
-from typing import Any, NoReturn
+from typing import Any
 
-from mrlx_plugin.core.config import AgentSettings, ConfigError
-from mrlx_plugin.core.engine_client import EngineError, MalformedAnswer
-from mrlx_plugin.core.transcript import MalformedTurn, Transcript, Turn
+from mrlx_plugin.core.config import ConfigError
+from mrlx_plugin.core.engine_client import EngineError
+from mrlx_plugin.core.transcript import Transcript, Turn
+from mrlx_plugin.core.values import RewardError, finite_reward
+from mrlx_plugin.episodes.context import EpisodeContext
+from mrlx_plugin.episodes.errors import EpisodeAborted, HookResultError
+from mrlx_plugin.episodes.turn import take_turn
 
 logger = logging.getLogger(__name__)
-
-
-class EpisodeAborted(Exception):
-    """Raised inside a system when its episode cannot go on; run_episode turns it into samples."""
-
-
-class RewardError(ValueError):
-    """A reward that is not a finite number, its message naming who made it (a plugin, a game, a
-    setting). It ends the episode like a failed grade: ABORTED samples, never a 0.0 in its place."""
-
-
-def finite_reward(value: Any, producer: str) -> float:
-    """`value` as a float when it is a finite number; else RewardError naming `producer`, e.g.
-    "game 'nim' (registered by plugin 'my_games'): move_reward of seat first's move 2"."""
-    try:
-        number = float(value)
-    except (TypeError, ValueError, OverflowError):
-        number = math.nan
-    if isinstance(value, bool) or not math.isfinite(number):
-        try:
-            shown = repr(value)
-        except ValueError:  # an int of more digits than Python will print
-            shown = f"an int of {value.bit_length()} bits"
-        raise RewardError(f"{producer} gave {shown[:200]}; expected a finite number")
-    return number
 
 
 def problem_text(prompt: Any) -> str:
@@ -73,15 +50,15 @@ def problem_text(prompt: Any) -> str:
 class Episode:
     def __init__(
         self,
-        runtime: Any,
+        context: EpisodeContext,
         sample: Any,
         sampling_params: dict[str, Any] | None,
         evaluation: bool,
         host_aborted: Callable[[], bool] | None = None,
     ):
-        self.runtime = runtime
+        self.context = context
         self.host_aborted = host_aborted or (lambda: False)  # the host's "this rollout is over" flag
-        self.settings = runtime.settings
+        self.settings = context.settings
         self.sample = sample
         self.evaluation = evaluation
         self.problem = problem_text(sample.prompt)
@@ -91,9 +68,15 @@ class Episode:
         self.rollout_id = (
             sample.rollout_id if getattr(sample, "rollout_id", None) is not None else sample.index
         )
-        self.system_settings = self.settings.extra.get(self.settings.system, {})
+        # The system's section: its typed model when it declares one (`System.settings`), else the
+        # mapping as written, for the system to read and check itself.
+        self.system_settings = (
+            getattr(self.settings, self.settings.system)
+            if context.system.settings is not None
+            else self.settings.extra.get(self.settings.system, {})
+        )
         self.base_sampling = (
-            dict(sampling_params) if sampling_params else dict(runtime.limits.default_sampling)
+            dict(sampling_params) if sampling_params else dict(context.limits.default_sampling)
         )
         self.transcripts: list[Transcript] = []
         self.final_answer: str | None = None
@@ -123,11 +106,11 @@ class Episode:
         limit = self.context_limit(agent)
         t = Transcript.start(
             agent,
-            self.runtime.tokenizers[agent],
+            self.context.tokenizers[agent],
             self.with_system_prompt(agent, messages),
             trainable=bool(self.settings.agents[agent].trainable),
             max_context=limit,
-            max_response=self.runtime.limits.max_response,
+            max_response=self.context.limits.max_response,
             label=label or agent,
             role=role,
         )
@@ -144,7 +127,7 @@ class Episode:
     @property
     def max_context(self) -> int | None:
         """The context limit of an agent on the host's model (`context_limit`)."""
-        limits = self.runtime.limits
+        limits = self.context.limits
         host = limits.max_context_eval if self.evaluation else limits.max_context
         known = [n for n in (host, limits.model_max) if n is not None]
         return min(known) if known else None
@@ -153,7 +136,7 @@ class Episode:
         """The most tokens a sample of `agent` may hold (None: unbounded): the host's context limit
         (`--rollout-max-context-len`, or `--eval-max-context-len` in evaluation) and, for an agent
         on the host's model, that model's position limit (see `Runtime.context_limit`)."""
-        return self.runtime.context_limit(agent, self.evaluation)
+        return self.context.context_limit(agent, self.evaluation)
 
     def fits(self, agent: str, messages: list[dict[str, str]]) -> bool:
         """Whether a view of `agent` opened with `messages` leaves room for a turn (the prompt's
@@ -170,14 +153,14 @@ class Episode:
     def with_system_prompt(self, agent: str, messages: list[dict[str, str]]) -> list[dict[str, str]]:
         if agent not in self.settings.agents:
             raise KeyError(f"agent {agent!r} is not configured under mrlx.agents")
-        system_prompt = self.runtime.system_prompts[agent]
+        system_prompt = self.context.system_prompts[agent]
         if system_prompt and not (messages and messages[0].get("role") == "system"):
             return [{"role": "system", "content": system_prompt}] + list(messages)
         return list(messages)
 
     def prompt_tokens(self, agent: str, messages: list[dict[str, str]]) -> int:
         """How many tokens `agent`'s transcript would start with (cached: opening it is then free)."""
-        return len(self.runtime.tokenizers[agent].prompt_ids(self.with_system_prompt(agent, messages))[1])
+        return len(self.context.tokenizers[agent].prompt_ids(self.with_system_prompt(agent, messages))[1])
 
     def abort(self, reason: str) -> None:
         if not self.aborted:
@@ -188,25 +171,15 @@ class Episode:
         """A reward that failed (a grade, a turn score, a shaping, a value that is not a finite
         number): logged and counted as a failed grade, the episode aborted. Returns the
         EpisodeAborted to raise where the episode cannot go on."""
-        self.runtime.grade_failures.record(f"episode {self.id}: {reason}", exc)
+        self.context.grade_failures.record(f"episode {self.id}: {reason}", exc)
         self.abort(reason)
         return EpisodeAborted(self.abort_reason)
 
-    def _check_alive(self) -> None:
+    def check_alive(self) -> None:
         if not self.aborted and self.host_aborted():
             self.abort("the host ended the rollout")
         if self.aborted:
             raise EpisodeAborted(self.abort_reason)
-
-    def sampling_for(self, agent: AgentSettings, overrides: dict[str, Any]) -> dict[str, Any]:
-        params = dict(self.base_sampling)
-        s = agent.sampling
-        for key in ("temperature", "top_p", "top_k", "max_new_tokens", "stop", "stop_token_ids"):
-            value = getattr(s, key)
-            if value is not None:
-                params[key] = value
-        params.update(overrides)
-        return params
 
     async def generate(
         self,
@@ -239,35 +212,7 @@ class Episode:
         deadline, may end the episode at once: it returns the reason (e.g. the peer is known to
         be down), or None to go on retrying.
         """
-        self._check_alive()
-        agent = self.settings.agents[transcript.agent]
-        params = self.sampling_for(agent, sampling_overrides)
-        room = transcript.room()
-        if room is not None:
-            params["max_new_tokens"] = min(int(params.get("max_new_tokens", room)), room)
-        if params.get("max_new_tokens", 1) <= 0:
-            transcript.truncated = True
-            return Turn(transcript.agent, [], [], "", "length", None)
-        k = self.branch_width(transcript)
-        if k == 1:
-            turn = await self._sample_turn(transcript, agent, params, 0, on_fault)
-            transcript.append_generated(turn)
-            self.turns += 1
-            return turn
-        candidates = await self.gather(
-            *(self._sample_turn(transcript, agent, params, c, on_fault) for c in range(k))
-        )
-        index = len(transcript.turns)
-        scores = [await self._score(transcript, index, turn, score) for turn in candidates]
-        taken = self._pick(scores, transcript, index)
-        transcript.append_generated(candidates[taken])
-        transcript.turn_rewards[-1] = scores[taken]
-        transcript.branches[index] = [
-            (c, s) for i, (c, s) in enumerate(zip(candidates, scores)) if i != taken
-        ]
-        self.turns += 1
-        self.metadata["branch_candidates"] = self.metadata.get("branch_candidates", 0) + k - 1
-        return candidates[taken]
+        return await take_turn(self, transcript, score, on_fault, sampling_overrides)
 
     def branch_width(self, transcript: Transcript) -> int:
         """How many candidates a turn of this transcript samples (1: no tree sampling)."""
@@ -276,15 +221,7 @@ class Episode:
             return 1
         return r.branch
 
-    def _pick(self, scores: list[float], transcript: Transcript, index: int) -> int:
-        if self.settings.rewards.branch_pick == "best":
-            return max(range(len(scores)), key=lambda i: (scores[i], -i))
-        top = max(scores)
-        weights = [math.exp(s - top) for s in scores]
-        rng = random.Random(zlib.crc32(f"{self.id}:{transcript.label}:{index}".encode()))
-        return rng.choices(range(len(scores)), weights=weights)[0]
-
-    async def _score(
+    async def score_turn(
         self, transcript: Transcript, index: int, turn: Turn, score: Callable[[Turn], Any] | None
     ) -> float:
         """A turn's score from `score` or the mrlx_turn_reward hook (None -> 0.0).
@@ -305,7 +242,7 @@ class Episode:
                 if inspect.isawaitable(value):
                     value = await asyncio.wait_for(value, self.settings.rewards.grade_timeout_s)
             else:
-                found = self.runtime.turn_reward_hook.named(
+                found = self.context.hooks.turn_reward.ask(
                     episode=self, transcript=transcript, index=index, turn=turn
                 )
                 if inspect.isawaitable(found):
@@ -334,87 +271,6 @@ class Episode:
         except RewardError as exc:
             raise self.fail_reward(str(exc), exc) from None
 
-    async def _sample_turn(
-        self,
-        transcript: Transcript,
-        agent: AgentSettings,
-        params: dict[str, Any],
-        candidate: int,
-        on_fault: Callable[[EngineError], Awaitable[str | None]] | None = None,
-    ) -> Turn:
-        """One engine call for the transcript's next turn (not appended), with the episode's
-        retry and abort rules (see `generate`)."""
-        params = dict(params)
-        client = self.runtime.clients[transcript.agent]
-        e = self.settings.engine
-        if e.sampling_seed is not None and "sampling_seed" not in params:
-            key = f"{e.sampling_seed}:{self.id}:{transcript.label}:{len(transcript.turns)}"
-            if candidate:  # the candidates of one turn must differ; the first keeps the plain seed
-                key += f":{candidate}"
-            params["sampling_seed"] = zlib.crc32(key.encode()) & 0x7FFFFFFF
-        elif candidate and "sampling_seed" in params:
-            # The host's own seed (slime's deterministic inference sends one per sample): the
-            # other candidates get seeds derived from it, or all K would be the same answer.
-            key = (
-                f"{params['sampling_seed']}:{self.id}:{transcript.label}:{len(transcript.turns)}:{candidate}"
-            )
-            params["sampling_seed"] = zlib.crc32(key.encode()) & 0x7FFFFFFF
-        deadline = time.monotonic() + (
-            e.peer_deadline_s if agent.retry_on_abort else e.request_timeout_s * (e.max_retries + 1)
-        )
-        retried = False
-        while True:
-            try:
-                result = await client.generate(transcript.tokens, params, deadline=deadline)
-            except MalformedAnswer as exc:
-                self._malformed(f"{exc.url}: {exc.detail}")
-            except EngineError as exc:
-                self.aborted_turns += 1
-                # A peer's engines come and go (restarts, weight updates): keep trying until the
-                # peer deadline. This job's own engines had their retries in the client.
-                wait = e.abort_retry_wait_s
-                if agent.retry_on_abort and exc.retryable and time.monotonic() + wait < deadline:
-                    why = await on_fault(exc) if on_fault is not None else None
-                    if why is not None:  # the system knows this peer will not come back soon
-                        self.abort(why)
-                        raise EpisodeAborted(self.abort_reason) from None
-                    retried = True
-                    await asyncio.sleep(wait)
-                    self._check_alive()
-                    continue
-                self.abort(f"engine fault: {exc}")
-                raise EpisodeAborted(self.abort_reason) from None
-            retried = retried or result.retries > 0
-            if result.finish_reason != "abort":
-                break
-            self.aborted_turns += 1
-            wait = e.abort_retry_wait_s
-            if not agent.retry_on_abort or time.monotonic() + wait >= deadline:
-                self.abort(
-                    f"{client.url} aborted the turn"
-                    + ("" if not agent.retry_on_abort else " until the deadline")
-                )
-                raise EpisodeAborted(self.abort_reason)
-            retried = True
-            await asyncio.sleep(wait)
-            self._check_alive()
-        if retried:
-            self.retried_turns += 1
-        try:  # the ids against the agent's vocabulary; the text is what they spell, not the engine's
-            return transcript.turn_from(
-                result.token_ids, result.logprobs, result.finish_reason, result.weight_version, result.retries
-            )
-        except MalformedTurn as exc:
-            self._malformed(f"{client.url}/generate: {exc}")
-
-    def _malformed(self, reason: str) -> NoReturn:
-        """An engine answer no one may train on: the episode ends, its samples ABORTED, the reason
-        kept in the samples' metadata (`episode.malformed_answer`, counted in the metrics)."""
-        self.aborted_turns += 1
-        self.metadata.setdefault("malformed_answer", reason)
-        self.abort(f"malformed answer from {reason}")
-        raise EpisodeAborted(self.abort_reason)
-
     async def grade(self, transcript: Transcript) -> float:
         """The transcript's raw reward from the mrlx_grade hook (also stored on the transcript).
 
@@ -425,8 +281,8 @@ class Episode:
         """
         timeout = self.settings.rewards.grade_timeout_s
         try:
-            # One plugin at a time (runtime.grade_hook): an awaited None defers like a returned None.
-            found = self.runtime.grade_hook.named(agent=transcript.agent, transcript=transcript, episode=self)
+            # One plugin at a time (hooks.grade): an awaited None defers like a returned None.
+            found = self.context.hooks.grade.ask(agent=transcript.agent, transcript=transcript, episode=self)
             if inspect.isawaitable(found):
                 found = await asyncio.wait_for(found, timeout)
             plugin, result = found
@@ -473,7 +329,7 @@ class Episode:
     def samples_of(self, agents: list[str], every_agent: bool) -> list[Any]:
         """Host samples of the transcripts of `agents`, agent by agent.
 
-        When the system declares its fan-out (`runtime.fan_out`), each agent gets exactly that
+        When the system declares its fan-out (`context.fan_out`), each agent gets exactly that
         many samples, ABORTED fillers standing in for transcripts the episode did not open (it
         was aborted, or stopped before that role spoke): the host's data-parallel split needs a
         step's sample count fixed. Otherwise each agent gets one sample per transcript; with
@@ -485,7 +341,7 @@ class Episode:
         then counts turns (the system's `fan_out` x `turns` x `branch`); fillers stand in for
         the turns an episode did not reach.
         """
-        fan_out = self.runtime.fan_out
+        fan_out = self.context.fan_out
         per_turn = self.settings.rewards.credit == "turn" and not self.evaluation
         out: list[Any] = []
         for agent in agents:
@@ -638,7 +494,7 @@ class Episode:
         # Cut to the agent's limit (to_sample): the host pads a filler like any other sample.
         t = Transcript.start(
             agent,
-            self.runtime.tokenizers[agent],
+            self.context.tokenizers[agent],
             messages,
             trainable=False,
             max_context=self.context_limit(agent),
@@ -646,182 +502,3 @@ class Episode:
         meta = self.sample_meta(t)
         meta["over_context"] = "over_context" in self.metadata  # the episode stopped where it did not fit
         return t.to_sample(self.sample, self.rollout_id, aborted=True, meta=meta)
-
-
-class GradeFailures:
-    """Failed grades of one Runtime: the first few logged with their traceback, then one line in
-    a hundred (a reward model that is down fails every grade)."""
-
-    def __init__(self) -> None:
-        self.count = 0
-
-    def record(self, reason: str, exc: BaseException) -> None:
-        self.count += 1
-        if self.count <= 5:
-            logger.warning("%s; the episode's samples are ABORTED", reason, exc_info=exc)
-        elif self.count % 100 == 0:
-            logger.warning("%d grades have failed so far; the latest: %s", self.count, reason)
-
-
-class HookResultError(ValueError):
-    """A hook implementation returned something its contract does not allow (names the plugin)."""
-
-
-def shaped_rewards(episode: Episode, rewards: Any, plugin: str | None) -> dict[int, float]:
-    """The rewards an `mrlx_shape_rewards` implementation decided, checked against its contract:
-    a dict of position in `episode.transcripts` -> finite float, one entry per graded transcript.
-    Raises one HookResultError naming the plugin and everything wrong with the answer; an answer
-    whose only fault is numbers that are not finite (a NaN of one episode's arithmetic) raises
-    RewardError naming the plugin, which ends that episode only."""
-    graded = {i for i, t in enumerate(episode.transcripts) if t.raw_reward is not None}
-    where = f"mrlx_shape_rewards of plugin {plugin!r}"
-    expected = (
-        "expected a dict mapping the position in episode.transcripts of each graded transcript "
-        f"(here {sorted(graded)}) to a finite float"
-    )
-    if not isinstance(rewards, dict):
-        shown = repr(rewards) if len(repr(rewards)) <= 200 else repr(rewards)[:200] + "..."
-        raise HookResultError(f"{where} returned {shown} ({type(rewards).__name__}); {expected}")
-    problems = []
-    positions = {k: int(k) for k in rewards if isinstance(k, numbers.Integral) and not isinstance(k, bool)}
-    keys = set(positions.values())
-    if len(positions) != len(rewards):
-        others = sorted(repr(k) for k in rewards if k not in positions)
-        problems.append("keys that are not positions: " + ", ".join(others))
-    missing = sorted(graded - keys)
-    if missing:
-        problems.append(
-            "no reward for graded transcript(s) "
-            + ", ".join(f"{i} ({episode.transcripts[i].label})" for i in missing)
-        )
-    extra = sorted(keys - graded)
-    if extra:
-        problems.append(f"positions {extra} are not graded transcripts")
-    bad = {k: v for k, v in rewards.items() if not _finite_number(v)}
-    if bad:
-        problems.append(
-            "rewards that are not finite numbers: "
-            + ", ".join(f"{k!r}: {v!r}" for k, v in list(bad.items())[:5])
-        )
-    only_not_finite = bool(bad) and len(problems) == 1 and all(_real_number(v) for v in bad.values())
-    if problems and not only_not_finite:
-        raise HookResultError(
-            f"{where} returned a wrong answer for episode {episode.id}: "
-            + "; ".join(problems)
-            + f"; {expected}"
-        )
-    if bad:
-        shown = ", ".join(
-            f"{v!r} for {k} ({episode.transcripts[positions[k]].label})" for k, v in list(bad.items())[:5]
-        )
-        raise RewardError(f"{where} gave {shown}; expected finite numbers")
-    return {positions[k]: float(v) for k, v in rewards.items()}
-
-
-def _finite_number(value: Any) -> bool:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        return False
-    try:
-        return math.isfinite(float(value))
-    except OverflowError:  # an int past a float's range, e.g. 10**400
-        return False
-
-
-def _real_number(value: Any) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
-def _check_system_rewards(episode: Episode) -> None:
-    """The rewards the system itself set (raw and trained rewards of its transcripts, the team's
-    reward): RewardError naming the system when one is not finite. The built-in systems check
-    theirs where they are made, naming the game or the setting; this catches any other."""
-    system = episode.runtime.system
-    who = f"system {episode.settings.system!r} ({getattr(system, '__module__', None) or 'unknown module'})"
-    for t in episode.transcripts:
-        for value, what in ((t.raw_reward, "raw reward"), (t.reward, "reward")):
-            if value is not None:
-                finite_reward(value, f"{who}: the {what} of {t.label}")
-    if episode.team_reward is not None:
-        finite_reward(episode.team_reward, f"{who}: the team reward")
-
-
-async def run_episode(
-    runtime: Any,
-    sample: Any,
-    sampling_params: dict[str, Any] | None,
-    evaluation: bool,
-    host_aborted: Callable[[], bool] | None = None,
-) -> tuple[Episode, Any]:
-    """Run the configured system on one input sample; return the episode and the host's sample(s).
-
-    Training: a list of samples for the agents this job trains, sharing the input's rollout id.
-    Evaluation: one sample holding the team's final answer, its reward the final answer's grade.
-    `host_aborted` tells whether the host has ended the rollout (no new turn starts then). The
-    episode is returned for the caller's own use of it (the samples of agents other jobs train).
-    """
-    episode = Episode(runtime, sample, sampling_params, evaluation, host_aborted)
-    try:
-        await runtime.system(episode)
-        _check_system_rewards(episode)
-    except EpisodeAborted:
-        pass
-    except RewardError as exc:  # a reward the system made (a game's, a setting's) that is not finite
-        episode.fail_reward(str(exc), exc)
-    except asyncio.CancelledError:
-        raise
-    if not episode.aborted:
-        try:
-            for t in episode.transcripts:
-                if t.raw_reward is None and t.turns and runtime.settings.agents[t.agent].trainable:
-                    await episode.grade(t)
-            if episode.final_transcript is not None and episode.team_reward is None:
-                ft = episode.final_transcript
-                episode.team_reward = ft.raw_reward if ft.raw_reward is not None else await episode.grade(ft)
-        except EpisodeAborted:
-            pass
-    if not episode.aborted and not evaluation and runtime.settings.rewards.credit == "turn":
-        try:  # the turns no system scored: the mrlx_turn_reward hook (None -> 0.0)
-            for t in episode.transcripts:
-                if t.trainable:
-                    for i, turn in enumerate(t.turns):
-                        if t.turn_rewards[i] is None:
-                            t.turn_rewards[i] = await episode._score(t, i, turn, None)
-        except EpisodeAborted:
-            pass
-    if not episode.aborted:
-        try:
-            plugin, rewards = runtime.shape_hook.answer(
-                episode=episode, settings=runtime.settings, team_shaping=runtime.team_shaping
-            )
-            if rewards is not None:
-                for i, value in shaped_rewards(episode, rewards, plugin).items():
-                    episode.transcripts[i].reward = value
-            if not evaluation and runtime.settings.rewards.credit == "turn":
-                for t in episode.transcripts:
-                    if t.trainable:
-                        episode.turn_returns(t)  # checked here: the samples are made from them below
-        except RewardError as exc:  # a shaped reward or a return that is not finite: this episode only
-            episode.fail_reward(str(exc), exc)
-    if evaluation:
-        samples = [_evaluation_sample(episode)]
-    else:
-        samples = episode.samples_of(
-            [a for a in runtime.settings.agents if runtime.trains_here(a)], every_agent=False
-        )
-    runtime.hooks.mrlx_episode_end(episode=episode, samples=samples)
-    if episode.aborted:
-        logger.debug("episode %s aborted: %s", episode.id, episode.abort_reason)
-    return episode, (samples[0] if evaluation else samples)
-
-
-def _evaluation_sample(episode: Episode) -> Any:
-    """The team's final answer as one sample; its reward is the final answer's grade (0.0 if none)."""
-    if episode.aborted or not episode.transcripts:
-        return episode.fallback_sample()
-    t = episode.final_transcript or episode.transcripts[-1]
-    s = t.to_sample(episode.sample, episode.rollout_id, aborted=False, meta=episode.sample_meta(t))
-    if episode._within_context(t.agent, [s])[0] is not s:  # a system's own transcript past the limit
-        return episode.fallback_sample(t.agent)
-    s.response = episode.final_answer or ""
-    s.reward = float(episode.team_reward or 0.0) if episode.final_transcript is not None else 0.0
-    return s

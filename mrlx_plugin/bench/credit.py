@@ -37,7 +37,7 @@ from typing import Any
 
 import yaml
 
-from benchmarks.report import write_report
+from mrlx_plugin.bench.report import write_report
 
 AGENT, FROZEN = "player", "frozen"
 CHAIN_ARMS = ("episode", "turn", "turn+branch")
@@ -367,12 +367,12 @@ def run_trainer(
     argv: list[str], log_path: Path, out: Path, label: str, ns: argparse.Namespace, show: Any = None
 ) -> list[dict[str, Any]]:
     """Run one embedded trainer to its end, printing a line per evaluation; its metrics rows."""
-    from mrlx_plugin.local.processes import popen_tied, stop_all
+    from mrlx_plugin.core import processes
 
     job = None
     try:
         with open(log_path, "ab") as log:
-            job = popen_tied(
+            job = processes.start(
                 [sys.executable, "-m", "mrlx_plugin.local.trainer", *argv],
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -393,7 +393,7 @@ def run_trainer(
             time.sleep(1.0)
     finally:
         if job is not None:
-            stop_all([job], timeout=20)
+            processes.stop(job, timeout=20)
     if job.returncode != 0:
         tail = log_path.read_text(errors="replace")[-3000:]
         raise RuntimeError(f"the trainer of {label} failed (exit {job.returncode}); {log_path}:\n{tail}")
@@ -472,7 +472,8 @@ def run_arm(
     """One arm from `model`: its engine (and the frozen copy's), its trainer; (metrics rows, wall s)."""
     import shutil
 
-    from mrlx_plugin.local.processes import start_engine, stop_all
+    from mrlx_plugin.core.processes import stop_all
+    from mrlx_plugin.local.processes import start_engine
 
     shutil.rmtree(work, ignore_errors=True)  # a measurement starts from scratch
     logs = work / "logs"
@@ -480,7 +481,7 @@ def run_arm(
     started = time.monotonic()
     engines = []
     with ExitStack() as stack:
-        stack.callback(lambda: stop_all(engines, timeout=10))
+        stack.callback(lambda: stop_all([e.proc for e in engines], timeout=10))
         extra = ["--seed", str(ns.seed), "--max-batch", "256"]
         # Two engines generate at once (the frozen copy's turns alternate with the player's in
         # every episode): one core each, or their threads would fight over the two.

@@ -44,7 +44,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from benchmarks.report import write_report
+from mrlx_plugin.bench.report import write_report
+from mrlx_plugin.core import processes
 from mrlx_plugin.local.procstat import cpu_seconds, memory_mib, open_fds
 
 RUN_ID = "load"
@@ -134,7 +135,7 @@ def host_args(
     args.mrlx = mrlx
     args.n_samples_per_prompt = n_samples_per_prompt
     args.rollout_max_response_len = 4 * response_tokens
-    args.custom_generate_function_path = "benchmarks.load.counted_generate"
+    args.custom_generate_function_path = "mrlx_plugin.bench.load.counted_generate"
     return args
 
 
@@ -236,7 +237,7 @@ def rollout_worker(ns: argparse.Namespace) -> int:
 
 async def _consume(ns: argparse.Namespace) -> dict[str, Any]:
     from mrlx_plugin.link.client import CoordinatorClient
-    from mrlx_plugin.link.peers import sample_from_item
+    from mrlx_plugin.link.codec import sample_from_item
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -368,23 +369,12 @@ class _Worker:
         self.name = name
         self.log_path = log_path
         with open(log_path, "ab") as log:
-            self.proc = subprocess.Popen(
+            self.proc = processes.start(
                 argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
             )
 
     def stop(self, timeout: float = 15.0) -> None:
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(timeout)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                pass
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.proc.wait(10)
+        processes.stop(self.proc, timeout, group=True)
 
     def tail(self, chars: int = 3000) -> str:
         try:
@@ -399,14 +389,14 @@ def _worker_argv(*args: str) -> list[str]:
     return [
         sys.executable,
         "-c",
-        "import sys; from benchmarks.load import main; sys.exit(main(sys.argv[1:]))",
+        "import sys; from mrlx_plugin.bench.load import main; sys.exit(main(sys.argv[1:]))",
         *args,
     ]
 
 
 def run_load_bench(ns: argparse.Namespace) -> dict[str, Any]:
     """Start every process, run the load round and the soak, sample, stop everything; the report."""
-    from benchmarks.engine_calls import prepare, stub_text
+    from mrlx_plugin.bench.engine_calls import prepare, stub_text
     from mrlx_plugin.local.processes import start_coordinator, start_stub_engine
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)

@@ -19,7 +19,7 @@ Three measurements, side by side in one run (every party in its own process):
    would use). The baseline server keeps request bodies as bytes and returns them unchanged, the
    most favourable plain queue. Same steps, clock and checksum.
 
-`python -m benchmarks.coordinator` (or the `mrlx` CLI) prints a table and writes JSON.
+`python -m mrlx_plugin.bench.coordinator` (or the `mrlx` CLI) prints a table and writes JSON.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from mrlx_plugin.core import processes
 from mrlx_plugin.core.retry import Deadline, wait_until
 from mrlx_plugin.local.procstat import cpu_seconds
 
@@ -108,8 +109,6 @@ def _start_coordinator(
 ) -> tuple[subprocess.Popen[bytes], str]:
     port_file = os.path.join(workdir, "coordinator.port")
     env = dict(os.environ, MRLX_BENCH_TOKEN=token)
-    package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = package_root + os.pathsep + env.get("PYTHONPATH", "")
     command = [
         sys.executable,
         "-m",
@@ -126,7 +125,7 @@ def _start_coordinator(
         "--max-depth",
         str(max_depth),
     ]
-    proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = processes.start(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
     def started() -> bool:
         if proc.poll() is not None:
@@ -138,7 +137,7 @@ def _start_coordinator(
     try:
         wait_until(started, Deadline(60), what="the coordinator's port file")
     except BaseException:
-        proc.kill()
+        processes.stop(proc)
         raise
     with open(port_file) as handle:
         port = int(handle.read())
@@ -151,15 +150,6 @@ def _server_cpu(pid: int | None) -> float | None:
         return cpu_seconds(pid) if pid else None
     except (OSError, ValueError, IndexError):
         return None
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 def _producer_main(
@@ -639,7 +629,7 @@ def run_coordinator_bench(
             if wake_trials > 0:
                 report["wake_up_ms"] = _wake_up_latency(ctx, url, token, wake_trials, timeout_s)
         finally:
-            _stop(proc)
+            processes.stop(proc, timeout=20)
         if baseline:
             port_file = os.path.join(tmp, "baseline.port")
             server = ctx.Process(
@@ -679,7 +669,7 @@ def run_coordinator_bench(
             )
     print(format_table(report))
     if out_json:
-        from benchmarks.report import write_report
+        from mrlx_plugin.bench.report import write_report
 
         write_report(out_json, report)
     return report
@@ -731,7 +721,7 @@ def format_table(report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m benchmarks.coordinator [--samples N --tokens N ...]`."""
+    """`python -m mrlx_plugin.bench.coordinator [--samples N --tokens N ...]`."""
     parser = argparse.ArgumentParser(
         prog="mrlx bench coordinator", description=(__doc__ or "").split("\n")[0]
     )

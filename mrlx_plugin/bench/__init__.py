@@ -1,5 +1,6 @@
-"""`mrlx bench NAME`: benchmarks that print a table and write JSON. They live in the repository
-checkout, not in the installed package.
+"""`mrlx bench NAME`: benchmarks that print a table and write JSON. They ship with the package
+(`mrlx_plugin.bench`), so `mrlx bench` and the helper processes a benchmark starts import them
+like any other module; they import the rest of the package, never the other way round.
 
     mrlx bench rollout       plugin overhead per model call, pipeline wall time vs its critical
                              path, memory of many concurrent episodes (against stub engines)
@@ -25,17 +26,17 @@ def main(argv: list[str]) -> int:
         return 0 if argv else 2
     name, rest = argv[0], argv[1:]
     if name == "rollout":
-        from benchmarks.engine_calls import main as run
+        from mrlx_plugin.bench.engine_calls import main as run
     elif name == "coordinator":
-        from benchmarks.coordinator import main as run
+        from mrlx_plugin.bench.coordinator import main as run
     elif name == "demo":
-        from benchmarks.demo import main as run
+        from mrlx_plugin.bench.demo import main as run
     elif name == "load":
-        from benchmarks.load import main as run
+        from mrlx_plugin.bench.load import main as run
     elif name == "answers":
-        from benchmarks.answer_stall import main as run
+        from mrlx_plugin.bench.answer_stall import main as run
     elif name == "credit":
-        from benchmarks.credit import main as run
+        from mrlx_plugin.bench.credit import main as run
     else:
         print(
             f"mrlx bench: unknown benchmark {name!r} (rollout, coordinator, demo, load, answers, credit)",

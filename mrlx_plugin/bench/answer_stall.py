@@ -30,7 +30,7 @@ from typing import Any
 
 import orjson
 
-from benchmarks.report import write_report
+from mrlx_plugin.bench.report import write_report
 from mrlx_plugin.core.config import EngineSettings
 from mrlx_plugin.core.engine_client import MAX_BODY_BYTES, EngineClient, EngineError, answer_limits
 

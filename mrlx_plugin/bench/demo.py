@@ -12,7 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from benchmarks.report import write_report
+from mrlx_plugin.bench.report import write_report
 
 
 def main(argv: list[str] | None = None) -> int:

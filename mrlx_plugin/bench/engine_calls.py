@@ -29,7 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.report import write_report
+from mrlx_plugin.bench.report import write_report
+from mrlx_plugin.core import processes
 
 WORDS = [
     "let",
@@ -224,7 +225,7 @@ def _run_worker(
     argv = [
         sys.executable,
         "-m",
-        "benchmarks.engine_calls",
+        "mrlx_plugin.bench.engine_calls",
         "--worker",
         "--url",
         url,
@@ -245,7 +246,12 @@ def _run_worker(
         "--result",
         out,
     ] + (["--cpu", str(cpu)] if cpu is not None else [])
-    subprocess.run(argv, check=True)
+    worker = processes.start(argv)
+    try:
+        if worker.wait() != 0:
+            raise subprocess.CalledProcessError(worker.returncode, argv)
+    finally:
+        processes.stop(worker)  # only still running when this process was interrupted
     result = json.loads(Path(out).read_text())
     os.unlink(out)
     result["mode"] = mode

@@ -1,0 +1,25 @@
+"""Running episodes: the layer above the plugin manager and below the host-facing functions.
+
+`system` says what an agent system is, `context` what the episodes of a process share (the hooks
+resolved once), `episode` what a system drives, `turn` one model turn top to bottom, and `run`
+one whole episode with its grades, shaping and samples. Everything here reads the settings and
+calls the hooks it is given; nothing here loads plugins or reads the host's flags.
+"""
+
+from mrlx_plugin.episodes.context import EpisodeContext, FirstAnswer, Hooks
+from mrlx_plugin.episodes.episode import Episode
+from mrlx_plugin.episodes.errors import EpisodeAborted, HookResultError
+from mrlx_plugin.episodes.run import run_episode
+from mrlx_plugin.episodes.system import Registered, System
+
+__all__ = [
+    "Episode",
+    "EpisodeAborted",
+    "EpisodeContext",
+    "FirstAnswer",
+    "HookResultError",
+    "Hooks",
+    "Registered",
+    "System",
+    "run_episode",
+]
