@@ -110,8 +110,10 @@ async def retry(
             await asyncio.sleep(wait)
 
 
-# How a wait polls by default: soon at first, then every half second at most.
-POLL = Backoff(base_s=0.05, max_s=0.5)
+# How a wait polls by default: soon at first, then every 0.1 s at most. What is polled is cheap (a
+# file, a port, a local HTTP answer), and a caller that acts on the condition (stops a process
+# once it has made one step) must see it soon after it holds, not up to half a second later.
+POLL = Backoff(base_s=0.02, max_s=0.1)
 
 
 def wait_until(

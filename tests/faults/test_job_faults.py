@@ -83,7 +83,8 @@ def test_consumer_killed_after_leasing_gets_its_groups_again_and_trains_them_onc
 
 
 def test_producer_killed_mid_step_ends_the_consumers_wait_with_a_message(jobs):
-    jobs.steps = 6
+    # Steps of these tiny models take ~0.1 s: enough of them that A is still running when killed.
+    jobs.steps = 40
     jobs.coordinator_settings = "max_staleness: 1, wait_deadline_s: 6, lease_s: 30"
     jobs.start_services()
     b = jobs.start_job("b")
