@@ -365,10 +365,8 @@ def build_responder(args: Any) -> Responder:
     system declares (the size of a step, and of the fillers for a group set aside), its model's
     limits and its coordinator client; no tokenizer, engine client or system prompt (it runs no
     episodes; its evaluation builds a Runtime)."""
-    settings, _, systems, source, _ = read_settings(args)
-    system = systems[settings.system].value
-    assert isinstance(system, System)  # collect_systems takes no other kind
-    fan_out = samples_per_agent(system, settings, source)
+    settings, pm, systems, source, _ = read_settings(args)
+    _, fan_out = start_system(systems, collect_games(pm), settings, source)  # the checks start-up runs
     responder = Responder.for_job(settings, source, args, fan_out)
     check_rollout_mode(args, source, _peer_agents(settings))
     per_episode = None if fan_out is None else fan_out.get(responder.agent, 0)

@@ -11,16 +11,12 @@ import inspect
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from mrlx_plugin.core.config import Settings
 from mrlx_plugin.core.engine_client import EngineClient
 from mrlx_plugin.core.host import HostLimits
 from mrlx_plugin.core.tokenizer import AgentTokenizer
 from mrlx_plugin.episodes.system import Registered, System
-
-if TYPE_CHECKING:
-    from mrlx_plugin.core.config import AgentSettings
 
 logger = logging.getLogger(__name__)
 
@@ -118,9 +114,6 @@ class EpisodeContext:
     def trains_here(self, agent: str) -> bool:
         """Whether this job's trainer trains `agent` (its samples go back to the host)."""
         return agent in self.trained
-
-    def agent(self, name: str) -> AgentSettings:
-        return self.settings.agents[name]
 
     def context_limit(self, agent: str, evaluation: bool = False) -> int | None:
         """The most tokens one sample of `agent` may hold (None: no limit known): the host's

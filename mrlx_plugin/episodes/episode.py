@@ -135,7 +135,7 @@ class Episode:
     def context_limit(self, agent: str) -> int | None:
         """The most tokens a sample of `agent` may hold (None: unbounded): the host's context limit
         (`--rollout-max-context-len`, or `--eval-max-context-len` in evaluation) and, for an agent
-        on the host's model, that model's position limit (see `Runtime.context_limit`)."""
+        on the host's model, that model's position limit (see `EpisodeContext.context_limit`)."""
         return self.context.context_limit(agent, self.evaluation)
 
     def fits(self, agent: str, messages: list[dict[str, str]]) -> bool:
