@@ -72,6 +72,9 @@ async def generate(
         input, sample, sampling_params, evaluation
     )
     runtime = await get_runtime(args)
+    if runtime.outbox is not None and not evaluation:
+        # Before the episode, not after it has spent its engine calls: its peers' samples need a step.
+        runtime.outbox.require_step()
     # Other jobs' agents' samples reach the outbox through the mrlx_episode_end hook (see runtime).
     _, result = await run_episode(
         runtime.context, sample, sampling_params, evaluation, host_aborted=host_abort_flag(miles_input)

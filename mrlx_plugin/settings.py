@@ -58,6 +58,7 @@ def system_sections(systems: Mapping[str, Registered]) -> dict[str, type[BaseMod
     """The typed sections of `systems` (name -> the model a `System` declares). A system without a
     model keeps its section in `settings.extra`."""
     sections: dict[str, type[BaseModel]] = {}
+    taken = {f.alias or key for key, f in Settings.model_fields.items()} | set(READ_ELSEWHERE)
     for name, registered in systems.items():
         system = registered.value
         assert isinstance(system, System)  # collect_systems takes no other kind
@@ -68,7 +69,6 @@ def system_sections(systems: Mapping[str, Registered]) -> dict[str, type[BaseMod
                 f"{registered.plugin}: agent system {name!r} declares settings={system.settings!r}; "
                 "expected a pydantic model (a subclass of mrlx_plugin.core.config.SystemSection)"
             )
-        taken = {f.alias or key for key, f in Settings.model_fields.items()} | set(READ_ELSEWHERE)
         if name in taken or not name.isidentifier() or name.startswith("_"):
             raise ConfigError(
                 f"{registered.plugin}: agent system {name!r} declares settings, so mrlx.{name} would be "

@@ -3,36 +3,11 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from _demo import demo
 
 pytestmark = pytest.mark.slow  # the demo's whole two-model loop, twice
-
-REPO = Path(__file__).resolve().parent.parent
-SHORT = [
-    "--preset",
-    "tiny",
-    "--prompts-per-step",
-    "2",
-    "--samples-per-prompt",
-    "2",
-    "--warmup-steps",
-    "2",
-    "--quiet",
-]
-
-
-def demo(out: Path, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "mrlx_plugin.cli", "demo", "--out", str(out), *SHORT, *extra],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
 
 
 def test_short_demo_runs_the_two_model_loop_and_resumes(tmp_path):

@@ -4,35 +4,14 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-
-REPO = Path(__file__).resolve().parent.parent
-SHORT = [
-    "--preset",
-    "tiny",
-    "--prompts-per-step",
-    "2",
-    "--samples-per-prompt",
-    "2",
-    "--warmup-steps",
-    "2",
-    "--quiet",
-    "--steps",
-    "1",
-]
+from _demo import demo as short_demo
 
 
 def demo(out: Path, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "mrlx_plugin.cli", "demo", "--out", str(out), *SHORT, *extra],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    return short_demo(out, "--steps", "1", *extra)
 
 
 def old_run(out: Path) -> None:

@@ -15,12 +15,12 @@ import json
 import os
 import subprocess
 import sys
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from _host import batch_flags, engine_faults, engine_stats
 
 REPO = Path(__file__).resolve().parent.parent
 HOSTS = REPO / "tests" / "hosts"
@@ -37,20 +37,6 @@ CLASS_BASED = "miles.rollout.inference_rollout.inference_rollout_common.Inferenc
 LEGACY = "miles.rollout.sglang_rollout.generate_rollout"
 FULLY_ASYNC = "miles.rollout.fully_async_rollout.FullyAsyncRolloutFn"
 STEP_TIMEOUT_S = 60  # the driver reports a phase that runs longer (a hang) as StepTimeout
-
-
-def _stats(url: str) -> dict[str, Any]:
-    with urllib.request.urlopen(url + "/_stub/stats", timeout=10) as resp:
-        return json.loads(resp.read())
-
-
-def _faults(url: str, mode: str, count: int) -> None:
-    body = json.dumps({"mode": mode, "count": count}).encode()
-    req = urllib.request.Request(
-        url + "/_stub/faults", data=body, headers={"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(req, timeout=10) as resp:
-        assert json.loads(resp.read())["success"]
 
 
 class Run:
@@ -140,16 +126,7 @@ def run_miles(
     return Run(proc, report, lines)
 
 
-BATCH = [
-    "--rollout-batch-size",
-    "2",
-    "--n-samples-per-prompt",
-    "2",
-    "--global-batch-size",
-    "4",
-    "--micro-batch-size",
-    "1",
-]
+BATCH = batch_flags()
 
 
 def _assert_pipeline_steps(run: Run, steps: int) -> None:
@@ -289,11 +266,11 @@ def test_aborted_episode_keeps_fan_out_and_dp_split(tmp_path, stub_engine, tiny_
     """One episode of 4 aborted by an engine fault (no retries): the step still holds 4 x 5
     samples, so static micro-batches of 1 split evenly over 2 ranks (Miles' schedule asserts that
     the micro-batch count is a multiple of dp_size)."""
-    _faults(stub_engine.url, "http500", 1)
+    engine_faults(stub_engine.url, "http500", 1)
     config = {**PIPELINE, "engine": {"max_retries": 0}}
     run = run_miles(tmp_path, stub_engine.url, tiny_model_dir, config, *BATCH)
     run.assert_ok()
-    assert _stats(stub_engine.url)["faults_served"] == 1
+    assert engine_stats(stub_engine.url)["faults_served"] == 1
     _assert_pipeline_steps(run, 1)
     assert run.steps[0]["statuses"].get("aborted") == FAN_OUT, run.steps[0]
 
@@ -357,7 +334,7 @@ def test_multi_model_refuses_fully_async(tmp_path, stub_engine, tiny_model_dir):
     assert run.error["type"] == "ConfigError", run.explain()
     assert "--fully-async" in run.error["message"], run.explain()
     assert run.steps == []
-    assert _stats(stub_engine.url)["generate"] == 0
+    assert engine_stats(stub_engine.url)["generate"] == 0
 
 
 @pytest.mark.slow
@@ -401,7 +378,7 @@ def test_initiator_rollout_runs_miles_default_rollout_and_hands_b_its_groups(
         run.assert_ok()
         (step,) = run.steps
         assert step["samples"] == 4 and step["rank_sizes"] == [2, 2], step
-        assert (_stats(engine_a.url)["generate"], _stats(engine_b.url)["generate"]) == (4, 4), (
+        assert (engine_stats(engine_a.url)["generate"], engine_stats(engine_b.url)["generate"]) == (4, 4), (
             step,
             run.explain(),
         )

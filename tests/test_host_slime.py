@@ -13,13 +13,13 @@ import json
 import os
 import subprocess
 import sys
-import urllib.request
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from _host import batch_flags, engine_faults, engine_stats
 
 from mrlx_plugin.core.retry import wait_until
 
@@ -35,19 +35,6 @@ PIPELINE = {
 }
 FAN_OUT = 5  # 2 solvers, 2 rewriters, 1 selector
 FULLY_ASYNC = "slime.rollout.fully_async_rollout.generate_rollout_fully_async"
-
-
-def _stats(url: str) -> dict[str, Any]:
-    with urllib.request.urlopen(url + "/_stub/stats", timeout=10) as resp:
-        return json.loads(resp.read())
-
-
-def _faults(url: str, mode: str, count: int) -> None:
-    body = json.dumps({"mode": mode, "count": count}).encode()
-    headers = {"Content-Type": "application/json"}
-    req = urllib.request.Request(url + "/_stub/faults", data=body, headers=headers)
-    with urllib.request.urlopen(req, timeout=10) as resp:
-        assert json.loads(resp.read())["success"]
 
 
 def _host_port(url: str) -> tuple[str, str]:
@@ -164,25 +151,16 @@ def _by_rollout(step: dict[str, Any]) -> dict[Any, list[str]]:
 
 def test_aborted_episode_keeps_its_fan_out_and_the_step_splits(tmp_path, tiny_model_dir, stub_engine):
     """4 pipeline episodes per step, one failed by the engine: 20 samples (5 ABORTED), split 10/10."""
-    _faults(stub_engine.url, "http500", 1)
+    engine_faults(stub_engine.url, "http500", 1)
     mrlx = {**PIPELINE, "engine": {"max_retries": 0}}
     run = run_slime(
         tmp_path,
         tiny_model_dir,
         stub_engine.url,
         mrlx,
-        "--rollout-batch-size",
-        "2",
-        "--n-samples-per-prompt",
-        "2",
-        "--global-batch-size",
-        "4",
-        "--micro-batch-size",
-        "1",
-        "--num-rollout",
-        "1",
+        *batch_flags(num_rollout=1),
     )
-    assert _stats(stub_engine.url)["faults_served"] == 1
+    assert engine_stats(stub_engine.url)["faults_served"] == 1
     assert not run.errors and run.proc.returncode == 0, run.explain()
     (step,) = run.steps
     assert step["num_samples"] == 4 * FAN_OUT, step
@@ -199,25 +177,14 @@ def test_aborted_episode_keeps_its_fan_out_and_the_step_splits(tmp_path, tiny_mo
 @pytest.mark.slow
 def test_unsplittable_batch_settings_are_refused_at_start_up(tmp_path, tiny_model_dir, stub_engine):
     """Fan-out 5, one episode per step, fixed micro-batches of 1, dp 2: no step can ever split."""
-    flags = [
-        "--rollout-batch-size",
-        "1",
-        "--n-samples-per-prompt",
-        "1",
-        "--global-batch-size",
-        "1",
-        "--micro-batch-size",
-        "1",
-        "--num-rollout",
-        "1",
-    ]
+    flags = batch_flags(1, 1, 1, 1, num_rollout=1)
     run = run_slime(tmp_path, tiny_model_dir, stub_engine.url, PIPELINE, *flags)
     assert run.proc.returncode != 0 and not run.steps, run.explain()
     assert len(run.errors) == 1, run.explain()
     error = run.errors[0]
     assert error["type"] == "mrlx_plugin.core.config.ConfigError", run.explain()
     assert "--micro-batch-size" in error["message"] and "--use-dynamic-batch-size" in error["message"], error
-    assert _stats(stub_engine.url)["generate"] == 0, "refused only after episodes had run"
+    assert engine_stats(stub_engine.url)["generate"] == 0, "refused only after episodes had run"
 
     run = run_slime(
         tmp_path,
@@ -246,16 +213,7 @@ def test_eval_and_rollout_metrics_reach_the_hosts_logger_under_its_step_keys(
         tiny_model_dir,
         stub_engine.url,
         PIPELINE,
-        "--rollout-batch-size",
-        "2",
-        "--n-samples-per-prompt",
-        "2",
-        "--global-batch-size",
-        "4",
-        "--micro-batch-size",
-        "1",
-        "--num-rollout",
-        "1",
+        *batch_flags(num_rollout=1),
         "--eval-interval",
         "1",
         "--eval-prompt-data",
@@ -316,19 +274,10 @@ def test_no_turn_starts_after_the_host_aborts_the_rollout(tmp_path, tiny_model_d
             tiny_model_dir,
             own.url,
             mrlx,
-            "--rollout-batch-size",
-            "2",
-            "--n-samples-per-prompt",
-            "1",
-            "--global-batch-size",
-            "2",
+            *batch_flags(2, 1, 2, 1, num_rollout=2),
             "--over-sampling-batch-size",
             "6",
             "--sglang-server-concurrency",
-            "2",
-            "--micro-batch-size",
-            "1",
-            "--num-rollout",
             "2",
             "--fake-probe-url",
             own.url,
@@ -356,7 +305,7 @@ def _refused(run: Run, stub_url: str, *words: str) -> None:
     assert [e["type"] for e in run.errors] == ["mrlx_plugin.core.config.ConfigError"], run.explain()
     for word in words:
         assert word in run.errors[0]["message"], run.errors[0]
-    assert _stats(stub_url)["generate"] == 0, "refused only after episodes had run"
+    assert engine_stats(stub_url)["generate"] == 0, "refused only after episodes had run"
 
 
 @pytest.mark.slow
@@ -378,16 +327,7 @@ def test_fully_async_rollout_is_refused_by_name(tmp_path, tiny_model_dir, stub_e
         FULLY_ASYNC,
         "--sglang-server-concurrency",
         "4",
-        "--rollout-batch-size",
-        "2",
-        "--n-samples-per-prompt",
-        "2",
-        "--global-batch-size",
-        "4",
-        "--micro-batch-size",
-        "1",
-        "--num-rollout",
-        "1",
+        *batch_flags(num_rollout=1),
     )
     log_path = tmp_path / "driver.log"
     with open(log_path, "wb") as out:
@@ -410,7 +350,7 @@ def test_fully_async_rollout_is_refused_by_name(tmp_path, tiny_model_dir, stub_e
             proc.wait(10)
     text = log_path.read_text(errors="replace")
     assert "ConfigError" in text and "--rollout-function-path" in text and "fully asynchronous" in text
-    assert _stats(stub_engine.url)["generate"] == 0, "episodes ran before the refusal"
+    assert engine_stats(stub_engine.url)["generate"] == 0, "episodes ran before the refusal"
 
 
 @pytest.mark.slow
@@ -424,16 +364,7 @@ def test_top_p_training_path_is_refused_by_name(tmp_path, tiny_model_dir, stub_e
         PIPELINE,
         "--rollout-top-p",
         "0.9",
-        "--rollout-batch-size",
-        "2",
-        "--n-samples-per-prompt",
-        "2",
-        "--global-batch-size",
-        "4",
-        "--micro-batch-size",
-        "1",
-        "--num-rollout",
-        "1",
+        *batch_flags(num_rollout=1),
     )
     _refused(run, stub_engine.url, "--rollout-top-p 0.9", "rollout_top_p_token_ids")
 
@@ -470,22 +401,13 @@ def _initiator_step(tmp_path, tiny_model_dir, logs_dir, start_coordinator, run_i
                 mrlx,
                 "--rollout-function-path",
                 "mrlx_plugin.rollout.initiator_rollout",
-                "--rollout-batch-size",
-                "2",
-                "--n-samples-per-prompt",
-                "2",
-                "--global-batch-size",
-                "4",
-                "--micro-batch-size",
-                "1",
-                "--num-rollout",
-                "1",
+                *batch_flags(num_rollout=1),
             )
         finally:
             os.environ.pop(TOKEN_ENV, None)
         status, _, body = coord.http("GET", f"/v1/runs/{run_id}/queues/b")
         assert status == 200, body
-        return run, _json.loads(body), _stats(engine_b.url)["generate"]
+        return run, _json.loads(body), engine_stats(engine_b.url)["generate"]
     finally:
         coord.stop()
         engine_a.stop()
@@ -534,16 +456,7 @@ def test_per_turn_samples_and_tree_candidates_keep_the_step_splittable(tmp_path,
         tiny_model_dir,
         stub_engine.url,
         mrlx,
-        "--rollout-batch-size",
-        "2",
-        "--n-samples-per-prompt",
-        "2",
-        "--global-batch-size",
-        "4",
-        "--micro-batch-size",
-        "1",
-        "--num-rollout",
-        "1",
+        *batch_flags(num_rollout=1),
     )
     assert not run.errors and run.proc.returncode == 0, run.explain()
     (step,) = run.steps
@@ -552,7 +465,9 @@ def test_per_turn_samples_and_tree_candidates_keep_the_step_splittable(tmp_path,
     assert sorted(len(s) for s in groups.values()) == [8] * 4, groups
     for statuses in groups.values():  # b stops after one round: two turns (x 2 candidates) reached
         assert sorted(statuses).count("aborted") == 4, statuses
-    assert _stats(stub_engine.url)["generate"] == 4 * 2 * 2  # two turns per episode, two candidates each
+    assert (
+        engine_stats(stub_engine.url)["generate"] == 4 * 2 * 2
+    )  # two turns per episode, two candidates each
 
 
 @pytest.mark.slow

@@ -36,6 +36,21 @@ def env(tmp_path: Path, **extra: str) -> dict[str, str]:
     return e
 
 
+def launch(
+    script: str, *args: str, env: dict[str, str], timeout: float = 60, cwd: Path | None = None
+) -> subprocess.CompletedProcess:
+    """Run a launch script to its end, its output captured."""
+    return subprocess.run(
+        ["bash", str(LAUNCH / script), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+        cwd=cwd,
+    )
+
+
 def test_start_coordinator_starts_a_token_protected_coordinator(tmp_path):
     e = env(tmp_path)
     r = subprocess.run(
@@ -181,14 +196,7 @@ def test_no_address_or_path_is_written_outside_the_env_file():
 
 def dry_launch(script: str, tmp_path: Path, *args: str, **extra: str) -> list[list[str]]:
     """The commands a launch script would run, in order (MRLX_DRY_RUN=1), each as its argv."""
-    r = subprocess.run(
-        ["bash", str(LAUNCH / script), *args],
-        env=env(tmp_path, MRLX_DRY_RUN="1", **extra),
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    r = launch(script, *args, env=env(tmp_path, MRLX_DRY_RUN="1", **extra), timeout=120)
     assert r.returncode == 0, r.stderr
     return [shlex.split(line) for line in r.stdout.splitlines() if line.strip()]
 
@@ -345,14 +353,7 @@ def test_one_trained_job_and_a_frozen_judge_need_no_coordinator(tmp_path):
     ],
 )
 def test_an_env_file_that_cannot_make_a_run_is_refused(script, args, extra, message, tmp_path):
-    r = subprocess.run(
-        ["bash", str(LAUNCH / script), *args, str(LAUNCH / "debate.env")],
-        env=env(tmp_path, MRLX_DRY_RUN="1", **extra),
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    r = launch(script, *args, str(LAUNCH / "debate.env"), env=env(tmp_path, MRLX_DRY_RUN="1", **extra))
     assert r.returncode == 2 and message in r.stderr, r.stderr
     assert not r.stdout  # nothing was started (or printed as started)
 
@@ -444,15 +445,7 @@ def test_paths_with_shell_characters_reach_the_slime_job_as_one_argument_each(tm
 
 @pytest.mark.parametrize("name", ["doctor,nurse", "../doctor", "doc tor"])
 def test_an_agent_name_that_is_not_a_name_is_refused(name, tmp_path):
-    r = subprocess.run(
-        ["bash", str(LAUNCH / "start_coordinator.sh")],
-        env=env(tmp_path, MRLX_DRY_RUN="1", AGENT_A=name),
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-        cwd=tmp_path,
-    )
+    r = launch("start_coordinator.sh", env=env(tmp_path, MRLX_DRY_RUN="1", AGENT_A=name), cwd=tmp_path)
     assert r.returncode == 2 and f"AGENT_A is '{name}'; an agent's name" in r.stderr, r.stderr
 
 
@@ -477,13 +470,11 @@ def test_an_agent_name_that_is_not_a_name_is_refused(name, tmp_path):
 )
 def test_a_count_that_is_not_a_number_is_refused_naming_the_variable(script, args, variable, tmp_path):
     made = tmp_path / "made"
-    r = subprocess.run(
-        ["bash", str(LAUNCH / script), *args],
+    r = launch(
+        script,
+        *args,
         env=env(tmp_path, MRLX_DRY_RUN="1", **{variable: f"PATH[$(touch {made})]"}),
-        capture_output=True,
-        text=True,
         timeout=120,
-        check=False,
         cwd=tmp_path,
     )
     assert not made.exists(), "bash arithmetic ran a command from the value"
@@ -509,15 +500,7 @@ def test_an_env_file_is_read_as_data(line, message, tmp_path):
     env_file.write_text(f"# a run\n{line.replace('{made}', str(made))}\n{(LAUNCH / 'mrlx.env').read_text()}")
     e = env(tmp_path, MRLX_DRY_RUN="1")
     e.pop("AGENT_A_HF", None)
-    r = subprocess.run(
-        ["bash", str(LAUNCH / "run_agent.sh"), "A", str(env_file)],
-        env=e,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-        cwd=tmp_path,
-    )
+    r = launch("run_agent.sh", "A", str(env_file), env=e, cwd=tmp_path)
     assert not made.exists(), "a line of the env file was run"
     assert r.returncode == 2 and f"{env_file}, {message}" in r.stderr, (r.returncode, r.stderr)
     assert not r.stdout
@@ -534,15 +517,7 @@ def test_an_env_file_sets_no_variable_that_changes_how_programs_run(name, tmp_pa
     e = env(tmp_path, MRLX_DRY_RUN="1")
     e.pop(name, None) if name != "PATH" else None
     script = "run_agents.sh"
-    r = subprocess.run(
-        ["bash", str(LAUNCH / script), str(env_file)],
-        env=e,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-        cwd=tmp_path,
-    )
+    r = launch(script, str(env_file), env=e, cwd=tmp_path)
     assert not made.exists(), f"{name} from the env file ran a file"
     assert r.returncode == 2 and f"{env_file}, line 2: {name} is not a launch setting" in r.stderr, (
         r.returncode,
@@ -565,13 +540,9 @@ def test_an_env_file_value_with_shell_characters_is_kept_as_written(tmp_path):
 
 def test_an_agent_key_that_is_not_a_name_is_refused(tmp_path):
     made = tmp_path / "made"
-    r = subprocess.run(
-        ["bash", str(LAUNCH / "run_agents.sh")],
+    r = launch(
+        "run_agents.sh",
         env=env(tmp_path, MRLX_DRY_RUN="1", MRLX_AGENTS=f"A B[$(touch {made})]"),
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
         cwd=tmp_path,
     )
     assert not made.exists()

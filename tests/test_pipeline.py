@@ -187,7 +187,7 @@ def test_quoting_long_backtick_runs_still_fits_the_context(tiny_tokenizer_dir):
     tok = load_tokenizer(str(tiny_tokenizer_dir))
     episode = types.SimpleNamespace(
         context=types.SimpleNamespace(tokenizers={"selector": tok}),
-        max_context=600,
+        context_limit=lambda agent: 600,
         base_sampling={"max_new_tokens": 100},
         prompt_tokens=lambda agent, messages: len(tok.prompt_ids(messages)[1]),
     )

@@ -16,6 +16,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from _demo import SHORT
 
 from mrlx_plugin.core.retry import wait_until
 
@@ -143,22 +144,7 @@ def kill_left(mark: str, seen: dict[int, int]) -> None:
             pass
 
 
-DEMO = [
-    "-m",
-    "mrlx_plugin.cli",
-    "demo",
-    "--preset",
-    "tiny",
-    "--prompts-per-step",
-    "2",
-    "--samples-per-prompt",
-    "2",
-    "--warmup-steps",
-    "2",
-    "--quiet",
-    "--steps",
-    "100",
-]
+DEMO = ["-m", "mrlx_plugin.cli", "demo", *SHORT, "--steps", "100"]
 
 
 @pytest.mark.slow

@@ -13,7 +13,8 @@ the CPU with the demo's small models, every arm from the same warm-started model
 2. The shipped CPU game, `nim`: self-play (one model in both seats) against training with a frozen
    copy (a second engine serving the starting weights, `trainable: false`), each evaluated as the
    win rate against the game's scripted random player (`script:random`) on every starting
-   position of the held-out set, in both seat orders, before and after training.
+   position (the positions the arms train on: only the opponent is new), in both seat orders,
+   before and after training.
 
 Each arm is one embedded engine (two for the frozen copy) and one embedded trainer
 (`python -m mrlx_plugin.local.trainer`, calling the plugin's rollout functions as slime does);

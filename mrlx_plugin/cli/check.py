@@ -216,8 +216,8 @@ def cross_check(
             for p in jobs:
                 report.fail(
                     f"{p}: mrlx.self is {name!r}, a frozen agent (trainable: false in every config); a "
-                    "frozen "
-                    "agent has no slime job: serve it with launch/serve_frozen.sh and leave this config out"
+                    "frozen agent has no slime job: serve it with launch/serve_frozen.sh and leave this "
+                    "config out"
                 )
         elif trainable == {True} and not jobs:
             report.fail(
@@ -232,8 +232,7 @@ def cross_check(
             which = ", ".join(initiators) if initiators else "none of them"
             report.fail(
                 f"{len(initiators)} jobs run the episodes (--role initiator: {which}); exactly one job is "
-                "the "
-                "initiator (mrlx_plugin.rollout.initiator_rollout), every other a responder"
+                "the initiator (mrlx_plugin.rollout.initiator_rollout), every other a responder"
             )
     if not report.problems:
         report.ok(f"{len(configs)} configs agree: run {s0.run_id!r}, agents {sorted(s0.agents)}")

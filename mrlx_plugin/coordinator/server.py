@@ -113,6 +113,8 @@ MAX_LEASE_GROUPS = 4096
 MAX_COMMIT_ITEMS = 4096
 MAX_FRAME_BATCHES = 1024
 MAX_FRAME_MESSAGE_BYTES = 64 << 10  # a message's metadata; the schema's holds the frame header
+# Bodies above this size are hashed on a worker thread, so the loop keeps serving other calls.
+HASH_ON_THREAD_BYTES = 256 << 10
 HEARTBEAT_FLUSH_S = 2.0
 RETRY_AFTER_S = 1
 AGENT_HEADER, PID_HEADER, HOST_HEADER = "X-Mrlx-Agent", "X-Mrlx-Pid", "X-Mrlx-Host"
@@ -753,7 +755,7 @@ class Coordinator:
         expected = request.get(CONTENT_KEY)
         if expected is None:
             return
-        if len(body) > (256 << 10):
+        if len(body) > HASH_ON_THREAD_BYTES:
             given = await asyncio.get_running_loop().run_in_executor(self._cpu, content_sha256, body)
         else:
             given = content_sha256(body)
@@ -1051,7 +1053,7 @@ class Coordinator:
         response.content_length = len(head) + sum(len(record) for record in flat) + len(END_OF_STREAM)
         if request.get(NONCE_KEY) is not None:  # the proof covers the body: hashed before it is sent
             pieces = [head, *flat, END_OF_STREAM]
-            if response.content_length > (256 << 10):
+            if response.content_length > HASH_ON_THREAD_BYTES:
                 content = await asyncio.get_running_loop().run_in_executor(self._cpu, _sha256_of, pieces)
             else:
                 content = _sha256_of(pieces)

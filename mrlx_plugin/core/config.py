@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import difflib
 import json
-import math
 import os
 import re
 import reprlib
@@ -135,9 +134,8 @@ def _yaml_number(value: Any) -> Any:
             value = float(value)
         except ValueError:
             pass
-    # Checked before any bound: NaN passes every comparison, and infinity reads as "too large".
-    if isinstance(value, float) and not math.isfinite(value):
-        raise PydanticCustomError("finite_number", "Input should be a finite number")
+    # Not finite (NaN, infinity): refused by `allow_inf_nan=False` beside this validator, which
+    # pydantic checks before any bound (NaN would pass every comparison).
     return value
 
 

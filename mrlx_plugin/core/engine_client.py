@@ -340,15 +340,13 @@ class EngineClient(HttpClient):
                             cached_tokens=_count(meta, "cached_tokens", 0),
                             retries=n,
                         )
-                    except _Malformed as exc:
-                        raise MalformedAnswer(where, str(exc), n + 1) from None
                     except _BadResponse as exc:
                         raise Passing(f"bad response: {exc}") from None
                 reason = f"HTTP {status}: {raw[:200].decode(errors='replace')}"
                 if status not in RETRYABLE_STATUS:
                     raise EngineError(where, reason, n + 1, retryable=False)
                 raise Passing(reason, status)
-            except _Malformed as exc:  # an answer larger than its request allows
+            except _Malformed as exc:  # values that cannot be right, or more bytes than the request allows
                 raise MalformedAnswer(where, str(exc), n + 1) from None
             except Passing as exc:
                 last = str(exc)

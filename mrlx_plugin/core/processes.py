@@ -1,5 +1,5 @@
-"""Starting and stopping a child process: the one way the package, its benchmarks and its tests
-do it.
+"""Starting and stopping a child program: the one way the package, its benchmarks and its tests
+do it (a benchmark's helper that is a forked Python function uses `multiprocessing` instead).
 
 `start` is `subprocess.Popen` for a process that must not outlive its starter, `start_async` the
 same for an asyncio subprocess (the math-verify grading worker), and `stop` / `stop_all` end

@@ -124,14 +124,6 @@ class Episode:
         self.transcripts.append(t)
         return t
 
-    @property
-    def max_context(self) -> int | None:
-        """The context limit of an agent on the host's model (`context_limit`)."""
-        limits = self.context.limits
-        host = limits.max_context_eval if self.evaluation else limits.max_context
-        known = [n for n in (host, limits.model_max) if n is not None]
-        return min(known) if known else None
-
     def context_limit(self, agent: str) -> int | None:
         """The most tokens a sample of `agent` may hold (None: unbounded): the host's context limit
         (`--rollout-max-context-len`, or `--eval-max-context-len` in evaluation) and, for an agent

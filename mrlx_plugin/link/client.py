@@ -211,7 +211,7 @@ class CoordinatorClient(HttpClient):
 
         async def attempt(_: int) -> tuple[int, Any, Any]:
             sent, nonce = headers, None
-            if self._keys is not None and content is not None:
+            if self._keys is not None:
                 sent = {**headers, **sign(self._keys[0], method, target, content)}
                 nonce = sent[NONCE_HEADER]  # fresh for every attempt: the coordinator refuses a repeat
             try:
@@ -224,7 +224,7 @@ class CoordinatorClient(HttpClient):
                         if frame
                         else (None, await read_capped(resp, MAX_JSON_ANSWER_BYTES))
                     )
-                    if nonce is not None and self._keys is not None:
+                    if nonce is not None:  # signed: the answer must prove it knows the token
                         answer = await _off_loop(content_sha256, body)
                         proof = resp.headers.get(PROOF_HEADER)
                         if not proven(self._keys[1], nonce, resp.status, answer, proof):

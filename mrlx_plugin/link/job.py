@@ -64,9 +64,7 @@ async def check_queue_depth(client: CoordinatorClient, agent: str, need: int, ho
     if isinstance(depth, int) and depth < need:
         raise ConfigError(
             f"{source}: the coordinator's queue of {agent!r} holds at most {depth} items (--max-depth "
-            f"{depth}), "
-            f"but {how} makes {need}: the producer would wait for room that the consumer frees only once it "
-            "has trained its step, and both jobs would stop. Restart the coordinator with --max-depth "
-            f"{need} "
-            "or more"
+            f"{depth}), but {how} makes {need}: the producer would wait for room that the consumer frees "
+            "only once it has trained its step, and both jobs would stop. Restart the coordinator with "
+            f"--max-depth {need} or more"
         )

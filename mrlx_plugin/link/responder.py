@@ -103,9 +103,7 @@ class Responder:
         client, state, agent = self.client, self.state, self.agent
         c = self.settings.coordinator
         groups_needed = self.groups_per_step
-        if state.renewer is not None:
-            state.renewer.cancel()
-            state.renewer = None
+        self._stop_renewing()
         metrics: dict[str, float] = {}
         if not state.depth_checked:
             await check_queue_depth(client, agent, self.queue_need, self.queue_need_how, self.source)
@@ -210,18 +208,19 @@ class Responder:
     async def finish(self, step: int | None = None) -> None:
         """The host saved its step `step` (default: the step of the groups leased last): acknowledge
         every group through it. Never raises (a failure is retried at the next step)."""
-        if self.state.renewer is not None:
-            self.state.renewer.cancel()
-            self.state.renewer = None
+        self._stop_renewing()
         if step is not None:
             await self._ack_through(step)
 
     async def aclose(self) -> None:
         """Stop renewing leases and close this event loop's connection (CLI and tests)."""
-        if self.state.renewer is not None:  # it would keep renewing leases through a closed client
+        self._stop_renewing()  # it would keep renewing leases through a closed client
+        await self.client.close()
+
+    def _stop_renewing(self) -> None:
+        if self.state.renewer is not None:
             self.state.renewer.cancel()
             self.state.renewer = None
-        await self.client.close()
 
     def _refusal(self, group: list[QueueItem]) -> str | None:
         """Why this job's model cannot take `group` (its first item it cannot take), or None."""

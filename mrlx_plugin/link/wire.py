@@ -404,9 +404,8 @@ def _body_compressed(metadata: pa.Buffer) -> bool:
     header = table_field(u32(0), 2)  # Message: version, header_type, header, bodyLength, custom_metadata
     if header is None:
         return False
-    return (
-        table_field(header + u32(header), 3) is not None
-    )  # RecordBatch: length, nodes, buffers, compression
+    # RecordBatch: length, nodes, buffers, compression
+    return table_field(header + u32(header), 3) is not None
 
 
 def _check_schema(schema: pa.Schema) -> dict[str, Any]:

@@ -144,7 +144,7 @@ def fit_solutions(
     if cap is not None:
         solutions = [_tail(tok, s, cap) for s in solutions]
     prompt = build(solutions)
-    limit = episode.max_context
+    limit = episode.context_limit(agent)
     if limit is None:
         return prompt
     reserve = min(int(episode.base_sampling.get("max_new_tokens") or 1024), limit // 2)

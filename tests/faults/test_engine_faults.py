@@ -3,50 +3,19 @@ rollout finishes. The host's default rollout drives the plugin's generate functi
 
 from __future__ import annotations
 
-import json
-import urllib.request
-
 import pytest
-from _host import slime_args
+from _host import faulted_rollout
 
-from mrlx_plugin.core.host import Status, run_in_host_loop
+from mrlx_plugin.core.host import Status
 from mrlx_plugin.core.metrics import compute_metrics
-from mrlx_plugin.local.fake_host import LocalDataSource, default_rollout
 from mrlx_plugin.rewards.shaping import normalize
-from mrlx_plugin.runtime import runtime_for
-
-
-def post(url: str, body: dict) -> dict:
-    req = urllib.request.Request(
-        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(req, timeout=5) as resp:
-        return json.loads(resp.read() or b"{}")
 
 
 @pytest.mark.parametrize("mode", ["http500", "close", "bad_json", "stall", "abort"])
 def test_a_rollout_with_engine_faults_finishes_with_aborted_samples(mode, stub_engine, tiny_model_dir):
-    mrlx = {
-        "run_id": "faults",
-        "system": "pipeline",
-        "pipeline": {"num_parallel": 1},
-        "engine": {"max_retries": 0, "request_timeout_s": 1.0, "backoff_s": 0.01},
-    }
-    args = slime_args(
-        stub_engine.url,
-        str(tiny_model_dir),
-        mrlx,
-        rollout_batch_size=2,
-        n_samples_per_prompt=2,
-        sglang_server_concurrency=1,
-    )  # one episode at a time: the faults hit the first two calls
-    source = LocalDataSource([("What is 40 + 2?", "42")], 2)
-    post(stub_engine.url + "/_stub/faults", {"mode": mode, "count": 2})
-    out = default_rollout(
-        args, 0, source
-    )  # a stall is cut at its deadline: this returns (pytest-timeout guards it)
-    run_in_host_loop(runtime_for(args).aclose())
-    samples = [s for group in out.samples for episode in group for s in episode]
+    engine = {"max_retries": 0, "request_timeout_s": 1.0, "backoff_s": 0.01}
+    # a stall is cut at its deadline: this returns (pytest-timeout guards it)
+    args, samples = faulted_rollout(stub_engine.url, str(tiny_model_dir), "faults", engine, mode, 2)
     aborted = [s for s in samples if s.status == Status.ABORTED]
     completed = [s for s in samples if s.status == Status.COMPLETED]
     assert len({s.metadata["mrlx"]["episode_id"] for s in aborted}) == 2  # the two faulted calls' episodes

@@ -25,7 +25,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from _host import group, params, slime_args
+from _host import faulted_rollout, group, params, slime_args
 from _raw_server import RawServer
 from _raw_server import answer as http_answer
 
@@ -40,7 +40,7 @@ from mrlx_plugin.core.engine_client import (
 )
 from mrlx_plugin.core.host import Status, run_in_host_loop
 from mrlx_plugin.core.metrics import compute_metrics
-from mrlx_plugin.local.fake_host import LocalDataSource, default_rollout
+from mrlx_plugin.local.fake_host import LocalDataSource
 from mrlx_plugin.local.stub_engine import DEFAULT_TEXT, MALFORMED_MODES, WRONG_TEXT
 from mrlx_plugin.rewards.shaping import normalize
 from mrlx_plugin.rollout import generate
@@ -82,26 +82,11 @@ def test_every_refused_mode_is_named():
 
 @pytest.mark.parametrize("mode", REFUSED)
 def test_a_malformed_answer_fails_its_episode_not_the_rollout(mode, stub_engine, tiny_model_dir):
-    mrlx = {
-        "run_id": "malformed",
-        "system": "pipeline",
-        "pipeline": {"num_parallel": 1},
-        "engine": {"max_retries": 2, "request_timeout_s": 10.0, "backoff_s": 0.01},
-    }
-    args = slime_args(
-        stub_engine.url,
-        str(tiny_model_dir),
-        mrlx,
-        rollout_batch_size=2,
-        n_samples_per_prompt=2,
-        sglang_server_concurrency=1,
-        rollout_max_response_len=128,
+    engine = {"max_retries": 2, "request_timeout_s": 10.0, "backoff_s": 0.01}
+    # returns: nothing raised out of generate
+    args, samples = faulted_rollout(
+        stub_engine.url, str(tiny_model_dir), "malformed", engine, mode, 1, rollout_max_response_len=128
     )
-    source = LocalDataSource([("What is 40 + 2?", "42")], 2)
-    post(stub_engine.url + "/_stub/faults", {"mode": mode, "count": 1})
-    out = default_rollout(args, 0, source)  # returns: nothing raised out of generate
-    run_in_host_loop(runtime_for(args).aclose())
-    samples = [s for g in out.samples for episode in g for s in episode]
     aborted = [s for s in samples if s.status == Status.ABORTED]
     assert len({s.metadata["mrlx"]["episode_id"] for s in aborted}) == 1, (
         "only the malformed answer's episode"
