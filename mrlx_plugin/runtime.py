@@ -17,6 +17,7 @@ from typing import Any
 
 import pluggy
 
+from mrlx_plugin.agents.server import close_server as close_agent_server
 from mrlx_plugin.core.config import (
     AgentSettings,
     ConfigError,
@@ -193,6 +194,7 @@ class Runtime:
         if self._coordinator is not None:
             await self._coordinator.close()
         await self.verifier.aclose()
+        await close_agent_server()
 
     def trains_here(self, agent: str) -> bool:
         """Whether this job's trainer trains `agent` (its samples go back to the host)."""

@@ -22,16 +22,29 @@ ALLOWED = {
     # running episodes: the layer above the core, given its hooks resolved (it loads no plugin)
     "episodes": {"core"},
     "systems": {"core", "episodes"},
+    # agents as code: a system kind whose episode is user code behind OpenAI-style endpoints
+    "agents": {"core", "episodes"},
     "rewards": {"core"},
     "link": {"core"},
     "coordinator": {"link.wire", "link.auth", "core.netutil"},
-    "root": {"core", "episodes", "systems", "rewards", "link"},
-    "local": {"core", "episodes", "systems", "rewards", "link", "root"},
-    "cli": {"core", "episodes", "systems", "rewards", "link", "root", "local", "coordinator", "bench"},
+    "root": {"core", "episodes", "systems", "agents", "rewards", "link"},
+    "local": {"core", "episodes", "systems", "agents", "rewards", "link", "root"},
+    "cli": {
+        "core",
+        "episodes",
+        "systems",
+        "agents",
+        "rewards",
+        "link",
+        "root",
+        "local",
+        "coordinator",
+        "bench",
+    },
     # the benchmarks (`mrlx bench`): they drive every other area; only the CLI imports them
-    "bench": {"core", "episodes", "systems", "rewards", "link", "root", "local", "coordinator"},
+    "bench": {"core", "episodes", "systems", "agents", "rewards", "link", "root", "local", "coordinator"},
 }
-AREAS = ("core", "episodes", "systems", "rewards", "link", "coordinator", "local", "cli", "bench")
+AREAS = ("core", "episodes", "systems", "agents", "rewards", "link", "coordinator", "local", "cli", "bench")
 
 
 def _modules() -> dict[str, Path]:

@@ -279,6 +279,16 @@ class AgentSettings(Section):
     api_key_env: Text | None = Field(
         None, description="environment variable holding the key of an SGLang server run with `--api-key`"
     )
+    tool_parser: Text = Field(
+        "hermes",
+        description="agents as code: how tool calls are read from the agent's turns (`hermes`: Qwen/Hermes "
+        "`<tool_call>` JSON; `none`; `sglang:NAME`: SGLang's parser; or a system's own)",
+    )
+    reasoning_parser: Text | None = Field(
+        None,
+        description="agents as code: how reasoning is split from the answer (`think`: `<think>...</think>`; "
+        "`sglang:NAME`; none = no split)",
+    )
 
     @field_validator("url")
     @classmethod

@@ -29,6 +29,9 @@ token counts, aborted/retried turns, ...), so the metrics are computed from the 
 | `debate/win_rate/<side>` | finished debate episodes the side (`A`: the first debater, `B`) won |
 | `credit/branch_candidates` | engine calls per episode on tree-sampling candidates not gone on from |
 | `credit/turn_samples` | samples that are one model turn (`rewards.credit: turn`), aborted ones left out |
+| `agents/requests`, `agents/tool_calls` | agents as code: endpoint requests, parsed tool calls per episode |
+| `agents/malformed_tool_call_rate` | tool calls a parser could not read (left as text), of all it found |
+| `agents/forks`, `agents/refused_requests` | conversations from rewritten histories; 4xx, per episode |
 """
 
 from __future__ import annotations
@@ -104,11 +107,31 @@ def compute_metrics(samples: list[Any]) -> dict[str, float]:
             out["multi_agent/invalid_selection_rate"] = invalid / len(selecting)
         out.update(_game_metrics(eps))
         out.update(_debate_metrics(finished))
+        out.update(_agent_code_metrics(eps))
         if any("branch_candidates" in (e.get("episode") or {}) for e in eps):  # tree sampling was on
             branched = sum(float((e.get("episode") or {}).get("branch_candidates", 0)) for e in eps)
             out["credit/branch_candidates"] = branched / n
     if turn_samples:
         out["credit/turn_samples"] = float(turn_samples)
+    return out
+
+
+def _agent_code_metrics(eps: list[dict[str, Any]]) -> dict[str, float]:
+    """The `agents/` metrics of episodes of agent code (their facts: `mrlx_plugin.agents.chat`)."""
+    stats = [s for e in eps for s in ((e.get("episode") or {}).get("agent_code") or {}).values()]
+    if not stats:
+        return {}
+    n = sum(1 for e in eps if (e.get("episode") or {}).get("agent_code"))
+    total = {k: sum(s.get(k, 0) for s in stats) for k in ("requests", "tool_calls", "malformed_tool_calls")}
+    found = total["tool_calls"] + total["malformed_tool_calls"]
+    out = {
+        "agents/requests": total["requests"] / n,
+        "agents/tool_calls": total["tool_calls"] / n,
+        "agents/forks": sum(s.get("forks", 0) for s in stats) / n,
+        "agents/refused_requests": sum(s.get("refused", 0) for s in stats) / n,
+    }
+    if found:
+        out["agents/malformed_tool_call_rate"] = total["malformed_tool_calls"] / found
     return out
 
 

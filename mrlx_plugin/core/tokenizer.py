@@ -194,11 +194,19 @@ class AgentTokenizer:
 
     # --- rendering -----------------------------------------------------------------------
 
-    def render_text(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+    def render_text(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool, tools: list[dict] | None = None
+    ) -> str:
+        """The chat template's text of `messages`; `tools` (OpenAI function specs) go to the
+        template as its `tools` variable, as transformers passes them."""
         if getattr(self.hf, "chat_template", None) is None:
             raise TemplateError(
                 f"tokenizer {self.name} has no chat template; set `chat_template` for this agent in the "
                 "config"
+            )
+        if tools:
+            return self.hf.apply_chat_template(
+                messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
             )
         return self.hf.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=add_generation_prompt
@@ -251,24 +259,28 @@ class AgentTokenizer:
         return "".join(texts), ids
 
     def render_chat(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool
+        self, messages: list[dict[str, str]], add_generation_prompt: bool, tools: list[dict] | None = None
     ) -> tuple[str, list[int]]:
-        """The rendered text of a conversation and its ids, every message's content as plain text."""
-        return self._segments(self.render_text(self._wrapped(messages), add_generation_prompt))
+        """The rendered text of a conversation and its ids, every message's content as plain text
+        (tool specs are the template's markup: they come from the system's code, not from a model)."""
+        return self._segments(self.render_text(self._wrapped(messages), add_generation_prompt, tools))
 
-    def prompt_ids(self, messages: list[dict[str, str]]) -> tuple[str, tuple[int, ...]]:
+    def prompt_ids(
+        self, messages: list[dict[str, str]], tools: list[dict] | None = None, tools_key: str = ""
+    ) -> tuple[str, tuple[int, ...]]:
         """The rendered text and token ids of a conversation that the agent answers next.
 
         Cached, and shared by every transcript that starts from the same messages (the ids are a
-        tuple, so no one can change them under the others). Contents are plain text.
+        tuple, so no one can change them under the others). Contents are plain text. `tools_key`
+        stands for `tools` in the cache's key (their canonical JSON).
         """
-        key = tuple((m["role"], m["content"]) for m in messages)
+        key = (tools_key, *((m["role"], m["content"]) if len(m) == 2 else tuple(m.items()) for m in messages))
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None:
                 self._cache.move_to_end(key)
                 return hit
-        text, ids = self.render_chat(messages, add_generation_prompt=True)
+        text, ids = self.render_chat(messages, add_generation_prompt=True, tools=tools)
         value = (text, tuple(ids))
         with self._lock:
             self._cache[key] = value
@@ -282,6 +294,7 @@ class AgentTokenizer:
         history: list[dict[str, str]],
         new: list[dict[str, str]],
         add_generation_prompt: bool,
+        tools: list[dict] | None = None,
     ) -> tuple[str, list[int]]:
         """The text and ids to append to a transcript that holds `held_text` so it shows `new`.
 
@@ -292,8 +305,10 @@ class AgentTokenizer:
         no end-of-turn marker), the missing closing markup is added first, so the agent sees a
         well-formed conversation.
         """
-        base = self.render_text(history, add_generation_prompt=False)
-        full = self.render_text(history + self._wrapped(new), add_generation_prompt=add_generation_prompt)
+        base = self.render_text(history, add_generation_prompt=False, tools=tools)
+        full = self.render_text(
+            history + self._wrapped(new), add_generation_prompt=add_generation_prompt, tools=tools
+        )
         if not full.startswith(base):
             raise TemplateError(
                 f"the chat template of {self.name} renders earlier messages differently once a message is "

@@ -80,16 +80,24 @@ class Transcript:
     # their scores.
     branches: dict[int, list[tuple[Turn, float]]] = field(default_factory=dict)
     prompt_messages: list[dict[str, str]] = field(default_factory=list)
+    # OpenAI function specs the chat template renders (agents as code); part of every rendering.
+    tools: list[dict] | None = None
     # The text the tokens spell, for rendering continuations. Generated ids are decoded only
     # when a continuation needs them (single-turn agents never pay for it).
     _held: list[str | list[int]] = field(default_factory=list)
 
     @classmethod
     def start(
-        cls, agent: str, tokenizer: AgentTokenizer, messages: list[dict[str, str]], **kw: Any
+        cls,
+        agent: str,
+        tokenizer: AgentTokenizer,
+        messages: list[dict[str, str]],
+        tools: list[dict] | None = None,
+        tools_key: str = "",
+        **kw: Any,
     ) -> Transcript:
-        text, ids = tokenizer.prompt_ids(messages)
-        t = cls(agent=agent, tokenizer=tokenizer, messages=list(messages), **kw)
+        text, ids = tokenizer.prompt_ids(messages, tools, tools_key)
+        t = cls(agent=agent, tokenizer=tokenizer, messages=list(messages), tools=tools, **kw)
         t.prompt_messages = list(messages)
         t.prompt_ids = ids
         t._held = [text]
@@ -175,8 +183,20 @@ class Transcript:
         Messages that would overflow the context are cut to what fits and the transcript is
         marked truncated; the caller should then end this agent's part of the episode.
         """
+        text, ids = self.continuation(new, add_generation_prompt)
+        return self.append_continuation(new, text, ids)
+
+    def continuation(
+        self, new: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> tuple[str, list[int]]:
+        """The text and ids `append_messages(new)` would append (nothing is appended)."""
+        return self.tokenizer.continuation(
+            self.held_text(), self.messages, new, add_generation_prompt, self.tools
+        )
+
+    def append_continuation(self, new: list[dict[str, str]], text: str, ids: list[int]) -> bool:
+        """Append what `continuation(new)` gave (see `append_messages`)."""
         history = self.messages
-        text, ids = self.tokenizer.continuation(self.held_text(), history, new, add_generation_prompt)
         room = self.room()
         fits = room is None or len(ids) <= room
         if not fits:

@@ -103,11 +103,33 @@ class Episode:
         (`context_limit`) ends the episode before any engine call: its samples are ABORTED and
         counted as over the context (`multi_agent/over_context_samples`). A system that may go
         on without this view checks `fits` first."""
+        t = self.open_transcript(agent, messages, label, role)
+        if isinstance(t, str):
+            self.over_context(t)
+            self.abort(self.metadata["over_context"])
+            raise EpisodeAborted(self.abort_reason)
+        return t
+
+    def open_transcript(
+        self,
+        agent: str,
+        messages: list[dict[str, str]],
+        label: str = "",
+        role: str = "",
+        tools: list[dict] | None = None,
+        tools_key: str = "",
+    ) -> Transcript | str:
+        """`new_transcript` for a system that goes on when a prompt does not fit: the transcript,
+        or the reason it was not opened (its prompt leaves no room for a turn; nothing is
+        recorded). `tools`: OpenAI function specs the chat template renders (`tools_key`, their
+        canonical JSON, keys the prompt cache)."""
         limit = self.context_limit(agent)
         t = Transcript.start(
             agent,
             self.context.tokenizers[agent],
             self.with_system_prompt(agent, messages),
+            tools,
+            tools_key,
             trainable=bool(self.settings.agents[agent].trainable),
             max_context=limit,
             max_response=self.context.limits.max_response,
@@ -115,12 +137,10 @@ class Episode:
             role=role,
         )
         if t.over_context:
-            self.over_context(
+            return (
                 f"the prompt of {t.label} is {len(t.prompt_ids)} tokens, which leaves no room "
                 f"for a turn within its context limit of {limit} tokens"
             )
-            self.abort(self.metadata["over_context"])
-            raise EpisodeAborted(self.abort_reason)
         self.transcripts.append(t)
         return t
 

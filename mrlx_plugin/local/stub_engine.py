@@ -111,6 +111,7 @@ class StubConfig:
     latency: float = 0.0
     response_tokens: int = 64
     text: str = DEFAULT_TEXT
+    texts: tuple[str, ...] = ()  # several: request n answers texts[(n - 1) % len(texts)]
     weight_version: str = "0"
     vocab_size: int = 512
     eos_id: int = 2
@@ -452,7 +453,8 @@ class StubServer:
         cfg = st.config
         # "{i}" in --text becomes the request's number, so that answers differ like real ones.
         number = st.stats["generate"]
-        text = cfg.text.replace("{i}", str(number)) if "{i}" in cfg.text else cfg.text
+        text = cfg.texts[(number - 1) % len(cfg.texts)] if len(cfg.texts) > 1 else cfg.text
+        text = text.replace("{i}", str(number)) if "{i}" in text else text
         # Prompt length: exact for ids; for text there is no tokenizer here, so ~4 chars a token.
         sizes = [
             len(p) if isinstance(p, list) else len(p) // 4 + 1 if isinstance(p, str) else 0 for p in prompts
@@ -722,7 +724,8 @@ def _answer(
             ]
             text = "".join(specials.get(p, "") if isinstance(p, int) else p for p in MARKUP_PARTS)
         else:
-            spelled = speller.spell(cfg.text, number)  # the pieces of --text are encoded once
+            template = cfg.texts[(number - 1) % len(cfg.texts)] if len(cfg.texts) > 1 else cfg.text
+            spelled = speller.spell(template, number)  # the pieces of --text are encoded once
         room = n - 1 if stop else n
         if len(spelled) > room and stop:  # keep the beginning and the end (where the answer is)
             tail = room // 4
@@ -797,7 +800,11 @@ def add_stub_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     )
     parser.add_argument("--response-tokens", type=int, default=64, help="token ids per answer (default: 64)")
     parser.add_argument(
-        "--text", default=DEFAULT_TEXT, help="the text of every answer ('{i}' becomes the request number)"
+        "--text",
+        action="append",
+        default=None,
+        help="the text of every answer ('{i}' becomes the request number); given N times, the answers "
+        "take the N texts in turn",
     )
     parser.add_argument("--weight-version", default="0", help='initial weight version (default: "0")')
     parser.add_argument(
@@ -829,7 +836,8 @@ async def _serve(args: argparse.Namespace) -> int:
     config = StubConfig(
         latency=max(0.0, args.latency),
         response_tokens=max(0, args.response_tokens),
-        text=args.text,
+        text=args.text[0] if args.text else DEFAULT_TEXT,
+        texts=tuple(args.text or ()),
         weight_version=str(args.weight_version),
         vocab_size=max(4, args.vocab_size),
         eos_id=args.eos_id,

@@ -1,0 +1,449 @@
+"""One agent in one episode, seen through OpenAI's chat-completions format (`AgentSession`).
+
+A request's messages are the conversation as the user's code holds it. The session keeps, per
+*thread*, the conversation as that code saw it (its messages and the answers this session gave)
+beside the agent's `Transcript`, which holds the exact ids the engine sampled:
+
+- a request whose messages extend an idle thread's conversation (the same messages, then only
+  `user` or `tool` messages) continues that thread: only the new messages are rendered and
+  appended (loss mask 0), and the turn is taken after the exact ids already held. Earlier turns
+  are never re-tokenised, whatever the client sent back of them (reasoning it dropped, arguments
+  it re-serialised);
+- any other request opens a new thread, a new sample: the first of a conversation, a parallel
+  call (a thread answering another request is not idle), or a history the client rewrote. In a
+  rewritten history every message, the agent's earlier answers included, is context (loss mask
+  0): nothing is trained on ids the model did not produce here. Those are counted as `forks`.
+
+Every text a request brings (a system, user, tool or earlier assistant message) is content: it is
+rendered as plain text, so no special token and no markup of the template can be forged by it.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from mrlx_plugin.agents.parsers import (
+    ParsedTurn,
+    ReasoningParser,
+    ToolParser,
+    parse_turn,
+    render_calls_hermes,
+)
+from mrlx_plugin.core.transcript import Transcript
+from mrlx_plugin.episodes.episode import Episode
+from mrlx_plugin.episodes.errors import EpisodeAborted
+
+# Request fields read here; any other is refused (a setting the endpoint would not honour).
+_FIELDS = {
+    "model",
+    "messages",
+    "tools",
+    "tool_choice",
+    "temperature",
+    "top_p",
+    "max_tokens",
+    "max_completion_tokens",
+    "stop",
+    "seed",
+    "n",
+    "stream",
+    "parallel_tool_calls",
+    "user",
+    "metadata",
+    "logprobs",
+}
+_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class ChatError(Exception):
+    """A request the endpoint answers with an HTTP error, in OpenAI's error shape."""
+
+    def __init__(
+        self, status: int, message: str, code: str = "invalid_request_error", param: str | None = None
+    ):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.param = param
+
+    def body(self) -> dict[str, Any]:
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+
+# A message as matched against a thread: (role, text, ((call id, name, canonical arguments), ...),
+# tool_call_id). The client's copy of an answer is matched on what it shows, not its extra fields.
+Seen = tuple[str, str, tuple[tuple[str, str, str], ...], str | None]
+
+
+@dataclass
+class Thread:
+    transcript: Transcript
+    seen: list[Seen]
+    tools_key: str
+    busy: bool = False
+
+
+@dataclass
+class SessionStats:
+    requests: int = 0
+    threads: int = 0
+    forks: int = 0  # threads opened from a history that holds earlier answers (rewritten or unknown)
+    tool_calls: int = 0
+    malformed_tool_calls: int = 0
+    refused: int = 0  # requests answered with a 4xx
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class AgentSession:
+    """What one agent's endpoint serves in one episode (see the module's docstring)."""
+
+    episode: Episode
+    agent: str
+    max_threads: int
+    max_turns: int
+    tool_parser: ToolParser | None
+    reasoning_parser: ReasoningParser | None
+    threads: list[Thread] = field(default_factory=list)
+    stats: SessionStats = field(default_factory=SessionStats)
+    closed: str | None = None  # why the session takes no more requests
+    # The raw text of each answer given, by what the client sees of it: a rewritten history that
+    # quotes one shows the model what it wrote, not a re-rendering of it.
+    _written: dict[Seen, str] = field(default_factory=dict)
+
+    async def complete(self, body: Any) -> dict[str, Any]:
+        """Answer one chat-completions request body (parsed JSON); ChatError for what is refused."""
+        self.stats.requests += 1
+        try:
+            return await self._complete(body)
+        except ChatError as exc:
+            if exc.status < 500:
+                self.stats.refused += 1
+            raise
+
+    async def _complete(self, body: Any) -> dict[str, Any]:
+        if self.closed is not None:
+            raise ChatError(404, self.closed, "session_not_found")
+        if self.episode.aborted:
+            raise ChatError(
+                404, f"episode {self.episode.id} has ended: {self.episode.abort_reason}", "session_not_found"
+            )
+        request = _check_request(body)
+        tools = request["tools"]
+        tools_key = json.dumps(tools, sort_keys=True) if tools else ""
+        seen = [_seen(m, i) for i, m in enumerate(request["messages"])]
+        _check_tool_results(seen)
+        thread = self._thread_for(seen, tools_key)
+        if thread is None:
+            thread = self._open(seen, request["messages"], tools, tools_key)
+        else:
+            self._extend(thread, seen, request["messages"])
+        if len(thread.transcript.turns) >= self.max_turns:
+            raise ChatError(
+                429,
+                f"agent {self.agent!r} has taken the {self.max_turns} turn(s) a thread may take in this "
+                "system (its `turns`); start a new conversation or declare more turns",
+                "turn_limit",
+            )
+        thread.busy = True
+        try:
+            try:
+                turn = await self.episode.generate(thread.transcript, **request["sampling"])
+            except EpisodeAborted:
+                raise ChatError(
+                    502, f"episode {self.episode.id} has ended: {self.episode.abort_reason}", "episode_ended"
+                ) from None
+            parse_tools = tools if request["tool_choice"] != "none" else None
+            parsed = parse_turn(turn.text, parse_tools, self.tool_parser, self.reasoning_parser)
+            self.stats.tool_calls += len(parsed.tool_calls)
+            self.stats.malformed_tool_calls += parsed.malformed
+            answer: Seen = ("assistant", parsed.content or "", _calls_seen(parsed), None)
+            thread.seen = seen + [answer]
+            self._written[answer] = turn.text
+            return _response(self.agent, parsed, turn.finish_reason, thread.transcript, len(turn.token_ids))
+        finally:
+            thread.busy = False
+
+    # --- threads ---------------------------------------------------------------------------
+
+    def _thread_for(self, seen: list[Seen], tools_key: str) -> Thread | None:
+        """The idle thread this conversation continues, if any (the longest such)."""
+        best = None
+        for thread in self.threads:
+            n = len(thread.seen)
+            if (
+                not thread.busy
+                and thread.tools_key == tools_key
+                and n < len(seen)
+                and seen[:n] == thread.seen
+                and all(m[0] in ("user", "tool") for m in seen[n:])
+                and (best is None or n > len(best.seen))
+            ):
+                best = thread
+        return best
+
+    def _open(
+        self, seen: list[Seen], messages: list[dict], tools: list[dict] | None, tools_key: str
+    ) -> Thread:
+        if len(self.threads) >= self.max_threads:
+            raise ChatError(
+                429,
+                f"agent {self.agent!r} has opened the {self.max_threads} conversation(s) one episode may "
+                "hold in this system (its `samples`); continue one of them (send its messages and the "
+                "answers back unchanged) or declare more samples",
+                "thread_limit",
+            )
+        label = f"{self.agent}-{len(self.threads)}"
+        t = self.episode.open_transcript(
+            self.agent,
+            [self._template_message(s, m) for s, m in zip(seen, messages)],
+            label,
+            tools=tools,
+            tools_key=tools_key,
+        )
+        if isinstance(t, str):
+            raise ChatError(400, t, "context_length_exceeded", "messages")
+        thread = Thread(t, seen, tools_key)
+        self.threads.append(thread)
+        self.stats.threads += 1
+        if any(s[0] == "assistant" for s in seen):
+            self.stats.forks += 1
+            self.episode.metadata["agent_forks"] = self.episode.metadata.get("agent_forks", 0) + 1
+        return thread
+
+    def _extend(self, thread: Thread, seen: list[Seen], messages: list[dict]) -> None:
+        n = len(thread.seen)
+        new = [self._template_message(s, m) for s, m in zip(seen[n:], messages[n:])]
+        text, ids = thread.transcript.continuation(new)
+        room = thread.transcript.room()
+        if room is not None and len(ids) >= room:
+            raise ChatError(
+                400,
+                f"the new messages are {len(ids)} tokens, and the conversation of agent {self.agent!r} has "
+                f"room for {room} more within its context limit (a turn needs at least one); shorten "
+                "them (a tool's output, for one)",
+                "context_length_exceeded",
+                "messages",
+            )
+        thread.transcript.append_continuation(new, text, ids)
+        thread.seen = list(seen)
+
+    def _template_message(self, s: Seen, message: dict) -> dict[str, str]:
+        """What the chat template renders for a request's message: its text as content (an earlier
+        answer as the model wrote it, when this session gave it, else its text and calls)."""
+        role, text, calls, _ = s
+        if role == "developer":
+            role = "system"
+        if role == "assistant":
+            written = self._written.get(s)
+            if written is not None:
+                return {"role": "assistant", "content": written}
+            if calls:  # shown in the Hermes form, whatever the agent's parser: it is context only
+                text = (text + "\n" if text else "") + render_calls_hermes(
+                    [{"name": name, "arguments": args} for _, name, args in calls]
+                )
+        return {"role": role, "content": text}
+
+    def close(self, reason: str) -> None:
+        self.closed = reason
+
+
+# --- the request ---------------------------------------------------------------------------
+
+
+def _check_request(body: Any) -> dict[str, Any]:
+    """The request's messages, tools and sampling overrides; ChatError(400) naming what is wrong."""
+    if not isinstance(body, dict):
+        raise ChatError(400, "the request body must be a JSON object")
+    unknown = sorted(set(body) - _FIELDS)
+    if unknown:
+        raise ChatError(
+            400,
+            f"unsupported field(s) {', '.join(unknown)}; this endpoint reads {', '.join(sorted(_FIELDS))}",
+            param=unknown[0],
+        )
+    if body.get("stream"):
+        raise ChatError(400, "streaming is not supported; send stream=false", param="stream")
+    if body.get("n", 1) != 1:
+        raise ChatError(400, "n must be 1 (each call is one turn of the agent)", param="n")
+    if body.get("logprobs"):
+        raise ChatError(400, "logprobs are not returned here; the trainer keeps them", param="logprobs")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ChatError(400, "messages must be a non-empty list", param="messages")
+    tools = body.get("tools")
+    if tools is not None and (not isinstance(tools, list) or not all(_is_tool(t) for t in tools)):
+        raise ChatError(
+            400,
+            'tools must be a list of {"type": "function", "function": {"name": ..., "parameters": {...}}}',
+            param="tools",
+        )
+    names = {t["function"]["name"] for t in tools or []}
+    choice = body.get("tool_choice", "auto" if tools else "none")
+    if isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+        if name not in names:
+            raise ChatError(
+                400, f"tool_choice names {name!r}, which is not among the tools", param="tool_choice"
+            )
+    elif choice not in ("auto", "none", "required"):
+        raise ChatError(
+            400, f"tool_choice {choice!r}: expected auto, none, required or a function", param="tool_choice"
+        )
+    return {"messages": messages, "tools": tools or None, "tool_choice": choice, "sampling": _sampling(body)}
+
+
+def _is_tool(t: Any) -> bool:
+    f = t.get("function") if isinstance(t, dict) else None
+    return (
+        t.get("type") == "function"
+        and isinstance(f, dict)
+        and isinstance(f.get("name"), str)
+        and bool(f["name"])
+        and isinstance(f.get("parameters", {}), dict)
+    )
+
+
+def _sampling(body: dict) -> dict[str, Any]:
+    """The request's sampling settings as SGLang's sampling parameters."""
+    out: dict[str, Any] = {}
+    for key, name in (("temperature", "temperature"), ("top_p", "top_p")):
+        value = body.get(key)
+        if value is not None:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ChatError(400, f"{key} must be a number >= 0", param=key)
+            out[name] = float(value)
+    cap = body.get("max_completion_tokens", body.get("max_tokens"))
+    if cap is not None:
+        if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
+            raise ChatError(400, "max_tokens must be an integer >= 1", param="max_tokens")
+        out["max_new_tokens"] = cap
+    stop = body.get("stop")
+    if stop is not None:
+        stops = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > 16:
+            raise ChatError(400, "stop must be a string or a list of at most 16 strings", param="stop")
+        out["stop"] = stops
+    seed = body.get("seed")
+    if seed is not None:
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ChatError(400, "seed must be an integer", param="seed")
+        out["sampling_seed"] = seed & 0x7FFFFFFF
+    return out
+
+
+def _text(content: Any, where: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not (
+                isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+            ):
+                raise ChatError(400, f"{where}: only text content parts are supported", param="messages")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise ChatError(400, f"{where}: content must be a string or a list of text parts", param="messages")
+
+
+def _canonical(arguments: Any, where: str) -> str:
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            raise ChatError(400, f"{where}: arguments are not JSON", param="messages") from None
+    if not isinstance(arguments, dict):
+        raise ChatError(400, f"{where}: arguments must be a JSON object", param="messages")
+    return json.dumps(arguments, sort_keys=True, ensure_ascii=False)
+
+
+def _seen(message: Any, i: int) -> Seen:
+    where = f"messages[{i}]"
+    if not isinstance(message, dict) or message.get("role") not in _ROLES:
+        raise ChatError(
+            400, f"{where}: expected a message with a role among {', '.join(_ROLES)}", param="messages"
+        )
+    role = message["role"]
+    text = _text(message.get("content"), where)
+    calls: tuple[tuple[str, str, str], ...] = ()
+    if role == "assistant" and message.get("tool_calls"):
+        found = []
+        for j, call in enumerate(message["tool_calls"]):
+            f = call.get("function") if isinstance(call, dict) else None
+            if not (
+                isinstance(f, dict) and isinstance(f.get("name"), str) and isinstance(call.get("id"), str)
+            ):
+                raise ChatError(
+                    400, f"{where}.tool_calls[{j}]: expected an id and a function name", param="messages"
+                )
+            found.append(
+                (call["id"], f["name"], _canonical(f.get("arguments", "{}"), f"{where}.tool_calls[{j}]"))
+            )
+        calls = tuple(found)
+    call_id = message.get("tool_call_id") if role == "tool" else None
+    if role == "tool" and not isinstance(call_id, str):
+        raise ChatError(
+            400, f"{where}: a tool message needs the tool_call_id of the call it answers", param="messages"
+        )
+    return (role, text, calls, call_id)
+
+
+def _check_tool_results(seen: list[Seen]) -> None:
+    """Each tool message answers a call of the assistant message before it (no forged call ids)."""
+    open_calls: set[str] = set()
+    for i, (role, _, calls, call_id) in enumerate(seen):
+        if role == "assistant":
+            open_calls = {c[0] for c in calls}
+        elif role == "tool":
+            if call_id not in open_calls:
+                raise ChatError(
+                    400,
+                    f"messages[{i}]: tool_call_id {call_id!r} answers no call of the assistant message "
+                    "before it",
+                    param="messages",
+                )
+            open_calls.discard(call_id)
+        elif role != "system":
+            open_calls = set()
+
+
+def _calls_seen(parsed: ParsedTurn) -> tuple[tuple[str, str, str], ...]:
+    return tuple((c.id, c.name, _canonical(c.arguments, "answer")) for c in parsed.tool_calls)
+
+
+def _response(agent: str, parsed: ParsedTurn, finish: str, t: Transcript, completion: int) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+    if parsed.reasoning is not None:
+        message["reasoning_content"] = parsed.reasoning
+    if parsed.tool_calls:
+        message["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in parsed.tool_calls
+        ]
+    reason = "tool_calls" if parsed.tool_calls and finish == "stop" else finish
+    if reason == "abort":
+        reason = "stop"
+    total = len(t.prompt_ids) + len(t.response_ids)
+    return {
+        "id": f"chatcmpl-{secrets.token_hex(12)}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": agent,
+        "choices": [{"index": 0, "message": message, "finish_reason": reason, "logprobs": None}],
+        "usage": {
+            "prompt_tokens": total - completion,
+            "completion_tokens": completion,
+            "total_tokens": total,
+        },
+    }

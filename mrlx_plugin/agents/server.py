@@ -1,0 +1,153 @@
+"""The OpenAI-compatible endpoint of a rollout process: `POST /v1/chat/completions` and
+`GET /v1/models`, one aiohttp server per event loop, started with the first episode of agent code.
+
+The bearer key is the session: each episode gives each agent a fresh random key (slime's agent
+adapters use the same convention), the key selects the `AgentSession`, and an unknown or finished
+key is a 404 with a message. The server listens on loopback unless the system's settings say
+otherwise; a key is 192 random bits, so knowing one is the only way into an episode.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import weakref
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from mrlx_plugin.agents.chat import AgentSession, ChatError
+
+logger = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 32 * 1024 * 1024  # a request past this is answered 413 before it is read whole
+
+
+class AgentServer:
+    def __init__(self, host: str, port: int):
+        self.host, self.port = host, port
+        self.sessions: dict[str, AgentSession] = {}
+        self._inflight: dict[str, set[asyncio.Task]] = {}
+        self._runner: web.AppRunner | None = None
+        self.base_url = ""
+
+    async def start(self) -> None:
+        app = web.Application(client_max_size=MAX_BODY_BYTES)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_get("/v1/models", self._models)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port)
+        await site.start()
+        port = self._runner.addresses[0][1]
+        host = self.host if ":" not in self.host else f"[{self.host}]"
+        self.base_url = f"http://{host}:{port}/v1"
+        logger.info("agent endpoints at %s", self.base_url)
+
+    async def aclose(self) -> None:
+        for key in list(self.sessions):
+            self.close(key, "the rollout process stopped")
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    # --- sessions --------------------------------------------------------------------------
+
+    def open(self, session: AgentSession) -> str:
+        key = "mrlx-" + secrets.token_urlsafe(24)
+        self.sessions[key] = session
+        self._inflight[key] = set()
+        return key
+
+    def close(self, key: str, reason: str) -> None:
+        """End a session: later requests get a 404, requests still waiting on a turn are cancelled."""
+        session = self.sessions.pop(key, None)
+        if session is not None:
+            session.close(reason)
+        for task in self._inflight.pop(key, ()):
+            task.cancel()
+
+    def _session(self, request: web.Request) -> tuple[str, AgentSession]:
+        auth = request.headers.get("Authorization", "")
+        key = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+        session = self.sessions.get(key) if key else None
+        if session is None:
+            raise ChatError(
+                404,
+                "no open session has this key (the episode it belonged to has ended, or the key is wrong); "
+                "use the api_key the episode gave this agent",
+                "session_not_found",
+            )
+        return key, session
+
+    # --- handlers --------------------------------------------------------------------------
+
+    async def _chat(self, request: web.Request) -> web.Response:
+        try:
+            key, session = self._session(request)
+            try:
+                body = orjson.loads(await request.read())
+            except orjson.JSONDecodeError as exc:
+                raise ChatError(400, f"the body is not JSON: {exc}") from None
+            except web.HTTPRequestEntityTooLarge:
+                raise ChatError(
+                    413, f"the request is over {MAX_BODY_BYTES // 2**20} MiB; shorten its messages"
+                ) from None
+            task = asyncio.current_task()
+            inflight = self._inflight.get(key)
+            if inflight is not None and task is not None:
+                inflight.add(task)
+            try:
+                answer = await session.complete(body)
+            except asyncio.CancelledError:
+                if session.closed is None:
+                    raise
+                raise ChatError(404, session.closed, "session_not_found") from None
+            finally:
+                if inflight is not None and task is not None:
+                    inflight.discard(task)
+        except ChatError as exc:
+            return _json(exc.body(), exc.status)
+        return _json(answer, 200)
+
+    async def _models(self, request: web.Request) -> web.Response:
+        try:
+            _, session = self._session(request)
+        except ChatError as exc:
+            return _json(exc.body(), exc.status)
+        model = {"id": session.agent, "object": "model", "created": 0, "owned_by": "mrlx"}
+        return _json({"object": "list", "data": [model]}, 200)
+
+
+def _json(data: Any, status: int) -> web.Response:
+    return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")
+
+
+# One server per event loop (slime runs its rollouts in one loop; tests may run several).
+_servers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AgentServer] = weakref.WeakKeyDictionary()
+_starting: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Lock] = weakref.WeakKeyDictionary()
+
+
+async def server_for(host: str, port: int) -> AgentServer:
+    """This loop's server, started on first use at `host:port` (port 0: a free one)."""
+    loop = asyncio.get_running_loop()
+    server = _servers.get(loop)
+    if server is not None:
+        return server
+    lock = _starting.setdefault(loop, asyncio.Lock())
+    async with lock:
+        server = _servers.get(loop)
+        if server is None:
+            server = AgentServer(host, port)
+            await server.start()
+            _servers[loop] = server
+    return server
+
+
+async def close_server() -> None:
+    """Stop this loop's server, if one was started (the Runtime's `aclose`)."""
+    server = _servers.pop(asyncio.get_running_loop(), None)
+    if server is not None:
+        await server.aclose()
