@@ -23,6 +23,7 @@ from mrlx_plugin.agents.chat import AgentSession
 from mrlx_plugin.agents.parsers import ReasoningParser, ToolParser, reasoning_parser, tool_parser
 from mrlx_plugin.agents.server import server_for
 from mrlx_plugin.core.config import Seconds, Section, Settings, Text
+from mrlx_plugin.core.transcript import Transcript, Turn
 from mrlx_plugin.core.values import RewardError, finite_reward
 from mrlx_plugin.episodes.episode import Episode
 from mrlx_plugin.episodes.errors import EpisodeAborted
@@ -48,6 +49,12 @@ class Task:
     metadata: Mapping[str, Any]
     evaluation: bool
     episode_id: str
+    _grade: Callable[[str, str], Awaitable[float]] = field(repr=False, compare=False)
+
+    async def grade(self, answer: str, agent: str) -> float:
+        """`answer` graded as `agent`'s answer to this task, by the `mrlx_grade` hook (the grader
+        every built-in system uses). A grade that fails ends the episode, as a built-in's does."""
+        return await self._grade(answer, agent)
 
 
 @dataclass
@@ -132,7 +139,13 @@ def agent_code(
         endpoints = {agent: Endpoint(server.base_url, keys[agent], agent) for agent in samples}
         s = episode.sample
         task = Task(
-            episode.problem, s.label, s.prompt, dict(s.metadata or {}), episode.evaluation, episode.id
+            episode.problem,
+            s.label,
+            s.prompt,
+            dict(s.metadata or {}),
+            episode.evaluation,
+            episode.id,
+            lambda answer, agent: _grade(episode, answer, agent),
         )
         try:
             result = await asyncio.wait_for(run(task, endpoints), settings.timeout_s)
@@ -175,6 +188,17 @@ def agent_code(
         settings=AgentCodeSettings,
         check=check,
     )
+
+
+async def _grade(episode: Episode, answer: str, agent: str) -> float:
+    if agent not in episode.context.tokenizers:
+        raise KeyError(f"agent {agent!r} is not configured under mrlx.agents")
+    # A view that holds only the answer (no ids): what a grader reads of a transcript.
+    view = Transcript(
+        agent, episode.context.tokenizers[agent], [], trainable=False, label=f"{agent} (graded)"
+    )
+    view.turns.append(Turn(agent, [], [], answer, "stop", None))
+    return await episode.grade(view)
 
 
 def _apply(episode: Episode, result: Any, sessions: Mapping[str, AgentSession], who: str) -> None:

@@ -13,6 +13,8 @@ like any other module; they import the rest of the package, never the other way 
                              their memory, against a well-formed answer
     mrlx bench credit        episode vs turn credit vs tree sampling on a multi-turn task, and
                              nim by self-play vs against a frozen copy (small CPU models)
+    mrlx bench agents        the pipeline as agent code (plain HTTP, the openai client) against
+                             the built-in pipeline: CPU per call and the critical path
 """
 
 from __future__ import annotations
@@ -37,9 +39,12 @@ def main(argv: list[str]) -> int:
         from mrlx_plugin.bench.answer_stall import main as run
     elif name == "credit":
         from mrlx_plugin.bench.credit import main as run
+    elif name == "agents":
+        from mrlx_plugin.bench.agents import main as run
     else:
         print(
-            f"mrlx bench: unknown benchmark {name!r} (rollout, coordinator, demo, load, answers, credit)",
+            f"mrlx bench: unknown benchmark {name!r} "
+            "(rollout, coordinator, demo, load, answers, credit, agents)",
             file=sys.stderr,
         )
         return 2

@@ -113,7 +113,14 @@ def stub_text(response_words: int) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-def _host_args(url: str, tokenizer_dir: str, response_tokens: int, num_parallel: int) -> argparse.Namespace:
+def _host_args(
+    url: str,
+    tokenizer_dir: str,
+    response_tokens: int,
+    num_parallel: int,
+    system: str = "pipeline",
+    plugins: list[str] | None = None,
+) -> argparse.Namespace:
     from mrlx_plugin.local.fake_host import set_router
 
     args = argparse.Namespace(
@@ -133,11 +140,14 @@ def _host_args(url: str, tokenizer_dir: str, response_tokens: int, num_parallel:
         custom_config_path=None,
         mrlx={
             "run_id": "bench",
-            "system": "pipeline",
+            "system": system,
+            "plugins": list(plugins or []),
             "pipeline": {"num_parallel": num_parallel},
             "engine": {"max_connections": 1024, "request_timeout_s": 120},
         },
     )
+    if system != "pipeline":  # the built-in pipeline's agents are its defaults; agent code names its own
+        args.mrlx["agents"] = {role: {"url": "self"} for role in ("solver", "rewriter", "selector")}
     set_router(args, url)
     return args
 
@@ -176,7 +186,14 @@ def worker(ns: argparse.Namespace) -> dict[str, Any]:
     if ns.cpu is not None:
         os.sched_setaffinity(0, {ns.cpu})
     problems = json.loads(Path(ns.problems).read_text())
-    args = _host_args(ns.url, ns.tokenizer, ns.response_tokens, ns.num_parallel)
+    args = _host_args(
+        ns.url,
+        ns.tokenizer,
+        ns.response_tokens,
+        ns.num_parallel,
+        ns.system,
+        ns.plugins.split(",") if ns.plugins else [],
+    )
 
     async def run() -> dict[str, Any]:
         from mrlx_plugin.runtime import get_runtime
@@ -188,6 +205,10 @@ def worker(ns: argparse.Namespace) -> dict[str, Any]:
         calls = await _drive(args, problems, ns.episodes, ns.concurrency, start=0)
         wall, cpu = time.perf_counter() - t0, _cpu_seconds() - cpu0
         await (await get_runtime(args)).aclose()
+        for module in args.mrlx["plugins"]:  # agent code's own clients, where it has a close for them
+            aclose = getattr(sys.modules.get(module), "aclose", None)
+            if aclose is not None:
+                await aclose()
         return {
             "episodes": ns.episodes,
             "calls": calls,
@@ -219,6 +240,8 @@ def _run_worker(
     response_tokens: int,
     cpu: int | None,
     warmup: int,
+    system: str = "pipeline",
+    plugins: str = "",
 ) -> dict[str, Any]:
     with tempfile.NamedTemporaryFile("r", suffix=".json", delete=False) as f:
         out = f.name
@@ -245,6 +268,10 @@ def _run_worker(
         str(warmup),
         "--result",
         out,
+        "--system",
+        system,
+        "--plugins",
+        plugins,
     ] + (["--cpu", str(cpu)] if cpu is not None else [])
     worker = processes.start(argv)
     try:
@@ -302,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--result", help=argparse.SUPPRESS)
     p.add_argument("--cpu", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--warmup", type=int, default=16, help=argparse.SUPPRESS)
+    p.add_argument("--system", default="pipeline", help=argparse.SUPPRESS)
+    p.add_argument("--plugins", default="", help=argparse.SUPPRESS)
     ns = p.parse_args(argv)
     if ns.worker:
         Path(ns.result).write_text(json.dumps(worker(ns)))
