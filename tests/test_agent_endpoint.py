@@ -278,3 +278,22 @@ def _lookup():
     from _agent_systems import LOOKUP
 
     return LOOKUP
+
+
+def test_a_conversation_past_its_turns_is_refused_before_anything_is_appended(held):
+    endpoint, finish, proxy = held
+    messages = list(USER)
+    for turn in range(3):  # the `hold` system declares turns={"solver": 3}
+        status, reply = _post(endpoint, {"messages": messages, "tools": [_lookup()]})
+        assert status == 200, reply
+        message = reply["choices"][0]["message"]
+        messages.append(message)
+        if message.get("tool_calls"):
+            messages.append({"role": "tool", "tool_call_id": message["tool_calls"][0]["id"], "content": "42"})
+        else:
+            messages.append({"role": "user", "content": "Again."})
+    status, body = _post(endpoint, {"messages": messages, "tools": [_lookup()]})
+    assert status == 429 and "3 turn(s)" in body["error"]["message"]
+    [trained] = [s for s in finish(1.0) if not s.remove_sample]
+    last = proxy.calls[-1]
+    assert len(proxy.calls) == 3 and trained.tokens == last["input_ids"] + last["ids"]

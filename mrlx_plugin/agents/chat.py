@@ -144,15 +144,15 @@ class AgentSession:
         thread = self._thread_for(seen, tools_key)
         if thread is None:
             thread = self._open(seen, request["messages"], tools, tools_key)
-        else:
-            self._extend(thread, seen, request["messages"])
-        if len(thread.transcript.turns) >= self.max_turns:
+        elif len(thread.transcript.turns) >= self.max_turns:  # refused before anything is appended
             raise ChatError(
                 429,
-                f"agent {self.agent!r} has taken the {self.max_turns} turn(s) a thread may take in this "
-                "system (its `turns`); start a new conversation or declare more turns",
+                f"agent {self.agent!r} has taken the {self.max_turns} turn(s) one conversation may take in "
+                "this system (its `turns`); start a new conversation or declare more turns",
                 "turn_limit",
             )
+        else:
+            self._extend(thread, seen, request["messages"])
         thread.busy = True
         try:
             try:
