@@ -75,6 +75,10 @@ def mrlx_register_systems() -> dict[str, System]:
     pipeline does); `mrlx_shape_rewards` receives it as its `team_shaping` argument. A system's
     `check(settings, games)` runs at start-up and returns the problems of its settings.
 
+    A system written as ordinary code against OpenAI-compatible endpoints (agents as code) is made
+    with `mrlx_plugin.agents.agent_code(run, samples=..., turns=...)` and registered the same way
+    (docs/agents-as-code.md).
+
     Migration: a system used to be a bare async function carrying `run.fan_out`, `run.turns` and
     `run.team_shaping` attributes; wrap such a function: `System(run=run, fan_out=run.fan_out, ...)`.
     """
