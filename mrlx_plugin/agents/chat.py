@@ -20,7 +20,10 @@ rendered as plain text, so no special token and no markup of the template can be
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
+import math
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -33,6 +36,7 @@ from mrlx_plugin.agents.parsers import (
     parse_turn,
     render_calls_hermes,
 )
+from mrlx_plugin.core.tokenizer import TemplateError
 from mrlx_plugin.core.transcript import Transcript
 from mrlx_plugin.episodes.episode import Episode
 from mrlx_plugin.episodes.errors import EpisodeAborted
@@ -57,6 +61,10 @@ _FIELDS = {
     "logprobs",
 }
 _ROLES = ("system", "developer", "user", "assistant", "tool")
+# Texts past this many bytes are rendered and encoded off the event loop (other episodes go on).
+_OFF_LOOP_BYTES = 256 * 1024
+
+logger = logging.getLogger(__name__)
 
 
 class ChatError(Exception):
@@ -76,9 +84,10 @@ class ChatError(Exception):
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
 
-# A message as matched against a thread: (role, text, ((call id, name, canonical arguments), ...),
-# tool_call_id). The client's copy of an answer is matched on what it shows, not its extra fields.
-Seen = tuple[str, str, tuple[tuple[str, str, str], ...], str | None]
+# A message as matched against a thread: (role, text, ((call id, name, arguments as a JSON value),
+# ...), tool_call_id). The client's copy of an answer is matched on what it shows, not its extra
+# fields; arguments as the value their JSON holds (`1.0` and `1`, key order and spacing agree).
+Seen = tuple[str, str, tuple[tuple[str, str, Any], ...], str | None]
 
 
 @dataclass
@@ -138,22 +147,31 @@ class AgentSession:
             )
         request = _check_request(body)
         tools = request["tools"]
-        tools_key = json.dumps(tools, sort_keys=True) if tools else ""
+        tools_key = json.dumps(tools, sort_keys=True, ensure_ascii=False) if tools else ""
+        self._check_tools(tools_key)
         seen = [_seen(m, i) for i, m in enumerate(request["messages"])]
         _check_tool_results(seen)
         thread = self._thread_for(seen, tools_key)
-        if thread is None:
-            thread = self._open(seen, request["messages"], tools, tools_key)
-        elif len(thread.transcript.turns) >= self.max_turns:  # refused before anything is appended
-            raise ChatError(
+        if thread is not None and len(thread.transcript.turns) >= self.max_turns:
+            raise ChatError(  # refused before anything is appended
                 429,
                 f"agent {self.agent!r} has taken the {self.max_turns} turn(s) one conversation may take in "
                 "this system (its `turns`); start a new conversation or declare more turns",
                 "turn_limit",
             )
-        else:
-            self._extend(thread, seen, request["messages"])
-        thread.busy = True
+        before = None if thread is None else (thread.transcript.mark(), list(thread.seen))
+        try:
+            if thread is None:
+                thread = await self._open(seen, request["messages"], tools, tools_key)
+            else:
+                thread.busy = True
+                await self._extend(thread, seen, request["messages"])
+        except BaseException as exc:
+            if thread is not None:
+                thread.busy = False
+            if isinstance(exc, TemplateError):
+                raise ChatError(400, str(exc), "template_error", "messages") from None
+            raise
         try:
             try:
                 turn = await self.episode.generate(thread.transcript, **request["sampling"])
@@ -161,8 +179,15 @@ class AgentSession:
                 raise ChatError(
                     502, f"episode {self.episode.id} has ended: {self.episode.abort_reason}", "episode_ended"
                 ) from None
+        except BaseException:  # the turn never ran (cancelled, the engine failed): no trace of it
+            if before is not None:
+                thread.transcript.rollback(before[0])
+                thread.seen = before[1]
+            thread.busy = False
+            raise
+        try:
             parse_tools = tools if request["tool_choice"] != "none" else None
-            parsed = parse_turn(turn.text, parse_tools, self.tool_parser, self.reasoning_parser)
+            parsed = self._parse(turn.text, parse_tools)
             self.stats.tool_calls += len(parsed.tool_calls)
             self.stats.malformed_tool_calls += parsed.malformed
             answer: Seen = ("assistant", parsed.content or "", _calls_seen(parsed), None)
@@ -171,6 +196,46 @@ class AgentSession:
             return _response(self.agent, parsed, turn.finish_reason, thread.transcript, len(turn.token_ids))
         finally:
             thread.busy = False
+
+    def _parse(self, text: str, tools: list[dict] | None) -> ParsedTurn:
+        """The turn's content, reasoning and calls. A parser that fails leaves the text as content
+        (counted as one malformed call): the turn is recorded, so its answer must reach the client."""
+        try:
+            return parse_turn(text, tools, self.tool_parser, self.reasoning_parser)
+        except Exception as exc:  # noqa: BLE001 - a parser's bug must not drop a recorded turn
+            logger.warning("agent %r: a parser failed on a turn: %s: %s", self.agent, type(exc).__name__, exc)
+            return ParsedTurn(text.strip() or None, None, (), 1)
+
+    def _check_tools(self, tools_key: str) -> None:
+        """Tool specs are rendered as the template's markup: none may spell an added token."""
+        if not tools_key:
+            return
+        if "\ue000" in tools_key:
+            raise ChatError(400, "tools hold the private-use character U+E000; remove it", param="tools")
+        tok = self.episode.context.tokenizers[self.agent]
+        found = next((t for t in tok.added_token_texts if t in tools_key), None)
+        if found is not None:
+            raise ChatError(
+                400,
+                f"tools hold {found!r}, which the chat template would render as that token of agent "
+                f"{self.agent!r}; tool specs may not hold a token's string",
+                param="tools",
+            )
+
+    def _check_size(self, texts: list[str], room: int | None) -> int:
+        """The bytes of `texts`; ChatError when they are surely more tokens than `room` (known
+        without encoding them: no token spells more than the tokenizer's `max_token_bytes`)."""
+        size = sum(len(t.encode()) for t in texts)
+        tok = self.episode.context.tokenizers[self.agent]
+        if room is not None and size > room * tok.max_token_bytes:
+            raise ChatError(
+                400,
+                f"the messages are {size} bytes, more than the {room} tokens agent {self.agent!r} has room "
+                "for can hold (its context limit); shorten them (a tool's output, for one)",
+                "context_length_exceeded",
+                "messages",
+            )
+        return size
 
     # --- threads ---------------------------------------------------------------------------
 
@@ -190,7 +255,7 @@ class AgentSession:
                 best = thread
         return best
 
-    def _open(
+    async def _open(
         self, seen: list[Seen], messages: list[dict], tools: list[dict] | None, tools_key: str
     ) -> Thread:
         if len(self.threads) >= self.max_threads:
@@ -201,17 +266,21 @@ class AgentSession:
                 "answers back unchanged) or declare more samples",
                 "thread_limit",
             )
+        template = [self._template_message(s, m) for s, m in zip(seen, messages)]
+        size = self._check_size([m["content"] for m in template], self.episode.context_limit(self.agent))
+        if size > _OFF_LOOP_BYTES:  # rendered and encoded in a thread; opening it is then a cache hit
+            tok = self.episode.context.tokenizers[self.agent]
+            full = self.episode.with_system_prompt(self.agent, template)
+            await asyncio.to_thread(tok.prompt_ids, full, tools, tools_key)
+            if len(self.threads) >= self.max_threads:  # other requests opened theirs meanwhile
+                raise ChatError(
+                    429, f"agent {self.agent!r} has opened its {self.max_threads} conversation(s)"
+                )
         label = f"{self.agent}-{len(self.threads)}"
-        t = self.episode.open_transcript(
-            self.agent,
-            [self._template_message(s, m) for s, m in zip(seen, messages)],
-            label,
-            tools=tools,
-            tools_key=tools_key,
-        )
+        t = self.episode.open_transcript(self.agent, template, label, tools=tools, tools_key=tools_key)
         if isinstance(t, str):
             raise ChatError(400, t, "context_length_exceeded", "messages")
-        thread = Thread(t, seen, tools_key)
+        thread = Thread(t, seen, tools_key, busy=True)
         self.threads.append(thread)
         self.stats.threads += 1
         if any(s[0] == "assistant" for s in seen):
@@ -219,11 +288,14 @@ class AgentSession:
             self.episode.metadata["agent_forks"] = self.episode.metadata.get("agent_forks", 0) + 1
         return thread
 
-    def _extend(self, thread: Thread, seen: list[Seen], messages: list[dict]) -> None:
+    async def _extend(self, thread: Thread, seen: list[Seen], messages: list[dict]) -> None:
         n = len(thread.seen)
         new = [self._template_message(s, m) for s, m in zip(seen[n:], messages[n:])]
-        text, ids = thread.transcript.continuation(new)
         room = thread.transcript.room()
+        if self._check_size([m["content"] for m in new], room) > _OFF_LOOP_BYTES:
+            text, ids = await asyncio.to_thread(thread.transcript.continuation, new)
+        else:
+            text, ids = thread.transcript.continuation(new)
         if room is not None and len(ids) >= room:
             raise ChatError(
                 400,
@@ -247,9 +319,7 @@ class AgentSession:
             if written is not None:
                 return {"role": "assistant", "content": written}
             if calls:  # shown in the Hermes form, whatever the agent's parser: it is context only
-                text = (text + "\n" if text else "") + render_calls_hermes(
-                    [{"name": name, "arguments": args} for _, name, args in calls]
-                )
+                text = (text + "\n" if text else "") + render_calls_hermes(message["tool_calls"])
         return {"role": role, "content": text}
 
     def close(self, reason: str) -> None:
@@ -289,7 +359,8 @@ def _check_request(body: Any) -> dict[str, Any]:
     names = {t["function"]["name"] for t in tools or []}
     choice = body.get("tool_choice", "auto" if tools else "none")
     if isinstance(choice, dict):
-        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+        function = choice.get("function") if choice.get("type") == "function" else None
+        name = function.get("name") if isinstance(function, dict) else None
         if name not in names:
             raise ChatError(
                 400, f"tool_choice names {name!r}, which is not among the tools", param="tool_choice"
@@ -304,8 +375,8 @@ def _check_request(body: Any) -> dict[str, Any]:
 def _is_tool(t: Any) -> bool:
     f = t.get("function") if isinstance(t, dict) else None
     return (
-        t.get("type") == "function"
-        and isinstance(f, dict)
+        isinstance(f, dict)
+        and t.get("type") == "function"
         and isinstance(f.get("name"), str)
         and bool(f["name"])
         and isinstance(f.get("parameters", {}), dict)
@@ -315,12 +386,15 @@ def _is_tool(t: Any) -> bool:
 def _sampling(body: dict) -> dict[str, Any]:
     """The request's sampling settings as SGLang's sampling parameters."""
     out: dict[str, Any] = {}
-    for key, name in (("temperature", "temperature"), ("top_p", "top_p")):
+    for key, low, high, shown in (("temperature", 0.0, math.inf, ">= 0"), ("top_p", 0.0, 1.0, "in (0, 1]")):
         value = body.get(key)
         if value is not None:
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-                raise ChatError(400, f"{key} must be a number >= 0", param=key)
-            out[name] = float(value)
+            number = (
+                float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
+            )
+            if not (low <= number <= high) or not math.isfinite(number) or (key == "top_p" and number == 0):
+                raise ChatError(400, f"{key} must be a finite number {shown}", param=key)
+            out[key] = number
     cap = body.get("max_completion_tokens", body.get("max_tokens"))
     if cap is not None:
         if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
@@ -357,15 +431,34 @@ def _text(content: Any, where: str) -> str:
     raise ChatError(400, f"{where}: content must be a string or a list of text parts", param="messages")
 
 
-def _canonical(arguments: Any, where: str) -> str:
+def _canonical(arguments: Any, where: str) -> Any:
+    """Tool-call arguments as the value their JSON holds, in a form that compares as JSON does
+    (an object's key order and a number's spelling, `1.0` or `1`, do not matter)."""
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
-        except ValueError:
-            raise ChatError(400, f"{where}: arguments are not JSON", param="messages") from None
+        except (ValueError, RecursionError):
+            raise ChatError(
+                400, f"{where}: arguments are not JSON (or nest too deep)", param="messages"
+            ) from None
     if not isinstance(arguments, dict):
         raise ChatError(400, f"{where}: arguments must be a JSON object", param="messages")
-    return json.dumps(arguments, sort_keys=True, ensure_ascii=False)
+    try:
+        return _frozen(arguments)
+    except RecursionError:
+        raise ChatError(400, f"{where}: arguments nest too deep", param="messages") from None
+
+
+def _frozen(value: Any) -> Any:
+    if isinstance(value, dict):
+        return ("{}", tuple(sorted((str(k), _frozen(v)) for k, v in value.items())))
+    if isinstance(value, list):
+        return ("[]", tuple(_frozen(v) for v in value))
+    if isinstance(value, bool) or value is None:
+        return ("literal", value)
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
 
 
 def _seen(message: Any, i: int) -> Seen:
@@ -376,8 +469,10 @@ def _seen(message: Any, i: int) -> Seen:
         )
     role = message["role"]
     text = _text(message.get("content"), where)
-    calls: tuple[tuple[str, str, str], ...] = ()
+    calls: tuple[tuple[str, str, Any], ...] = ()
     if role == "assistant" and message.get("tool_calls"):
+        if not isinstance(message["tool_calls"], list):
+            raise ChatError(400, f"{where}: tool_calls must be a list", param="messages")
         found = []
         for j, call in enumerate(message["tool_calls"]):
             f = call.get("function") if isinstance(call, dict) else None
@@ -418,7 +513,7 @@ def _check_tool_results(seen: list[Seen]) -> None:
             open_calls = set()
 
 
-def _calls_seen(parsed: ParsedTurn) -> tuple[tuple[str, str, str], ...]:
+def _calls_seen(parsed: ParsedTurn) -> tuple[tuple[str, str, Any], ...]:
     return tuple((c.id, c.name, _canonical(c.arguments, "answer")) for c in parsed.tool_calls)
 
 

@@ -48,7 +48,7 @@ class AgentServer:
 
     async def aclose(self) -> None:
         for key in list(self.sessions):
-            self.close(key, "the rollout process stopped")
+            await self.close(key, "the rollout process stopped")
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -61,13 +61,17 @@ class AgentServer:
         self._inflight[key] = set()
         return key
 
-    def close(self, key: str, reason: str) -> None:
-        """End a session: later requests get a 404, requests still waiting on a turn are cancelled."""
+    async def close(self, key: str, reason: str) -> None:
+        """End a session: later requests get a 404; requests still waiting on a turn are cancelled,
+        and waited for, so that what they appended is undone before the episode's samples are made."""
         session = self.sessions.pop(key, None)
         if session is not None:
             session.close(reason)
-        for task in self._inflight.pop(key, ()):
+        pending = self._inflight.pop(key, set())
+        for task in pending:
             task.cancel()
+        if pending:
+            await asyncio.wait(pending, timeout=10.0)
 
     def _session(self, request: web.Request) -> tuple[str, AgentSession]:
         auth = request.headers.get("Authorization", "")
@@ -110,6 +114,10 @@ class AgentServer:
                     inflight.discard(task)
         except ChatError as exc:
             return _json(exc.body(), exc.status)
+        except Exception as exc:  # noqa: BLE001 - a bug here answers with its message, in OpenAI's shape
+            logger.exception("agent endpoint: a request failed")
+            error = ChatError(500, f"the endpoint failed: {type(exc).__name__}: {exc}", "internal_error")
+            return _json(error.body(), 500)
         return _json(answer, 200)
 
     async def _models(self, request: web.Request) -> web.Response:

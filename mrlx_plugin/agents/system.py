@@ -147,22 +147,35 @@ def agent_code(
             episode.id,
             lambda answer, agent: _grade(episode, answer, agent),
         )
+        # The function runs as a task that is left behind at its deadline: code that catches its
+        # cancellation cannot hold the episode (its sessions are closed: it reaches no engine).
+        work = asyncio.ensure_future(run(task, endpoints))
         try:
-            result = await asyncio.wait_for(run(task, endpoints), settings.timeout_s)
-        except EpisodeAborted:
+            done, _ = await asyncio.wait({work}, timeout=settings.timeout_s)
+            if not done:
+                work.cancel()
+                work.add_done_callback(_retrieve)
+                episode.abort(f"the agent code {who} ran past mrlx.{episode.settings.system}.timeout_s")
+                raise EpisodeAborted(episode.abort_reason)
+            try:
+                result = work.result()
+            except EpisodeAborted:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the user's code: this episode ends, not the rollout
+                if not episode.aborted:  # else it failed on an endpoint's answer after the episode ended
+                    episode.abort(f"the agent code {who} raised {type(exc).__name__}: {exc}")
+                raise EpisodeAborted(episode.abort_reason) from None
+        except asyncio.CancelledError:
+            work.cancel()
             raise
-        except asyncio.TimeoutError:
-            episode.abort(f"the agent code {who} ran past mrlx.{episode.settings.system}.timeout_s")
-            raise EpisodeAborted(episode.abort_reason) from None
-        except Exception as exc:  # noqa: BLE001 - the user's code: this episode ends, not the rollout
-            if not episode.aborted:  # else it failed on an endpoint's answer after the episode ended
-                episode.abort(f"the agent code {who} raised {type(exc).__name__}: {exc}")
-            raise EpisodeAborted(episode.abort_reason) from None
         finally:
             for key in keys.values():
-                server.close(key, f"episode {episode.id} has ended")
+                await server.close(key, f"episode {episode.id} has ended")
             episode.metadata["agent_code"] = {a: sess.stats.as_dict() for a, sess in sessions.items()}
-        _apply(episode, result, sessions, who)
+            # A conversation whose turn never ran (cancelled as the episode ended) is no sample:
+            # a filler stands in for it.
+            episode.transcripts = [t for t in episode.transcripts if t.turns or t.agent not in sessions]
+        await _apply(episode, result, sessions, who)
 
     def check(settings: Settings, games: Mapping[str, Registered]) -> list[str]:
         problems = []
@@ -201,7 +214,13 @@ async def _grade(episode: Episode, answer: str, agent: str) -> float:
     return await episode.grade(view)
 
 
-def _apply(episode: Episode, result: Any, sessions: Mapping[str, AgentSession], who: str) -> None:
+def _retrieve(task: asyncio.Future) -> None:
+    """Consume the outcome of agent code left behind at its deadline (no 'never retrieved' noise)."""
+    if not task.cancelled():
+        task.exception()
+
+
+async def _apply(episode: Episode, result: Any, sessions: Mapping[str, AgentSession], who: str) -> None:
     """Set the transcripts' rewards from what the agent code returned."""
     outcome = result if isinstance(result, Outcome) else Outcome(rewards=result if result is not None else {})
     if not isinstance(outcome.rewards, Mapping) or not isinstance(outcome.turn_rewards, Mapping):
@@ -242,8 +261,12 @@ def _apply(episode: Episode, result: Any, sessions: Mapping[str, AgentSession], 
             total = (t.raw_reward or 0.0) + math.fsum(own)
             t.raw_reward = t.reward = finite_reward(total, f"the agent code {who}: the reward of {t.label}")
     if outcome.answer is not None:
-        episode.final_answer = outcome.answer
+        if not isinstance(outcome.answer, str):
+            raise RewardError(f"the agent code {who} gave the answer {outcome.answer!r}; expected text")
         answered = [t for t in episode.transcripts if t.turns]
+        episode.final_answer = outcome.answer
         episode.final_transcript = answered[-1] if answered else None
+        if outcome.team_reward is None and answered:  # the answer given is what is graded
+            episode.team_reward = await _grade(episode, outcome.answer, answered[-1].agent)
     if outcome.team_reward is not None:
         episode.team_reward = finite_reward(outcome.team_reward, f"the agent code {who}: the team reward")

@@ -16,6 +16,7 @@ text (as `split_special_tokens=True` does). A message cannot open or close a tur
 
 from __future__ import annotations
 
+import functools
 import re
 import secrets
 import threading
@@ -178,6 +179,23 @@ class AgentTokenizer:
         return self.hf.decode(
             ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
         )
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """The most UTF-8 bytes one token spells (from above): a text of more bytes than
+        `n * max_token_bytes` is more than n tokens, known without encoding it."""
+        self.answer_text([])  # the byte table, where the tokenizer is byte-level
+        table = self._text_table
+        if isinstance(table, list):
+            return max(1, max(map(len, table)))
+        # Vocabulary strings are the pieces as written ("▁the", "<0x0A>"): never fewer bytes than spelled.
+        return max(1, max(len(piece.encode()) for piece in self.hf.get_vocab()))
+
+    @functools.cached_property
+    def added_token_texts(self) -> tuple[str, ...]:
+        """The strings of the added tokens (special and not): text that the chat template's markup
+        would turn into those tokens."""
+        return tuple(t for t in self.hf.get_added_vocab() if t)
 
     def answer_text(self, ids: list[int]) -> str:
         """What generated ids spell, special tokens left out (ids must be in the vocabulary).

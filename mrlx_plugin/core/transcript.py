@@ -210,6 +210,16 @@ class Transcript:
         self._held.append(text)
         return fits
 
+    def mark(self) -> tuple:
+        """Where the transcript stands, for `rollback` (a request whose turn never ran)."""
+        return (len(self.response_ids), len(self.messages), list(self._held), self.truncated)
+
+    def rollback(self, mark: tuple) -> None:
+        """Undo the appends since `mark` was taken (context only: no turn was appended since)."""
+        n, messages, held, truncated = mark
+        del self.response_ids[n:], self.loss_mask[n:], self.logprobs[n:], self.messages[messages:]
+        self._held, self.truncated = held, truncated
+
     def held_text(self) -> str:
         """What the transcript's tokens spell (special tokens included)."""
         if len(self._held) != 1 or not isinstance(self._held[0], str):

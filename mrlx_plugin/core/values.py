@@ -4,7 +4,9 @@ everything that makes a reward (`finite_reward`)."""
 
 from __future__ import annotations
 
+import decimal
 import math
+import numbers
 from typing import Any
 
 # Log-probs must be <= 0; a sampler's float arithmetic can land a hair above zero for a token of
@@ -29,11 +31,18 @@ class RewardError(ValueError):
 def finite_reward(value: Any, producer: str) -> float:
     """`value` as a float when it is a finite number; else RewardError naming `producer`, e.g.
     "game 'nim' (registered by plugin 'my_games'): move_reward of seat first's move 2"."""
+    # A number is a real number: not text that float() would parse ("0.5"), not a truth value
+    # (True, numpy's bool_), whatever float() makes of them.
+    is_number = (
+        isinstance(value, (numbers.Real, decimal.Decimal))
+        and not isinstance(value, bool)
+        and type(value).__name__ != "bool_"
+    )
     try:
-        number = float(value)
+        number = float(value) if is_number else math.nan
     except (TypeError, ValueError, OverflowError):
         number = math.nan
-    if isinstance(value, bool) or not math.isfinite(number):
+    if not math.isfinite(number):
         try:
             shown = repr(value)
         except ValueError:  # an int of more digits than Python will print
