@@ -117,7 +117,7 @@ RUN_STATE = (
 )
 
 
-def _previous_run(out: Path, ns: argparse.Namespace) -> None:
+def _previous_run(out: Path, ns: argparse.Namespace, state: tuple[str, ...] = RUN_STATE) -> None:
     """Refuse to start a new run on top of an old one, unless told to continue or to replace it.
 
     A new run in the same folder would mix both: the trainers append to the old metrics, the
@@ -125,7 +125,7 @@ def _previous_run(out: Path, ns: argparse.Namespace) -> None:
     name, so the old run's later steps would outlive the new run's first one (and `--resume`
     would then continue the old run). Deleting it unasked could throw away hours of training,
     so that takes `--overwrite`."""
-    found = [out / name for name in RUN_STATE if (out / name).exists()]
+    found = [out / name for name in state if (out / name).exists()]
     if not found or getattr(ns, "resume", False):
         return
     if not getattr(ns, "overwrite", False):
@@ -144,9 +144,8 @@ def _previous_run(out: Path, ns: argparse.Namespace) -> None:
 
 def run_demo(ns: argparse.Namespace) -> dict[str, Any]:
     from mrlx_plugin.core.config import ConfigError
-    from mrlx_plugin.core.processes import start, stop_all
+    from mrlx_plugin.core.processes import stop_all
     from mrlx_plugin.local.model import ensure_model
-    from mrlx_plugin.local.processes import router_available, start_coordinator, start_engine, start_router
     from mrlx_plugin.local.tasks import addition_prompts, format_examples
 
     freeze = {"A": A, "B": B}.get(ns.freeze, ns.freeze)
@@ -184,32 +183,10 @@ def run_demo(ns: argparse.Namespace) -> dict[str, Any]:
             stop_all([p.proc for p in procs], timeout=10)
 
         stack.callback(stop_everything)
-        coordinator = start_coordinator(
-            out / "coordinator.sqlite",
-            "demo",
-            [A, B],
-            log_dir=logs,
-            token_env="MRLX_DEMO_TOKEN",
-            env={"MRLX_DEMO_TOKEN": token},
+        served = {name: (_latest(out / name) if ns.resume else None) or models[name] for name in (A, B)}
+        coordinator, engines, urls, use_router = start_services(
+            out, "demo", served, procs, token=token, seed=ns.seed, router=not ns.no_router
         )
-        procs.append(coordinator)
-        engines, urls = {}, {}
-        use_router = router_available() and not ns.no_router
-        for name in (A, B):
-            latest = _latest(out / name) if ns.resume else None
-            engines[name] = start_engine(
-                latest or models[name],
-                log_dir=logs,
-                name=f"engine-{name}",
-                threads=1,
-                extra=["--seed", str(ns.seed), "--max-batch", "256"],
-            )
-            procs.append(engines[name])
-            urls[name] = engines[name].url
-            if use_router:
-                router = start_router([engines[name].url], log_dir=logs, name=f"router-{name}")
-                procs.append(router)
-                urls[name] = router.url
         configs = {
             name: _yaml(out / f"{name}.yaml", name, urls, models, coordinator.url, ns) for name in (A, B)
         }
@@ -217,20 +194,7 @@ def run_demo(ns: argparse.Namespace) -> dict[str, Any]:
             (B, "mrlx_plugin.rollout.responder_rollout"),
             (A, "mrlx_plugin.rollout.initiator_rollout"),
         ):
-            argv = [
-                sys.executable,
-                "-m",
-                "mrlx_plugin.local.trainer",
-                "--config",
-                str(configs[name]),
-                "--model",
-                str(models[name]),
-                "--engine-url",
-                engines[name].url,
-                "--router-url",
-                urls[name],
-                "--rollout-function",
-                rollout_fn,
+            extra = [
                 "--num-rollout",
                 str(ns.steps),
                 "--prompt-data",
@@ -243,24 +207,117 @@ def run_demo(ns: argparse.Namespace) -> dict[str, Any]:
                 "24",
                 "--warmup-data",
                 str(warmup[name]),
-                "--out",
-                str(out / name),
-                "--seed",
-                str(ns.seed),
             ]
-            argv += (["--freeze"] if freeze == name else []) + (["--resume"] if ns.resume else [])
-            with open(logs / f"trainer-{name}.log", "ab") as log:
-                jobs[name] = start(
-                    argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-                )
+            extra += (["--freeze"] if freeze == name else []) + (["--resume"] if ns.resume else [])
+            jobs[name] = start_trainer(
+                out,
+                name,
+                configs[name],
+                models[name],
+                engines[name],
+                urls[name],
+                rollout_fn,
+                env,
+                ns.seed,
+                extra,
+            )
         _follow(ns, out, jobs, procs, peak_kib)
-        for name, job in jobs.items():
-            if job.returncode != 0:
-                tail = (logs / f"trainer-{name}.log").read_text(errors="replace")[-3000:]
-                raise RuntimeError(f"the trainer of {name} failed (exit {job.returncode}):\n{tail}")
+        check_trainers(out, jobs)
         own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         peak_mib = (sum(peak_kib.values()) + own) / 1024
     return _report(ns, out, time.monotonic() - started, peak_mib, freeze, use_router)
+
+
+def start_services(
+    out: Path,
+    run_id: str,
+    models: dict[str, Path],
+    procs: list[Any],
+    *,
+    token: str,
+    seed: int,
+    router: bool = True,
+) -> tuple[Any, dict[str, str], dict[str, str], bool]:
+    """The coordinator of the agents of `models`, and one engine per agent serving its model, behind
+    its own sglang-router when that is installed and `router` is set. Each process is appended to
+    `procs` as soon as it runs, so the caller stops it whatever fails next. Returns the coordinator,
+    the engines' URLs, the URLs the agents are reached at, and whether routers are in front."""
+    from mrlx_plugin.local.processes import router_available, start_coordinator, start_engine, start_router
+
+    coordinator = start_coordinator(
+        out / "coordinator.sqlite",
+        run_id,
+        list(models),
+        log_dir=out / "logs",
+        token_env="MRLX_DEMO_TOKEN",
+        env={"MRLX_DEMO_TOKEN": token},
+    )
+    procs.append(coordinator)
+    engines, urls = {}, {}
+    use_router = router_available() and router
+    for name, model in models.items():
+        engine = start_engine(
+            model,
+            log_dir=out / "logs",
+            name=f"engine-{name}",
+            threads=1,
+            extra=["--seed", str(seed), "--max-batch", "256"],
+        )
+        procs.append(engine)
+        engines[name] = urls[name] = engine.url
+        if use_router:
+            front = start_router([engine.url], log_dir=out / "logs", name=f"router-{name}")
+            procs.append(front)
+            urls[name] = front.url
+    return coordinator, engines, urls, use_router
+
+
+def start_trainer(
+    out: Path,
+    name: str,
+    config: Path,
+    model: Path,
+    engine_url: str,
+    router_url: str,
+    rollout_fn: str,
+    env: dict[str, str],
+    seed: int,
+    extra: list[str],
+) -> subprocess.Popen:
+    """Agent `name`'s embedded trainer (its checkpoints and metrics in out/NAME, its log in
+    out/logs/trainer-NAME.log), with `extra` trainer flags."""
+    from mrlx_plugin.core.processes import start
+
+    argv = [
+        sys.executable,
+        "-m",
+        "mrlx_plugin.local.trainer",
+        "--config",
+        str(config),
+        "--model",
+        str(model),
+        "--engine-url",
+        engine_url,
+        "--router-url",
+        router_url,
+        "--rollout-function",
+        rollout_fn,
+        "--out",
+        str(out / name),
+        "--seed",
+        str(seed),
+        *extra,
+    ]
+    with open(out / "logs" / f"trainer-{name}.log", "ab") as log:
+        return start(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def check_trainers(out: Path, jobs: dict[str, subprocess.Popen]) -> None:
+    """RuntimeError with the log's tail for a trainer that exited with an error."""
+    for name, job in jobs.items():
+        if job.returncode != 0:
+            tail = (out / "logs" / f"trainer-{name}.log").read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"the trainer of {name} failed (exit {job.returncode}):\n{tail}")
 
 
 def _latest(agent_dir: Path) -> Path | None:

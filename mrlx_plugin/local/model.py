@@ -31,8 +31,15 @@ SPECIAL_TOKENS = [PAD_TOKEN, IM_START, IM_END]
 
 # ChatML. Each message renders as "<|im_start|>{role}\n{content}<|im_end|>\n", so the rendering
 # of a conversation is a prefix of the rendering of the same conversation with one more
-# message: transcripts can then be extended by appending tokens, never re-tokenising.
+# message: transcripts can then be extended by appending tokens, never re-tokenising. Tools, when
+# given, come first as a system block of their JSON specs (one a line, as Qwen renders them); a
+# `tool` message is a message like any other. Without tools the rendering is plain ChatML.
 CHATML_TEMPLATE = (
+    "{%- if tools -%}"
+    "{{- '<|im_start|>system\n# Tools\n<tools>' -}}"
+    "{%- for tool in tools -%}{{- '\n' + (tool | tojson) -}}{%- endfor -%}"
+    "{{- '\n</tools><|im_end|>\n' -}}"
+    "{%- endif -%}"
     "{%- for message in messages -%}"
     "{{- '<|im_start|>' + message['role'] + '\n' -}}"
     "{%- if message['content'] is string -%}{{- message['content'] -}}{%- endif -%}"
