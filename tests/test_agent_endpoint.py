@@ -283,7 +283,7 @@ def _lookup():
 def test_a_conversation_past_its_turns_is_refused_before_anything_is_appended(held):
     endpoint, finish, proxy = held
     messages = list(USER)
-    for turn in range(3):  # the `hold` system declares turns={"solver": 3}
+    for _ in range(3):  # the `hold` system declares turns={"solver": 3}
         status, reply = _post(endpoint, {"messages": messages, "tools": [_lookup()]})
         assert status == 200, reply
         message = reply["choices"][0]["message"]
