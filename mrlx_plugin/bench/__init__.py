@@ -15,7 +15,6 @@ like any other module; they import the rest of the package, never the other way 
                              nim by self-play vs against a frozen copy (small CPU models)
     mrlx bench agents        the pipeline as agent code (plain HTTP, the openai client) against
                              the built-in pipeline: CPU per call and the critical path
-    mrlx bench tools         the tool-using CPU demo (agent code calling a lookup tool) from scratch
 """
 
 from __future__ import annotations
@@ -42,8 +41,6 @@ def main(argv: list[str]) -> int:
         from mrlx_plugin.bench.credit import main as run
     elif name == "agents":
         from mrlx_plugin.bench.agents import main as run
-    elif name == "tools":
-        from mrlx_plugin.bench.tools import main as run
     else:
         print(
             f"mrlx bench: unknown benchmark {name!r} "

@@ -55,17 +55,9 @@ def _check(argv: list[str]) -> int:
 
 
 def _demo(argv: list[str]) -> int:
-    import importlib
+    from mrlx_plugin.local.demo import main
 
-    # `--tools`, `--research`: the demos of agents as code, each its own module with its own flags
-    variants = {"--tools": "tool_demo", "--research": "research_demo"}
-    chosen = [flag for flag in variants if flag in argv]
-    if len(chosen) > 1:
-        print("mrlx demo: choose one of --tools and --research", file=sys.stderr)
-        return 2
-    module = variants[chosen[0]] if chosen else "demo"
-    main = importlib.import_module(f"mrlx_plugin.local.{module}").main
-    return main([a for a in argv if a not in variants])
+    return main(argv)
 
 
 def _bench(argv: list[str]) -> int:
@@ -107,18 +99,14 @@ def stop_on_signals() -> None:
 COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "engine": (_engine, "serve a small transformers model over the SGLang HTTP protocol (CPU)"),
     "stub-engine": (_stub_engine, "a model-free SGLang-protocol responder for benchmarks and fault tests"),
-    "demo": (
-        _demo,
-        "two small models co-train on this CPU through the full multi-model loop (--tools, --research: "
-        "agents as code)",
-    ),
+    "demo": (_demo, "two small models co-train on this CPU through the full multi-model loop"),
     "rollout": (
         _rollout,
         "run N episodes of a system against engines; print a summary; write samples as JSONL",
     ),
     "check": (_check, "validate configs (and two jobs' configs against each other); reach every URL"),
     "coordinator": (_coordinator, "the durable coordinator of a multi-model run"),
-    "bench": (_bench, "benchmarks: rollout, coordinator, demo, load, answers, credit, agents, tools"),
+    "bench": (_bench, "benchmarks: rollout, coordinator, demo, load, answers, credit, agents"),
 }
 
 
