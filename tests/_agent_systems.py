@@ -94,7 +94,11 @@ async def two_models(task, endpoints):
             ],
         )
     SEEN[task.episode_id] = {"plan": plan, "found": found, "final": final}
-    return Outcome(rewards={"planner": 1.0, "searcher": 0.25}, answer=final.choices[0].message.content)
+    return Outcome(
+        rewards={"planner": 1.0, "searcher": 0.25},
+        answer=final.choices[0].message.content,
+        answered_by="planner",
+    )
 
 
 async def per_turn(task, endpoints):

@@ -67,12 +67,14 @@ class Outcome:
     one conversation, its turns' own rewards: under `rewards.credit: turn` each turn trains on its
     return (its own reward plus the discounted later ones and the outcome), under episode credit
     the conversation trains on the outcome plus their sum. `answer`: the team's final answer
-    (evaluation reads it); `team_reward`: its grade (none: graded by the hook)."""
+    (evaluation reads it), from the last conversation of agent `answered_by` (none: the last
+    conversation); `team_reward`: its grade (none: graded by the hook, as that agent's answer)."""
 
     rewards: Mapping[str, float] = field(default_factory=dict)
     turn_rewards: Mapping[str, Sequence[float]] = field(default_factory=dict)
     answer: str | None = None
     team_reward: float | None = None
+    answered_by: str | None = None  # the agent whose conversation gave `answer` (none: the last one)
 
 
 AgentRun = Callable[[Task, dict[str, Endpoint]], Awaitable[Any]]
@@ -263,7 +265,10 @@ async def _apply(episode: Episode, result: Any, sessions: Mapping[str, AgentSess
     if outcome.answer is not None:
         if not isinstance(outcome.answer, str):
             raise RewardError(f"the agent code {who} gave the answer {outcome.answer!r}; expected text")
-        answered = [t for t in episode.transcripts if t.turns]
+        by = outcome.answered_by
+        if by is not None and by not in sessions:
+            raise RewardError(f"the agent code {who} gave answered_by={by!r}, which is none of its agents")
+        answered = [t for t in episode.transcripts if t.turns and by in (None, t.agent)]
         episode.final_answer = outcome.answer
         episode.final_transcript = answered[-1] if answered else None
         if outcome.team_reward is None and answered:  # the answer given is what is graded
