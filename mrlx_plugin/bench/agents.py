@@ -21,11 +21,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
 import sys
 from pathlib import Path
 
-from mrlx_plugin.bench.engine_calls import _run_worker, prepare, stub_text
+from mrlx_plugin.bench.engine_calls import _run_worker, prepare, start_stubs
 from mrlx_plugin.bench.report import write_report
 
 ARMS = (
@@ -51,21 +50,11 @@ def main(argv: list[str] | None = None) -> int:
         print("mrlx bench agents: run it from the repository root (it runs examples/pipeline_as_code)")
         return 2
 
-    from mrlx_plugin.local.processes import start_stub_engine
-
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     workdir = Path(ns.workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
     tokenizer, problems, mean_prompt = prepare(workdir, ns.prompt_tokens, ns.seed)
-    common = ["--response-tokens", str(ns.response_tokens), "--vocab-size", "8192"]
-    common += ["--text", stub_text(max(8, ns.response_tokens // 2)), "--tokenizer", str(tokenizer)]
+    instant, slow = start_stubs(workdir, tokenizer, ns.response_tokens, ns.latency)
     cpus = sorted(os.sched_getaffinity(0))
     pin = len(cpus) >= 2
-    instant = start_stub_engine(log_dir=workdir / "logs", name="stub-instant", extra=common)
-    slow = start_stub_engine(
-        log_dir=workdir / "logs", name="stub-slow", extra=common + ["--latency", str(ns.latency)]
-    )
     arms = {}
     try:
         if pin:

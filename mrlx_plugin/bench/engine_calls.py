@@ -285,11 +285,31 @@ def _run_worker(
     return result
 
 
+def start_stubs(workdir: Path, tokenizer: str, response_tokens: int, latency: float) -> tuple[Any, Any]:
+    """Two stub engines answering ~response_tokens-token texts spelled in the agents' tokenizer (so
+    peers read real answers): one at once, one after `latency` seconds. The caller stops them."""
+    from mrlx_plugin.local.processes import start_stub_engine
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # thousands of connections in flight
+    common = ["--response-tokens", str(response_tokens), "--vocab-size", "8192", "--tokenizer", tokenizer]
+    common += ["--text", stub_text(max(8, response_tokens // 2))]
+    logs = workdir / "logs"
+    instant = start_stub_engine(log_dir=logs, name="stub-instant", extra=common)
+    try:
+        slow = start_stub_engine(log_dir=logs, name="stub-slow", extra=common + ["--latency", str(latency)])
+    except BaseException:
+        instant.stop()
+        raise
+    return instant, slow
+
+
 def prepare(workdir: Path, prompt_tokens: int, seed: int) -> tuple[str, str, float]:
     """A realistic byte-level BPE tokenizer (8k vocab) and ~prompt_tokens-token problems."""
     from mrlx_plugin.core.tokenizer import load_tokenizer
     from mrlx_plugin.local.model import build_tokenizer
 
+    workdir.mkdir(parents=True, exist_ok=True)
     tok_dir = workdir / "tokenizer-8k"
     if not (tok_dir / "tokenizer.json").exists():
         build_tokenizer(tok_dir, vocab_size=8192)
@@ -336,32 +356,11 @@ def main(argv: list[str] | None = None) -> int:
         Path(ns.result).write_text(json.dumps(worker(ns)))
         return 0
 
-    from mrlx_plugin.local.processes import start_stub_engine
-
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     workdir = Path(ns.workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
     tokenizer, problems, mean_prompt = prepare(workdir, ns.prompt_tokens, ns.seed)
-    response_words = max(8, ns.response_tokens // 2)
-    text = stub_text(response_words)
-    # The stub's answer ids spell its text in the agents' tokenizer, so peers read real answers.
-    common = [
-        "--response-tokens",
-        str(ns.response_tokens),
-        "--vocab-size",
-        "8192",
-        "--text",
-        text,
-        "--tokenizer",
-        str(tokenizer),
-    ]
+    instant, slow = start_stubs(workdir, tokenizer, ns.response_tokens, ns.latency)
     cpus = sorted(os.sched_getaffinity(0))
     pin = len(cpus) >= 2
-    instant = start_stub_engine(log_dir=workdir / "logs", name="stub-instant", extra=common)
-    slow = start_stub_engine(
-        log_dir=workdir / "logs", name="stub-slow", extra=common + ["--latency", str(ns.latency)]
-    )
     try:
         if pin:
             os.sched_setaffinity(instant.proc.pid, {cpus[1]})
