@@ -15,6 +15,8 @@ like any other module; they import the rest of the package, never the other way 
                              nim by self-play vs against a frozen copy (small CPU models)
     mrlx bench agents        the pipeline as agent code (plain HTTP, the openai client) against
                              the built-in pipeline: CPU per call and the critical path
+    mrlx bench tools         the tool-using example (`mrlx demo --tools`) from scratch: its
+                             learning curve, well-formed tool calls, time and memory
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ def main(argv: list[str]) -> int:
         from mrlx_plugin.bench.credit import main as run
     elif name == "agents":
         from mrlx_plugin.bench.agents import main as run
+    elif name == "tools":
+        from mrlx_plugin.bench.tools import main as run
     else:
         print(
             f"mrlx bench: unknown benchmark {name!r} "

@@ -1,6 +1,7 @@
 """The `mrlx` command.
 
-    mrlx demo ...          two small models co-train on a CPU (the embedded default, end to end)
+    mrlx demo ...          two small models co-train on a CPU (the embedded default, end to end);
+                           --tools: a tool-using agent as code; --research: a planner-searcher pair
     mrlx engine ...        an embedded SGLang-protocol engine on the CPU
     mrlx stub-engine ...   a model-free SGLang-protocol responder (benchmarks, fault tests)
     mrlx rollout ...       run episodes of the configured system against engines; write JSONL
@@ -54,10 +55,21 @@ def _check(argv: list[str]) -> int:
     return main(argv)
 
 
-def _demo(argv: list[str]) -> int:
-    from mrlx_plugin.local.demo import main
+# `mrlx demo --tools` and `mrlx demo --research` run the agent-code examples instead of the main demo.
+_DEMO_VARIANTS = {"--tools": "mrlx_plugin.local.tool_demo", "--research": "mrlx_plugin.local.research_demo"}
 
-    return main(argv)
+
+def _demo(argv: list[str]) -> int:
+    import importlib
+
+    chosen = [a for a in argv if a in _DEMO_VARIANTS]
+    if len(chosen) > 1:
+        print(
+            f"mrlx demo: give one of {', '.join(_DEMO_VARIANTS)}, not {' and '.join(chosen)}", file=sys.stderr
+        )
+        return 2
+    module = _DEMO_VARIANTS[chosen[0]] if chosen else "mrlx_plugin.local.demo"
+    return importlib.import_module(module).main([a for a in argv if a not in chosen])
 
 
 def _bench(argv: list[str]) -> int:
@@ -99,14 +111,17 @@ def stop_on_signals() -> None:
 COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "engine": (_engine, "serve a small transformers model over the SGLang HTTP protocol (CPU)"),
     "stub-engine": (_stub_engine, "a model-free SGLang-protocol responder for benchmarks and fault tests"),
-    "demo": (_demo, "two small models co-train on this CPU through the full multi-model loop"),
+    "demo": (
+        _demo,
+        "two small models co-train on this CPU (--tools, --research: the agent-code examples)",
+    ),
     "rollout": (
         _rollout,
         "run N episodes of a system against engines; print a summary; write samples as JSONL",
     ),
     "check": (_check, "validate configs (and two jobs' configs against each other); reach every URL"),
     "coordinator": (_coordinator, "the durable coordinator of a multi-model run"),
-    "bench": (_bench, "benchmarks: rollout, coordinator, demo, load, answers, credit, agents"),
+    "bench": (_bench, "benchmarks: rollout, coordinator, demo, load, answers, credit, agents, tools"),
 }
 
 

@@ -32,13 +32,19 @@ SPECIAL_TOKENS = [PAD_TOKEN, IM_START, IM_END]
 # ChatML. Each message renders as "<|im_start|>{role}\n{content}<|im_end|>\n", so the rendering
 # of a conversation is a prefix of the rendering of the same conversation with one more
 # message: transcripts can then be extended by appending tokens, never re-tokenising. Tools, when
-# given, come first as a system block of their JSON specs (one a line, as Qwen renders them); a
+# given, come first as a system block, a line per tool: "name(param, ...): description" (terse:
+# these byte-level models spend a token on every two or three characters of a JSON schema); a
 # `tool` message is a message like any other. Without tools the rendering is plain ChatML.
 CHATML_TEMPLATE = (
     "{%- if tools -%}"
-    "{{- '<|im_start|>system\n# Tools\n<tools>' -}}"
-    "{%- for tool in tools -%}{{- '\n' + (tool | tojson) -}}{%- endfor -%}"
-    "{{- '\n</tools><|im_end|>\n' -}}"
+    "{{- '<|im_start|>system\n# Tools' -}}"
+    "{%- for tool in tools -%}"
+    "{%- set fn = tool['function'] if tool['function'] is defined else tool -%}"
+    "{%- set params = ((fn['parameters'] or {})['properties'] or {}) | list -%}"
+    "{{- '\n' + fn['name'] + '(' + params | join(', ') + ')' -}}"
+    "{%- if fn['description'] -%}{{- ': ' + fn['description'] -}}{%- endif -%}"
+    "{%- endfor -%}"
+    "{{- '<|im_end|>\n' -}}"
     "{%- endif -%}"
     "{%- for message in messages -%}"
     "{{- '<|im_start|>' + message['role'] + '\n' -}}"

@@ -445,6 +445,8 @@ def flatten(groups: Any) -> list[Any]:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
+    # Agent code's HTTP clients (the openai SDK's httpx) would log every request of every episode.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     ns = build_parser().parse_args(argv)
     import torch
 
