@@ -46,9 +46,9 @@ def _spans(sample: dict, tok) -> tuple[str, str]:
 
 
 def test_held_out_facts_are_searchable_only_in_evaluation_and_never_asked_in_training():
-    train = corpus.questions(64, seed=1)
+    train = corpus.questions(2 * corpus.N_TRAIN, seed=1)
     held_out = corpus.questions(16, seed=1, split=corpus.HELD_OUT)
-    assert train == corpus.questions(64, seed=1)
+    assert train == corpus.questions(2 * corpus.N_TRAIN, seed=1)
     asked_in_training = {q for q, _ in train}
     assert len(asked_in_training) == len(corpus.SPLITS[corpus.TRAIN])
     assert not asked_in_training & {q for q, _ in held_out}

@@ -1,15 +1,17 @@
-"""The research pair's corpus, questions and format-only warm-start data.
+"""The research pair's corpus, questions and warm-start data.
 
-The corpus is a handful of made-up facts, one document each: "The capital of Varo is Amel." A
-question asks for one of them ("What is the capital of Varo?"); its label is the capital. The
-countries are split in two: TRAIN questions ask about the first eight, HELD_OUT questions about
-the other four, and the documents of held-out countries are searchable in evaluation episodes
-only (`documents`), so nothing about a held-out fact is ever seen in training: a held-out answer
-can only come from reading what the search returns.
+The corpus is 120 made-up facts, one document each: "The capital of Bako is Mirenu." A question
+asks for one of them ("What is the capital of Bako?"); its label is the capital. The countries
+are split in two: TRAIN questions ask about the first 96, HELD_OUT questions about the other 24,
+and the documents of held-out countries are searchable in evaluation episodes only
+(`documents`), so nothing about a held-out fact is ever seen in training: a held-out answer can
+only come from reading what the search returns. The training facts are many on purpose: a team
+that learned a handful of them by heart would stop searching, and fail every held-out question.
 
-Names are made-up and capitalised: this project's small tokenizer has no merge across the
-space before a capital letter, so a name is the same tokens in a question, a tool call's JSON,
-a document and a `\\boxed{}` answer (a model can copy it token for token).
+Names are made-up, capitalised syllables, drawn once from a fixed seed (`FACTS` is the same on
+every machine): this project's small tokenizer has no merge across the space before a capital
+letter, so a name is the same tokens in a question, a tool call's JSON, a document and a
+`\\boxed{}` answer (a model can copy it token for token).
 
 `search` is the tool the agent code runs: a plain keyword match, the documents ranked by how
 many of the query's words they hold. Everything here is deterministic from its arguments.
@@ -24,25 +26,31 @@ from pathlib import Path
 from typing import Any
 
 TRAIN, HELD_OUT = "train", "held_out"
+N_FACTS, N_TRAIN = 120, 96
 
-# Country -> capital. The first eight are the training split, the last four the held-out one.
-FACTS: dict[str, str] = {
-    "Varo": "Amel",
-    "Kelia": "Bosk",
-    "Mundo": "Cirra",
-    "Brava": "Dunmo",
-    "Lorin": "Erro",
-    "Sudo": "Fenna",
-    "Pavia": "Galo",
-    "Dorne": "Hesk",
-    "Falo": "Ilmo",
-    "Nira": "Jarra",
-    "Zemo": "Koss",
-    "Gavi": "Lume",
-}
+
+def _made_up_facts(n: int) -> dict[str, str]:
+    """`n` countries, each with its capital: two-syllable country names, three-syllable capitals,
+    all different."""
+    rng = random.Random("research_pair:corpus")
+    syllables = [c + v for c in "bdfgklmnprstvz" for v in "aeiou"]
+    names: set[str] = set()
+
+    def draw(k: int) -> str:
+        while True:
+            name = "".join(rng.choice(syllables) for _ in range(k)).capitalize()
+            if name not in names:
+                names.add(name)
+                return name
+
+    return {draw(2): draw(3) for _ in range(n)}
+
+
+# Country -> capital. The first N_TRAIN are the training split, the rest the held-out one.
+FACTS: dict[str, str] = _made_up_facts(N_FACTS)
 COUNTRIES = list(FACTS)
 CITIES = list(FACTS.values())
-SPLITS = {TRAIN: COUNTRIES[:8], HELD_OUT: COUNTRIES[8:]}
+SPLITS = {TRAIN: COUNTRIES[:N_TRAIN], HELD_OUT: COUNTRIES[N_TRAIN:]}
 
 MAX_RESULTS = 2  # documents one search returns, best first
 NO_RESULTS = "No results."

@@ -1,7 +1,7 @@
 """A DeepResearch-style pair as agent code: a planner delegates, a searcher searches and reports.
 
 Two agents, each its own model: the `planner` gets a question whose answer is in the corpus
-(`examples.research_pair.corpus`: "What is the capital of Varo?"), writes a sub-question for the
+(`examples.research_pair.corpus`: "What is the capital of Laku?"), writes a sub-question for the
 `searcher`, reads its report and answers in `\\boxed{}`. The searcher gets only the sub-question;
 it may call the `search(query)` tool once (the code runs it: a keyword match over the corpus),
 reads the result (a `tool` message: context, never trained on), and reports what it found. The

@@ -1,6 +1,6 @@
 """`mrlx demo --research`: a planner and a searcher, two small CPU models, co-train as agent code.
 
-The task (`examples/research_pair`): the planner is asked "What is the capital of Varo?", whose
+The task (`examples/research_pair`): the planner is asked "What is the capital of Laku?", whose
 answer is in a small corpus of made-up facts. It delegates a sub-question to the searcher, which
 calls a `search(query)` tool (the episode's code runs it: a keyword match over the corpus), reads
 the result (a `tool` message: context, never trained on) and reports back; the planner answers
