@@ -3,6 +3,7 @@ the chat template with tools, then a short run of the whole loop on the CPU."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -108,10 +109,13 @@ def test_a_model_whose_template_cannot_show_tools_is_refused(tmp_path):
         tool_demo.tools_system_text(tmp_path / "model", data.TOOLS)
 
 
-def test_a_run_already_in_out_is_refused_unless_overwritten(tmp_path):
+def test_a_run_already_in_out_is_refused_unless_overwritten(tmp_path, capsys):
     (tmp_path / "metrics.json").write_text("{}")
     assert tool_demo.main(["--out", str(tmp_path), "--quiet"]) == 1
-    tool_demo._fresh(tmp_path, overwrite=True)
+    refused = capsys.readouterr().err
+    assert "already holds a run" in refused and "--overwrite" in refused and "--resume" not in refused
+    assert (tmp_path / "metrics.json").exists()
+    tool_demo._previous_run(tmp_path, argparse.Namespace(overwrite=True), tool_demo.RUN_STATE)
     assert not (tmp_path / "metrics.json").exists()
 
 

@@ -131,15 +131,39 @@ def _previous_run(out: Path, ns: argparse.Namespace, state: tuple[str, ...] = RU
     if not getattr(ns, "overwrite", False):
         from mrlx_plugin.core.config import ConfigError
 
+        resume = "--resume to continue it, " if hasattr(ns, "resume") else ""
         raise ConfigError(
-            f"--out {out} already holds a run ({found[0]}); pass --resume to continue it, --overwrite to "
-            "delete it and start over, or give another --out"
+            f"--out {out} already holds a run ({found[0]}); pass {resume}--overwrite to delete it and "
+            "start over, or give another --out"
         )
     for path in found + [out / "models"]:
         if path.is_dir():
             shutil.rmtree(path)
         elif path.exists():
             path.unlink()
+
+
+def example_root(package: str, command: str) -> Path:
+    """The folder holding the `examples` package whose `package` (e.g. "examples.tool_lookup") an
+    example demo runs: its trainers import the example's hooks, so it goes on their PYTHONPATH."""
+    import importlib
+
+    from mrlx_plugin.core.config import ConfigError
+
+    try:
+        module = importlib.import_module(package)
+    except ImportError:
+        raise ConfigError(
+            f"{command}'s task is {package.replace('.', '/')} in a checkout of the project; run it from the "
+            "checkout's root (or put that on PYTHONPATH)"
+        ) from None
+    return Path(module.__file__).resolve().parents[2]
+
+
+def example_env(root: Path, **extra: str) -> dict[str, str]:
+    """This process's environment with `root` first on PYTHONPATH, and `extra` variables."""
+    path = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
+    return dict(os.environ, PYTHONPATH=path, **extra)
 
 
 def run_demo(ns: argparse.Namespace) -> dict[str, Any]:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import secrets
 import subprocess
@@ -35,6 +34,8 @@ from mrlx_plugin.local.demo import (
     _previous_run,
     _rows,
     check_trainers,
+    example_env,
+    example_root,
     start_services,
     start_trainer,
 )
@@ -84,20 +85,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-router", action="store_true", help="talk to the engines directly")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     return p
-
-
-def _task_root() -> Path:
-    """The folder holding the `examples` package (the task's hooks and corpus): the trainers import it."""
-    from mrlx_plugin.core.config import ConfigError
-
-    try:
-        from examples.research_pair import corpus
-    except ImportError:
-        raise ConfigError(
-            "the research demo's task is examples/research_pair in a checkout of the project; run the demo "
-            "from the checkout's root (or put it on PYTHONPATH)"
-        ) from None
-    return Path(corpus.__file__).resolve().parents[2]
 
 
 def _job_yaml(
@@ -229,7 +216,7 @@ def run_research_demo(ns: argparse.Namespace) -> dict[str, Any]:
         raise ConfigError(
             "--steps, --eval-interval and --eval-prompts must be at least 1, --warmup-steps 0 or more"
         )
-    root = _task_root()
+    root = example_root("examples.research_pair.corpus", "mrlx demo --research")
     from examples.research_pair import corpus
 
     out = Path(ns.out)
@@ -238,11 +225,7 @@ def run_research_demo(ns: argparse.Namespace) -> dict[str, Any]:
         (out / name).mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     token = secrets.token_urlsafe(24)
-    env = dict(
-        os.environ,
-        MRLX_DEMO_TOKEN=token,
-        PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])),
-    )
+    env = example_env(root, MRLX_DEMO_TOKEN=token)
     try:
         models = {
             PLANNER: ensure_model(out / "models" / PLANNER, preset=ns.preset, seed=ns.seed),

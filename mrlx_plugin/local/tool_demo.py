@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
-import shutil
 import subprocess
 import sys
 import time
@@ -30,12 +28,21 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from mrlx_plugin.local.demo import _peak_kib, _rows
+from mrlx_plugin.local.demo import (
+    _peak_kib,
+    _previous_run,
+    _rows,
+    check_trainers,
+    example_env,
+    example_root,
+    start_trainer,
+)
 
 AGENT = "solver"
 SYSTEM = "tool_lookup"
 HOOKS = "examples.tool_lookup.hooks"
 # What a run leaves in --out besides the model (which comes back identical from --preset and --seed).
+ROLLOUT = "mrlx_plugin.local.fake_host.default_rollout"  # slime's default rollout, as the trainer's own
 RUN_STATE = (AGENT, "logs", "metrics.json", "rewards.png", "job.yaml", "prompts", "warm_start.jsonl")
 MAX_NEW_TOKENS = 64  # one turn: a call of lookup (about 57 tokens here) or "\\boxed{7}"
 MAX_RESPONSE = 128  # the conversation after the prompt: the call, the tool's answer, the answer
@@ -75,20 +82,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _task_root() -> Path:
-    """The folder holding the `examples` package (the task's hooks and data): the trainer imports it."""
-    from mrlx_plugin.core.config import ConfigError
-
-    try:
-        from examples.tool_lookup import data
-    except ImportError:
-        raise ConfigError(
-            "the tool demo's task is examples/tool_lookup in a checkout of the project; run the demo from "
-            "the checkout's root (or put it on PYTHONPATH)"
-        ) from None
-    return Path(data.__file__).resolve().parents[2]
-
-
 def tools_system_text(model_dir: Path, tools: list[dict]) -> str:
     """The system message that renders exactly as the model's chat template renders `tools`.
 
@@ -115,21 +108,6 @@ def tools_system_text(model_dir: Path, tools: list[dict]) -> str:
             "messages (a model built before tool support?); remove that directory or give another --out"
         )
     return text
-
-
-def _fresh(out: Path, overwrite: bool) -> None:
-    """Refuse to start over a run in --out (its metrics and checkpoints would mix with this one's),
-    unless told to replace it."""
-    from mrlx_plugin.core.config import ConfigError
-
-    found = [out / name for name in RUN_STATE if (out / name).exists()]
-    if found and not overwrite:
-        raise ConfigError(
-            f"--out {out} already holds a run ({found[0]}); pass --overwrite to delete it and start over, "
-            "or give another --out"
-        )
-    for path in found:
-        shutil.rmtree(path) if path.is_dir() else path.unlink()
 
 
 def _job_yaml(path: Path, model: Path, ns: argparse.Namespace) -> Path:
@@ -176,17 +154,17 @@ def _job_yaml(path: Path, model: Path, ns: argparse.Namespace) -> Path:
 
 def run_tool_demo(ns: argparse.Namespace) -> dict[str, Any]:
     from mrlx_plugin.core.config import ConfigError
-    from mrlx_plugin.core.processes import start, stop_all
+    from mrlx_plugin.core.processes import stop_all
     from mrlx_plugin.local.model import ensure_model
     from mrlx_plugin.local.processes import start_engine
 
     if ns.steps < 1 or ns.eval_interval < 1 or ns.eval_prompts < 1:
         raise ConfigError("--steps, --eval-interval and --eval-prompts must be at least 1")
-    root = _task_root()
+    root = example_root("examples.tool_lookup.data", "mrlx demo --tools")
     from examples.tool_lookup import data
 
     out = Path(ns.out)
-    _fresh(out, ns.overwrite)
+    _previous_run(out, ns, RUN_STATE)
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
@@ -202,9 +180,7 @@ def run_tool_demo(ns: argparse.Namespace) -> dict[str, Any]:
     )
     warmup = data.warmup_examples(out / "warm_start.jsonl", 2000, ns.seed, tools_text)
     config = _job_yaml(out / "job.yaml", model, ns)
-    env = dict(
-        os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
-    )
+    env = example_env(root)
 
     procs: list[Any] = []
     jobs: list[subprocess.Popen] = []
@@ -219,18 +195,7 @@ def run_tool_demo(ns: argparse.Namespace) -> dict[str, Any]:
             extra=["--seed", str(ns.seed), "--max-batch", "256"],
         )
         procs.append(engine)
-        argv = [
-            sys.executable,
-            "-m",
-            "mrlx_plugin.local.trainer",
-            "--config",
-            str(config),
-            "--model",
-            str(model),
-            "--engine-url",
-            engine.url,
-            "--router-url",
-            engine.url,
+        extra = [
             "--num-rollout",
             str(ns.steps),
             "--prompt-data",
@@ -249,17 +214,12 @@ def run_tool_demo(ns: argparse.Namespace) -> dict[str, Any]:
             str(ns.eval_interval),
             "--eval-prompt-data",
             str(held_out),
-            "--out",
-            str(out / AGENT),
-            "--seed",
-            str(ns.seed),
         ] + (["--save-samples"] if ns.save_samples else [])
-        with open(logs / "trainer.log", "ab") as log:
-            jobs.append(start(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True))
+        jobs.append(
+            start_trainer(out, AGENT, config, model, engine.url, engine.url, ROLLOUT, env, ns.seed, extra)
+        )
         _follow(ns, out, jobs[0], procs, peak_kib)
-        if jobs[0].returncode != 0:
-            tail = (logs / "trainer.log").read_text(errors="replace")[-3000:]
-            raise RuntimeError(f"the trainer failed (exit {jobs[0].returncode}):\n{tail}")
+        check_trainers(out, {AGENT: jobs[0]})
         own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         peak_mib = (sum(peak_kib.values()) + own) / 1024
     return _report(ns, out, time.monotonic() - started, peak_mib)
