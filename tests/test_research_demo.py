@@ -28,7 +28,7 @@ SHORT = [
     "2",
     # Enough for the tiny searcher to write well-formed calls (the tool's output is then in its samples).
     "--warmup-steps",
-    "120",
+    "1000",
     "--warmup-lr",
     "1e-2",
     "--save-samples",
@@ -111,7 +111,7 @@ def test_short_research_demo_trains_both_models_and_masks_the_tool_output(tmp_pa
         assert [r["engine/weight_versions"] for r in rows] == [["1"], ["2"]]
     for name in ("planner", "searcher"):
         warm = [r for r in report["metrics"][name] if r["step"] == -1 and "warm_start/steps" in r]
-        assert warm and warm[0]["warm_start/steps"] == 120
+        assert warm and warm[0]["warm_start/steps"] == 1000
     summary = report["summary"]
     assert summary["held_out"]["before"]["step"] == 0 and summary["held_out"]["after"]["step"] == 2
     assert summary["agents"]["searcher"]["samples_trained"] == 16
