@@ -109,15 +109,17 @@ TURN_LOGPROB_SCORE = (
 )
 
 
+@pytest.mark.parametrize("target", ["score", "taken_return"])
 def test_tree_sampling_trains_k_candidates_per_turn_as_one_group(
-    stub_engine, tiny_model_dir, tmp_path, monkeypatch
+    target, stub_engine, tiny_model_dir, tmp_path, monkeypatch
 ):
-    mrlx = _mrlx(credit="turn", branch=3, gamma=1.0)
+    mrlx = _mrlx(credit="turn", branch=3, gamma=1.0, branch_target=target)
     mrlx["plugins"] = [write_hook_module(tmp_path, monkeypatch, "turns_by_logprob", TURN_LOGPROB_SCORE)]
     before = _stub_requests(stub_engine)
     args, [out], per_episode = _run(stub_engine, tiny_model_dir, mrlx)
     assert _stub_requests(stub_engine) - before == 4 * 3  # four turns, three candidates each
     assert per_episode == len(out) == 2 * 2 * 3
+    assert {s.metadata["mrlx"]["engine_calls"] for s in out} == {4 * 3}
     groups: dict[str, list] = {}
     for s in out:
         groups.setdefault(s.metadata["mrlx"]["credit_group"], []).append(s)
@@ -135,20 +137,21 @@ def test_tree_sampling_trains_k_candidates_per_turn_as_one_group(
         scores = [round(sum(s.rollout_log_probs), 6) for s in members]
         assert round(sum(taken[0].rollout_log_probs), 6) == max(scores)  # the best is taken
         assert len(set(scores)) > 1  # the candidates differ (each its own seed)
-        for s, score in zip(members, scores):  # a candidate not taken has no future: its score
-            if s is not taken[0]:
+        for s, score in zip(members, scores):  # a candidate not taken: its score
+            if s is not taken[0] or target == "score":  # by score: the taken one too
                 assert s.reward == pytest.approx(score, abs=1e-5)
         meta = taken[0].metadata["mrlx"]
         taken_score[(meta["agent"], meta["turn"])] = max(scores)
-    for agent in AGENTS:  # the taken turns: their own score, then the outcome (1.0), gamma 1
-        rewards = {
-            s.metadata["mrlx"]["turn"]: s.reward
-            for s in out
-            if s.metadata["mrlx"]["agent"] == agent and not s.metadata["mrlx"]["candidate"]
-        }
-        last = taken_score[(agent, 1)] + 1.0
-        assert rewards[1] == pytest.approx(last, abs=1e-5)
-        assert rewards[0] == pytest.approx(taken_score[(agent, 0)] + last, abs=1e-5)
+    if target == "taken_return":
+        for agent in AGENTS:  # the taken turns: their own score, then the outcome (1.0), gamma 1
+            rewards = {
+                s.metadata["mrlx"]["turn"]: s.reward
+                for s in out
+                if s.metadata["mrlx"]["agent"] == agent and not s.metadata["mrlx"]["candidate"]
+            }
+            last = taken_score[(agent, 1)] + 1.0
+            assert rewards[1] == pytest.approx(last, abs=1e-5)
+            assert rewards[0] == pytest.approx(taken_score[(agent, 0)] + last, abs=1e-5)
     raw, adv = normalize(args, out)
     sums: dict = {}
     for s, a in zip(out, adv):
@@ -249,3 +252,22 @@ def test_candidates_differ_when_the_host_sends_its_own_seed(
     for s in out:
         groups.setdefault(s.metadata["mrlx"]["credit_group"], []).append(round(sum(s.rollout_log_probs), 6))
     assert len(groups) == 4 and all(len(set(scores)) == 3 for scores in groups.values()), groups
+
+
+def test_ties_are_drawn_at_random_and_the_same_on_a_rerun():
+    from types import SimpleNamespace
+
+    from mrlx_plugin.episodes.turn import _pick
+
+    def pick(episode_id: str, scores: list[float], how: str = "best") -> int:
+        rewards = SimpleNamespace(branch_pick=how)
+        episode = SimpleNamespace(id=episode_id, settings=SimpleNamespace(rewards=rewards))
+        return _pick(episode, scores, SimpleNamespace(label="solver"), 0)
+
+    ties = [pick(f"ep{i}", [0.0] * 4) for i in range(400)]
+    assert all(40 <= ties.count(c) <= 160 for c in range(4)), ties  # no position favoured
+    assert ties == [pick(f"ep{i}", [0.0] * 4) for i in range(400)]  # seeded: a rerun picks the same
+    best = {pick(f"ep{i}", [0.0, 1.0, 1.0, 0.5]) for i in range(100)}
+    assert best == {1, 2}  # only the best, either of them
+    uniform = [pick(f"ep{i}", [5.0, 0.0, 0.0, 0.0], "random") for i in range(400)]
+    assert all(40 <= uniform.count(c) <= 160 for c in range(4))  # the score does not matter

@@ -354,7 +354,8 @@ class RewardSettings(Section):
         "episode",
         description="`episode`: one sample per transcript (all of an agent's turns, one reward); `turn`: "
         "one sample per model turn, its reward the turn's own plus the discounted outcome, "
-        "normalised per (prompt group, agent, role, turn index)",
+        "normalised per (prompt group, agent, role, what the turn saw: the system's observation key, "
+        "else the turn index)",
     )
     gamma: bounded(
         float,
@@ -367,10 +368,17 @@ class RewardSettings(Section):
         description="`credit: turn`: candidates sampled per trainable turn from one context (tree sampling); "
         "the K are scored, trained as one advantage group, and the episode goes on from one",
     )
-    branch_pick: Literal["best", "sample"] = Field(
+    branch_pick: Literal["best", "sample", "random"] = Field(
         "best",
-        description="which candidate the episode goes on from: the best-scored (first on ties), or one "
-        "drawn with probability rising with its score (softmax)",
+        description="which candidate the episode goes on from: the best-scored (ties drawn at random, "
+        "seeded), one drawn with probability rising with its score (softmax), or one drawn uniformly "
+        "(`random`: the policy's own sample, so later turns see the states the policy reaches)",
+    )
+    branch_target: Literal["score", "taken_return"] = Field(
+        "score",
+        description="what the K candidates of a turn train on: `score`, each its score (one quantity for "
+        "all K; docs/credit.md); `taken_return`, the taken one its realised return and the others "
+        "their scores (biased: two quantities in one group; kept to compare with)",
     )
 
 

@@ -8,7 +8,8 @@ token counts, aborted/retried turns, ...), so the metrics are computed from the 
 | `reward/<agent>/mean` | mean raw (graded, unshaped) reward of the agent's samples |
 | `reward/<agent>/shaped_mean` | mean reward the agent trains on (after team weighting/shaping) |
 | `multi_agent/episodes` | episodes in the rollout |
-| `multi_agent/avg_turns` | engine calls per episode |
+| `multi_agent/avg_turns` | model turns per episode (with tree sampling: the candidates gone on from) |
+| `multi_agent/engine_calls` | engine calls per episode: turns, tree-sampling candidates, rollout moves |
 | `multi_agent/early_termination_rate` | episodes a stop rule ended before `max_turns` |
 | `multi_agent/conversation_token_count` | tokens per episode, summed over every agent's view |
 | `multi_agent/team_reward` | mean grade of the team's final answer |
@@ -87,6 +88,7 @@ def compute_metrics(samples: list[Any]) -> dict[str, float]:
         n = len(eps)
         out["multi_agent/episodes"] = float(n)
         out["multi_agent/avg_turns"] = sum(e.get("turns", 0) for e in eps) / n
+        out["multi_agent/engine_calls"] = sum(e.get("engine_calls", 0) for e in eps) / n
         out["multi_agent/early_termination_rate"] = sum(bool(e.get("stopped_early")) for e in eps) / n
         out["multi_agent/conversation_token_count"] = sum(e.get("conversation_tokens", 0) for e in eps) / n
         out["multi_agent/aborted_episodes"] = float(sum(bool(e.get("aborted")) for e in eps))

@@ -21,6 +21,7 @@ turn's own ids its response.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,9 +77,15 @@ class Transcript:
     role: str = ""  # a role within the agent (a game seat): its own baseline when normalising
     # One entry per turn: the turn's own reward (None: not scored yet; see episode.turn_returns).
     turn_rewards: list[float | None] = field(default_factory=list)
+    # One entry per turn: what the agent saw when it took the turn, as a key (a game's
+    # information state), or None; per-turn credit compares turns with the same key.
+    turn_keys: list[str | None] = field(default_factory=list)
     # Tree sampling: turn index -> the candidates sampled beside that turn and not taken, with
-    # their scores.
+    # their scores; and the taken candidate's own score.
     branches: dict[int, list[tuple[Turn, float]]] = field(default_factory=dict)
+    taken_scores: dict[int, float] = field(default_factory=dict)
+    # A copy played ahead to score a candidate (`fork`): never trained, its turns not the episode's.
+    lookahead: bool = False
     prompt_messages: list[dict[str, str]] = field(default_factory=list)
     # OpenAI function specs the chat template renders (agents as code); part of every rendering.
     tools: list[dict] | None = None
@@ -167,6 +174,7 @@ class Transcript:
         turn.start = len(self.response_ids)
         self.turns.append(turn)
         self.turn_rewards.append(None)
+        self.turn_keys.append(None)
         self.response_ids.extend(turn.token_ids)
         self.loss_mask.extend([1 if self.trainable else 0] * len(turn.token_ids))
         self.logprobs.extend(turn.logprobs if self.trainable else [0.0] * len(turn.token_ids))
@@ -209,6 +217,26 @@ class Transcript:
         self.logprobs.extend([0.0] * len(ids))
         self._held.append(text)
         return fits
+
+    def fork(self) -> Transcript:
+        """A copy to play ahead on (tree sampling's rollouts): what it appends leaves this one as
+        it is, it trains nothing (loss mask 0) and it is marked `lookahead`."""
+        return dataclasses.replace(
+            self,
+            messages=list(self.messages),
+            trainable=False,
+            response_ids=list(self.response_ids),
+            loss_mask=list(self.loss_mask),
+            logprobs=list(self.logprobs),
+            weight_versions=list(self.weight_versions),
+            turns=[dataclasses.replace(t) for t in self.turns],
+            turn_rewards=list(self.turn_rewards),
+            turn_keys=list(self.turn_keys),
+            branches={},
+            taken_scores={},
+            lookahead=True,
+            _held=list(self._held),
+        )
 
     def mark(self) -> tuple:
         """Where the transcript stands, for `rollback` (a request whose turn never ran)."""

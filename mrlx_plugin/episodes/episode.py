@@ -87,6 +87,7 @@ class Episode:
         self.abort_reason: str | None = None
         self.stopped_early = False
         self.turns = 0
+        self.engine_calls = 0  # every call answered: turns, tree-sampling candidates, rollout moves
         self.retried_turns = 0
         self.aborted_turns = 0
         self.started = time.monotonic()
@@ -118,11 +119,13 @@ class Episode:
         role: str = "",
         tools: list[dict] | None = None,
         tools_key: str = "",
+        lookahead: bool = False,
     ) -> Transcript | str:
         """`new_transcript` for a system that goes on when a prompt does not fit: the transcript,
         or the reason it was not opened (its prompt leaves no room for a turn; nothing is
         recorded). `tools`: OpenAI function specs the chat template renders (`tools_key`, their
-        canonical JSON, keys the prompt cache)."""
+        canonical JSON, keys the prompt cache). `lookahead`: a view opened while playing ahead to
+        score a candidate (`Transcript.fork`): not the episode's, never trained."""
         limit = self.context_limit(agent)
         t = Transcript.start(
             agent,
@@ -141,7 +144,10 @@ class Episode:
                 f"the prompt of {t.label} is {len(t.prompt_ids)} tokens, which leaves no room "
                 f"for a turn within its context limit of {limit} tokens"
             )
-        self.transcripts.append(t)
+        if lookahead:
+            t.trainable, t.lookahead = False, True
+        else:
+            self.transcripts.append(t)
         return t
 
     def context_limit(self, agent: str) -> int | None:
@@ -216,9 +222,11 @@ class Episode:
         Tree sampling (`rewards.credit: turn` with `rewards.branch: K > 1`, trainable agents,
         not in evaluation): K candidates are sampled from the same context, each is scored with
         `score(turn)` (a float or an awaitable of one) or, without `score`, the `mrlx_turn_reward`
-        hook; the episode goes on from the best one (`rewards.branch_pick: best`, first on ties)
-        or one drawn by softmax of the scores (`sample`). The others are kept for the samples
-        (`transcript.branches`) and the taken one's score becomes its turn reward.
+        hook (the K scored concurrently); the episode goes on from the best one
+        (`rewards.branch_pick: best`, ties drawn at random, seeded), one drawn by softmax of the
+        scores (`sample`) or one drawn uniformly (`random`). The others are kept for the samples
+        (`transcript.branches`); the taken one's score is kept too (`transcript.taken_scores`)
+        and is its turn reward until the system sets another.
 
         `on_fault(error)`, awaited on each engine fault that would be retried until the peer
         deadline, may end the episode at once: it returns the reason (e.g. the peer is known to
@@ -435,17 +443,24 @@ class Episode:
         return returns
 
     def turn_samples(self, t: Transcript) -> list[Any]:
-        """One sample per model turn of `t`, reward = its return (`turn_returns`); with tree
-        sampling, after each turn the candidates sampled beside it and not taken. A candidate
-        the episode did not go on from has no future: its reward is its score (which may settle
-        more than its own reward, e.g. the outcome of a move that ends a game)."""
+        """One sample per model turn of `t`; with tree sampling, after each turn the candidates
+        sampled beside it and not taken.
+
+        A turn without candidates trains on its return (`turn_returns`). At a turn with
+        candidates (`transcript.branches`), under `rewards.branch_target: score` every one of
+        the K, the taken one included, trains on its score: one quantity for the whole group, so
+        that equal candidates get equal advantages. Under `taken_return` the taken one trains
+        on its realised return and the others on their scores (see docs/credit.md: biased)."""
         returns = self.turn_returns(t)
+        by_score = self.settings.rewards.branch_target == "score"
         out = []
         for i, turn in enumerate(t.turns):
+            candidates = t.branches.get(i)
+            reward = t.taken_scores[i] if candidates is not None and by_score else returns[i]
             out.append(
-                t.turn_sample(self.sample, self.rollout_id, i, turn, returns[i], meta=self.sample_meta(t, i))
+                t.turn_sample(self.sample, self.rollout_id, i, turn, reward, meta=self.sample_meta(t, i))
             )
-            for candidate, score in t.branches.get(i, []):
+            for candidate, score in candidates or []:
                 out.append(
                     t.turn_sample(
                         self.sample,
@@ -460,17 +475,18 @@ class Episode:
 
     def credit_group(self, t: Transcript | None, turn: int | None) -> str | None:
         """The set of samples (within one prompt group) an advantage is relative to: the agent
-        and its role; per turn, also the turn index; with tree sampling, the K candidates of one
-        turn of one episode."""
+        and its role; per turn, also what the turn saw (the system's key for it, a game's
+        information state: `transcript.turn_keys`), else the turn index; with tree sampling,
+        the K candidates of one turn of one episode."""
         if t is None:
             return None
         group = t.agent + (f"@{t.role}" if t.role else "")
         if turn is None:
             return group
-        group += f"/turn{turn}"
-        if self.branch_width(t) > 1:
-            group += f"/{self.key}:{t.label}"
-        return group
+        key = t.turn_keys[turn] if turn < len(t.turn_keys) else None
+        if t.branches.get(turn) is not None:
+            return f"{group}/turn{turn}/{self.key}:{t.label}"
+        return f"{group}/seen:{key}" if key is not None else f"{group}/turn{turn}"
 
     def sample_meta(
         self, t: Transcript | None, turn: int | None = None, candidate: bool = False
@@ -485,6 +501,7 @@ class Episode:
             "episode_id": self.id,
             "system": self.settings.system,
             "turns": self.turns,
+            "engine_calls": self.engine_calls,
             "conversation_tokens": self.conversation_tokens(),
             "aborted": self.aborted,
             "abort_reason": self.abort_reason,

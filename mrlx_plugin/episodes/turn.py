@@ -56,17 +56,20 @@ async def take_turn(
     if k == 1:
         turn = await _sample(episode, transcript, agent, params, 0, on_fault)
         transcript.append_generated(turn)
-        episode.turns += 1
+        if not transcript.lookahead:
+            episode.turns += 1
         return turn
-    # Tree sampling: K candidates from the same context, each scored; the episode goes on from one.
+    # Tree sampling: K candidates from the same context, each scored (concurrently: a score may
+    # play the game on from its candidate); the episode goes on from one.
     candidates = await episode.gather(
         *(_sample(episode, transcript, agent, params, c, on_fault) for c in range(k))
     )
     index = len(transcript.turns)
-    scores = [await episode.score_turn(transcript, index, turn, score) for turn in candidates]
+    scores = await episode.gather(*(episode.score_turn(transcript, index, t, score) for t in candidates))
     taken = _pick(episode, scores, transcript, index)
     transcript.append_generated(candidates[taken])
     transcript.turn_rewards[-1] = scores[taken]
+    transcript.taken_scores[index] = scores[taken]
     transcript.branches[index] = [(c, s) for i, (c, s) in enumerate(zip(candidates, scores)) if i != taken]
     episode.turns += 1
     episode.metadata["branch_candidates"] = episode.metadata.get("branch_candidates", 0) + k - 1
@@ -86,11 +89,19 @@ def sampling_for(base: dict[str, object], agent: AgentSettings, overrides: dict[
 
 
 def _pick(episode: Episode, scores: list[float], transcript: Transcript, index: int) -> int:
-    if episode.settings.rewards.branch_pick == "best":
-        return max(range(len(scores)), key=lambda i: (scores[i], -i))
+    """The candidate the episode goes on from (`rewards.branch_pick`). Every draw, ties of `best`
+    included, is seeded by the episode, the transcript and the turn: a rerun picks the same, and
+    no candidate position is favoured (first-on-ties would nearly always take candidate 0 where
+    scores are equal, as they are before a game's end)."""
+    rng = random.Random(zlib.crc32(f"{episode.id}:{transcript.label}:{index}".encode()))
+    pick = episode.settings.rewards.branch_pick
+    if pick == "random":
+        return rng.randrange(len(scores))
+    if pick == "best":
+        top = max(scores)
+        return rng.choice([i for i, s in enumerate(scores) if s == top])
     top = max(scores)
     weights = [math.exp(s - top) for s in scores]
-    rng = random.Random(zlib.crc32(f"{episode.id}:{transcript.label}:{index}".encode()))
     return rng.choices(range(len(scores)), weights=weights)[0]
 
 
@@ -144,6 +155,7 @@ async def _sample(
                 _end(episode, why)
             raise
         retried = retried or result.retries > 0
+        episode.engine_calls += 1
         if result.finish_reason == "abort":
             episode.aborted_turns += 1
             if not peer:
