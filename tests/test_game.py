@@ -34,15 +34,19 @@ ENGINE = {"max_retries": 0, "request_timeout_s": 10}
 
 @pytest.fixture
 def stubs(logs_dir, request):
-    """Start stub engines: `stubs(text)` is a started stub answering `text` (a short answer, the
-    end-of-sequence id last); all are stopped when the test ends."""
+    """Start stub engines: `stubs(text, ...)` is a started stub answering `text` (a short answer,
+    the end-of-sequence id last; several texts in turn); all are stopped when the test ends."""
     started = []
 
-    def start(text: str):
+    def start(*texts: str):  # several: request n answers texts[(n - 1) % len(texts)]
         proc = start_stub_engine(
             log_dir=logs_dir,
             name=f"stub-game-{request.node.name[:30]}-{len(started)}",
-            extra=["--text", text, "--response-tokens", str(len(text) + 1)],
+            extra=[
+                *(a for text in texts for a in ("--text", text)),
+                "--response-tokens",
+                str(max(map(len, texts)) + 1),
+            ],
         )
         started.append(proc)
         return proc
@@ -281,31 +285,118 @@ def test_the_pool_draws_an_opponent_per_episode_deterministically(stubs, tiny_mo
 # --- credit and tree sampling ---------------------------------------------------------------
 
 
-def test_tree_sampling_goes_on_from_the_right_step_of_a_chain(stubs, tiny_model_dir):
+@pytest.mark.parametrize("branch_score", ["rollout", "settle"])
+def test_tree_sampling_goes_on_from_the_right_step_of_a_chain(branch_score, stubs, tiny_model_dir):
     # Request i answers \boxed{i}: of the 4 candidates of a turn exactly one is right.
     stub = stubs("\\boxed{{i}}")
     mrlx = game_mrlx(
         {"solver": {"url": "self"}},
-        {"name": "chain", "options": {"max_steps": 3}},
+        {"name": "chain", "options": {"max_steps": 3}, "branch_score": branch_score},
         rewards={"credit": "turn", "gamma": 0.9, "branch": 4},
     )
-    outs, _ = episodes(stub.url, tiny_model_dir, mrlx, ["Chain: 1 +2 +4"])  # 3, then 7: requests 3 and 7
+    # Turn 0: requests 0-3, the right 3. Its rollout (branch_score: rollout) plays the next step
+    # with one call, request 4: wrong, so the chain it plays out fails there. Turn 1: requests
+    # 4-7 (5-8 after a rollout), the right 7, which ends the chain: nothing left to roll out.
+    outs, _ = episodes(stub.url, tiny_model_dir, mrlx, ["Chain: 1 +2 +4"])
     (out,) = outs
-    assert calls(stub) == 8 and len(out) == 1 * 3 * 4  # transcripts x turns x branch
+    rollouts = 1 if branch_score == "rollout" else 0
+    assert calls(stub) == 8 + rollouts and len(out) == 1 * 3 * 4  # transcripts x turns x branch
     real = [s for s in out if s.status != Status.ABORTED]
     assert len(real) == 8 and facts(real[0])["winner"] == "solver" and facts(real[0])["outcome"] == [1.0]
     assert facts(real[0])["branch_candidates"] == 6
+    assert real[0].metadata["mrlx"]["engine_calls"] == 8 + rollouts
     taken = {s.metadata["mrlx"]["turn"]: s for s in real if not s.metadata["mrlx"]["candidate"]}
     assert taken[0].response.startswith("\\boxed{3}") and taken[1].response.startswith("\\boxed{7}")
-    # turn 1: its own 1 and the outcome 1; turn 0: its own 1 and 0.9 of that
-    assert taken[1].reward == pytest.approx(2.0) and taken[0].reward == pytest.approx(1.0 + 0.9 * 2.0)
-    # the wrong candidates ended the chain (a wrong step: own 0, outcome 0) and have no future
+    # Every candidate trains on its score. Turn 1's right step ends the chain: its own 1 and the
+    # outcome 1. Turn 0's right step: its own 1, and by rollout 0.9 x its played-out future (a
+    # wrong step: 0), or settled at once (the step does not end the chain: its own 1). Either
+    # way not the return the episode went on to realise (1 + 0.9 x 2), which a rollout of the
+    # same policy need not reach.
+    assert taken[1].reward == pytest.approx(2.0) and taken[0].reward == pytest.approx(1.0)
+    # the wrong candidates ended the chain (a wrong step: own 0, outcome 0)
     assert [s.reward for s in real if s.metadata["mrlx"]["candidate"]] == [0.0] * 6
     groups = {s.metadata["mrlx"]["credit_group"] for s in real}
     assert len(groups) == 2  # the 4 candidates of each turn are one group
     metrics = compute_metrics(out)
     assert metrics["credit/branch_candidates"] == 6 and metrics["credit/turn_samples"] == 8
+    assert metrics["multi_agent/engine_calls"] == 8 + rollouts
     assert metrics["game/win_rate/solver"] == 1.0
+
+
+@pytest.mark.parametrize("target", ["score", "taken_return"])
+def test_equal_candidates_get_equal_advantages(target, stubs, tiny_model_dir):
+    # Turn 0 of "Chain: 1 +2 +4" (3, then 7) gets candidates 3, 3, 0, 0: two equal right answers,
+    # one of which the episode goes on from; turn 1 gets 7, 0, 0, 0 and the chain succeeds.
+    stub = stubs(*(f"\\boxed{{{n}}}" for n in (3, 3, 0, 0, 7, 0, 0, 0)))
+    mrlx = game_mrlx(
+        {"solver": {"url": "self"}},
+        {"name": "chain", "options": {"max_steps": 2}, "branch_score": "settle"},
+        rewards={"credit": "turn", "gamma": 0.9, "branch": 4, "branch_target": target},
+    )
+    outs, args = episodes(stub.url, tiny_model_dir, mrlx, ["Chain: 1 +2 +4"])
+    (out,) = outs
+    _, advantages = normalize(args, out)
+    first = [(s, a) for s, a in zip(out, advantages) if s.metadata["mrlx"]["turn"] == 0]
+    right = [(s.reward, a) for s, a in first if s.response.startswith("\\boxed{3}")]
+    assert len(right) == 2 and len(first) == 4
+    if target == "score":  # both trained on their score: the same reward, the same advantage
+        assert right[0] == pytest.approx(right[1]) and right[0][0] == pytest.approx(1.0)
+        assert right[0][1] > 0
+    else:  # the bias it keeps: the taken one on its return (1 + 0.9 x 2), its twin on its score
+        assert sorted(r for r, _ in right) == pytest.approx([1.0, 1.0 + 0.9 * 2.0])
+        assert right[0][1] != pytest.approx(right[1][1])
+
+
+@pytest.mark.parametrize("target", ["score", "taken_return"])
+def test_the_winning_move_is_not_pushed_down_for_not_being_taken(target, stubs, tiny_model_dir):
+    # Nim from 6 stones, one model in both seats, every answer "take 2": 6 -> 4 -> 2 -> 0, the
+    # first seat wins. Each turn's two candidates are the same move; the first seat's first is
+    # the only winning move from 6 (it leaves a multiple of 4).
+    # `taken_return` with `settle` scores is the estimator before `score` and rollouts.
+    stub = stubs("\\boxed{2}")
+    scored = "rollout" if target == "score" else "settle"
+    mrlx = game_mrlx(
+        {"player": {"url": "self"}},
+        {"name": "nim", "seats": ["player", "player"], "branch_score": scored},
+        rewards={"credit": "turn", "gamma": 1.0, "branch": 2, "branch_target": target},
+    )
+    outs, args = episodes(stub.url, tiny_model_dir, mrlx, ["Nim: 6 stones"])
+    (out,) = outs
+    _, advantages = normalize(args, out)
+    opening = [
+        (s.reward, a)
+        for s, a in zip(out, advantages)
+        if s.status != Status.ABORTED
+        and s.metadata["mrlx"]["role"] == "first"
+        and s.metadata["mrlx"]["turn"] == 0
+    ]
+    assert len(opening) == 2
+    if target == "score":  # both rolled out to the win: +1 each, advantage 0 for both
+        assert opening == [(1.0, pytest.approx(0.0)), (1.0, pytest.approx(0.0))]
+    else:  # the taken one on the win it led to, its twin on what it settles at once (0): pushed down
+        assert sorted(r for r, _ in opening) == [0.0, 1.0]
+        assert min(a for _, a in opening) < 0
+
+
+def test_turns_are_compared_with_the_turns_that_saw_the_same(stubs, tiny_model_dir):
+    # Kuhn poker by self-play, every answer "check": 8 episodes of one prompt group, each dealt
+    # its own cards. The first seat's opening turns are grouped by what it saw (its card), not
+    # only by the turn index.
+    stub = stubs("\\boxed{check}")
+    mrlx = game_mrlx(
+        {"player": {"url": "self"}},
+        {"name": "kuhn_poker", "seats": ["player", "player"]},
+        rewards={"credit": "turn"},
+    )
+    outs, _ = episodes(stub.url, tiny_model_dir, mrlx, ["Kuhn poker"], per_prompt=8)
+    groups: dict[str, set[str]] = {}
+    for s in (s for out in outs for s in out):
+        meta = s.metadata["mrlx"]
+        if s.status != Status.ABORTED and meta["role"] == "first" and meta["turn"] == 0:
+            card = s.prompt[-1]["content"].split("Your card: ")[1][0]
+            groups.setdefault(meta["credit_group"], set()).add(card)
+    assert len(groups) >= 2  # 8 deals hold at least two of the three cards
+    assert all(len(cards) == 1 for cards in groups.values())  # one card per group
 
 
 def test_a_wrong_step_ends_the_chain_with_outcome_zero(stubs, tiny_model_dir):

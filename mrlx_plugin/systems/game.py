@@ -2,7 +2,9 @@
 
 A game is a plain object with the methods of `Game` below (subclass it, or write any class with
 those methods) registered by name through the `mrlx_register_games` hook; the package registers
-`nim`, `kuhn_poker` and `chain` (`mrlx_plugin.systems.games`). The system owns the play: who
+`nim`, `kuhn_poker` and `chain` (`mrlx_plugin.systems.games`), and any OpenSpiel or TextArena game
+is one by name, `openspiel:NAME` or `textarena:ENV_ID` (`mrlx_plugin.systems.library_games`, an
+optional extra each). The system owns the play: who
 sits where, whose turn it is, what each seat is shown, the legality check, the per-move rewards,
 the outcome and the fixed number of samples per episode. The game owns the rules.
 
@@ -42,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import random
 import time
@@ -49,7 +52,8 @@ import urllib.parse
 import weakref
 import zlib
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -64,10 +68,11 @@ from mrlx_plugin.core.config import (
     show_value,
 )
 from mrlx_plugin.core.engine_client import EngineError
-from mrlx_plugin.core.transcript import Transcript, strip_reasoning
+from mrlx_plugin.core.transcript import Transcript, Turn, strip_reasoning
 from mrlx_plugin.core.values import finite_reward
 from mrlx_plugin.episodes import Episode, EpisodeAborted, EpisodeContext, Registered, System
 from mrlx_plugin.systems.games import BUILT_IN_GAMES, boxed, boxed_move
+from mrlx_plugin.systems.library_games import is_library_game, library_game
 from mrlx_plugin.systems.quoting import quote
 
 __all__ = ["GAME", "Game", "GameSettings", "boxed", "quote", "run_game"]
@@ -81,7 +86,11 @@ class GameSettings(SystemSection):
 
     about = "the turn-based game system"
 
-    name: Text = Field("nim", description="the game, by the name it is registered under")
+    name: Text = Field(
+        "nim",
+        description="the game, by the name it is registered under, or `openspiel:NAME` / "
+        "`textarena:ENV_ID` for a game of those libraries",
+    )
     seats: list[Text] | None = Field(
         None,
         description="who plays each seat, in the game's seat order: an agent, `script:NAME` (a scripted "
@@ -100,6 +109,13 @@ class GameSettings(SystemSection):
         -1.0, description="outcome of a seat whose move is illegal (the episode ends there; counted)"
     )
     options: dict[str, Any] = Field(default_factory=dict, description="the game's own options (see the game)")
+    branch_score: Literal["rollout", "settle"] = Field(
+        "rollout",
+        description="tree sampling (`rewards.branch`): a candidate move's score. `rollout`: its return, the "
+        "game played on from it to the end by every seat's own player (one engine call per model move, "
+        "nothing trained); `settle`: its own reward plus what it settles at once (the outcome of a "
+        "move that ends the game, the penalty of an illegal one)",
+    )
 
     def problems(self, settings: Settings, path: str) -> list[str]:
         """Who sits where names agents, scripts or the pool (the game's own checks, of its seats
@@ -204,6 +220,13 @@ class Game:
         (a move that is text the seat wrote: through `quote`, as in `observation`)."""
         return f"{self.seats[seat]} plays {move}."
 
+    def information_state(self, state: Any, seat: int) -> str | None:
+        """What `seat` knows when it is to move, as a string: two states with the same string
+        must be indistinguishable to the seat (OpenSpiel's information state). Per-turn credit
+        compares a turn with the turns of the prompt group that saw the same (docs/credit.md);
+        None (the default) compares it with the turns of the same index."""
+        return None
+
 
 # --- which game, who plays ------------------------------------------------------------------
 
@@ -211,28 +234,41 @@ logger = logging.getLogger(__name__)
 
 
 def game_producer(context: EpisodeContext, name: str) -> str:
-    """How errors name game `name`'s values: the game and the plugin that registered it."""
+    """How errors name game `name`'s values: the game and the plugin that registered it (or the
+    adapter that built it)."""
     found = context.games.get(name)
+    if found is None and is_library_game(name):
+        return f"game {name!r} (built by mrlx_plugin.systems.library_games)"
     return f"game {name!r} (registered by plugin {found.plugin if found else 'unknown'!r})"
 
 
 def the_game(context: EpisodeContext) -> Any:
-    """The game `mrlx.game.name` names (checked at start-up: `check_game`)."""
-    return context.games[context.settings.game.name].value
+    """The game `mrlx.game.name` names (checked at start-up: `check_game`): a registered one, else
+    a library game's adapter (built once per name and options)."""
+    g = context.settings.game
+    found = context.games.get(g.name)
+    return found.value if found is not None else library_game(g.name, g.options)
 
 
 def check_game(settings: Any, games: Mapping[str, Registered]) -> list[str]:
-    """The game system's start-up check: `mrlx.game.name` is a registered game, and the seats,
-    the scripted players and the game's options suit it."""
+    """The game system's start-up check: `mrlx.game.name` is a registered game (or a library game
+    that builds here: its library installed, its name and options valid), and the seats, the
+    scripted players and the game's options suit it."""
     g = settings.game
-    if g.name not in games:
+    if g.name in games:
+        game = games[g.name].value
+    elif is_library_game(g.name):
+        try:
+            game = library_game(g.name, g.options)
+        except (ImportError, ValueError) as exc:
+            return [str(exc)]
+    else:
         plugins = sorted({r.plugin for r in games.values()})
         return [
             f"mrlx.game.name: no game named {g.name!r} is registered (known: {', '.join(sorted(games))}, "
             f"registered by {', '.join(plugins) or 'no plugin'}); list the module that registers it "
-            "under mrlx.plugins"
+            "under mrlx.plugins, or name a library game: openspiel:NAME or textarena:ENV_ID"
         ]
-    game = games[g.name].value
     try:
         check_players(game, settings, "")
         game.max_moves(dict(g.options))  # the options' own checks
@@ -257,7 +293,7 @@ def check_players(game: Any, settings: Any, source: str) -> None:
         if is_script(who) and who[len(SCRIPT_PREFIX) :] not in game.scripts:
             raise ConfigError(
                 f"{where}mrlx.game.{key}: game {g.name!r} has no scripted player {who!r} "
-                f"(it has: {', '.join(SCRIPT_PREFIX + s for s in game.scripts)})"
+                f"(it has: {', '.join(SCRIPT_PREFIX + s for s in game.scripts) or 'none'})"
             )
 
 
@@ -351,39 +387,147 @@ class _Stop(Exception):
     """The game cannot go on (a seat's transcript is full); the outcome is a draw."""
 
 
-async def _agent_move(
-    episode: Episode,
-    game: Any,
-    views: dict[int, Transcript],
-    player: str,
-    seat: int,
-    state: Any,
-    text: str,
-    on_fault: Callable[[EngineError], Awaitable[str | None]] | None = None,
-) -> tuple[Any, Any]:
-    """One model turn of `player` in `seat`, shown `text`: (move, next state), move None if illegal."""
-    name, penalty = game.seats[seat], episode.settings.game.illegal_penalty
-    producer = game_producer(episode.context, episode.settings.game.name)
+OnFault = Callable[[EngineError], Awaitable[str | None]]
+
+
+@dataclass
+class _Table:
+    """Where one game stands: what `_play` reads and changes. A candidate's rollout plays on a
+    `fork`, which leaves the episode's table as it was."""
+
+    state: Any
+    players: list[str]
+    views: dict[int, Transcript]  # each agent seat's transcript, once it has moved
+    unread: dict[int, list[str]]  # per seat: the other seats' moves it has not been told of
+    made: list[int]  # moves made per seat
+    rng: random.Random  # the scripted players' draws
+    watched: dict[int, OnFault]  # the `on_fault` of each seat a frozen pool member plays
+    lookahead: bool = False
+
+    def fork(self, rng: random.Random) -> _Table:
+        return _Table(
+            self.state,
+            self.players,
+            {i: t.fork() for i, t in self.views.items()},
+            {i: list(u) for i, u in self.unread.items()},
+            list(self.made),
+            rng,
+            self.watched,
+            lookahead=True,
+        )
+
+    def advance(self, game: Any, seat: int, move: Any, after: Any) -> None:
+        """`seat` made the legal `move` (giving `after`): the others are told of it."""
+        self.made[seat] += 1
+        for other in self.unread:
+            if other != seat:
+                self.unread[other].append(game.describe_move(self.state, seat, move))
+        self.state = after
+
+
+@dataclass
+class _End:
+    outcome: list[float] | None  # None: cut short, a draw
+    stopped_by: str | None = None
+    illegal: int | None = None  # the seat whose move was illegal
+
+
+async def _play(episode: Episode, game: Any, table: _Table) -> _End:
+    """Play `table` on until the game ends, `max_turns` moves are made, a seat's context is
+    full, or a move is illegal."""
+    g = episode.settings.game
+    names, bound = tuple(game.seats), game.max_moves(dict(g.options))
+    while (seat := game.to_move(table.state)) is not None:
+        if sum(table.made) >= g.max_turns:
+            return _End(None, stopped_by="max_turns")
+        if table.made[seat] >= bound.get(seat, 0):
+            raise RuntimeError(
+                f"game {g.name!r}: seat {names[seat]} is to make move {table.made[seat] + 1}, more than "
+                f"its max_moves ({bound.get(seat, 0)}); fix the game's max_moves"
+            )
+        player = table.players[seat]
+        if is_script(player):
+            move = game.scripted_move(table.state, seat, player[len(SCRIPT_PREFIX) :], table.rng)
+            table.advance(game, seat, move, game.play(table.state, seat, move))
+            continue
+        if seat in table.watched:  # another episode may have found the member down since
+            _check_member(episode, player)
+        text = " ".join([*table.unread[seat], game.observation(table.state, seat)])
+        table.unread[seat] = []
+        try:
+            move, after = await _agent_move(episode, game, table, seat, text)
+        except _Stop as stop:
+            return _End(None, stopped_by=str(stop))
+        if move is None:  # illegal: the game ends, this seat penalised
+            table.made[seat] += 1
+            outcome = [0.0] * len(names)
+            outcome[seat] = finite_reward(g.illegal_penalty, "the setting mrlx.game.illegal_penalty")
+            return _End(outcome, illegal=seat)
+        table.advance(game, seat, move, after)
+    return _End(game_outcome(game, table.state, game_producer(episode.context, g.name)))
+
+
+async def _agent_move(episode: Episode, game: Any, table: _Table, seat: int, text: str) -> tuple[Any, Any]:
+    """One model turn of the agent in `seat`, shown `text`: (move, next state), move None if illegal."""
+    g = episode.settings.game
+    name, player, state = game.seats[seat], table.players[seat], table.state
+    producer = game_producer(episode.context, g.name)
     message = [{"role": "user", "content": text}]
-    t = views.get(seat)
-    if t is None:
-        t = views[seat] = episode.new_transcript(player, message, label=name, role=name)
+    t = table.views.get(seat)
+    if t is None and table.lookahead:
+        opened = episode.open_transcript(player, message, label=name, role=name, lookahead=True)
+        if isinstance(opened, str):
+            raise _Stop(f"context full ({name})")
+        t = table.views[seat] = opened
+    elif t is None:
+        t = table.views[seat] = episode.new_transcript(player, message, label=name, role=name)
     elif not t.append_messages(message):
         raise _Stop(f"context full ({name})")
 
-    def score(turn: Any) -> float:  # a candidate move, for tree sampling
-        return judge_move(game, state, seat, strip_reasoning(turn.text), penalty, producer)[3]
+    async def score(turn: Turn) -> float:  # a candidate move, for tree sampling
+        move, after, own, settled = judge_move(
+            game, state, seat, strip_reasoning(turn.text), g.illegal_penalty, producer
+        )
+        if move is None or g.branch_score == "settle" or game.to_move(after) is None:
+            return settled
+        return await _rollout(episode, game, table, seat, turn, (move, after, own))
 
     before = len(t.turns)
-    await episode.generate(t, score=score, on_fault=on_fault)
+    await episode.generate(t, score=score, on_fault=table.watched.get(seat))
     if len(t.turns) == before:  # no room was left for a turn
         raise _Stop(f"context full ({name})")
-    move, after, own, _ = judge_move(game, state, seat, t.answer_text, penalty, producer)
+    move, after, own, _ = judge_move(game, state, seat, t.answer_text, g.illegal_penalty, producer)
     # The turn's own reward, without the outcome: the outcome (the transcript's reward) reaches
     # every turn through the return, the last turn's undiscounted; counted here it would count
     # twice. A candidate of tree sampling is compared by its score, outcome included.
     t.turn_rewards[-1] = own
+    # What the seat knew, to compare the turn with those that knew the same (an optional method).
+    known = getattr(game, "information_state", None)
+    t.turn_keys[-1] = None if known is None else known(state, seat)
     return move, after
+
+
+async def _rollout(
+    episode: Episode, game: Any, table: _Table, seat: int, turn: Turn, judged: tuple[Any, Any, float]
+) -> float:
+    """A candidate move's return (`branch_score: rollout`): the game played on from it to its
+    end on a fork of the table, every seat by its own player, one engine call per model move
+    and no tree sampling; the return as a turn's under per-turn credit (`Episode.turn_returns`).
+
+    The draws (scripted players, and the engine's sampling seeds, which come from the episode,
+    the seat and the turn index) do not depend on which candidate is scored: candidates that
+    are the same text get the same score, and different ones meet the same luck."""
+    move, after, own = judged
+    fork = table.fork(random.Random(zlib.crc32(f"{episode.id}:rollout:{seat}:{table.made[seat]}".encode())))
+    t = fork.views[seat]
+    t.append_generated(dataclasses.replace(turn))
+    t.turn_rewards[-1] = own
+    index = len(t.turns) - 1
+    fork.advance(game, seat, move, after)
+    end = await _play(episode, game, fork)
+    t = fork.views[seat]  # the same transcript (a seat's view opens before its first move)
+    t.reward = (end.outcome or [0.0] * len(game.seats))[seat]
+    return episode.turn_returns(t)[index]
 
 
 async def run_game(episode: Episode) -> None:
@@ -412,58 +556,27 @@ async def run_game(episode: Episode) -> None:
         _check_member(episode, players[i])  # a member known to be down: no move is made at all
     rng = random.Random(zlib.crc32(episode.id.encode()))
     state = game.start(episode.problem, episode.label, rng, dict(g.options))
-    bound = game.max_moves(dict(g.options))
-    views: dict[int, Transcript] = {}
-    unread: dict[int, list[str]] = {i: [] for i in range(len(names))}
-    made = [0] * len(names)
-    outcome: list[float] | None = None
-    while (seat := game.to_move(state)) is not None:
-        if sum(made) >= g.max_turns:
-            episode.metadata["stopped_by"] = "max_turns"
-            break
-        if made[seat] >= bound.get(seat, 0):
-            raise RuntimeError(
-                f"game {g.name!r}: seat {names[seat]} is to make move {made[seat] + 1}, more than "
-                f"its max_moves ({bound.get(seat, 0)}); fix the game's max_moves"
-            )
-        player = players[seat]
-        if is_script(player):
-            move = game.scripted_move(state, seat, player[len(SCRIPT_PREFIX) :], rng)
-            after = game.play(state, seat, move)
-            made[seat] += 1
-        else:
-            if seat in watched:  # another episode may have found the member down since
-                _check_member(episode, player)
-            text = " ".join([*unread[seat], game.observation(state, seat)])
-            unread[seat] = []
-            try:
-                move, after = await _agent_move(
-                    episode, game, views, player, seat, state, text, watched.get(seat)
-                )
-            except _Stop as stop:
-                episode.metadata["stopped_by"] = str(stop)
-                break
-            made[seat] += 1
-            if move is None:  # illegal: the episode ends, this seat penalised
-                episode.metadata["illegal_move"] = names[seat]
-                outcome = [0.0] * len(names)
-                outcome[seat] = finite_reward(g.illegal_penalty, "the setting mrlx.game.illegal_penalty")
-                break
-        for other in range(len(names)):
-            if other != seat:
-                unread[other].append(game.describe_move(state, seat, move))
-        state = after
-    if outcome is None:  # a game cut short (max_turns, a full context) is a draw
-        producer = game_producer(episode.context, g.name)
-        outcome = game_outcome(game, state, producer) if game.to_move(state) is None else [0.0] * len(names)
-    episode.metadata.update(winner=winner_of(outcome, names), outcome=outcome, moves=sum(made))
-    for seat, t in views.items():
-        t.raw_reward = t.reward = outcome[seat]
+    table = _Table(state, players, {}, {i: [] for i in range(len(names))}, [0] * len(names), rng, watched)
+    end = await _play(episode, game, table)
+    if end.stopped_by is not None:
+        episode.metadata["stopped_by"] = end.stopped_by
+    if end.illegal is not None:
+        episode.metadata["illegal_move"] = names[end.illegal]
+    outcome = end.outcome or [0.0] * len(names)  # a game cut short (max_turns, a full context) is a draw
+    episode.metadata.update(winner=winner_of(outcome, names), outcome=outcome, moves=sum(table.made))
+    whole = episode.settings.rewards.credit == "episode"
+    for seat, t in table.views.items():
+        # One sample per transcript trains on the outcome plus its moves' own rewards: the
+        # return of its first turn with no discount, what per-turn credit trains on in total.
+        own = sum(r for r in t.turn_rewards if r is not None) if whole else 0.0
+        t.raw_reward = t.reward = finite_reward(
+            outcome[seat] + own, f"{game_producer(episode.context, g.name)}: outcome plus move rewards"
+        )
     if first is not None:
         episode.team_reward = outcome[first]
-        if first in views:
-            episode.final_transcript = views[first]
-            episode.final_answer = views[first].answer_text
+        if first in table.views:
+            episode.final_transcript = table.views[first]
+            episode.final_answer = table.views[first].answer_text
 
 
 # --- an opponent-pool member that is down ---------------------------------------------------
@@ -558,9 +671,16 @@ def _seats_of(settings: Any) -> dict[str, list[int]]:
 
 
 def _built_in(settings: Any) -> Any:
-    """The built-in game `mrlx.game.name` names (its players and options are checked at start-up:
-    `check_game`); None for a game a plugin registers."""
-    return BUILT_IN_GAMES.get(settings.game.name)
+    """The built-in or library game `mrlx.game.name` names (its players and options are checked
+    at start-up: `check_game`, which also reports a library game that does not build); None for
+    a game a plugin registers."""
+    name = settings.game.name
+    if name in BUILT_IN_GAMES or not is_library_game(name):
+        return BUILT_IN_GAMES.get(name)
+    try:
+        return library_game(name, settings.game.options)
+    except (ImportError, ValueError):
+        return None
 
 
 def game_fan_out(settings: Any) -> dict[str, int]:

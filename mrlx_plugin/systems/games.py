@@ -136,6 +136,10 @@ class Nim:
     def describe_move(self, state: NimState, seat: int, move: int) -> str:
         return f"They took {move}."
 
+    def information_state(self, state: NimState, seat: int) -> str:
+        """The pile and the take limit decide the game; the moves that led there do not."""
+        return f"{self.seats[seat]}: {state.stones} stones, take 1 to {state.max_take}"
+
 
 # --- kuhn poker -----------------------------------------------------------------------------
 
@@ -236,6 +240,11 @@ class KuhnPoker:
     def describe_move(self, state: KuhnState, seat: int, move: str) -> str:
         return f"Your opponent {_VERBS[move]}."
 
+    def information_state(self, state: KuhnState, seat: int) -> str:
+        """The seat's own card and every action so far (the other card stays hidden): one string
+        per information set, 12 in all, as OpenSpiel's kuhn_poker has."""
+        return f"{self.seats[seat]} holds {state.cards[seat]}; actions: {' '.join(state.history) or 'none'}"
+
 
 # --- chain ----------------------------------------------------------------------------------
 
@@ -323,6 +332,11 @@ class Chain:
 
     def describe_move(self, state: ChainState, seat: int, move: int) -> str:
         return f"\\boxed{{{move}}}"
+
+    def information_state(self, state: ChainState, seat: int) -> str:
+        """The step asked for, the running value and the operation shown: all the right answer
+        depends on (the solver is never told how many steps remain)."""
+        return f"step {state.done + 1}: value {state.value}, now {state.steps[state.done]}"
 
 
 BUILT_IN_GAMES: dict[str, Any] = {"nim": Nim(), "kuhn_poker": KuhnPoker(), "chain": Chain()}

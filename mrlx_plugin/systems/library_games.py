@@ -1,0 +1,513 @@
+"""Games from OpenSpiel and TextArena as games of the game system: `openspiel:NAME`, `textarena:ENV_ID`.
+
+Both libraries are optional extras (`pip install 'mrlx-plugin[openspiel]'`, `[textarena]`) and are
+imported only when a game of theirs is named. A name with one of the two prefixes that no plugin
+registers is built here, once per name and `mrlx.game.options` (`library_game`); the game
+system's lookups (`check_game`, `the_game`, `game_turns`) ask for it by name.
+
+- `openspiel:NAME`: any sequential (turn-based) OpenSpiel game; `mrlx.game.options` are the
+  game's parameters (`pyspiel.load_game(NAME, options)`). Seats `player0`, `player1`, ... A seat
+  is shown OpenSpiel's observation string for it (its information state string when the game has
+  none) and the legal action strings, and answers `\\boxed{ACTION}`. Chance nodes are resolved
+  here, from a seed drawn at `start` from the episode's generator and kept in the state, so that
+  `play` is a function of the state and the move alone. The outcome is OpenSpiel's returns.
+- `textarena:ENV_ID`: any TextArena env; options `max_moves` (required: TextArena does not bound a
+  game's length, and the samples per episode are built on a bound) and `num_players` (2). Seats
+  `player0`, ... A seat is shown the env's messages to it since its last move (quoted: the env
+  writes them, and they hold the other players' free text) and answers in the env's own action
+  format (e.g. `[4]`); the env judges the answer, invalid moves included, by its own rules (most
+  envs warn once, then end the game and score it), and its rewards are the outcome.
+
+`kuhn_exploitability` scores a policy of the built-in `kuhn_poker` with OpenSpiel's
+exploitability, for benchmarks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import importlib
+import json
+import random
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from mrlx_plugin.systems.games import CARDS, KuhnPoker, KuhnState, boxed_move
+from mrlx_plugin.systems.quoting import quote
+
+OPENSPIEL, TEXTARENA = "openspiel:", "textarena:"
+DISTRIBUTION = "mrlx-plugin"
+
+
+class LibraryMissing(ImportError):
+    """The library a game or a helper needs is not installed; the message names the extra."""
+
+
+def is_library_game(name: str) -> bool:
+    """Whether `name` is one the adapters build (`openspiel:...`, `textarena:...`)."""
+    return name.startswith((OPENSPIEL, TEXTARENA))
+
+
+_BUILT: dict[tuple[str, str], Any] = {}
+
+
+def library_game(name: str, options: Mapping[str, Any]) -> Any:
+    """The game `name` (`openspiel:NAME` or `textarena:ENV_ID`) with `options`, built once per
+    name and options: the adapter holds the loaded game, which every episode shares.
+
+    Raises LibraryMissing (the extra to install) or ValueError (the name or an option, and how
+    to find the valid ones)."""
+    key = (name, json.dumps(dict(options), sort_keys=True, default=repr))
+    game = _BUILT.get(key)
+    if game is None:
+        if name.startswith(OPENSPIEL):
+            game = OpenSpielGame(name[len(OPENSPIEL) :], dict(options))
+        elif name.startswith(TEXTARENA):
+            game = TextArenaGame(name[len(TEXTARENA) :], dict(options))
+        else:
+            raise ValueError(
+                f"mrlx.game.name: {name!r} is no library game; library games are named "
+                f"{OPENSPIEL}NAME or {TEXTARENA}ENV_ID"
+            )
+        _BUILT[key] = game
+    return game
+
+
+def _import(module: str, library: str, extra: str, wanted_by: str) -> Any:
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise LibraryMissing(
+            f"{wanted_by} needs {library} (module {module}), which cannot be imported here ({exc}); "
+            f"install it with: pip install '{DISTRIBUTION}[{extra}]'"
+        ) from exc
+
+
+def _unknown(what: str, name: str, known: list[str], how: str) -> ValueError:
+    close = difflib.get_close_matches(name, known, n=3)
+    hint = f" (did you mean {', '.join(close)}?)" if close else ""
+    return ValueError(f"mrlx.game.name: {what} has no game {name!r}{hint}; list its games with: {how}")
+
+
+# --- OpenSpiel ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SpielState:
+    """A position of an OpenSpiel game: its action history (chance outcomes included) and the
+    seed its chance nodes are drawn from. `state` is the pyspiel state itself, never changed:
+    `play` applies a move to a clone."""
+
+    history: tuple[int, ...]
+    seed: int
+    state: Any = field(compare=False, repr=False)
+
+
+def _spiel_options(name: str, spec: Mapping[str, Any], options: dict[str, Any]) -> dict[str, Any]:
+    """`options` as OpenSpiel parameters of `name`: known names only, each of its default's type
+    (an integer where a float is expected is taken as that float)."""
+    unknown = sorted(set(options) - set(spec))
+    if unknown:
+        known = ", ".join(f"{k} (default {v!r})" for k, v in sorted(spec.items())) or "none"
+        raise ValueError(
+            f"mrlx.game.options: {', '.join(map(repr, unknown))} is no parameter of OpenSpiel's {name} "
+            f"(its parameters: {known})"
+        )
+    out = {}
+    for key, value in options.items():
+        default = spec[key]
+        if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if type(value) is not type(default):
+            raise ValueError(
+                f"mrlx.game.options.{key}: got {value!r}; OpenSpiel's {name} expects a "
+                f"{type(default).__name__} (default {default!r})"
+            )
+        out[key] = value
+    return out
+
+
+class OpenSpielGame:
+    """A sequential OpenSpiel game through the game protocol (see the module's docstring)."""
+
+    scripts = ("random",)
+
+    def __init__(self, name: str, options: dict[str, Any]):
+        pyspiel = _import("pyspiel", "OpenSpiel", "openspiel", f"mrlx.game.name {OPENSPIEL + name!r}")
+        types = {t.short_name: t for t in pyspiel.registered_games()}
+        if name not in types:
+            how = "python -c 'import pyspiel; print(pyspiel.registered_names())'"
+            raise _unknown("OpenSpiel", name, sorted(types), how)
+        params = _spiel_options(name, types[name].parameter_specification, options)
+        try:
+            self.game = pyspiel.load_game(name, params)
+        except pyspiel.SpielError as exc:
+            raise ValueError(f"mrlx.game.options: OpenSpiel's {name} refused {params}: {exc}") from exc
+        kind = self.game.get_type()
+        if kind.dynamics != pyspiel.GameType.Dynamics.SEQUENTIAL:
+            dynamics = {"SIMULTANEOUS": "simultaneous-move", "MEAN_FIELD": "mean-field"}
+            raise ValueError(
+                f"mrlx.game.name: OpenSpiel's {name} is a "
+                f"{dynamics.get(kind.dynamics.name, kind.dynamics.name.lower())} game; the game system "
+                "plays sequential (turn-based) games only: pick one whose players move in turn"
+            )
+        if not (kind.provides_observation_string or kind.provides_information_state_string):
+            raise ValueError(
+                f"mrlx.game.name: OpenSpiel's {name} gives no observation or information state string, "
+                "so a seat cannot be shown its position as text; pick another game"
+            )
+        self.name = name
+        self.seats = tuple(f"player{i}" for i in range(self.game.num_players()))
+        self.perfect = kind.information == pyspiel.GameType.Information.PERFECT_INFORMATION
+        self.view = "observation" if kind.provides_observation_string else "information state"
+        self.knows = "information state" if kind.provides_information_state_string else "observation"
+
+    def _settle(self, state: Any, seed: int) -> SpielState:
+        """`state` (a fresh one, owned here) with its chance nodes resolved, each drawn from the
+        seed and the history so far: the same position always draws the same outcome."""
+        while state.is_chance_node():
+            actions, weights = zip(*state.chance_outcomes())
+            draw = random.Random(f"{seed}:{state.history_str()}")
+            state.apply_action(draw.choices(actions, weights=weights)[0])
+        return SpielState(tuple(state.history()), seed, state)
+
+    def start(self, problem: str, label: Any, rng: random.Random, options: dict[str, Any]) -> SpielState:
+        return self._settle(self.game.new_initial_state(), rng.randrange(2**62))
+
+    def to_move(self, state: SpielState) -> int | None:
+        return None if state.state.is_terminal() else state.state.current_player()
+
+    def _actions(self, state: SpielState, seat: int) -> dict[str, int]:
+        s = state.state
+        actions = {s.action_to_string(seat, a): a for a in s.legal_actions(seat)}
+        if len(actions) != len(s.legal_actions(seat)):
+            raise ValueError(
+                f"{OPENSPIEL}{self.name}: two legal actions share one action string at {s.history_str()!r}; "
+                "a seat could not name its move: this game cannot be played through its action strings"
+            )
+        return actions
+
+    def legal_moves(self, state: SpielState, seat: int) -> list[str]:
+        return list(self._actions(state, seat))
+
+    def parse_move(self, state: SpielState, seat: int, text: str) -> str | None:
+        return boxed_move(text, self.legal_moves(state, seat))
+
+    def observation(self, state: SpielState, seat: int) -> str:
+        s = state.state
+        view = s.observation_string(seat) if self.view == "observation" else s.information_state_string(seat)
+        moves = self.legal_moves(state, seat)
+        return (
+            f"OpenSpiel {self.name}; you are {self.seats[seat]}. Your {self.view}:\n{quote(view)}\n"
+            f"Legal moves: {', '.join(moves)}. Answer with one of them as \\boxed{{MOVE}}, "
+            f"e.g. \\boxed{{{moves[0]}}}."
+        )
+
+    def information_state(self, state: SpielState, seat: int) -> str:
+        """OpenSpiel's information state string (its observation string when it has none)."""
+        if self.knows == "information state":
+            return state.state.information_state_string(seat)
+        return state.state.observation_string(seat)
+
+    def play(self, state: SpielState, seat: int, move: str) -> SpielState:
+        actions = self._actions(state, seat)
+        if move not in actions:
+            raise ValueError(f"{OPENSPIEL}{self.name}: {move!r} is no legal move of {self.seats[seat]}")
+        after = state.state.clone()
+        after.apply_action(actions[move])
+        return self._settle(after, state.seed)
+
+    def move_reward(self, state: SpielState, seat: int, move: str, next_state: SpielState) -> float:
+        return 0.0
+
+    def outcome(self, state: SpielState) -> list[float]:
+        return list(state.state.returns())
+
+    def max_moves(self, options: dict[str, Any]) -> dict[int, int]:
+        """OpenSpiel's `max_game_length` for every seat: no seat moves more often than the game is long."""
+        return {seat: self.game.max_game_length() for seat in range(len(self.seats))}
+
+    def scripted_move(self, state: SpielState, seat: int, script: str, rng: random.Random) -> str:
+        if script == "random":
+            return rng.choice(self.legal_moves(state, seat))
+        raise ValueError(f"no scripted player {script!r} (this game has: {', '.join(self.scripts)})")
+
+    def describe_move(self, state: SpielState, seat: int, move: str) -> str:
+        """The move itself in a perfect-information game; else only that it was made (the seats'
+        observations say what each may know of it)."""
+        return f"{self.seats[seat]} plays {move}." if self.perfect else f"{self.seats[seat]} has moved."
+
+
+# --- TextArena ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ArenaState:
+    """A position of a TextArena game, as a value: the env is rebuilt from `seed` and `actions`
+    (or a live copy looked up), and what the seats were told is kept here, so that reading a state
+    never touches an env."""
+
+    seed: int
+    actions: tuple[str, ...]
+    player: int | None  # the seat TextArena has to move; None once the env is done
+    inbox: str  # the env's messages to `player` since its last move
+    knows: tuple[tuple[tuple[str, str], ...], ...]  # per seat: ("told", messages) and ("moved", action)
+    moves: tuple[int, ...]  # moves made per seat, invalid ones included
+    rewards: tuple[Any, ...] | None = None  # TextArena's rewards per seat, once it is done
+
+
+@contextlib.contextmanager
+def _own_random(saved: tuple[Any, Any] | None, out: list[Any]) -> Iterator[None]:
+    """Run TextArena code on its own global random state: TextArena envs draw from (and
+    `reset` reseeds) the process-wide `random` (a few, numpy's); the caller's states are put
+    back afterwards, and the env's own, appended to `out`, is restored before its next step, so
+    a live env and one replayed from the seed draw the same."""
+    import numpy as np
+
+    outer = (random.getstate(), np.random.get_state())
+    try:
+        if saved is not None:
+            random.setstate(saved[0])
+            np.random.set_state(saved[1])
+        yield
+        out.append((random.getstate(), np.random.get_state()))
+    finally:
+        random.setstate(outer[0])
+        np.random.set_state(outer[1])
+
+
+def _render(messages: Any, roles: Mapping[int, str]) -> str:
+    """TextArena's messages as one text, each line led by its sender: `[GAME]` or the player."""
+    lines = []
+    for sender, text, *_ in messages:
+        lines.append(f"[{'GAME' if sender < 0 else roles.get(sender, f'Player {sender}')}] {text}")
+    return "\n".join(lines)
+
+
+class TextArenaGame:
+    """A TextArena env through the game protocol (see the module's docstring)."""
+
+    scripts: tuple[str, ...] = ()  # TextArena lists no legal moves to draw a random one from
+    LIVE = 256  # live envs kept (about one per episode in flight): a move steps one, not a replay
+
+    def __init__(self, env_id: str, options: dict[str, Any]):
+        ta = _import("textarena", "TextArena", "textarena", f"mrlx.game.name {TEXTARENA + env_id!r}")
+        registry = importlib.import_module("textarena.envs.registration").ENV_REGISTRY
+        if env_id not in registry:
+            raise _unknown(
+                "TextArena",
+                env_id,
+                sorted(registry),
+                "python -c 'import textarena.envs.registration as r; print(sorted(r.ENV_REGISTRY))'",
+            )
+        unknown = sorted(set(options) - {"max_moves", "num_players"})
+        if unknown:
+            raise ValueError(
+                f"mrlx.game.options: {', '.join(map(repr, unknown))} is no option of {TEXTARENA}{env_id} "
+                "(its options: max_moves, the most moves per seat, required; num_players, default 2)"
+            )
+        if "max_moves" not in options:
+            raise ValueError(
+                f"mrlx.game.options.max_moves: {TEXTARENA}{env_id} needs it: the most moves one seat "
+                "makes in a game, invalid ones included (TextArena does not bound a game's length, and "
+                "the samples per episode are built on it); a seat that reaches it ends the game as a draw"
+            )
+        for key in ("max_moves", "num_players"):
+            value = options.get(key, 2)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"mrlx.game.options.{key}: got {value!r}; expected an integer of 1 or more")
+        self.ta, self.env_id = ta, env_id
+        self.max_moves_per_seat = options["max_moves"]
+        self.seats = tuple(f"player{i}" for i in range(options.get("num_players", 2)))
+        self._live: OrderedDict[tuple[int, tuple[str, ...]], tuple[Any, Any]] = OrderedDict()
+        try:
+            self._replay(0, ())  # the env loads and takes this many players
+        except Exception as exc:
+            raise ValueError(
+                f"mrlx.game.name: TextArena's {env_id} did not start with {len(self.seats)} players "
+                f"(mrlx.game.options.num_players): {type(exc).__name__}: {exc}"
+            ) from exc
+        self._live.clear()
+
+    def _replay(self, seed: int, actions: tuple[str, ...]) -> ArenaState:
+        """The env reset with `seed` and stepped through `actions`, as TextArena's own loop does
+        (the player to move reads its messages, then acts); the live env is kept for the next move."""
+        saved: list[Any] = []
+        with _own_random(None, saved):
+            import numpy as np
+
+            random.seed(seed)  # for an env that draws as it is made, before `reset` seeds it
+            np.random.seed(seed)
+            env = self.ta.make(self.env_id)
+            env.reset(num_players=len(self.seats), seed=seed)
+            state = self._told(env, seed, (), ((),) * len(self.seats), (0,) * len(self.seats))
+            for action in actions:
+                state = self._step(env, state, action)
+        if state.player is not None:
+            self._keep(state, env, saved[0])
+        return state
+
+    def _told(
+        self, env: Any, seed: int, actions: tuple[str, ...], knows: tuple[Any, ...], moves: tuple[int, ...]
+    ) -> ArenaState:
+        """The state once the player to move has read its messages."""
+        raw = env
+        while isinstance(raw, self.ta.Wrapper):  # its messages as the env writes them, not a wrapper's view
+            raw = raw.env
+        player, messages = raw.get_observation()
+        inbox = _render(messages, getattr(raw.state, "role_mapping", {}))
+        knows = tuple(k + ((("told", inbox),) if i == player else ()) for i, k in enumerate(knows))
+        return ArenaState(seed, actions, player, inbox, knows, moves)
+
+    def _step(self, env: Any, state: ArenaState, action: str) -> ArenaState:
+        seat = state.player
+        assert seat is not None
+        knows = tuple(k + ((("moved", action),) if i == seat else ()) for i, k in enumerate(state.knows))
+        moves = tuple(n + (i == seat) for i, n in enumerate(state.moves))
+        done, _ = env.step(action)
+        if not done:
+            return self._told(env, state.seed, state.actions + (action,), knows, moves)
+        rewards, _ = env.close()
+        rewards = rewards or {}
+        return ArenaState(
+            state.seed,
+            state.actions + (action,),
+            None,
+            "",
+            knows,
+            moves,
+            tuple(rewards.get(i) for i in range(len(self.seats))),
+        )
+
+    def _keep(self, state: ArenaState, env: Any, randomness: Any) -> None:
+        self._live[(state.seed, state.actions)] = (env, randomness)
+        while len(self._live) > self.LIVE:
+            self._live.popitem(last=False)
+
+    def start(self, problem: str, label: Any, rng: random.Random, options: dict[str, Any]) -> ArenaState:
+        return self._replay(rng.randrange(2**31), ())
+
+    def to_move(self, state: ArenaState) -> int | None:
+        if state.player is None or state.moves[state.player] >= self.max_moves_per_seat:
+            return None
+        return state.player
+
+    def observation(self, state: ArenaState, seat: int) -> str:
+        return (
+            f"TextArena {self.env_id}; you are {self.seats[seat]} (Player {seat}). The game's messages "
+            f"to you:\n{quote(state.inbox)}\nAnswer with your move in the format the game asks for."
+        )
+
+    def information_state(self, state: ArenaState, seat: int) -> str:
+        """All the seat was told and did, in order: nothing else tells it one position from another."""
+        return json.dumps(state.knows[seat])
+
+    def legal_moves(self, state: ArenaState, seat: int) -> list[str]:
+        """TextArena lists none: any text is a move, which the env judges when it is played."""
+        return []
+
+    def parse_move(self, state: ArenaState, seat: int, text: str) -> str:
+        """The answer itself: the env reads its own action format in it (invalid moves are the
+        env's to judge and score, in `play`)."""
+        return text.strip()
+
+    def play(self, state: ArenaState, seat: int, move: str) -> ArenaState:
+        if seat != state.player:
+            raise ValueError(f"{TEXTARENA}{self.env_id}: {self.seats[seat]} moved, but it is not its turn")
+        live = self._live.pop((state.seed, state.actions), None)
+        if live is None:  # a state played from twice (tree sampling), or no longer kept
+            self._replay(state.seed, state.actions)
+            live = self._live.pop((state.seed, state.actions))
+        env, randomness = live
+        saved: list[Any] = []
+        with _own_random(randomness, saved):
+            after = self._step(env, state, move)
+        if after.player is not None:
+            self._keep(after, env, saved[0])
+        return after
+
+    def move_reward(self, state: ArenaState, seat: int, move: str, next_state: ArenaState) -> float:
+        return 0.0
+
+    def outcome(self, state: ArenaState) -> list[Any]:
+        """TextArena's rewards (the system checks each is a finite number); a game cut short at
+        `max_moves` is a draw, every seat 0, as one cut short at `max_turns`."""
+        return list(state.rewards) if state.rewards is not None else [0.0] * len(self.seats)
+
+    def max_moves(self, options: dict[str, Any]) -> dict[int, int]:
+        return {seat: self.max_moves_per_seat for seat in range(len(self.seats))}
+
+    def scripted_move(self, state: ArenaState, seat: int, script: str, rng: random.Random) -> str:
+        raise ValueError(f"no scripted player {script!r}: TextArena games have none (no legal moves listed)")
+
+    def describe_move(self, state: ArenaState, seat: int, move: str) -> str:
+        """Only that the seat moved: the env's own messages (`observation`) report the move."""
+        return f"{self.seats[seat]} has moved."
+
+
+# --- Kuhn poker against OpenSpiel -----------------------------------------------------------
+
+
+def kuhn_state_from_openspiel(state: Any) -> tuple[KuhnState, int | None]:
+    """The built-in kuhn_poker's state for an OpenSpiel kuhn_poker state (both cards dealt), and
+    the seat to move (None at the end). OpenSpiel's Pass is check or fold, its Bet bet or call,
+    by whether a bet is open."""
+    dealt, actions = state.history()[:2], state.history()[2:]
+    history: list[str] = []
+    for a in actions:
+        open_bet = history[-1:] == ["bet"]
+        history.append(("fold" if open_bet else "check") if a == 0 else ("call" if open_bet else "bet"))
+    kuhn = KuhnState((CARDS[dealt[0]], CARDS[dealt[1]]), tuple(history))
+    return kuhn, KuhnPoker().to_move(kuhn)
+
+
+def kuhn_information_states() -> list[str]:
+    """The built-in kuhn_poker's 12 information states (`information_state` of the seat to move)."""
+    game, found = KuhnPoker(), []
+    for first in CARDS:
+        for second in CARDS.replace(first, ""):
+            stack = [KuhnState((first, second))]
+            while stack:
+                s = stack.pop()
+                seat = game.to_move(s)
+                if seat is not None:
+                    found.append(game.information_state(s, seat))
+                    stack.extend(game.play(s, seat, m) for m in game.legal_moves(s, seat))
+    return sorted(set(found))
+
+
+def kuhn_exploitability(policy: Mapping[str, Mapping[str, float]]) -> float:
+    """OpenSpiel's exploitability (NashConv / 2) of a policy of the built-in kuhn_poker, both seats
+    playing it: 0 at a Nash equilibrium, 0.4583 for uniform random play.
+
+    `policy` maps each of the 12 information states (`KuhnPoker.information_state`, listed by
+    `kuhn_information_states`) to {action name: probability} over that state's legal moves."""
+    wanted = "kuhn_exploitability"
+    pyspiel = _import("pyspiel", "OpenSpiel", "openspiel", wanted)
+    spiel_policy = _import("open_spiel.python.policy", "OpenSpiel", "openspiel", wanted)
+    exploitability = _import("open_spiel.python.algorithms.exploitability", "OpenSpiel", "openspiel", wanted)
+    game, kuhn = pyspiel.load_game("kuhn_poker"), KuhnPoker()
+    missing = [s for s in kuhn_information_states() if s not in policy]
+    if missing:
+        raise ValueError(
+            f"{wanted}: the policy has no probabilities for {len(missing)} information state(s), e.g. "
+            f"{missing[0]!r}; give all 12 (kuhn_information_states())"
+        )
+
+    class Tabled(spiel_policy.Policy):
+        def action_probabilities(self, state: Any, player_id: int | None = None) -> dict[int, float]:
+            ours, seat = kuhn_state_from_openspiel(state)
+            assert seat is not None
+            key, legal = kuhn.information_state(ours, seat), kuhn.legal_moves(ours, seat)
+            probs = dict(policy[key])
+            total = sum(probs.values())
+            if set(probs) - set(legal) or abs(total - 1.0) > 1e-6 or min(probs.values(), default=-1) < 0:
+                raise ValueError(
+                    f"{wanted}: the policy at {key!r} is {probs}; expected probabilities of "
+                    f"{' and '.join(legal)} (the legal moves there), each 0 or more, summing to 1"
+                )
+            return {0 if m in ("check", "fold") else 1: probs.get(m, 0.0) for m in legal}
+
+    return float(exploitability.exploitability(game, Tabled(game, [0, 1])))
