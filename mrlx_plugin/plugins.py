@@ -15,6 +15,9 @@ from mrlx_plugin.episodes import FirstAnswer, Hooks, Registered, System
 ENTRY_POINT_GROUP = hookspecs.PROJECT  # [project.entry-points.mrlx_plugin] in a user's package
 
 
+DEFAULTS = "mrlx_plugin.defaults"  # the plugin name of the package's own implementations
+
+
 def make_plugin_manager(modules: list[str], source: str = "mrlx.plugins") -> pluggy.PluginManager:
     """A plugin manager with the defaults, every `mrlx_plugin` entry point, and `modules`.
 
@@ -25,7 +28,7 @@ def make_plugin_manager(modules: list[str], source: str = "mrlx.plugins") -> plu
 
     pm = pluggy.PluginManager(hookspecs.PROJECT)
     pm.add_hookspecs(hookspecs)
-    pm.register(defaults, name="mrlx_plugin.defaults")
+    pm.register(defaults, name=DEFAULTS)
     try:
         pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP)
     except Exception as exc:

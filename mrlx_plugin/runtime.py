@@ -36,7 +36,14 @@ from mrlx_plugin.link.job import make_client
 from mrlx_plugin.link.limits import read_model_limits
 from mrlx_plugin.link.outbox import PeerOutbox
 from mrlx_plugin.link.responder import Responder
-from mrlx_plugin.plugins import collect_games, collect_systems, make_plugin_manager, resolve_hooks
+from mrlx_plugin.plugins import (
+    DEFAULTS,
+    collect_games,
+    collect_systems,
+    make_plugin_manager,
+    plugin_callers,
+    resolve_hooks,
+)
 from mrlx_plugin.rewards.shaping import math_verifier
 from mrlx_plugin.settings import parse_settings
 
@@ -66,7 +73,7 @@ class Runtime:
         self.source = source
         systems = systems if systems is not None else collect_systems(pm)
         games = collect_games(pm)
-        self.system, fan_out = start_system(systems, games, settings, source)
+        self.system, fan_out = start_system(systems, games, settings, source, pm)
         self.verifier = math_verifier(args)  # the process's, shared with the `reward` function
         self._tokenizer_cache = TokenizerCache()
         self.tokenizers: dict[str, AgentTokenizer] = {}
@@ -244,7 +251,11 @@ def build_runtime(args: Any, tokenizers: bool = True) -> Runtime:
 
 
 def start_system(
-    systems: dict[str, Registered], games: dict[str, Registered], settings: Settings, source: str
+    systems: dict[str, Registered],
+    games: dict[str, Registered],
+    settings: Settings,
+    source: str,
+    pm: pluggy.PluginManager,
 ) -> tuple[System, dict[str, int] | None]:
     """The selected system, its start-up checks passed, and the samples one episode returns per
     agent (`samples_per_agent`): what start-up computes, also for `mrlx check`."""
@@ -256,9 +267,42 @@ def start_system(
     system = systems[settings.system].value
     assert isinstance(system, System)  # collect_systems takes no other kind
     problems = system.check(settings, games) if system.check is not None else []
+    problems += tree_sampling_problems(system, settings, pm)
     if problems:
         raise ConfigError("; ".join(f"{source}: {p}" for p in problems))
     return system, samples_per_agent(system, settings, source)
+
+
+def tree_sampling_problems(system: System, settings: Settings, pm: pluggy.PluginManager) -> list[str]:
+    """Tree sampling (`rewards.branch` > 1) trains every candidate on its score (docs/credit.md):
+    something must score the candidates, and under `branch_target: score` no shaping may be
+    expected to reach them (a score is the system's or the hook's number, never shaped)."""
+    r = settings.rewards
+    if r.branch <= 1:
+        return []
+    problems = []
+    users = {name for name, _ in plugin_callers(pm, "mrlx_turn_reward")} - {DEFAULTS}
+    if not system.scores_candidates and not users:
+        problems.append(
+            f"mrlx.rewards.branch: {r.branch} candidates per turn are compared by their score, and "
+            f"nothing scores them: system {settings.system!r} does not, and no plugin implements "
+            "mrlx_turn_reward (every candidate would score 0.0, and the episode's outcome reaches no "
+            "tree-sampled turn); implement mrlx_turn_reward, or set branch: 1"
+        )
+    shapers = {name for name, _ in plugin_callers(pm, "mrlx_shape_rewards")} - {DEFAULTS}
+    if r.branch_target == "score" and (r.shaping != "independent" or system.team_shaping or shapers):
+        what = (
+            f"plugin {sorted(shapers)[0]!r} implements mrlx_shape_rewards"
+            if shapers
+            else f"system {settings.system!r} weights its samples by the team"
+            if system.team_shaping
+            else f"mrlx.rewards.shaping is {r.shaping!r}"
+        )
+        problems.append(
+            f"mrlx.rewards.branch: tree-sampled turns train on their candidates' scores, which no episode "
+            f"shaping reaches, but {what}; use shaping: independent with tree sampling (or branch: 1)"
+        )
+    return problems
 
 
 def declared_counts(system: System, settings: Settings, source: str, what: str) -> dict[str, int] | None:
@@ -368,7 +412,7 @@ def build_responder(args: Any) -> Responder:
     limits and its coordinator client; no tokenizer, engine client or system prompt (it runs no
     episodes; its evaluation builds a Runtime)."""
     settings, pm, systems, source, _ = read_settings(args)
-    _, fan_out = start_system(systems, collect_games(pm), settings, source)  # the checks start-up runs
+    _, fan_out = start_system(systems, collect_games(pm), settings, source, pm)  # the checks start-up runs
     responder = Responder.for_job(settings, source, args, fan_out)
     check_rollout_mode(args, source, _peer_agents(settings))
     per_episode = None if fan_out is None else fan_out.get(responder.agent, 0)

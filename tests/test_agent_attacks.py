@@ -583,6 +583,8 @@ def test_every_episode_returns_the_declared_samples_whatever_the_function_does(
         return {"solver": 1.0}
 
     mrlx = {"rewards": {"credit": credit, "branch": branch}}
+    if branch > 1:  # tree sampling compares candidates by a turn reward
+        mrlx["plugins"] = ["test_agent_attacks", "examples.multi_agent.turn_format_reward"]
     out = episode(proxy, tiny_model_dir, script, system="atk_two", n=len(plans), mrlx_extra=mrlx)
     per = 4 * branch if credit == "turn" else 2
     assert [len(samples) for samples in out] == [per] * len(plans)

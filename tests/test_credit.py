@@ -159,9 +159,11 @@ def test_tree_sampling_trains_k_candidates_per_turn_as_one_group(
     assert len(sums) == 4 and all(abs(sum(v)) < 1e-6 for v in sums.values())
 
 
-def test_evaluation_keeps_one_sample_and_no_branching(stub_engine, tiny_model_dir):
+def test_evaluation_keeps_one_sample_and_no_branching(stub_engine, tiny_model_dir, tmp_path, monkeypatch):
+    mrlx = _mrlx(credit="turn", branch=3)
+    mrlx["plugins"] = [write_hook_module(tmp_path, monkeypatch, "turns_scored", FIRST_TURN_QUARTER)]
     before = _stub_requests(stub_engine)
-    _, [out], _ = _run(stub_engine, tiny_model_dir, _mrlx(credit="turn", branch=3), evaluation=True)
+    _, [out], _ = _run(stub_engine, tiny_model_dir, mrlx, evaluation=True)
     assert _stub_requests(stub_engine) - before == 4
     assert out.reward == 1.0 and out.metadata["mrlx"]["turn"] is None
 
@@ -198,9 +200,11 @@ def test_a_turn_score_that_is_no_number_names_the_plugin(stub_engine, tiny_model
         _run(stub_engine, tiny_model_dir, mrlx)
 
 
-def test_the_fan_out_counts_turns_and_candidates(tiny_model_dir):
+def test_the_fan_out_counts_turns_and_candidates(tiny_model_dir, tmp_path, monkeypatch):
     router = "http://127.0.0.1:9"  # never called: building the runtime reads settings only
-    args = slime_args(router, str(tiny_model_dir), _mrlx(credit="turn", branch=2))
+    branched = _mrlx(credit="turn", branch=2)
+    branched["plugins"] = [write_hook_module(tmp_path, monkeypatch, "turns_scored", FIRST_TURN_QUARTER)]
+    args = slime_args(router, str(tiny_model_dir), branched)
     assert runtime_for(args).fan_out == {"asker": 4, "answerer": 4}
     mrlx = _mrlx(credit="turn")
     mrlx["dialogue"]["max_turns"] = 5  # the asker speaks first: three turns to the answerer's two

@@ -38,7 +38,7 @@ def stubs(logs_dir, request):
     the end-of-sequence id last; several texts in turn); all are stopped when the test ends."""
     started = []
 
-    def start(*texts: str):  # several: request n answers texts[(n - 1) % len(texts)]
+    def start(*texts: str, latency: float = 0.0):  # several: request n answers texts[(n - 1) % len(texts)]
         proc = start_stub_engine(
             log_dir=logs_dir,
             name=f"stub-game-{request.node.name[:30]}-{len(started)}",
@@ -46,6 +46,8 @@ def stubs(logs_dir, request):
                 *(a for text in texts for a in ("--text", text)),
                 "--response-tokens",
                 str(max(map(len, texts)) + 1),
+                "--latency",
+                str(latency),
             ],
         )
         started.append(proc)
@@ -378,15 +380,56 @@ def test_the_winning_move_is_not_pushed_down_for_not_being_taken(target, stubs, 
         assert min(a for _, a in opening) < 0
 
 
-def test_turns_are_compared_with_the_turns_that_saw_the_same(stubs, tiny_model_dir):
+def test_a_rollout_is_not_cut_by_the_grade_deadline(stubs, tiny_model_dir):
+    # Nim from 6 stones by self-play, every answer "take 2", each engine call 0.3 s: the first
+    # move's rollout plays two more moves (0.6 s), past a 0.5 s grade deadline. The deadline is
+    # the mrlx_turn_reward hook's; a rollout's calls have deadlines of their own.
+    stub = stubs("\\boxed{2}", latency=0.3)
+    mrlx = game_mrlx(
+        {"player": {"url": "self"}},
+        {"name": "nim", "seats": ["player", "player"]},
+        rewards={"credit": "turn", "branch": 2, "grade_timeout_s": 0.5},
+    )
+    outs, _ = episodes(stub.url, tiny_model_dir, mrlx, ["Nim: 6 stones"])
+    (out,) = outs
+    assert all(not s.metadata["mrlx"]["aborted"] for s in out)
+    assert facts(out[0])["winner"] == "first"
+
+
+@pytest.mark.parametrize(
+    "rewards, system, message",
+    [
+        ({"shaping": "cooperative"}, "game", "mrlx.rewards.shaping is 'cooperative'"),
+        ({}, "dialogue", "no plugin implements mrlx_turn_reward"),
+    ],
+)
+def test_tree_sampling_is_refused_where_its_scores_would_miss_a_reward(
+    rewards, system, message, tiny_model_dir
+):
+    # A candidate trains on its score: a game's own numbers (no shaping reaches them), or the
+    # mrlx_turn_reward hook's (without one, every candidate 0.0 and the outcome reaches none).
+    mrlx = game_mrlx(
+        {"player": {"url": "self"}},
+        {"name": "nim", "seats": ["player", "player"]},
+        rewards={"credit": "turn", "branch": 2, **rewards},
+    )
+    if system == "dialogue":
+        mrlx = {k: v for k, v in mrlx.items() if k != "game"} | {"system": "dialogue"}
+        mrlx["agents"] = {"asker": {"url": "self"}, "answerer": {"url": "self"}}
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        asyncio.run(get_runtime(slime_args("http://127.0.0.1:9", str(tiny_model_dir), mrlx)))
+
+
+@pytest.mark.parametrize("group_by", ["observation", "index"])
+def test_turns_are_compared_with_the_turns_that_saw_the_same(group_by, stubs, tiny_model_dir):
     # Kuhn poker by self-play, every answer "check": 8 episodes of one prompt group, each dealt
-    # its own cards. The first seat's opening turns are grouped by what it saw (its card), not
-    # only by the turn index.
+    # its own cards. The first seat's opening turns are grouped by what it saw (its card), or
+    # with `group_turns_by: index` all together.
     stub = stubs("\\boxed{check}")
     mrlx = game_mrlx(
         {"player": {"url": "self"}},
         {"name": "kuhn_poker", "seats": ["player", "player"]},
-        rewards={"credit": "turn"},
+        rewards={"credit": "turn", "group_turns_by": group_by},
     )
     outs, _ = episodes(stub.url, tiny_model_dir, mrlx, ["Kuhn poker"], per_prompt=8)
     groups: dict[str, set[str]] = {}
@@ -395,6 +438,9 @@ def test_turns_are_compared_with_the_turns_that_saw_the_same(stubs, tiny_model_d
         if s.status != Status.ABORTED and meta["role"] == "first" and meta["turn"] == 0:
             card = s.prompt[-1]["content"].split("Your card: ")[1][0]
             groups.setdefault(meta["credit_group"], set()).add(card)
+    if group_by == "index":
+        assert len(groups) == 1 and len(next(iter(groups.values()))) >= 2
+        return
     assert len(groups) >= 2  # 8 deals hold at least two of the three cards
     assert all(len(cards) == 1 for cards in groups.values())  # one card per group
 

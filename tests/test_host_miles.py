@@ -402,6 +402,7 @@ def test_per_turn_credit_with_tree_sampling_through_miles(tmp_path, stub_engine,
         "agents": {"a": {"url": "self"}, "b": {"url": "self"}},
         "dialogue": {"max_turns": 4},
         "rewards": {"credit": "turn", "branch": 2},
+        "plugins": ["examples.multi_agent.turn_format_reward"],  # what the candidates are compared by
         "engine": {"sampling_seed": 5},
     }
     run = run_miles(tmp_path, stub_engine.url, tiny_model_dir, config, *BATCH)

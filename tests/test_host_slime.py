@@ -449,6 +449,7 @@ def test_per_turn_samples_and_tree_candidates_keep_the_step_splittable(tmp_path,
         "agents": {"a": {"url": "self"}, "b": {"url": "self"}},
         "dialogue": {"max_turns": 4, "stop_patterns": {"b": "Judgment"}},
         "rewards": {"credit": "turn", "branch": 2, "gamma": 0.9},
+        "plugins": ["examples.multi_agent.turn_format_reward"],  # what the candidates are compared by
         "engine": {"sampling_seed": 3},
     }
     run = run_slime(

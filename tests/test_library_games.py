@@ -343,7 +343,7 @@ def test_textarena_tictactoe_played_to_the_end_through_the_protocol():
     # The same game replayed from its seed and moves (no live env kept for it) ends the same.
     again = game.play(states[-2], 0, "[2]")
     assert again == end
-    assert game.information_state(states[2], 0) != game.information_state(states[2], 1)
+    assert game.information_state(states[2], 0) is None  # free text: its turns are grouped by index
 
 
 @needs_textarena

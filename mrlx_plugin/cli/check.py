@@ -242,7 +242,7 @@ def _samples_per_agent(path: str, s: Settings) -> dict[str, int] | None:
     """What start-up computes of the system's declarations (its fan-out and turns, with the
     system's own checks of its settings, such as a built-in game's options)."""
     pm = make_plugin_manager(s.plugins, source=f"{path}: mrlx.plugins")
-    return start_system(collect_systems(pm), collect_games(pm), s, path)[1]
+    return start_system(collect_systems(pm), collect_games(pm), s, path, pm)[1]
 
 
 def _same_samples_per_episode(counts: dict[str, dict[str, int] | None], report: Report) -> None:

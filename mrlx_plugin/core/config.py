@@ -363,6 +363,13 @@ class RewardSettings(Section):
         le=1,
         why="a discount: more than 1 would weigh the outcome more the further a turn is from it",
     ) = Field(1.0, description="`credit: turn`: discount per turn by which the outcome reaches earlier turns")
+    group_turns_by: Literal["observation", "index"] = Field(
+        "observation",
+        description="`credit: turn`: compare a turn with the prompt group's turns that saw the same "
+        "(`observation`: the system's key for the turn, a game's information state; its turn index where "
+        "the system gives none) or with those of the same index (`index`: larger groups, judged partly "
+        "by the situation; docs/credit.md)",
+    )
     branch: bounded(int, ge=1, le=64, why="each candidate is one more model call per trainable turn") = Field(
         1,
         description="`credit: turn`: candidates sampled per trainable turn from one context (tree sampling); "

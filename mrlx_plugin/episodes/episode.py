@@ -246,8 +246,8 @@ class Episode:
     ) -> float:
         """A turn's score from `score` or the mrlx_turn_reward hook (None -> 0.0).
 
-        A score that fails (it raises, runs past `rewards.grade_timeout_s`, or is a number that is
-        not finite) ends the episode as a failed grade would, the reason naming its producer
+        A score that fails (it raises, the hook runs past `rewards.grade_timeout_s`, or it is a
+        number that is not finite) ends the episode as a failed grade would, the reason naming its producer
         (the plugin, or what a system's RewardError names: a game and its plugin). A score that is
         no number at all breaks the hook's contract on every turn: HookResultError, naming it."""
         plugin = None
@@ -258,9 +258,11 @@ class Episode:
         )
         try:
             if score is not None:
+                # Not under the grade's deadline: a system's score may play the episode on (a
+                # game's rollout), and each of its engine calls has a deadline of its own.
                 value = score(turn)
                 if inspect.isawaitable(value):
-                    value = await asyncio.wait_for(value, self.settings.rewards.grade_timeout_s)
+                    value = await value
             else:
                 found = self.context.hooks.turn_reward.ask(
                     episode=self, transcript=transcript, index=index, turn=turn
@@ -483,7 +485,8 @@ class Episode:
         group = t.agent + (f"@{t.role}" if t.role else "")
         if turn is None:
             return group
-        key = t.turn_keys[turn] if turn < len(t.turn_keys) else None
+        keyed = self.settings.rewards.group_turns_by == "observation" and turn < len(t.turn_keys)
+        key = t.turn_keys[turn] if keyed else None
         if t.branches.get(turn) is not None:
             return f"{group}/turn{turn}/{self.key}:{t.label}"
         return f"{group}/seen:{key}" if key is not None else f"{group}/turn{turn}"

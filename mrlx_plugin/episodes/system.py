@@ -49,6 +49,9 @@ class System:
     hook receives it). `settings`: the model of the system's section of the config (`mrlx.NAME`).
     `check(settings, games)`: the system's start-up checks of the settings, given the registered
     games; it returns the problems it found (each one line naming the key), none when all is well.
+    `scores_candidates`: the system scores tree sampling's candidates itself (it passes `score`
+    to `Episode.generate`, as the game system does by its rules); without it, tree sampling
+    needs an `mrlx_turn_reward` implementation.
     """
 
     run: Callable[[Episode], Awaitable[None]]
@@ -57,6 +60,7 @@ class System:
     team_shaping: bool = False
     settings: type[BaseModel] | None = None
     check: Callable[[Settings, Mapping[str, Registered]], list[str]] | None = None
+    scores_candidates: bool = False
 
     def __post_init__(self) -> None:
         if not inspect.iscoroutinefunction(self.run):

@@ -701,4 +701,11 @@ def game_turns(settings: Any) -> dict[str, int]:
     }
 
 
-GAME = System(run=run_game, fan_out=game_fan_out, turns=game_turns, settings=GameSettings, check=check_game)
+GAME = System(
+    run=run_game,
+    fan_out=game_fan_out,
+    turns=game_turns,
+    settings=GameSettings,
+    check=check_game,
+    scores_candidates=True,
+)

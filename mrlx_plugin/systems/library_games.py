@@ -400,9 +400,12 @@ class TextArenaGame:
             f"to you:\n{quote(state.inbox)}\nAnswer with your move in the format the game asks for."
         )
 
-    def information_state(self, state: ArenaState, seat: int) -> str:
-        """All the seat was told and did, in order: nothing else tells it one position from another."""
-        return json.dumps(state.knows[seat])
+    def information_state(self, state: ArenaState, seat: int) -> None:
+        """None: a TextArena seat's information state is all it was told and wrote, free text that
+        two episodes hardly ever share after a seat's first move, so that grouping turns by it
+        would leave nearly every later turn alone in its group (advantage 0). Its turns are
+        compared by index instead (docs/credit.md)."""
+        return None
 
     def legal_moves(self, state: ArenaState, seat: int) -> list[str]:
         """TextArena lists none: any text is a move, which the env judges when it is played."""
