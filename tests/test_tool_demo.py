@@ -13,8 +13,10 @@ import pytest
 
 from examples.tool_lookup import data, hooks
 from mrlx_plugin.agents.parsers import hermes
+from mrlx_plugin.cli.main import main as cli_main
 from mrlx_plugin.core.config import ConfigError
 from mrlx_plugin.local import tool_demo
+from mrlx_plugin.local.demo import refuse_previous_run
 from mrlx_plugin.local.model import CHATML_TEMPLATE, build_tokenizer, load_tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
@@ -111,11 +113,12 @@ def test_a_model_whose_template_cannot_show_tools_is_refused(tmp_path):
 
 def test_a_run_already_in_out_is_refused_unless_overwritten(tmp_path, capsys):
     (tmp_path / "metrics.json").write_text("{}")
-    assert tool_demo.main(["--out", str(tmp_path), "--quiet"]) == 1
+    assert cli_main(["demo", "--tools", "--out", str(tmp_path), "--quiet"]) == 2
     refused = capsys.readouterr().err
+    assert refused.startswith("mrlx demo: --out")
     assert "already holds a run" in refused and "--overwrite" in refused and "--resume" not in refused
     assert (tmp_path / "metrics.json").exists()
-    tool_demo._previous_run(tmp_path, argparse.Namespace(overwrite=True), tool_demo.RUN_STATE)
+    refuse_previous_run(tmp_path, argparse.Namespace(overwrite=True), tool_demo.RUN_STATE)
     assert not (tmp_path / "metrics.json").exists()
 
 

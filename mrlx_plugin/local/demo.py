@@ -23,6 +23,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -47,19 +48,92 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--freeze", choices=[A, B, "A", "B"], default=None, help="never update this agent (baseline)"
     )
+    add_run_options(p, resume=True)
+    return p
+
+
+def add_run_options(p: argparse.ArgumentParser, *, resume: bool = False, router: bool = True) -> None:
+    """The options every demo has: what to do with a run already in --out (`resume`: continue it
+    from its checkpoints, where the demo can), the seed, the router (`router`: where the demo
+    runs one) and the progress lines."""
     again = p.add_mutually_exclusive_group()  # a run already in --out: continue it, or replace it
-    again.add_argument(
-        "--resume", action="store_true", help="continue both agents from their checkpoints in --out"
-    )
+    if resume:
+        again.add_argument(
+            "--resume", action="store_true", help="continue every agent from its checkpoints in --out"
+        )
     again.add_argument(
         "--overwrite",
         action="store_true",
         help="delete the run already in --out (checkpoints, metrics, logs, models) and start over",
     )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-router", action="store_true", help="talk to the engines directly")
-    p.add_argument("--quiet", action="store_true", help="no progress bars or table")
-    return p
+    if router:
+        p.add_argument("--no-router", action="store_true", help="talk to the engines directly")
+    p.add_argument("--quiet", action="store_true", help="no progress lines or table")
+
+
+def fmt(v: Any) -> str:
+    """A measure in a progress line or table: three decimals, or "-" when there is none."""
+    return f"{v:.3f}" if isinstance(v, float) else "-"
+
+
+def write_report(out: Path, summary: dict[str, Any], rows: Any) -> dict[str, Any]:
+    """`summary` and every metrics row in OUT/metrics.json; the summary names the file."""
+    (out / "metrics.json").write_text(
+        json.dumps({"summary": summary, "metrics": rows}, indent=1, default=str)
+    )
+    summary["metrics"] = str(out / "metrics.json")
+    return summary
+
+
+def save_plot(
+    out: Path,
+    draw: Callable[[Any], None],
+    *,
+    title: str,
+    xlabel: str,
+    ylabel: str,
+    ylim: tuple[float, float],
+    legend: dict[str, Any],
+) -> Path:
+    """OUT/rewards.png: `draw(ax)` plots the lines; the frame is every demo's."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
+    draw(ax)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_ylim(*ylim)
+    ax.grid(alpha=0.3)
+    ax.set_title(title)
+    ax.legend(**legend)
+    fig.tight_layout()
+    path = out / "rewards.png"
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def run_main(
+    prog: str,
+    parser: argparse.ArgumentParser,
+    run: Callable[[argparse.Namespace], dict[str, Any]],
+    show: Callable[[dict[str, Any]], None],
+    argv: list[str] | None,
+) -> int:
+    """A demo's command: parse, run, print the summary. A run that fails is one line on stderr
+    and exit status 1; bad input (ConfigError) is the command line's to report (status 2)."""
+    ns = parser.parse_args(argv)
+    try:
+        summary = run(ns)
+    except RuntimeError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 1
+    show(summary)
+    return 0
 
 
 def _yaml(
@@ -91,14 +165,15 @@ def _yaml(
     return path
 
 
-def _peak_kib(pid: int) -> int:
+def peak_memory_kib(pid: int) -> int:
+    """The peak resident memory of process `pid` so far (0 once it has exited)."""
     try:
         return int(memory_mib(pid)[1] * 1024)
     except OSError:  # it has exited
         return 0
 
 
-def _rows(path: Path) -> list[dict[str, Any]]:
+def read_rows(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -117,7 +192,7 @@ RUN_STATE = (
 )
 
 
-def _previous_run(out: Path, ns: argparse.Namespace, state: tuple[str, ...] = RUN_STATE) -> None:
+def refuse_previous_run(out: Path, ns: argparse.Namespace, state: tuple[str, ...] = RUN_STATE) -> None:
     """Refuse to start a new run on top of an old one, unless told to continue or to replace it.
 
     A new run in the same folder would mix both: the trainers append to the old metrics, the
@@ -174,7 +249,7 @@ def run_demo(ns: argparse.Namespace) -> dict[str, Any]:
 
     freeze = {"A": A, "B": B}.get(ns.freeze, ns.freeze)
     out = Path(ns.out)
-    _previous_run(out, ns)
+    refuse_previous_run(out, ns)
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
@@ -366,9 +441,9 @@ def _follow(
     t0 = time.monotonic()
     while True:
         for pid in [j.pid for j in jobs.values()] + [p.proc.pid for p in procs]:
-            peak_kib[pid] = max(peak_kib.get(pid, 0), _peak_kib(pid))
-        a_rows = [r for r in _rows(out / A / "metrics.jsonl") if r.get("step", -1) >= 0]
-        b_done = sum(1 for r in _rows(out / B / "metrics.jsonl") if r.get("step", -1) >= 0)
+            peak_kib[pid] = max(peak_kib.get(pid, 0), peak_memory_kib(pid))
+        a_rows = [r for r in read_rows(out / A / "metrics.jsonl") if r.get("step", -1) >= 0]
+        b_done = sum(1 for r in read_rows(out / B / "metrics.jsonl") if r.get("step", -1) >= 0)
         if bar is not None and len(a_rows) > shown:
             for r in a_rows[shown:]:
                 bar.write(
@@ -391,7 +466,7 @@ def _follow(
 def _report(
     ns: Any, out: Path, wall: float, peak_mib: float, freeze: str | None, router: bool
 ) -> dict[str, Any]:
-    rows = {name: [r for r in _rows(out / name / "metrics.jsonl")] for name in (A, B)}
+    rows = {name: [r for r in read_rows(out / name / "metrics.jsonl")] for name in (A, B)}
     steps = {name: [r for r in rows[name] if r.get("step", -1) >= 0] for name in (A, B)}
     a_rows = steps[A]
 
@@ -425,37 +500,27 @@ def _report(
     team = [r.get("multi_agent/team_reward") for r in a_rows if r.get("multi_agent/team_reward") is not None]
     summary["team_reward_last5"] = sum(team[-5:]) / len(team[-5:]) if team else None
     summary["plot"] = str(_plot(out, a_rows, freeze))
-    (out / "metrics.json").write_text(
-        json.dumps({"summary": summary, "metrics": rows}, indent=1, default=str)
-    )
-    summary["metrics"] = str(out / "metrics.json")
-    return summary
+    return write_report(out, summary, rows)
 
 
 def _plot(out: Path, a_rows: list[dict[str, Any]], freeze: str | None) -> Path:
-    import matplotlib
+    def draw(ax: Any) -> None:
+        steps = [r["step"] for r in a_rows]
+        for key, label in (
+            (f"reward/{A}/mean", f"{A} (A): own answer"),
+            ("multi_agent/team_reward", f"{B} (B): team's final answer"),
+        ):
+            ax.plot(steps, [r.get(key) for r in a_rows], marker="o", ms=3, label=label)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
-    steps = [r["step"] for r in a_rows]
-    for key, label in (
-        (f"reward/{A}/mean", f"{A} (A): own answer"),
-        ("multi_agent/team_reward", f"{B} (B): team's final answer"),
-    ):
-        ax.plot(steps, [r.get(key) for r in a_rows], marker="o", ms=3, label=label)
-    ax.set_xlabel("training step")
-    ax.set_ylabel("mean reward (fraction right)")
-    ax.set_ylim(-0.02, 1.02)
-    ax.grid(alpha=0.3)
-    ax.set_title("mrlx demo: two models co-training" + (f" ({freeze} frozen)" if freeze else ""))
-    ax.legend(loc="lower right")
-    fig.tight_layout()
-    path = out / "rewards.png"
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return save_plot(
+        out,
+        draw,
+        title="mrlx demo: two models co-training" + (f" ({freeze} frozen)" if freeze else ""),
+        xlabel="training step",
+        ylabel="mean reward (fraction right)",
+        ylim=(-0.02, 1.02),
+        legend={"loc": "lower right"},
+    )
 
 
 def print_summary(s: dict[str, Any]) -> None:
@@ -467,31 +532,37 @@ def print_summary(s: dict[str, Any]) -> None:
         f"  {'agent':<10} {'rewarded for':<20} {'first step':>10} {'last step':>10} {'steps':>6} "
         f"{'samples':>8}  warm-start"
     )
-
-    def fmt(v: Any) -> str:
-        return f"{v:.3f}" if isinstance(v, float) else "-"
-
     for name, a in s["agents"].items():
         print(
             f"  {name:<10} {a['reward']:<20} {fmt(a['first_step_reward']):>10} "
             f"{fmt(a['last_step_reward']):>10} "
             f"{a['steps_trained']:>6} {a['samples_trained']:>8}  {a['warm_start_steps']} format-only steps"
         )
-    print(
-        f"  plot: {s['plot']}\n  metrics: {s['metrics']}\n  checkpoints: "
-        + ", ".join(a["checkpoints"] for a in s["agents"].values())
-    )
+    print_files(s, [a["checkpoints"] for a in s["agents"].values()])
+
+
+def print_measures(s: dict[str, Any], columns: list[tuple[str, str, int]], label_width: int) -> None:
+    """A demo summary's table of measures: held-out before and after RL, the first and the last
+    training step; `columns` are (measure, header, width)."""
+    print(f"  {'':<{label_width}} " + " ".join(f"{head:>{w}}" for _, head, w in columns))
+    h, t = s["held_out"], s["train"]
+    for label, m in (
+        (f"held-out ({h['prompts']}), before RL", h["before"]),
+        (f"held-out ({h['prompts']}), after RL", h["after"]),
+        ("training, first step", t["first_step"]),
+        ("training, last step", t["last_step"]),
+    ):
+        m = m or {}
+        print(f"  {label:<{label_width}} " + " ".join(f"{fmt(m.get(k)):>{w}}" for k, _, w in columns))
+
+
+def print_files(s: dict[str, Any], checkpoints: list[str]) -> None:
+    """Where a demo left its plot, its metrics and its checkpoints."""
+    print(f"  plot: {s['plot']}\n  metrics: {s['metrics']}\n  checkpoints: {', '.join(checkpoints)}")
 
 
 def main(argv: list[str] | None = None) -> int:
-    ns = build_parser().parse_args(argv)
-    try:
-        summary = run_demo(ns)
-    except RuntimeError as exc:
-        print(f"mrlx demo: {exc}", file=sys.stderr)
-        return 1
-    print_summary(summary)
-    return 0
+    return run_main("mrlx demo", build_parser(), run_demo, print_summary, argv)
 
 
 if __name__ == "__main__":

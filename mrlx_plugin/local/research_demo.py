@@ -30,14 +30,21 @@ from pathlib import Path
 from typing import Any
 
 from mrlx_plugin.local.demo import (
-    _peak_kib,
-    _previous_run,
-    _rows,
+    add_run_options,
     check_trainers,
     example_env,
     example_root,
+    fmt,
+    peak_memory_kib,
+    print_files,
+    print_measures,
+    read_rows,
+    refuse_previous_run,
+    run_main,
+    save_plot,
     start_services,
     start_trainer,
+    write_report,
 )
 
 PLANNER, SEARCHER = "planner", "searcher"
@@ -76,14 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--save-samples", action="store_true", help="write every trained sample to AGENT/samples.jsonl"
     )
-    p.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="delete the run already in --out (checkpoints, metrics, logs, models) and start over",
-    )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-router", action="store_true", help="talk to the engines directly")
-    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    add_run_options(p)
     return p
 
 
@@ -220,7 +220,7 @@ def run_research_demo(ns: argparse.Namespace) -> dict[str, Any]:
     from examples.research_pair import corpus
 
     out = Path(ns.out)
-    _previous_run(out, ns, RUN_STATE)
+    refuse_previous_run(out, ns, RUN_STATE)
     for name in ("logs", "prompts", PLANNER, SEARCHER):
         (out / name).mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
@@ -317,10 +317,6 @@ def _train_point(p_row: dict[str, Any], s_row: dict[str, Any] | None) -> dict[st
     }
 
 
-def _fmt(v: Any) -> str:
-    return f"{v:.3f}" if isinstance(v, float) else "-"
-
-
 def _follow(
     ns: argparse.Namespace,
     out: Path,
@@ -342,9 +338,9 @@ def _follow(
             j.poll() not in (None, 0) for j in jobs.values()
         )
         for pid in [j.pid for j in jobs.values()] + [p.proc.pid for p in procs]:
-            peak_kib[pid] = max(peak_kib.get(pid, 0), _peak_kib(pid))
-        p_rows = _rows(out / PLANNER / "metrics.jsonl")
-        s_steps = {r["step"]: r for r in _steps(_rows(out / SEARCHER / "metrics.jsonl"))}
+            peak_kib[pid] = max(peak_kib.get(pid, 0), peak_memory_kib(pid))
+        p_rows = read_rows(out / PLANNER / "metrics.jsonl")
+        s_steps = {r["step"]: r for r in _steps(read_rows(out / SEARCHER / "metrics.jsonl"))}
         while not ns.quiet and shown < len(p_rows):
             r = p_rows[shown]
             step = r.get("step", -1)
@@ -353,15 +349,15 @@ def _follow(
             if step >= 0:
                 m = _train_point(r, s_steps.get(step))
                 print(
-                    f"{step:>5}  {_fmt(m[PLANNER]):>14}  {_fmt(m[SEARCHER]):>15}  "
-                    f"{_fmt(m['well_formed']):>11}  {time.monotonic() - t0:>6.0f}s",
+                    f"{step:>5}  {fmt(m[PLANNER]):>14}  {fmt(m[SEARCHER]):>15}  "
+                    f"{fmt(m['well_formed']):>11}  {time.monotonic() - t0:>6.0f}s",
                     flush=True,
                 )
             if "eval/eval/reward_mean" in r:
                 h = held_out_point(r)
                 print(
-                    f"  held-out after {h['step']} steps: {PLANNER} {_fmt(h[PLANNER])}, {SEARCHER} "
-                    f"{_fmt(h[SEARCHER])}, well-formed calls {_fmt(h['well_formed'])}",
+                    f"  held-out after {h['step']} steps: {PLANNER} {fmt(h[PLANNER])}, {SEARCHER} "
+                    f"{fmt(h[SEARCHER])}, well-formed calls {fmt(h['well_formed'])}",
                     flush=True,
                 )
             shown += 1
@@ -371,7 +367,7 @@ def _follow(
 
 
 def _report(ns: argparse.Namespace, out: Path, wall: float, peak_mib: float, router: bool) -> dict[str, Any]:
-    rows = {name: _rows(out / name / "metrics.jsonl") for name in (PLANNER, SEARCHER)}
+    rows = {name: read_rows(out / name / "metrics.jsonl") for name in (PLANNER, SEARCHER)}
     s_steps = {r["step"]: r for r in _steps(rows[SEARCHER])}
     train = [_train_point(r, s_steps.get(r["step"])) for r in _steps(rows[PLANNER])]
     evals = [held_out_point(r) for r in rows[PLANNER] if "eval/eval/reward_mean" in r]
@@ -402,45 +398,30 @@ def _report(ns: argparse.Namespace, out: Path, wall: float, peak_mib: float, rou
         },
     }
     summary["plot"] = str(_plot(out, train, evals))
-    (out / "metrics.json").write_text(
-        json.dumps({"summary": summary, "metrics": rows}, indent=1, default=str)
-    )
-    summary["metrics"] = str(out / "metrics.json")
-    return summary
+    return write_report(out, summary, rows)
 
 
 def _plot(out: Path, train: list[dict[str, Any]], evals: list[dict[str, Any]]) -> Path:
-    import matplotlib
+    def draw(ax: Any) -> None:
+        x = [t["step"] + 1 for t in train]  # the step's rollout used the weights of `step` updates
+        for key, color, label in (
+            (PLANNER, "C0", f"{PLANNER}: final answer"),
+            (SEARCHER, "C1", f"{SEARCHER}: final answer"),
+            ("well_formed", "C2", "well-formed search calls"),
+        ):
+            ax.plot(x, [t[key] for t in train], color=color, alpha=0.5, label=f"training, {label}")
+            ex, ey = [e["step"] for e in evals], [e[key] for e in evals]
+            ax.plot(ex, ey, "o--", color=color, label=f"held-out, {label}")
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
-    x = [t["step"] + 1 for t in train]  # the step's rollout used the weights of `step` updates
-    for key, color, label in (
-        (PLANNER, "C0", f"{PLANNER}: final answer"),
-        (SEARCHER, "C1", f"{SEARCHER}: final answer"),
-        ("well_formed", "C2", "well-formed search calls"),
-    ):
-        ax.plot(x, [t[key] for t in train], color=color, alpha=0.5, label=f"training, {label}")
-        ax.plot(
-            [e["step"] for e in evals],
-            [e[key] for e in evals],
-            "o--",
-            color=color,
-            label=f"held-out, {label}",
-        )
-    ax.set_xlabel("RL steps taken")
-    ax.set_ylabel("mean reward / rate")
-    ax.set_ylim(-0.02, 1.12)
-    ax.grid(alpha=0.3)
-    ax.set_title("mrlx demo --research: a planner and a searcher, two models")
-    ax.legend(loc="upper left", fontsize="x-small", ncol=2)
-    fig.tight_layout()
-    path = out / "rewards.png"
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return save_plot(
+        out,
+        draw,
+        title="mrlx demo --research: a planner and a searcher, two models",
+        xlabel="RL steps taken",
+        ylabel="mean reward / rate",
+        ylim=(-0.02, 1.12),
+        legend={"loc": "upper left", "fontsize": "x-small", "ncol": 2},
+    )
 
 
 def print_summary(s: dict[str, Any]) -> None:
@@ -453,36 +434,17 @@ def print_summary(s: dict[str, Any]) -> None:
             f"  {name:<9} rewarded for {a['reward']}; {a['warm_start_steps']} warm-start steps, "
             f"{a['steps_trained']} RL steps, {a['samples_trained']} samples"
         )
-    h, t = s["held_out"], s["train"]
-    print(f"  {'':<34} {PLANNER + ' reward':>14} {SEARCHER + ' reward':>15} {'well-formed call':>16}")
-    for label, m in (
-        (f"held-out ({h['prompts']}), before RL", h["before"]),
-        (f"held-out ({h['prompts']}), after RL", h["after"]),
-        ("training, first step", t["first_step"]),
-        ("training, last step", t["last_step"]),
-    ):
-        m = m or {}
-        print(
-            f"  {label:<34} {_fmt(m.get(PLANNER)):>14} {_fmt(m.get(SEARCHER)):>15} "
-            f"{_fmt(m.get('well_formed')):>16}"
-        )
-    print(
-        f"  plot: {s['plot']}\n  metrics: {s['metrics']}\n  checkpoints: "
-        + ", ".join(a["checkpoints"] for a in s["agents"].values())
-    )
+    columns = [
+        (PLANNER, PLANNER + " reward", 14),
+        (SEARCHER, SEARCHER + " reward", 15),
+        ("well_formed", "well-formed call", 16),
+    ]
+    print_measures(s, columns, 34)
+    print_files(s, [a["checkpoints"] for a in s["agents"].values()])
 
 
 def main(argv: list[str] | None = None) -> int:
-    from mrlx_plugin.core.config import ConfigError
-
-    ns = build_parser().parse_args(argv)
-    try:
-        summary = run_research_demo(ns)
-    except (RuntimeError, ConfigError) as exc:
-        print(f"mrlx demo --research: {exc}", file=sys.stderr)
-        return 1
-    print_summary(summary)
-    return 0
+    return run_main("mrlx demo --research", build_parser(), run_research_demo, print_summary, argv)
 
 
 if __name__ == "__main__":

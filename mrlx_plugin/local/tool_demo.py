@@ -19,7 +19,6 @@ up with a well-formed call, and the rate of malformed calls.
 from __future__ import annotations
 
 import argparse
-import json
 import resource
 import subprocess
 import sys
@@ -29,13 +28,20 @@ from pathlib import Path
 from typing import Any
 
 from mrlx_plugin.local.demo import (
-    _peak_kib,
-    _previous_run,
-    _rows,
+    add_run_options,
     check_trainers,
     example_env,
     example_root,
+    fmt,
+    peak_memory_kib,
+    print_files,
+    print_measures,
+    read_rows,
+    refuse_previous_run,
+    run_main,
+    save_plot,
     start_trainer,
+    write_report,
 )
 
 AGENT = "solver"
@@ -72,13 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup-steps", type=int, default=1200, help="supervised warm-start steps (0: none)")
     p.add_argument("--warmup-lr", type=float, default=2e-3, help="learning rate of the warm-start")
     p.add_argument("--save-samples", action="store_true", help="write every trained sample to samples.jsonl")
-    p.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="delete the run already in --out (checkpoints, metrics, logs) and start over",
-    )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    add_run_options(p, router=False)
     return p
 
 
@@ -164,7 +164,7 @@ def run_tool_demo(ns: argparse.Namespace) -> dict[str, Any]:
     from examples.tool_lookup import data
 
     out = Path(ns.out)
-    _previous_run(out, ns, RUN_STATE)
+    refuse_previous_run(out, ns, RUN_STATE)
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
@@ -260,17 +260,14 @@ def _follow(
 ) -> None:
     """A line per step and per evaluation while the trainer runs; the peak memory of every process."""
 
-    def fmt(v: Any) -> str:
-        return f"{v:.3f}" if isinstance(v, float) else "-"
-
     if not ns.quiet:
         print(f"{'step':>5}  {'right':>6}  {'looked it up':>12}  {'elapsed':>7}", flush=True)
     shown, t0 = 0, time.monotonic()
     while True:
         done = job.poll() is not None
         for pid in [job.pid] + [p.proc.pid for p in procs]:
-            peak_kib[pid] = max(peak_kib.get(pid, 0), _peak_kib(pid))
-        rows = _rows(out / AGENT / "metrics.jsonl")
+            peak_kib[pid] = max(peak_kib.get(pid, 0), peak_memory_kib(pid))
+        rows = read_rows(out / AGENT / "metrics.jsonl")
         if not ns.quiet:
             for r in rows[shown:]:
                 elapsed = f"{time.monotonic() - t0:>6.0f}s"
@@ -296,7 +293,7 @@ def _follow(
 
 
 def _report(ns: argparse.Namespace, out: Path, wall: float, peak_mib: float) -> dict[str, Any]:
-    rows = _rows(out / AGENT / "metrics.jsonl")
+    rows = read_rows(out / AGENT / "metrics.jsonl")
     steps = [r for r in rows if r.get("step", -1) >= 0]
     warm = [r for r in rows if "warm_start/steps" in r]
     evals = _evals(rows)
@@ -320,79 +317,48 @@ def _report(ns: argparse.Namespace, out: Path, wall: float, peak_mib: float) -> 
         "checkpoints": str(out / AGENT / "checkpoints"),
     }
     summary["plot"] = str(_plot(out, steps, evals))
-    (out / "metrics.json").write_text(
-        json.dumps({"summary": summary, "metrics": rows}, indent=1, default=str)
-    )
-    summary["metrics"] = str(out / "metrics.json")
-    return summary
+    return write_report(out, summary, rows)
 
 
 def _plot(out: Path, steps: list[dict[str, Any]], evals: list[dict[str, Any]]) -> Path:
-    import matplotlib
+    def draw(ax: Any) -> None:
+        x = [r["step"] + 1 for r in steps]  # the step's rollout used the weights of `step` updates
+        train = [measures(r) for r in steps]
+        ax.plot(x, [m["accuracy"] for m in train], color="C0", alpha=0.5, label="training: right answer")
+        ax.plot(x, [m["well_formed"] for m in train], color="C1", alpha=0.5, label="training: looked it up")
+        ex = [e["step"] for e in evals]
+        ax.plot(ex, [e["accuracy"] for e in evals], "o-", color="C0", label="held-out: right answer")
+        well_formed = [e["well_formed"] for e in evals]
+        ax.plot(ex, well_formed, "s--", color="C1", label="held-out: looked it up (well-formed call)")
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
-    x = [r["step"] + 1 for r in steps]  # the step's rollout used the weights of `step` updates
-    train = [measures(r) for r in steps]
-    ax.plot(x, [m["accuracy"] for m in train], color="C0", alpha=0.5, label="training: right answer")
-    ax.plot(x, [m["well_formed"] for m in train], color="C1", alpha=0.5, label="training: looked it up")
-    ex = [e["step"] for e in evals]
-    ax.plot(ex, [e["accuracy"] for e in evals], "o-", color="C0", label="held-out: right answer")
-    ax.plot(
-        ex,
-        [e["well_formed"] for e in evals],
-        "s--",
-        color="C1",
-        label="held-out: looked it up (well-formed call)",
+    return save_plot(
+        out,
+        draw,
+        title="mrlx demo --tools: look the code up, then answer it",
+        xlabel="RL steps taken",
+        ylabel="fraction of episodes",
+        ylim=(-0.02, 1.02),
+        legend={"loc": "lower right", "fontsize": "small"},
     )
-    ax.set_xlabel("RL steps taken")
-    ax.set_ylabel("fraction of episodes")
-    ax.set_ylim(-0.02, 1.02)
-    ax.grid(alpha=0.3)
-    ax.set_title("mrlx demo --tools: look the code up, then answer it")
-    ax.legend(loc="lower right", fontsize="small")
-    fig.tight_layout()
-    path = out / "rewards.png"
-    fig.savefig(path)
-    plt.close(fig)
-    return path
 
 
 def print_summary(s: dict[str, Any]) -> None:
-    def fmt(m: dict[str, Any] | None, key: str) -> str:
-        v = (m or {}).get(key)
-        return f"{v:.3f}" if isinstance(v, float) else "-"
-
     print(
         f"\nmrlx demo --tools finished in {s['wall_time_s']:.0f} s ({s['steps']} RL steps of "
         f"{s['episodes_per_step']} episodes after {s['warm_start_steps']} warm-start steps; "
         f"peak memory {s['peak_memory_mib']:.0f} MiB)"
     )
-    h, t = s["held_out"], s["train"]
-    print(f"  {'':<30} {'right answer':>12} {'looked it up':>12} {'malformed calls':>15}")
-    for label, m in (
-        (f"held-out ({h['prompts']}), before RL", h["before"]),
-        (f"held-out ({h['prompts']}), after RL", h["after"]),
-        ("training, first step", t["first_step"]),
-        ("training, last step", t["last_step"]),
-    ):
-        print(f"  {label:<30} {fmt(m, 'accuracy'):>12} {fmt(m, 'well_formed'):>12} {fmt(m, 'malformed'):>15}")
-    print(f"  plot: {s['plot']}\n  metrics: {s['metrics']}\n  checkpoints: {s['checkpoints']}")
+    columns = [
+        ("accuracy", "right answer", 12),
+        ("well_formed", "looked it up", 12),
+        ("malformed", "malformed calls", 15),
+    ]
+    print_measures(s, columns, 30)
+    print_files(s, [s["checkpoints"]])
 
 
 def main(argv: list[str] | None = None) -> int:
-    from mrlx_plugin.core.config import ConfigError
-
-    ns = build_parser().parse_args(argv)
-    try:
-        summary = run_tool_demo(ns)
-    except (RuntimeError, ConfigError) as exc:
-        print(f"mrlx demo --tools: {exc}", file=sys.stderr)
-        return 1
-    print_summary(summary)
-    return 0
+    return run_main("mrlx demo --tools", build_parser(), run_tool_demo, print_summary, argv)
 
 
 if __name__ == "__main__":
