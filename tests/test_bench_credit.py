@@ -1,7 +1,7 @@
-"""`mrlx bench credit --quick`: every arm of the benchmark runs for real (embedded engines, the
-embedded trainer, the game system through the plugin's rollout functions), counts its engine
-calls, evaluates before and after training, and the report has its full structure. Learning
-and timings are the benchmark's to report, never asserted here."""
+"""`mrlx bench credit --quick --seeds 2`: every arm of every part runs for real (embedded engines,
+the embedded trainer, the game system through the plugin's rollout functions) until its engine-call
+budget is spent, is evaluated and probed, and the report has its full structure and invariants.
+Learning and timings are the benchmark's to report, never asserted here."""
 
 from __future__ import annotations
 
@@ -13,97 +13,130 @@ from pathlib import Path
 import pytest
 from _procs import processes_naming
 
-pytestmark = pytest.mark.slow  # five short training runs and two warm-starts (about 90 s)
+pytestmark = pytest.mark.slow  # 2 seeds x (a warm-start and 8 short arms), 2 at a time (about 160 s)
 
 REPO = Path(__file__).resolve().parent.parent
-STEPS, PROMPTS, PER_PROMPT, BRANCH, LENGTH = 2, 2, 4, 4, 3
+SEEDS, BUDGET, NIM_BUDGET, KUHN_BUDGET = 2, 24, 40, 32
+CHAIN_ARMS = ["episode", "turn", "tree", "tree-random", "tree-old"]
 
 
-def test_quick_run_runs_every_arm_and_counts_its_engine_calls(tmp_path: Path):
-    out = tmp_path / "bench" / "credit.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "mrlx_plugin.cli",
-            "bench",
-            "credit",
-            "--quick",
-            "--out",
-            str(out),
-            "--quiet",
-            "--steps",
-            str(STEPS),
-            "--nim-steps",
-            str(STEPS),
-            "--prompts-per-step",
-            str(PROMPTS),
-            "--samples-per-prompt",
-            str(PER_PROMPT),
-            "--branch",
-            str(BRANCH),
-            "--chain-length",
-            str(LENGTH),
-        ],
+def bench(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "mrlx_plugin.cli", "bench", "credit", *args],
         check=False,
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=900,
     )
+
+
+def lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_quick_run_spends_equal_calls_per_arm_and_reports_over_the_seeds(tmp_path: Path):
+    out = tmp_path / "bench"
+    proc = bench("--quick", "--quiet", "--seeds", str(SEEDS), "--out", str(out))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    for heading in ("chain:", "nim:", "steps to held-out success", "win rate vs script:random, after"):
-        assert heading in proc.stdout, heading
-    r = json.loads(out.read_text())
-    assert set(r) >= {"machine", "config", "chain", "nim", "wall_time_s", "plot"}
-    assert r["config"]["quick"] is True and r["config"]["steps"] == STEPS
+    r = json.loads((out / "credit.json").read_text())
+    assert set(r) >= {"machine", "config", "seeds", "chain", "nim", "kuhn", "wall_time_s", "plot"}
+    assert r["seeds"] == [0, 1] and r["config"]["quick"] is True
+    assert [w["seed"] for w in r["warm_start"]] == [0, 1]  # one format-only warm-start per seed
+    budgets = {"chain": BUDGET, "nim": NIM_BUDGET, "kuhn": KUHN_BUDGET}
+    arms = {"chain": CHAIN_ARMS, "nim": ["nim", "nim-tree"], "kuhn": ["kuhn"]}
+
+    for part, names in arms.items():
+        assert list(r[part]["arms"]) == names, part
+        for name in names:
+            arm = r[part]["arms"][name]
+            runs = arm["runs"]
+            assert [run["seed"] for run in runs] == [0, 1], (part, name)
+            for run in runs:
+                calls = run["engine_calls_per_step"]
+                # The budget is spent, and overshot by less than the last step's calls.
+                assert run["budget"] == budgets[part] and run["steps"] == len(calls) > 0
+                assert run["engine_calls"] == sum(calls) >= budgets[part] > run["engine_calls"] - calls[-1]
+                # Filler-free counts: never more than the samples returned; a trained one has a token.
+                assert 0 < run["samples_trained"] <= run["samples_all"]
+                assert run["tokens_trained"] >= run["samples_trained"]
+            # Every measure's interval holds its mean; the values are the seeds'.
+            for key, s in arm["summary"].items():
+                assert s["low"] <= s["mean"] <= s["high"], (part, name, key)
+                assert len(s["values"]) == SEEDS, (part, name, key)
+        # The arms of a part spend the same calls within one step's worth, seed by seed.
+        for seed in range(SEEDS):
+            runs = [r[part]["arms"][n]["runs"][seed] for n in names]
+            spent = [run["engine_calls"] for run in runs]
+            widest = max(max(run["engine_calls_per_step"]) for run in runs)
+            assert max(spent) - min(spent) <= widest, (part, seed)
 
     chain = r["chain"]
-    assert list(chain["arms"]) == ["episode", "turn", "turn+branch"]
-    assert str(BRANCH) in chain["budget"]
-    for name, arm in chain["arms"].items():
-        assert arm["steps"] == STEPS, name
-        assert len(arm["engine_calls_per_step"]) == STEPS and all(
-            c > 0 for c in arm["engine_calls_per_step"]
-        ), name
-        assert arm["engine_calls"] == sum(arm["engine_calls_per_step"])
-        # the budget: no arm spends more engine calls per step than its episodes' bound
-        assert all(c <= arm["engine_calls_per_step_at_most"] for c in arm["engine_calls_per_step"]), name
-        assert arm["samples_trained"] > 0
-        # evaluated before training and after every step (--quick: --eval-interval 1)
-        assert [p["after_steps"] for p in arm["eval"]] == list(range(STEPS + 1)), name
-        assert all(0.0 <= p["value"] <= 1.0 for p in arm["eval"])
-        assert arm["before"] == arm["eval"][0]["value"] and arm["after"] == arm["eval"][-1]["value"]
-        assert arm["steps_to_threshold"] is None or 0 <= arm["steps_to_threshold"] <= STEPS
-        assert arm["wall_time_s"] > 0 and arm["held_out_episodes"] > 0
-    episode, turn, tree = (chain["arms"][k] for k in ("episode", "turn", "turn+branch"))
-    assert episode["rewards"] == {"credit": "episode"} and turn["rewards"]["credit"] == "turn"
-    assert tree["rewards"]["branch"] == BRANCH
-    # the same budget: tree sampling runs BRANCH times fewer episodes per step, for the same bound
-    assert episode["episodes_per_step"] == turn["episodes_per_step"] == PROMPTS * PER_PROMPT
-    assert tree["episodes_per_step"] * BRANCH == PROMPTS * PER_PROMPT
-    assert len({a["engine_calls_per_step_at_most"] for a in chain["arms"].values()}) == 1
-    # tree sampling's extra calls are counted: BRANCH - 1 candidates per turn taken
-    assert all(b is not None and b >= BRANCH - 1 for b in tree["branch_candidates_per_episode"])
-    assert all(
-        b is None for b in episode["branch_candidates_per_episode"] + turn["branch_candidates_per_episode"]
-    )
-    # every arm starts from the same warm-started model and seed: the same evaluation before training
-    assert len({a["before"] for a in chain["arms"].values()}) == 1
+    rewards = {n: chain["arms"][n]["runs"][0]["rewards"] for n in CHAIN_ARMS}
+    game = {n: chain["arms"][n]["runs"][0]["game"] for n in CHAIN_ARMS}
+    assert rewards["episode"] == {"credit": "episode"} and rewards["turn"]["credit"] == "turn"
+    assert (rewards["tree"]["branch_pick"], rewards["tree"]["branch_target"]) == ("best", "score")
+    picks = {n: (rewards[n]["branch_pick"], rewards[n]["branch_target"]) for n in CHAIN_ARMS[2:]}
+    assert picks["tree-random"] == ("random", "score") and picks["tree-old"] == ("best", "taken_return")
+    assert game["tree"]["branch_score"] == "rollout" and game["tree-old"]["branch_score"] == "settle"
+    for seed in range(SEEDS):
+        runs = [chain["arms"][n]["runs"][seed] for n in CHAIN_ARMS]
+        # evaluated before training (the same warm-start: the same evaluation) and after the last step
+        assert len({json.dumps(run["before"], sort_keys=True) for run in runs}) == 1
+        for run in runs:
+            assert run["before"]["after_steps"] == 0 and run["after"]["after_steps"] == run["steps"]
+            keys = ("success", "steps_right", "seen_success", "seen_steps_right")
+            assert all(0.0 <= run["after"][k] <= 1.0 for k in keys)
+        # The held-out chains: never trained on, and no training chain opens as one does.
+        work = out / f"seed_{seed}" / "chain"
+        train, held = lines(work / "prompts.jsonl"), lines(work / "heldout.jsonl")
+        assert len(held) == r["config"]["eval_prompts"] == chain["units"][seed]["held_out_prompts"]
+        first = {tuple(h["prompt"].split()[1:3]) for h in held}
+        assert not first & {tuple(t["prompt"].split()[1:3]) for t in train}
+        assert chain["units"][seed]["held_out_first_steps_in_training"] == 0
 
     nim = r["nim"]
-    assert list(nim["arms"]) == ["self-play", "frozen copy"]
-    for name, arm in nim["arms"].items():
-        assert arm["steps"] == STEPS and arm["engine_calls"] > 0, name
-        assert all(c > 0 for c in arm["engine_calls_per_step"]), name
-        for when in ("before_by_seat", "after_by_seat", "before_illegal_rate", "after_illegal_rate"):
-            assert set(arm[when]) == {"first", "second"}, (name, when)
-            assert all(v is not None and 0.0 <= v <= 1.0 for v in arm[when].values()), (name, when)
-        assert arm["evaluation_episodes"] > 0
-    assert nim["arms"]["self-play"]["seats"] == ["player", "player"]
-    assert nim["arms"]["frozen copy"]["seats"] == ["player", "frozen"]
-    assert nim["arms"]["self-play"]["before_by_seat"] == nim["arms"]["frozen copy"]["before_by_seat"]
+    assert nim["reference"]["random_vs_random_trained"] == pytest.approx(0.5)
+    assert nim["units"][0]["train_piles"] == [3, 4, 6, 8, 9] and nim["units"][0]["held_out_piles"] == [5, 7]
+    for name in ("nim", "nim-tree"):
+        for run in nim["arms"][name]["runs"]:
+            for when in ("before", "after"):
+                for opp in ("random", "optimal"):
+                    for piles in ("trained", "held_out"):
+                        for seat in ("first", "second"):
+                            assert 0.0 <= run[when][f"{opp}_{piles}_{seat}"] <= 1.0
+                probe = run[f"probe_{when}"]
+                assert all(0.0 <= probe[k] <= 1.0 for k in ("optimal_trained", "optimal_held_out", "illegal"))
+    assert nim["arms"]["nim-tree"]["runs"][0]["rewards"]["branch"] == r["config"]["branch"]
 
+    kuhn = r["kuhn"]
+    # Uniform play's exploitability, computed through the helper the probes use.
+    assert kuhn["reference"]["uniform_exploitability"] == pytest.approx(0.4583, abs=1e-3)
+    for run in kuhn["arms"]["kuhn"]["runs"]:
+        for when in ("before", "after"):
+            probe = run[f"probe_{when}"]
+            assert len(probe["policy"]) == 12 and 0.0 <= probe["illegal"] <= 1.0
+            assert all(sum(p.values()) == pytest.approx(1.0) for p in probe["policy"].values())
+            assert probe["exploitability"] >= 0.0
+
+    # The docs' tables, from the saved JSON.
+    table = bench("--table", str(out / "credit.json"))
+    assert table.returncode == 0, table.stderr
+    headings = ("| chain:", "| nim:", "| kuhn:", "held-out success, after RL", "exploitability, after RL")
+    for heading in headings:
+        assert heading in table.stdout, heading
+    assert table.stdout.strip() in proc.stdout
     if r["plot"] is not None:  # matplotlib installed
-        assert Path(r["plot"]).read_bytes()[:4] == b"\x89PNG"
+        assert Path(r["plot"]).read_bytes()[:4] == b"\x89PNG" and Path(r["plot"]).parent == out
     assert not processes_naming(str(tmp_path))
+
+
+def test_options_that_cannot_run_are_refused_with_one_message(tmp_path: Path):
+    for args, message in (
+        (["--branch", "3"], "--samples-per-prompt 8: the tree arms run 3 times fewer"),
+        (["--arms", "episode,nope"], "--arms: no arm 'nope'"),
+        (["--seeds", "0"], "--seeds: got 0; expected at least 1"),
+        (["--only", "nim", "--arms", "episode"], "no arm is left to run"),
+    ):
+        proc = bench("--out", str(tmp_path), *args)
+        assert proc.returncode == 2 and message in proc.stderr, (args, proc.stderr[-500:])

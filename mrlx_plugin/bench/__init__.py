@@ -11,8 +11,8 @@ like any other module; they import the rest of the package, never the other way 
                              backpressure, and a 10-minute soak watching memory and open files
     mrlx bench answers       how long hostile engine answers hold the rollout's event loop, and
                              their memory, against a well-formed answer
-    mrlx bench credit        episode vs turn credit vs tree sampling on a multi-turn task, and
-                             nim by self-play vs against a frozen copy (small CPU models)
+    mrlx bench credit        episode vs turn credit vs tree sampling on a multi-turn task at
+                             equal engine calls, nim and Kuhn poker by self-play (over seeds)
     mrlx bench agents        the pipeline as agent code (plain HTTP, the openai client) against
                              the built-in pipeline: CPU per call and the critical path
     mrlx bench tools         the tool-using example (`mrlx demo --tools`) from scratch: its

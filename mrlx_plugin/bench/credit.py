@@ -1,83 +1,124 @@
-"""`mrlx bench credit`: turn-level credit, tree sampling and the ways to play a game, measured on
-the CPU with the demo's small models, every arm from the same warm-started model and seed.
+"""`mrlx bench credit`: episode credit, per-turn credit and tree sampling on a multi-turn task, and
+two games learnt by self-play, on the CPU with small models built here, over several seeds.
 
-1. Credit on a multi-turn task, the `chain` game ("Start at 2. ... Now +3.", then "Now +1.", ...:
-   each turn the model gives the running value as \\boxed{N}; a right value earns 1 and goes on,
-   a wrong one ends the episode; the outcome is 1 when every step was right). Three arms with the
-   same budget of engine calls per step: `rewards.credit: episode`, `credit: turn` (discount
-   `--gamma`), and `credit: turn` with `branch: K` (tree sampling: K calls per turn, so the arm
-   runs K times fewer episodes per step). Each arm is evaluated on a fixed held-out set of chains
-   (whole episodes through the plugin's generate in evaluation mode) before training and every
-   `--eval-interval` steps: steps to reach `--threshold`, the final success rate, the engine
-   calls spent, the wall time.
-2. The shipped CPU game, `nim`: self-play (one model in both seats) against training with a frozen
-   copy (a second engine serving the starting weights, `trainable: false`), each evaluated as the
-   win rate against the game's scripted random player (`script:random`) on every starting
-   position (the positions the arms train on: only the opponent is new), in both seat orders,
-   before and after training.
+Every seed builds its own model and draws its own prompts, warm-start data and sampling. Every arm
+of a seed starts from its one format-only warm-start (random answers, random legal moves, never
+the right answer; every part's data together), is given its part's reward, and trains until it
+has spent its part's engine calls: the embedded trainer's `--engine-call-budget` stops it after
+the step that reaches the budget (an arm spends at most one step's calls more; the calls
+actually spent are reported).
 
-Each arm is one embedded engine (two for the frozen copy) and one embedded trainer
-(`python -m mrlx_plugin.local.trainer`, calling the plugin's rollout functions as slime does);
-the arms run one after another, so each has the machine to itself. The warm-start (supervised,
-the answer FORMAT only: random numbers, or random legal moves, never the right answer) is run
-once per task and every arm of the task starts from its result.
+1. `chain` (a start value, then 3 steps of + or - 1 or 2; each turn the model gives the running
+   value as \\boxed{N}; a right value earns 1 and goes on, a wrong one ends the episode; the
+   outcome is 1 when every step was right). Arms: `episode` (one sample per episode, trained on
+   the outcome plus its steps' rewards: the reward the turn arms share out), `turn` (a sample per
+   turn, discount --gamma), `tree` (K candidates per turn, each scored by playing the chain on
+   from it, the episode going on from the best, every candidate trained on its score),
+   `tree-random` (the same, going on from a candidate drawn uniformly: the policy's own
+   continuation with the same sibling-group credit, so `tree` against it separates best-of-K
+   continuation from the credit) and `tree-old` (the estimator before: going on from the best,
+   the taken candidate trained on its realised return, the others on what they settle at once).
+   Evaluated on held-out chains, none seen in training and none whose start value and first step
+   open any training chain: success (every step right) and steps right.
+2. `nim` (one pile, take 1 to 3, who takes the last stone wins): self-play with per-turn credit
+   (`nim`), and with tree sampling too (`nim-tree`). Trained on starting piles 3, 4, 6, 8 and 9;
+   evaluated against `script:random` and `script:optimal` in both seat orders, on those piles and
+   on the held-out starting piles 5 and 7 apart; and probed: the share of optimal moves from
+   winning positions.
+3. `kuhn` (Kuhn poker): self-play with per-turn credit; the learned policy is probed at its 12
+   information states and scored by its exploitability (OpenSpiel; uniform play: 0.458).
+
+A probe asks the arm's engine for N answers (temperature 1) to each position, rendered as the game
+system renders it for that seat (its observations, its own earlier moves, the other seat's moves
+told through `describe_move`). An answer that makes no legal move is counted as illegal; the
+policy is the legal answers' shares, renormalised over the legal moves (uniform where no answer
+was legal).
+
+Units (a seed's warm-start, then each part of it) run --jobs at a time, each a process of its own
+with one thread per engine and trainer; a part runs its arms one after another, each arm one
+embedded engine and one embedded trainer (`python -m mrlx_plugin.local.trainer`, calling the
+plugin's rollout functions as slime does).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import math
 import os
 import random
 import subprocess
 import sys
 import time
+import urllib.request
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from mrlx_plugin.bench.report import write_report
+from mrlx_plugin.bench.report import interval, write_report
 
-AGENT, FROZEN = "player", "frozen"
-CHAIN_ARMS = ("episode", "turn", "turn+branch")
-NIM_ARMS = ("self-play", "frozen copy")
-NIM_SEATS = ("first", "second")
-VS_RANDOM = "script:random"
-# A chain episode is a success when every step was right: its one seat (`solver`) "wins".
-SUCCESS = "eval/eval/game/win_rate/solver"
-
-# The arms run one at a time, and an arm's engine and trainer take turns (the trainer waits for
-# the rollout, the engine idles while the trainer trains): each may use both cores.
-THREADS = 2
-# Settings that are not options: the demo's (docs/local.md), which a small model learns with.
+AGENT = "player"
+PARTS = ("chain", "nim", "kuhn")
+ARMS = {  # arm -> its part, in the order of the tables
+    "episode": "chain",
+    "turn": "chain",
+    "tree": "chain",
+    "tree-random": "chain",
+    "tree-old": "chain",
+    "nim": "nim",
+    "nim-tree": "nim",
+    "kuhn": "kuhn",
+}
+SEATS = ("first", "second")
+OPPONENTS = ("random", "optimal")
+NIM_TRAIN, NIM_HELD_OUT = (3, 4, 6, 8, 9), (5, 7)
+NIM_TAKE = 3
+# Settings that are not options: the demo's (docs/local.md), with a constant learning rate after
+# the warm-up: arms stop at different steps when their budget is spent, and a decaying schedule
+# would treat them differently.
 TRAINER = {
-    "lr_warmup_steps": 10,
-    "lr_decay_style": "cosine",
+    "lr_warmup_steps": 5,
+    "lr_decay_style": "constant",
     "kl_coef": 0.1,
     "adam_eps": 1.0e-5,
     "warmup_sft_lr": 1.0e-3,
     "micro_batch_size": 64,
-    "threads": THREADS,
 }
-MAX_NEW_TOKENS = 10  # per turn: "\\boxed{12}" and the end of the turn
-MAX_RESPONSE = 160  # per transcript: every turn of a seat and the messages between them
+GAME_STEP = {False: (4, 4), True: (2, 4)}  # the games' (prompts, episodes per prompt) per step; --quick
+MAX_NEW_TOKENS = {"chain": 10, "nim": 10, "kuhn": 16}  # per turn: "\\boxed{check}" and the end
+# An illegal move must cost more than the worst legal result (nim: a loss, -1; kuhn: a called
+# bet lost, -2), or a seat that has lost anyway loses nothing by it, and self-play learns to answer
+# anything there (kuhn facing a bet with a weak card: folding costs 1 chip, so would the default -1).
+ILLEGAL_PENALTY = {"nim": -2.0, "kuhn": -3.0}
+WARMUP_EXAMPLES = 1000  # warm-start conversations per part
+MAX_RESPONSE = 256  # per transcript: every turn of a seat and the messages between them
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mrlx bench credit", description=__doc__.split("\n\n")[0])
     p.add_argument(
-        "--out", default="runs/bench-credit/credit.json", help="the JSON report (the plot goes beside it)"
+        "--out", default="runs/bench-credit", help="the folder: credit.json, credit.png and every run"
+    )
+    p.add_argument("--seeds", type=int, default=5, help="seeds 0 .. N-1 (at least 2 for intervals)")
+    p.add_argument("--only", choices=PARTS, default=None, help="run one part")
+    p.add_argument("--arms", default=None, help=f"comma-separated arms (default: all: {', '.join(ARMS)})")
+    p.add_argument(
+        "--jobs", type=int, default=2, help="units (one part of one seed) run at once; one thread each"
     )
     p.add_argument(
-        "--workdir", default=None, help="models, logs, configs, checkpoints (default: the --out folder)"
+        "--budget", type=int, default=None, help="engine calls of each chain arm (default 6000; --quick 24)"
     )
     p.add_argument(
-        "--steps", type=int, default=None, help="training steps of each chain arm (default 180; --quick 2)"
+        "--nim-budget", type=int, default=None, help="engine calls of each nim arm (default 8000; --quick 40)"
     )
     p.add_argument(
-        "--nim-steps", type=int, default=None, help="training steps of each nim arm (default 30; --quick 2)"
+        "--kuhn-budget",
+        type=int,
+        default=None,
+        help="engine calls of the kuhn arm (default 5000; --quick 32)",
     )
     p.add_argument(
         "--prompts-per-step", type=int, default=None, help="--rollout-batch-size (default 8; --quick 2)"
@@ -86,228 +127,274 @@ def build_parser() -> argparse.ArgumentParser:
         "--samples-per-prompt",
         type=int,
         default=None,
-        help="--n-samples-per-prompt of the arms without tree sampling (default 8; --quick 4); the tree "
-        "sampling arm runs this / --branch, for the same engine calls per step",
+        help="--n-samples-per-prompt (default 8; --quick 4); the tree-sampling arms run this / --branch",
     )
-    p.add_argument("--chain-length", type=int, default=2, help="steps of each chain (turns per episode)")
-    p.add_argument("--chain-max-start", type=int, default=2, help="chains start at 0 to this")
-    p.add_argument("--chain-max-step", type=int, default=2, help="each step adds (or takes) 1 to this")
-    p.add_argument("--chain-ops", default="+", help="the operations of the steps, from + - * (e.g. '+-')")
-    p.add_argument("--gamma", type=float, default=0.9, help="rewards.gamma of the turn-credit arms")
-    p.add_argument("--branch", type=int, default=4, help="rewards.branch of the tree-sampling arm")
     p.add_argument(
-        "--threshold", type=float, default=0.5, help="held-out success rate the chain arms race to"
+        "--branch", type=int, default=None, help="candidates per turn of the tree arms (default 4)"
+    )
+    p.add_argument("--gamma", type=float, default=0.9, help="rewards.gamma of the chain's per-turn arms")
+    p.add_argument("--chain-length", type=int, default=3, help="steps of each chain (turns per episode)")
+    p.add_argument("--chain-max-start", type=int, default=5, help="chains start at 0 to this")
+    p.add_argument("--chain-max-step", type=int, default=2, help="each step adds (or takes) 1 to this")
+    p.add_argument("--chain-ops", default="+-", help="the operations of the steps, from + - *")
+    p.add_argument("--eval-prompts", type=int, default=None, help="held-out chains (default 100; --quick 4)")
+    p.add_argument(
+        "--eval-samples",
+        type=int,
+        default=None,
+        help="evaluation episodes per held-out prompt (default 2 per chain, 8 per nim pile and seat "
+        "order; --quick 1)",
     )
     p.add_argument(
         "--eval-interval", type=int, default=None, help="evaluate every N steps (default 10; --quick 1)"
     )
     p.add_argument(
-        "--eval-prompts",
-        type=int,
-        default=None,
-        help="held-out chains, at most a quarter of the distinct chains (default 48; --quick 2)",
+        "--probe-samples", type=int, default=None, help="answers per probed position (default 32; --quick 2)"
     )
     p.add_argument(
-        "--eval-samples",
+        "--probe-positions",
         type=int,
         default=None,
-        help="evaluation episodes per held-out prompt (default 16 per chain, 8 per nim position and "
-        "seat order; --quick 1)",
+        help="nim positions probed per starting pile (default 5; --quick 1)",
     )
     p.add_argument(
-        "--preset",
-        default=None,
-        help="model size, mrlx_plugin.local.model presets (default small; --quick tiny)",
+        "--preset", default=None, help="model size (mrlx_plugin.local.model presets; default tiny)"
     )
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument(
-        "--warmup-steps", type=int, default=None, help="format-only supervised steps (default 80; --quick 2)"
-    )
-    p.add_argument("--only", choices=("chain", "nim"), default=None, help="run one of the two parts")
-    p.add_argument(
-        "--arms",
+        "--warmup-steps",
+        type=int,
         default=None,
-        help=f"comma-separated arms to run (default: all: {', '.join(CHAIN_ARMS + NIM_ARMS)})",
+        help="format-only supervised steps, every part's together (default 800; --quick 2)",
     )
-    p.add_argument(
-        "--ppo-epochs", type=int, default=2, help="mrlx.trainer.ppo_epochs: optimizer steps per step"
-    )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--quick", action="store_true", help="tiny settings (seconds per arm; the test's smoke run)"
-    )
+    p.add_argument("--ppo-epochs", type=int, default=2, help="mrlx.trainer.ppo_epochs")
+    p.add_argument("--quick", action="store_true", help="tiny settings (the test's smoke run)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.add_argument(
+        "--table",
+        metavar="FILE.json",
+        default=None,
+        help="print the docs' tables from a saved report, and stop",
+    )
+    p.add_argument("--unit", default=None, help=argparse.SUPPRESS)  # SEED:PART, run for the parent
+    p.add_argument("--threads", type=int, default=2, help=argparse.SUPPRESS)
     return p
 
 
 def settle(ns: argparse.Namespace) -> argparse.Namespace:
-    """Fill in the defaults that depend on --quick, and check the budget can be matched."""
-    quick = ns.quick
-    defaults = {
-        "steps": (180, 2),
-        "nim_steps": (30, 2),
-        "prompts_per_step": (8, 2),
-        "samples_per_prompt": (8, 4),
-        "eval_interval": (10, 1),
-        "eval_prompts": (48, 2),
-        "eval_samples": (None, 1),
-        "preset": ("small", "tiny"),
-        "warmup_steps": (80, 2),
-    }
-    for key, (full, small) in defaults.items():
-        if getattr(ns, key) is None:
-            setattr(ns, key, small if quick else full)
+    """Fill in the defaults that depend on --quick, and check the options."""
     from mrlx_plugin.core.config import ConfigError
 
+    defaults = {
+        "budget": (6000, 24),
+        "nim_budget": (8000, 40),
+        "kuhn_budget": (5000, 32),
+        "prompts_per_step": (8, 2),
+        "samples_per_prompt": (8, 4),
+        "branch": (4, 2),
+        "eval_prompts": (100, 4),
+        "eval_interval": (10, 2),
+        "probe_samples": (32, 2),
+        "probe_positions": (5, 1),
+        "preset": ("tiny", "tiny"),
+        "warmup_steps": (800, 2),
+    }
+    for key, (full, quick) in defaults.items():
+        if getattr(ns, key) is None:
+            setattr(ns, key, quick if ns.quick else full)
+    for key in (*defaults, "seeds", "jobs", "chain_length", "chain_max_step"):
+        least = 0 if key == "warmup_steps" else 1
+        if key != "preset" and getattr(ns, key) < least:
+            raise ConfigError(f"--{key.replace('_', '-')}: got {getattr(ns, key)}; expected at least {least}")
+    if ns.eval_samples is not None and ns.eval_samples < 1:
+        raise ConfigError(f"--eval-samples: got {ns.eval_samples}; expected at least 1")
     if ns.branch < 2:
-        raise ConfigError(
-            f"--branch: got {ns.branch}; the tree-sampling arm needs at least 2 candidates per turn"
-        )
-    if ns.samples_per_prompt % ns.branch and ns.prompts_per_step % ns.branch:
-        raise ConfigError(
-            f"--samples-per-prompt {ns.samples_per_prompt} and --prompts-per-step {ns.prompts_per_step}: the "
-            f"tree-sampling arm runs {ns.branch} times fewer episodes per step (each turn costs {ns.branch} "
-            "engine "
-            f"calls); make one of them a multiple of --branch"
-        )
-    known = CHAIN_ARMS + NIM_ARMS
-    ns.arms = [a.strip() for a in ns.arms.split(",") if a.strip()] if ns.arms else list(known)
+        raise ConfigError(f"--branch: got {ns.branch}; the tree arms need at least 2 candidates per turn")
+    bad = set(ns.chain_ops) - set("+-*")
+    if bad or not ns.chain_ops:
+        raise ConfigError(f"--chain-ops: got {ns.chain_ops!r}; expected some of + - *")
+    ns.arms = [a.strip() for a in ns.arms.split(",") if a.strip()] if ns.arms else list(ARMS)
     for arm in ns.arms:
-        if arm not in known:
-            raise ConfigError(f"--arms: no arm {arm!r}; the arms are {', '.join(known)}")
-    for key in (
-        "steps",
-        "nim_steps",
-        "prompts_per_step",
-        "samples_per_prompt",
-        "eval_interval",
-        "eval_prompts",
-        "chain_length",
-    ):
-        if getattr(ns, key) < 1:
-            raise ConfigError(f"--{key.replace('_', '-')}: got {getattr(ns, key)}; expected at least 1")
+        if arm not in ARMS:
+            raise ConfigError(f"--arms: no arm {arm!r}; the arms are {', '.join(ARMS)}")
+    chosen = [a for a in ARMS if a in ns.arms and ns.only in (None, ARMS[a])]
+    if not chosen and not ns.table:
+        raise ConfigError(f"--arms {','.join(ns.arms)} and --only {ns.only}: no arm is left to run")
+    if ns.samples_per_prompt % ns.branch and {"tree", "tree-random", "tree-old"} & set(chosen):
+        raise ConfigError(
+            f"--samples-per-prompt {ns.samples_per_prompt}: the tree arms run {ns.branch} times fewer "
+            f"episodes per prompt (each turn costs {ns.branch} calls); make it a multiple of --branch"
+        )
+    if GAME_STEP[ns.quick][1] % ns.branch and "nim-tree" in chosen:
+        raise ConfigError(
+            f"--branch {ns.branch}: nim-tree runs {GAME_STEP[ns.quick][1]} episodes per prompt without tree "
+            "sampling and that / --branch with it; use a --branch that divides it, or leave out nim-tree"
+        )
+    ns.arms = chosen
     return ns
 
 
+def arm_settings(arm: str, ns: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The arm's `mrlx.rewards` and its `mrlx.game` additions."""
+    tree = {"credit": "turn", "gamma": ns.gamma if ARMS[arm] == "chain" else 1.0, "branch": ns.branch}
+    return {
+        "episode": ({"credit": "episode"}, {}),
+        "turn": ({"credit": "turn", "gamma": ns.gamma}, {}),
+        "tree": ({**tree, "branch_pick": "best", "branch_target": "score"}, {"branch_score": "rollout"}),
+        "tree-random": (
+            {**tree, "branch_pick": "random", "branch_target": "score"},
+            {"branch_score": "rollout"},
+        ),
+        "tree-old": (
+            {**tree, "branch_pick": "best", "branch_target": "taken_return"},
+            {"branch_score": "settle"},
+        ),
+        # A zero-sum game's outcome is its only reward: undiscounted, every move shares it.
+        "nim": ({"credit": "turn", "gamma": 1.0}, {}),
+        "nim-tree": ({**tree, "branch_pick": "best", "branch_target": "score"}, {"branch_score": "rollout"}),
+        "kuhn": ({"credit": "turn", "gamma": 1.0}, {}),
+    }[arm]
+
+
 # ----------------------------------------------------------------------------------------------
-# The tasks: prompts, held-out sets and format-only warm-start data
+# The tasks: prompts, held-out sets, rendering and format-only warm-start data
 # ----------------------------------------------------------------------------------------------
 
 
-def chain_sets(ns: argparse.Namespace) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
-    """Training chains and a held-out set of other chains (no chain in both).
-
-    A chain is held out only when each of its steps (the running value before it, the operation,
-    the turn it comes at) is also a step of some training chain: the held-out chains are new
-    combinations of steps the training chains teach, so they measure the skill and not a guess
-    at a step never trained. At most a quarter of the distinct chains are held out."""
-    from mrlx_plugin.local.tasks import chain_prompts
+def chain_space(ns: argparse.Namespace) -> dict[str, str]:
+    """Every chain of the task (prompt -> final value), as `chain_prompts` writes them: a step
+    never takes more than the running value."""
     from mrlx_plugin.systems.games import apply_step
 
-    def draw(n: int, seed: int) -> list[tuple[str, str]]:
-        return chain_prompts(
-            n,
-            seed=seed,
-            steps=ns.chain_length,
-            max_start=ns.chain_max_start,
-            max_step=ns.chain_max_step,
-            ops=ns.chain_ops,
-        )
+    out: dict[str, str] = {}
 
-    def steps_of(prompt: str) -> set[tuple[int, int, str]]:
-        value, *ops = prompt.split(":")[1].split()
-        out, v = set(), int(value)
-        for turn, op in enumerate(ops):
-            out.add((turn, v, op))
-            v = apply_step(v, op)
-        return out
+    def walk(value: int, ops: list[str]) -> None:
+        if len(ops) == ns.chain_length:
+            out["Chain: " + " ".join([str(start), *ops])] = str(value)
+            return
+        for sign in ns.chain_ops:
+            for k in range(1, ns.chain_max_step + 1):
+                if sign != "-" or k <= value:
+                    walk(apply_step(value, f"{sign}{k}"), [*ops, f"{sign}{k}"])
 
-    distinct = dict(draw(4096, ns.seed + 7919))
-    order = sorted(distinct)
-    random.Random(ns.seed).shuffle(order)
-    limit = min(ns.eval_prompts, max(1, len(order) // 4))
-    held: list[str] = []
-    for chain in order:
-        if len(held) == limit:
+    for start in range(ns.chain_max_start + 1):
+        walk(start, [])
+    return out
+
+
+def first_step(prompt: str) -> tuple[int, str]:
+    """A chain's first context: its start value and first operation."""
+    value, op = prompt.split(":")[1].split()[:2]
+    return int(value), op
+
+
+def later_steps(prompt: str) -> set[tuple[int, str]]:
+    """(running value, operation) of each step after the first."""
+    from mrlx_plugin.systems.games import apply_step
+
+    value, *ops = prompt.split(":")[1].split()
+    v, out = apply_step(int(value), ops[0]), set()
+    for op in ops[1:]:
+        out.add((v, op))
+        v = apply_step(v, op)
+    return out
+
+
+def chain_sets(ns: argparse.Namespace, seed: int) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """Training chains and `--eval-prompts` held-out chains. Whole first contexts (start value and
+    first operation) are held out: no held-out chain is trained on, and none opens as a training
+    chain does. A first context is held out only while it stays a later step of some training
+    chain (that value, that operation): the held-out chains ask for no sum the training never
+    does, only in a context it never opens with."""
+    space = chain_space(ns)
+    firsts = sorted({first_step(p) for p in space})
+    random.Random(seed).shuffle(firsts)
+    held: list[tuple[int, str]] = []
+    for candidate in firsts:
+        if sum(first_step(p) in held for p in space) >= ns.eval_prompts:
             break
-        rest = set().union(*(steps_of(c) for c in order if c != chain and c not in held))
-        if all(steps_of(c) <= rest for c in [*held, chain]):
-            held.append(chain)
-    if not held:
+        trial = [*held, candidate]
+        taught = set().union(*(later_steps(p) for p in space if first_step(p) not in trial))
+        if all(f in taught for f in trial):
+            held = trial
+    out = sorted(p for p in space if first_step(p) in held)
+    if len(out) < ns.eval_prompts:
         raise RuntimeError(
-            f"no chain of {len(order)} can be held out with its steps still trained; allow more "
-            "chains (--chain-max-start, --chain-max-step, --chain-ops)"
+            f"the chains ({len(space)} of them) give {len(out)} held-out chains whose first steps are "
+            f"still taught; --eval-prompts is {ns.eval_prompts}: allow more chains (--chain-length, "
+            "--chain-max-start, --chain-max-step, --chain-ops)"
         )
-    train = [(p, lab) for p, lab in draw(4096, ns.seed) if p not in held][:256]
-    return train, sorted((p, distinct[p]) for p in held)
+    chosen = sorted(random.Random(seed + 1).sample(out, ns.eval_prompts))
+    train = sorted(p for p in space if first_step(p) not in held)
+    return [(p, space[p]) for p in train], [(p, space[p]) for p in chosen]
 
 
-def nim_sets(ns: argparse.Namespace) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
-    """Training games (3 to 9 stones) and the fixed starting positions of the evaluation (each
-    once; --eval-samples episodes of each, per seat order)."""
-    from mrlx_plugin.local.tasks import nim_prompts
+def conversation(game: Any, state: Any, moves: list[Any], seat: int) -> tuple[list[dict[str, str]], Any]:
+    """`seat`'s conversation after `moves` (every seat's, in order) from `state`, as the game
+    system renders it: the other seats' moves told (`describe_move`) before its observation, in
+    one user message per own turn, its own moves as \\boxed{move}; and the state reached, with
+    `seat` to move."""
+    messages: list[dict[str, str]] = []
+    unread: list[str] = []
+    for move in moves:
+        mover = game.to_move(state)
+        if mover == seat:
+            messages += [
+                {"role": "user", "content": " ".join([*unread, game.observation(state, seat)])},
+                {"role": "assistant", "content": f"\\boxed{{{move}}}"},
+            ]
+            unread = []
+        else:
+            unread.append(game.describe_move(state, mover, move))
+        state = game.play(state, mover, move)
+    messages.append({"role": "user", "content": " ".join([*unread, game.observation(state, seat)])})
+    return messages, state
 
-    positions = [(f"Nim: {n} stones", str(n % 4)) for n in range(3, 10)]
-    return nim_prompts(256, seed=ns.seed), positions[: max(ns.eval_prompts, 1)] if ns.quick else positions
 
-
-def chain_warmup(path: Path, prompts: list[tuple[str, str]], n: int, seed: int) -> Path:
-    """Warm-start conversations of the chain game, as its transcripts render them: the game's
-    own observations, earlier turns answered with the running value (a game only goes on after a
-    right one), and the turn to learn answered with a RANDOM \\boxed{N}: the format, not the sum."""
+def warmup_data(path: Path, part: str, prompts: list[tuple[str, str]], n: int, seed: int) -> Path:
+    """Format-only warm-start conversations of `part`'s game, as its transcripts render them, the
+    turn to learn answered with a RANDOM move: a random number for the chain (its earlier turns
+    answered right: a chain only goes on after a right value), a random legal move for a game (its
+    earlier moves, every seat's, random legal ones too). The format, never the right answer."""
     from mrlx_plugin.systems.games import BUILT_IN_GAMES
 
-    game, rng = BUILT_IN_GAMES["chain"], random.Random(seed)
-    top = max(int(label) for _, label in prompts)
-    options = {"max_steps": max(len(p.split()) - 2 for p, _ in prompts)}
+    game, rng = BUILT_IN_GAMES[GAME_OF[part]], random.Random(seed)
+    options = game_options(part, prompts)
+    top = max((int(label) for _, label in prompts), default=0) if part == "chain" else 0
     with path.open("w") as f:
         for _ in range(n):
             prompt, label = rng.choice(prompts)
-            state = game.start(prompt, label, rng, options)
-            messages: list[dict[str, str]] = []
-            for _ in range(rng.randint(1, len(state.steps))):
-                if messages:
-                    state = game.play(state, 0, game.right_value(state))
-                messages += [
-                    {"role": "user", "content": game.observation(state, 0)},
-                    {"role": "assistant", "content": f"\\boxed{{{game.right_value(state)}}}"},
-                ]
-            messages[-1]["content"] = f"\\boxed{{{rng.randint(0, top)}}}"
+            start = game.start(prompt, label, rng, options)
+            seat = rng.randrange(len(game.seats))
+            moves, decisions, state = [], [], start
+            while (mover := game.to_move(state)) is not None:
+                if mover == seat:
+                    decisions.append(len(moves))
+                if part == "chain":
+                    move = game.right_value(state)
+                else:
+                    move = rng.choice(game.legal_moves(state, mover))
+                moves.append(move)
+                state = game.play(state, mover, move)
+            if not decisions:
+                continue
+            cut = rng.choice(decisions)
+            messages, _ = conversation(game, start, moves[:cut], seat)
+            answer = rng.randint(0, top) if part == "chain" else moves[cut]
+            messages.append({"role": "assistant", "content": f"\\boxed{{{answer}}}"})
             f.write(json.dumps({"messages": messages}) + "\n")
     return path
 
 
-def nim_warmup(path: Path, prompts: list[tuple[str, str]], n: int, seed: int) -> Path:
-    """Warm-start conversations of one nim seat, as the game system renders them (the other
-    seat's moves told, then the observation), every move a RANDOM legal one: the warm-started
-    model plays about like the scripted random player, and learns the game by RL."""
-    from mrlx_plugin.systems.games import BUILT_IN_GAMES
+GAME_OF = {"chain": "chain", "nim": "nim", "kuhn": "kuhn_poker"}
 
-    game, rng = BUILT_IN_GAMES["nim"], random.Random(seed)
-    with path.open("w") as f:
-        for _ in range(n):
-            prompt, label = rng.choice(prompts)
-            state = game.start(prompt, label, rng, {})
-            seat = rng.randint(0, 1)
-            messages: list[dict[str, str]] = []
-            unread: list[str] = []
-            while game.to_move(state) is not None:
-                mover = game.to_move(state)
-                move = rng.choice(game.legal_moves(state, mover))
-                if mover == seat:
-                    messages += [
-                        {"role": "user", "content": " ".join([*unread, game.observation(state, seat)])},
-                        {"role": "assistant", "content": f"\\boxed{{{move}}}"},
-                    ]
-                    unread = []
-                else:
-                    unread.append(game.describe_move(state, mover, move))
-                state = game.play(state, mover, move)
-            if not messages:
-                continue
-            cut = 2 * rng.randint(1, len(messages) // 2)
-            f.write(json.dumps({"messages": messages[:cut]}) + "\n")
-    return path
+
+def game_options(part: str, prompts: list[tuple[str, str]]) -> dict[str, Any]:
+    if part == "chain":
+        return {"max_steps": max(len(p.split()) - 2 for p, _ in prompts)}
+    if part == "nim":
+        return {"max_take": NIM_TAKE, "max_stones": max((*NIM_TRAIN, *NIM_HELD_OUT))}
+    return {}
 
 
 def write_prompts(path: Path, prompts: list[tuple[str, str]]) -> Path:
@@ -315,31 +402,221 @@ def write_prompts(path: Path, prompts: list[tuple[str, str]]) -> Path:
     return path
 
 
+def nim_prompt(stones: int) -> tuple[str, str]:
+    return f"Nim: {stones} stones", str(stones % (NIM_TAKE + 1))
+
+
 # ----------------------------------------------------------------------------------------------
-# One arm: its engines, its config, its trainer
+# Probes: a policy read off the engine, position by position
+# ----------------------------------------------------------------------------------------------
+
+
+def render(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """The token ids the game system would send for `messages` (user turns and own answers,
+    ending with a user turn): its transcript, built the same way, own answers as the end-of-turn
+    terminated ids of their text."""
+    from mrlx_plugin.core.transcript import Transcript
+
+    t = Transcript.start("probe", tokenizer, messages[:1])
+    for m in messages[1:]:
+        if m["role"] == "assistant":
+            ids = [*tokenizer.encode_text(m["content"]), tokenizer.eos_token_id]
+            t.append_generated(t.turn_from(ids, [0.0] * len(ids), "stop", None))
+        else:
+            t.append_messages([m])
+    return t.tokens
+
+
+def sample_answers(url: str, prompts: list[list[int]], n: int, max_new: int, seed: int) -> list[list[str]]:
+    """`n` answers (temperature 1, seeded) to each prompt, from the engine at `url`."""
+    body = {
+        "input_ids": [p for p in prompts for _ in range(n)],
+        "sampling_params": [
+            {"max_new_tokens": max_new, "temperature": 1.0, "sampling_seed": seed * 1_000_003 + i}
+            for i in range(len(prompts) * n)
+        ],
+    }
+    request = urllib.request.Request(
+        url.rstrip("/") + "/generate",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=900) as resp:
+        answers = [a["text"] for a in json.loads(resp.read())]
+    return [answers[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+
+def read_moves(game: Any, state: Any, seat: int, answers: list[str]) -> dict[str, int]:
+    """How often each legal move was answered, and `illegal` for the rest."""
+    from mrlx_plugin.core.transcript import strip_reasoning
+
+    counts: dict[str, int] = {str(m): 0 for m in game.legal_moves(state, seat)}
+    counts["illegal"] = 0
+    for text in answers:
+        move = game.parse_move(state, seat, strip_reasoning(text))
+        counts["illegal" if move is None else str(move)] += 1
+    return counts
+
+
+def kuhn_positions() -> list[tuple[str, int, Any, list[dict[str, str]]]]:
+    """(information state, seat, state, conversation) of each of kuhn poker's 12 information
+    states: each card, the first seat to open and facing a bet after its check, the second seat
+    after a check and after a bet (the other seat's card never shows: any will do)."""
+    from mrlx_plugin.systems.games import BUILT_IN_GAMES, CARDS, KuhnState
+
+    game, out = BUILT_IN_GAMES["kuhn_poker"], []
+    for card in CARDS:
+        other = next(c for c in CARDS if c != card)
+        for seat, history in ((0, []), (1, ["check"]), (1, ["bet"]), (0, ["check", "bet"])):
+            start = KuhnState((card, other) if seat == 0 else (other, card))
+            messages, state = conversation(game, start, history, seat)
+            out.append((game.information_state(state, seat), seat, state, messages))
+    return out
+
+
+def kuhn_probe(url: str, model: Path, ns: argparse.Namespace, seed: int) -> dict[str, Any]:
+    """The policy the engine plays at kuhn poker's 12 information states, and its exploitability."""
+    from mrlx_plugin.core.tokenizer import load_tokenizer
+    from mrlx_plugin.systems.games import BUILT_IN_GAMES
+    from mrlx_plugin.systems.library_games import kuhn_exploitability
+
+    game, tokenizer = BUILT_IN_GAMES["kuhn_poker"], load_tokenizer(str(model))
+    positions = kuhn_positions()
+    answers = sample_answers(
+        url, [render(tokenizer, m) for *_, m in positions], ns.probe_samples, MAX_NEW_TOKENS["kuhn"], seed
+    )
+    policy, counts, illegal = {}, {}, 0
+    for (key, seat, state, _), got in zip(positions, answers):
+        c = counts[key] = read_moves(game, state, seat, got)
+        illegal += c["illegal"]
+        legal = {m: k for m, k in c.items() if m != "illegal"}
+        total = sum(legal.values())
+        policy[key] = {m: (k / total if total else 1 / len(legal)) for m, k in legal.items()}
+    return {
+        "exploitability": kuhn_exploitability(policy),
+        "illegal": illegal / (len(positions) * ns.probe_samples),
+        "policy": policy,
+        "counts": counts,
+    }
+
+
+def winning_decisions(game: Any, state: Any) -> list[tuple[int, list[int]]]:
+    """(seat, moves so far) of every position of a nim game from `state`, any moves made, where
+    the seat to move can win (a pile that is no multiple of max_take + 1)."""
+    seat = game.to_move(state)
+    if seat is None:
+        return []
+    found = [(seat, [])] if state.stones % (NIM_TAKE + 1) else []
+    for m in game.legal_moves(state, seat):
+        found += [(s, [m, *rest]) for s, rest in winning_decisions(game, game.play(state, seat, m))]
+    return found
+
+
+def nim_positions(ns: argparse.Namespace, seed: int) -> list[tuple[int, int, Any, list[dict[str, str]]]]:
+    """(starting pile, seat, state, conversation): --probe-positions winning positions per
+    starting pile, drawn from all of them."""
+    from mrlx_plugin.systems.games import BUILT_IN_GAMES, NimState
+
+    game, rng, out = BUILT_IN_GAMES["nim"], random.Random(seed), []
+    for pile in (*NIM_TRAIN, *NIM_HELD_OUT):
+        found = winning_decisions(game, NimState(pile, NIM_TAKE))
+        for seat, moves in rng.sample(found, min(ns.probe_positions, len(found))):
+            messages, state = conversation(game, NimState(pile, NIM_TAKE), moves, seat)
+            out.append((pile, seat, state, messages))
+    return out
+
+
+def nim_probe(url: str, model: Path, ns: argparse.Namespace, seed: int) -> dict[str, Any]:
+    """The share of optimal answers from winning positions (the pile left a multiple of
+    max_take + 1), from the trained and the held-out starting piles apart; and of illegal ones."""
+    from mrlx_plugin.core.tokenizer import load_tokenizer
+    from mrlx_plugin.systems.games import BUILT_IN_GAMES
+
+    game, tokenizer = BUILT_IN_GAMES["nim"], load_tokenizer(str(model))
+    positions = nim_positions(ns, seed)
+    answers = sample_answers(
+        url, [render(tokenizer, m) for *_, m in positions], ns.probe_samples, MAX_NEW_TOKENS["nim"], seed
+    )
+    tally = {k: [0, 0, 0] for k in ("trained", "held_out")}  # optimal, illegal, answers
+    for (pile, seat, state, _), got in zip(positions, answers):
+        c = read_moves(game, state, seat, got)
+        t = tally["trained" if pile in NIM_TRAIN else "held_out"]
+        t[0] += c[str(state.stones % (NIM_TAKE + 1))]
+        t[1] += c["illegal"]
+        t[2] += len(got)
+    out: dict[str, Any] = {
+        "positions": len(positions),
+        "illegal": sum(t[1] for t in tally.values()) / sum(t[2] for t in tally.values()),
+    }
+    for k, (best, bad, n) in tally.items():
+        out[f"optimal_{k}"], out[f"illegal_{k}"] = best / n, bad / n
+    return out
+
+
+def nim_reference() -> dict[str, float]:
+    """Exact win rates of `script:optimal` and of a uniformly random legal player against each
+    scripted opponent, over the evaluation's starting piles and both seat orders: the scale the
+    model's win rates are read on."""
+
+    def policy(name: str, stones: int) -> dict[int, float]:
+        legal = range(1, min(NIM_TAKE, stones) + 1)
+        if name == "optimal" and stones % (NIM_TAKE + 1):
+            return {stones % (NIM_TAKE + 1): 1.0}
+        return {m: 1 / len(legal) for m in legal}
+
+    def win(me: str, opponent: str, pile: int, seat: int) -> float:
+        @functools.cache
+        def value(stones: int, mine: bool) -> float:  # P(I win), `mine`: I am to move
+            if stones == 0:
+                return 0.0 if mine else 1.0  # who took the last stone won
+            moves = policy(me if mine else opponent, stones)
+            return sum(q * value(stones - m, not mine) for m, q in moves.items())
+
+        return value(pile, seat == 0)
+
+    out = {}
+    for me in ("optimal", "random"):
+        for opp in OPPONENTS:
+            for name, piles in (("trained", NIM_TRAIN), ("held_out", NIM_HELD_OUT)):
+                rates = [win(me, opp, p, s) for p in piles for s in (0, 1)]
+                out[f"{me}_vs_{opp}_{name}"] = sum(rates) / len(rates)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# One arm: its engine, its config, its trainer
 # ----------------------------------------------------------------------------------------------
 
 
 def job_config(
     path: Path,
     run_id: str,
-    agents: dict[str, dict[str, Any]],
+    model: Path,
     game: dict[str, Any],
     rewards: dict[str, Any],
     ns: argparse.Namespace,
+    seed: int,
+    part: str,
 ) -> Path:
     doc = {
         "mrlx": {
             "run_id": run_id,
             "system": "game",
-            "agents": agents,
+            "agents": {
+                AGENT: {
+                    "url": "self",
+                    "tokenizer": str(model),
+                    "sampling": {"max_new_tokens": MAX_NEW_TOKENS[part], "temperature": 1.0},
+                }
+            },
             "game": game,
             "rewards": rewards,
-            "engine": {"request_timeout_s": 120, "sampling_seed": ns.seed},
+            "engine": {"request_timeout_s": 300, "sampling_seed": seed},
             "trainer": {
                 **TRAINER,
+                "threads": ns.threads,
                 "lr": ns.lr,
-                "lr_min": ns.lr / 10,
+                "lr_min": ns.lr,
                 "warmup_sft_steps": ns.warmup_steps,
                 "ppo_epochs": ns.ppo_epochs,
             },
@@ -347,15 +624,6 @@ def job_config(
     }
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
     return path
-
-
-def agent_entry(model: Path, url: str = "self", trainable: bool = True) -> dict[str, Any]:
-    return {
-        "url": url,
-        "tokenizer": str(model),
-        "trainable": trainable,
-        "sampling": {"max_new_tokens": MAX_NEW_TOKENS, "temperature": 1.0},
-    }
 
 
 def _rows(path: Path) -> list[dict[str, Any]]:
@@ -387,7 +655,7 @@ def run_trainer(
                 for row in rows[shown:]:
                     line = show(row)
                     if line:
-                        print(f"  {label:<24} {line}  ({time.monotonic() - t0:.0f} s)", flush=True)
+                        print(f"  {label:<22} {line}  ({time.monotonic() - t0:.0f} s)", flush=True)
                 shown = len(rows)
             if done:
                 break
@@ -401,76 +669,82 @@ def run_trainer(
     return _rows(out / "metrics.jsonl")
 
 
-def warm_start(
-    task: str, work: Path, base_model: Path, config: Path, data: Path, ns: argparse.Namespace
-) -> Path:
-    """The format-only warm-start of `task`, once: every arm of the task starts from its result."""
-    import hashlib
+def train_prompts(part: str, ns: argparse.Namespace, seed: int) -> list[tuple[str, str]]:
+    """The prompts `part`'s arms train on, for `seed`."""
+    from mrlx_plugin.local.tasks import kuhn_prompts
+
+    if part == "chain":
+        return chain_sets(ns, seed)[0]
+    if part == "nim":  # the trained starting piles only
+        rng = random.Random(seed)
+        return [nim_prompt(rng.choice(NIM_TRAIN)) for _ in range(256)]
+    return kuhn_prompts(256, seed=seed)
+
+
+def warm_unit(ns: argparse.Namespace, work: Path, base: Path) -> dict[str, Any]:
+    """The seed's format-only warm-start, once for every part it runs: supervised steps on the
+    parts' warm-start conversations, mixed (WARMUP_EXAMPLES of each). Every arm starts from it."""
     import shutil
 
+    seed = ns.unit_seed
+    parts = [p for p in PARTS if any(ARMS[a] == p for a in ns.arms)]
+    lines: list[str] = []
+    for part in parts:
+        prompts = train_prompts(part, ns, seed)
+        data = warmup_data(work / f"warmup-{part}.jsonl", part, prompts, WARMUP_EXAMPLES, seed)
+        lines += data.read_text().splitlines()
+    random.Random(seed).shuffle(lines)
+    data = work / "warmup.jsonl"
+    data.write_text("".join(line + "\n" for line in lines))
+    game = {"name": "nim", "seats": [AGENT, AGENT]}  # any: the warm-start plays no game
+    config = job_config(work / "warm.yaml", f"bench-credit-warm-{seed}", base, game, {}, ns, seed, "nim")
     out = work / "warm_start"
-    # Done before with the same model, data and settings: reused (it is deterministic).
-    stamp = json.dumps(
-        {
-            "model": str(base_model),
-            "steps": ns.warmup_steps,
-            "seed": ns.seed,
-            "lr": ns.lr,
-            "data": hashlib.sha256(data.read_bytes()).hexdigest(),
-        }
-    )
-    if (
-        (out / "warm_start" / "config.json").exists()
-        and (out / "done").exists()
-        and (out / "done").read_text() == stamp
-    ):
-        return out / "warm_start"
-
-    shutil.rmtree(out, ignore_errors=True)
+    shutil.rmtree(out, ignore_errors=True)  # a measurement starts from scratch
     out.mkdir(parents=True)
     argv = [
-        "--config",
-        str(config),
-        "--model",
-        str(base_model),
-        "--router-url",
-        "http://127.0.0.1:9",
-        "--num-rollout",
-        "0",
-        "--warmup-data",
-        str(data),
-        "--out",
-        str(out),
-        "--seed",
-        str(ns.seed),
+        *("--config", str(config), "--model", str(base), "--router-url", "http://127.0.0.1:9"),
+        *("--num-rollout", "0", "--warmup-data", str(data), "--out", str(out), "--seed", str(seed)),
     ]
     if not ns.quiet:
-        print(f"  {task:<24} warm-start: {ns.warmup_steps} format-only steps", flush=True)
-    run_trainer(argv, work / "logs" / "trainer-warm-start.log", out, f"{task} warm-start", ns)
-    if not (out / "warm_start" / "config.json").exists():  # --warmup-steps 0: the base model as it is
-        return base_model
-    (out / "done").write_text(stamp)
-    return out / "warm_start"
+        what = f"{ns.warmup_steps} format-only steps ({', '.join(parts)})"
+        print(f"  seed {seed} {'warm-start':<17} {what}", flush=True)
+    started = time.monotonic()
+    rows = run_trainer(argv, work / "logs" / "trainer-warm-start.log", out, f"seed {seed} warm-start", ns)
+    model = out / "warm_start" if (out / "warm_start" / "config.json").exists() else base  # --warmup-steps 0
+    loss = next((r for r in rows if "warm_start/steps" in r), {})
+    return {
+        "model": str(model),
+        "parts": parts,
+        "examples": len(lines),
+        "steps": loss.get("warm_start/steps", 0),
+        "loss_first": loss.get("warm_start/loss_first"),
+        "loss_last": loss.get("warm_start/loss_last"),
+        "wall_time_s": time.monotonic() - started,
+    }
+
+
+def warm_model(ns: argparse.Namespace) -> Path:
+    """The seed's warm-started model (its `warm` unit ran first)."""
+    done = Path(ns.out) / f"seed_{ns.unit_seed}" / "warm" / "result.json"
+    return Path(json.loads(done.read_text())["model"])
 
 
 def run_arm(
-    label: str,
+    arm: str,
     work: Path,
     model: Path,
     config: Path,
     *,
-    frozen: bool,
     prompts: Path,
-    eval_prompts: Path,
-    eval_configs: list[str],
-    steps: int,
-    prompts_per_step: int,
-    samples_per_prompt: int,
-    eval_samples: int,
+    eval_args: list[str],
+    budget: int,
+    episodes_per_step: tuple[int, int],
     ns: argparse.Namespace,
     show: Any,
-) -> tuple[list[dict[str, Any]], float]:
-    """One arm from `model`: its engine (and the frozen copy's), its trainer; (metrics rows, wall s)."""
+    probe: Any = None,
+) -> dict[str, Any]:
+    """One arm from `model`: its engine and its trainer, until `budget` engine calls are spent;
+    the probe (if any) of the engine before and after training. Its metrics rows and more."""
     import shutil
 
     from mrlx_plugin.core.processes import stop_all
@@ -479,444 +753,528 @@ def run_arm(
     shutil.rmtree(work, ignore_errors=True)  # a measurement starts from scratch
     logs = work / "logs"
     logs.mkdir(parents=True)
+    seed, (per_step, per_prompt) = ns.unit_seed, episodes_per_step
     started = time.monotonic()
-    engines = []
+    out: dict[str, Any] = {}
     with ExitStack() as stack:
-        stack.callback(lambda: stop_all([e.proc for e in engines], timeout=10))
-        extra = ["--seed", str(ns.seed), "--max-batch", "256"]
-        # Two engines generate at once (the frozen copy's turns alternate with the player's in
-        # every episode): one core each, or their threads would fight over the two.
-        threads = 1 if frozen else THREADS
-        engines.append(start_engine(model, log_dir=logs, name="engine", threads=threads, extra=extra))
-        url = engines[0].url
-        text = config.read_text()
-        if frozen:
-            engines.append(
-                start_engine(model, log_dir=logs, name="engine-frozen", threads=threads, extra=extra)
-            )
-            text = text.replace("FROZEN_URL", engines[1].url)
-        job = work / "job.yaml"
-        job.write_text(text)
+        engine = start_engine(
+            model,
+            log_dir=logs,
+            name="engine",
+            threads=ns.threads,
+            extra=["--seed", str(seed), "--max-batch", "256"],
+        )
+        stack.callback(lambda: stop_all([engine.proc], timeout=10))
+        if probe is not None:
+            out["probe_before"] = probe(engine.url, model, ns, seed)
+        # Every episode costs at least one call: the most steps the budget can take (a cap; the
+        # trainer stops when the budget is spent).
+        most_steps = math.ceil(budget / per_step) + 1
         argv = [
             "--config",
-            str(job),
+            str(config),
             "--model",
             str(model),
             "--engine-url",
-            url,
+            engine.url,
             "--router-url",
-            url,
+            engine.url,
             "--num-rollout",
-            str(steps),
+            str(most_steps),
+            "--engine-call-budget",
+            str(budget),
             "--prompt-data",
             str(prompts),
             "--rollout-batch-size",
-            str(prompts_per_step),
+            str(per_step // per_prompt),
             "--n-samples-per-prompt",
-            str(samples_per_prompt),
+            str(per_prompt),
             "--rollout-max-response-len",
             str(MAX_RESPONSE),
             "--out",
             str(work / "trainer"),
             "--seed",
-            str(ns.seed),
-            "--eval-interval",
-            str(ns.eval_interval),
-            "--eval-prompt-data",
-            str(eval_prompts),
-            "--n-samples-per-eval-prompt",
-            str(eval_samples),
+            str(seed),
+            *eval_args,
         ]
-        for spec in eval_configs:
-            argv += ["--eval-config", spec]
-        rows = run_trainer(argv, logs / "trainer.log", work / "trainer", label, ns, show)
-    return rows, time.monotonic() - started
+        rows = run_trainer(argv, logs / "trainer.log", work / "trainer", f"seed {seed} {arm}", ns, show)
+        if probe is not None:
+            out["probe_after"] = probe(engine.url, model, ns, seed)
+    out["wall_time_s"] = time.monotonic() - started
+    return out | {"rows": rows}
 
 
-# ----------------------------------------------------------------------------------------------
-# Reading an arm's metrics
-# ----------------------------------------------------------------------------------------------
-
-
-def engine_calls(row: dict[str, Any]) -> float:
-    """Engine calls of one training step: every model turn of its episodes (on every engine),
-    plus the tree-sampling candidates the episodes did not go on from."""
-    episodes = row.get("multi_agent/episodes") or 0.0
-    return episodes * (
-        (row.get("multi_agent/avg_turns") or 0.0) + (row.get("credit/branch_candidates") or 0.0)
-    )
-
-
-def curve(rows: list[dict[str, Any]], key: Any) -> list[dict[str, Any]]:
-    """The evaluations of a run: after how many steps, the value `key(row)`, engine calls so far."""
-    out, calls = [], 0.0
+def arm_record(
+    arm: str, run: dict[str, Any], value: Any, ns: argparse.Namespace, **extra: Any
+) -> dict[str, Any]:
+    """What one arm of one seed reports: calls, counts, the evaluation curve (`value(row)` per
+    evaluation row), probes, times."""
+    rows = run.pop("rows")
+    steps = [r for r in rows if r.get("step", -1) >= 0]
+    curve, calls = [], 0.0
     for row in rows:
         if row.get("step", -1) >= 0:
-            calls += engine_calls(row)
+            calls += row.get("engine_calls") or 0.0
         if any(k.startswith("eval/") and k.endswith("/episodes") for k in row):
-            out.append({"after_steps": row["step"] + 1, "value": key(row), "engine_calls": calls})
-    return out
-
-
-def steps_to(points: list[dict[str, Any]], threshold: float) -> dict[str, Any] | None:
-    for p in points:
-        if p["value"] is not None and p["value"] >= threshold:
-            return p
-    return None
-
-
-def arm_summary(rows: list[dict[str, Any]], wall: float, value: Any, train_key: str) -> dict[str, Any]:
-    steps = [r for r in rows if r.get("step", -1) >= 0]
-    calls = [engine_calls(r) for r in steps]
-    evals = [sum(v for k, v in r.items() if k.startswith("eval/") and k.endswith("/seconds")) for r in rows]
-    points = curve(rows, value)
+            curve.append({"after_steps": row["step"] + 1, "engine_calls": calls, **value(row)})
+    rewards, game = arm_settings(arm, ns)
     return {
+        "arm": arm,
+        "seed": ns.unit_seed,
+        "rewards": rewards,
+        "game": game,
         "steps": len(steps),
-        "engine_calls": sum(calls),
-        "engine_calls_per_step": calls,
+        "engine_calls": sum(r.get("engine_calls") or 0.0 for r in steps),
+        "engine_calls_per_step": [r.get("engine_calls") for r in steps],
         "episodes": sum(r.get("multi_agent/episodes") or 0 for r in steps),
-        "samples_trained": sum(r.get("samples", 0) for r in steps),
+        "samples_all": sum(r.get("samples", 0) for r in steps),
+        "samples_trained": sum(r.get("samples_trained", 0) for r in steps),
+        "tokens_trained": sum(r.get("tokens_trained", 0) for r in steps),
         "branch_candidates_per_episode": [r.get("credit/branch_candidates") for r in steps],
-        "train_rate_per_step": [r.get(train_key) for r in steps],
-        "eval": points,
-        "before": points[0]["value"] if points and points[0]["after_steps"] == 0 else None,
-        "after": points[-1]["value"] if points else None,
-        "wall_time_s": wall,
-        "eval_time_s": sum(evals),
+        "curve": curve,
+        "before": curve[0] if curve and curve[0]["after_steps"] == 0 else None,
+        "after": curve[-1] if curve else None,
         "rollout_s": sum(r.get("rollout_s", 0.0) for r in steps),
         "train_s": sum(r.get("train_s", 0.0) for r in steps),
+        "eval_s": sum(
+            v for r in rows for k, v in r.items() if k.startswith("eval/") and k.endswith("/seconds")
+        ),
+        **extra,
+        **run,
     }
 
 
 # ----------------------------------------------------------------------------------------------
-# The two parts
+# The parts of one seed
 # ----------------------------------------------------------------------------------------------
 
 
-def chain_part(ns: argparse.Namespace, root: Path, base_model: Path) -> dict[str, Any]:
-    work = root / "chain"
-    (work / "logs").mkdir(parents=True, exist_ok=True)
-    train, held = chain_sets(ns)
-    prompts, eval_prompts = (
-        write_prompts(work / "prompts.jsonl", train),
-        write_prompts(work / "heldout.jsonl", held),
+def sizes(arm: str, ns: argparse.Namespace) -> tuple[int, int]:
+    """(episodes per step, episodes per prompt): the options' for the chain, GAME_STEP for the
+    games (a game's episode is many calls: fewer episodes, more steps). A tree arm spends `branch`
+    calls on a turn, so it runs `branch` times fewer episodes per prompt, for about the calls per
+    step of the others."""
+    prompts, per_prompt = (
+        (ns.prompts_per_step, ns.samples_per_prompt) if ARMS[arm] == "chain" else GAME_STEP[ns.quick]
+    )
+    if arm_settings(arm, ns)[0].get("branch", 1) > 1:
+        per_prompt //= ns.branch
+    return prompts * per_prompt, per_prompt
+
+
+def chain_unit(ns: argparse.Namespace, work: Path, base: Path) -> dict[str, Any]:
+    seed = ns.unit_seed
+    train, held = chain_sets(ns, seed)
+    prompts = write_prompts(work / "prompts.jsonl", train)
+    held_out = write_prompts(work / "heldout.jsonl", held)
+    # Beside the held-out chains, as many training chains: what was learnt where it was taught,
+    # when the held-out chains (new first contexts) show little.
+    seen = write_prompts(
+        work / "trained-eval.jsonl", random.Random(seed).sample(train, min(len(train), len(held)))
     )
     game = {
         "name": "chain",
         "seats": [AGENT],
         "max_turns": ns.chain_length,
-        "options": {"max_steps": ns.chain_length},
+        "options": game_options("chain", train),
     }
-    rewards = {
-        "episode": {"credit": "episode"},
-        "turn": {"credit": "turn", "gamma": ns.gamma},
-        "turn+branch": {"credit": "turn", "gamma": ns.gamma, "branch": ns.branch, "branch_pick": "best"},
-    }
-    warm = warm_start(
-        "chain",
-        work,
-        base_model,
-        job_config(
-            work / "warm.yaml",
-            "bench-credit-chain",
-            {AGENT: agent_entry(base_model)},
-            game,
-            rewards["episode"],
-            ns,
-        ),
-        chain_warmup(work / "warmup.jsonl", train, 2000, ns.seed),
-        ns,
-    )
-    # The same engine calls per step in every arm: tree sampling spends `branch` calls on each
-    # turn, so its arm runs `branch` times fewer episodes (fewer per prompt when that divides).
-    per_prompt, groups = ns.samples_per_prompt, ns.prompts_per_step
-    shrink = (
-        (per_prompt // ns.branch, groups)
-        if per_prompt % ns.branch == 0
-        else (per_prompt, groups // ns.branch)
-    )
-    eval_samples = ns.eval_samples or 16
-    arms: dict[str, Any] = {}
-    for arm in (a for a in CHAIN_ARMS if a in ns.arms):
-        s, p = shrink if arm == "turn+branch" else (per_prompt, groups)
-        # One run id for every arm: the sampling seeds come from it and the episode ids, so the arms
-        # draw the same random numbers (the evaluations before training are the same episodes).
-        config = job_config(
-            work / f"{arm}.yaml", "bench-credit-chain", {AGENT: agent_entry(warm)}, game, rewards[arm], ns
+    run_id = f"bench-credit-chain-{seed}"  # one per seed: the arms draw the same sampling seeds
+    warm = warm_model(ns)
+    length = ns.chain_length
+
+    def value(row: dict[str, Any]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for name, prefix in (("held-out", ""), ("trained", "seen_")):
+            success = row.get(f"eval/eval/{name}/game/win_rate/solver")
+            turns = row.get(f"eval/eval/{name}/multi_agent/avg_turns")
+            # An episode ends at its first wrong step: (turns - 1) right, or all of them.
+            right = None if success is None or turns is None else (turns - 1 + success) / length
+            out |= {f"{prefix}success": success, f"{prefix}steps_right": right}
+        return out
+
+    def show(row: dict[str, Any]) -> str | None:
+        if "eval/eval/held-out/episodes" not in row:
+            return None
+        v = {k: x or 0.0 for k, x in value(row).items()}
+        return (
+            f"after {row['step'] + 1:>3} steps: held-out success {v['success']:.3f}, steps right "
+            f"{v['steps_right']:.3f} (trained chains {v['seen_success']:.3f}, {v['seen_steps_right']:.3f})"
         )
 
-        def show(row: dict[str, Any]) -> str | None:
-            if "eval/eval/episodes" not in row:
-                return None
-            rate = row.get(SUCCESS) or 0.0
-            return f"after {row['step'] + 1:>3} steps: held-out success {rate:.3f}"
-
-        rows, wall = run_arm(
-            f"chain {arm}",
+    arms = {}
+    for arm in (a for a in ns.arms if ARMS[a] == "chain"):
+        rewards, extra = arm_settings(arm, ns)
+        config = job_config(work / f"{arm}.yaml", run_id, warm, {**game, **extra}, rewards, ns, seed, "chain")
+        eval_args = [
+            "--eval-interval",
+            str(ns.eval_interval),
+            "--eval-prompt-data",
+            *("held-out", str(held_out), "trained", str(seen)),
+            "--n-samples-per-eval-prompt",
+            str(ns.eval_samples or 2),
+        ]
+        run = run_arm(
+            arm,
             work / arm,
             warm,
             config,
-            frozen=False,
             prompts=prompts,
-            eval_prompts=eval_prompts,
-            eval_configs=[],
-            steps=ns.steps,
-            prompts_per_step=p,
-            samples_per_prompt=s,
-            eval_samples=eval_samples,
+            eval_args=eval_args,
+            budget=ns.budget,
+            episodes_per_step=sizes(arm, ns),
             ns=ns,
             show=show,
         )
-        summary = arm_summary(rows, wall, lambda r: r.get(SUCCESS) or 0.0, "game/win_rate/solver")
-        reached = steps_to(summary["eval"], ns.threshold)
-        summary |= {
-            "rewards": rewards[arm],
-            "prompts_per_step": p,
-            "samples_per_prompt": s,
-            "episodes_per_step": p * s,
-            "engine_calls_per_step_at_most": p
-            * s
-            * ns.chain_length
-            * (ns.branch if arm == "turn+branch" else 1),
-            "steps_to_threshold": reached["after_steps"] if reached else None,
-            "engine_calls_to_threshold": reached["engine_calls"] if reached else None,
-            "held_out_episodes": len(held) * eval_samples,
-        }
-        arms[arm] = summary
-    # The budget above is the same bound per step; the calls actually spent differ (an episode
-    # stops at its first wrong step, and best-of-K candidates go on more often). So the arms are
-    # also compared at the same engine calls: the smallest total any arm spent.
-    budget = min((a["engine_calls"] for a in arms.values()), default=0.0)
-    for arm in arms.values():
-        within = [p for p in arm["eval"] if p["engine_calls"] <= budget]
-        arm["at_equal_calls"] = {
-            "engine_calls": budget,
-            "after_steps": within[-1]["after_steps"] if within else None,
-            "success": within[-1]["value"] if within else None,
-        }
+        arms[arm] = arm_record(arm, run, value, ns, budget=ns.budget, episodes_per_step=sizes(arm, ns)[0])
+    first_held = sorted({first_step(p) for p, _ in held})
     return {
-        "equal_calls": budget,
         "task": (
-            f"chains of {ns.chain_length} steps (game `chain`; start 0-{ns.chain_max_start}, steps "
-            f"{'/'.join(ns.chain_ops)} 1 to {ns.chain_max_step}); success = every step right"
+            f"chains of {length} steps (game `chain`): start 0 to {ns.chain_max_start}, steps "
+            f"{' '.join(ns.chain_ops)} 1 to {ns.chain_max_step}; success = every step right"
         ),
-        "threshold": ns.threshold,
+        "train_prompts": len(train),
         "held_out_prompts": len(held),
-        "budget": (
-            f"every arm {ns.steps} steps; without tree sampling {groups} prompts x {per_prompt} episodes per "
-            "step "
-            f"(1 engine call per turn); with branch {ns.branch}, {shrink[1]} x {shrink[0]} episodes per step "
-            f"({ns.branch} calls per turn): the same engine calls per step at most"
-        ),
-        "warm_start": str(warm),
+        "held_out_first_steps": [f"{v} {op}" for v, op in first_held],
+        "held_out_first_steps_in_training": sum(first_step(p) in first_held for p, _ in train),
         "arms": arms,
     }
 
 
-def nim_part(ns: argparse.Namespace, root: Path, base_model: Path) -> dict[str, Any]:
-    work = root / "nim"
-    (work / "logs").mkdir(parents=True, exist_ok=True)
-    train, positions = nim_sets(ns)
-    prompts, eval_prompts = (
-        write_prompts(work / "prompts.jsonl", train),
-        write_prompts(work / "positions.jsonl", positions),
-    )
-    game = {"name": "nim", "options": {"max_take": 3, "max_stones": 9}}
-    rewards = {"credit": "episode"}
-    warm = warm_start(
-        "nim",
-        work,
-        base_model,
-        job_config(
-            work / "warm.yaml",
-            "bench-credit-nim",
-            {AGENT: agent_entry(base_model)},
-            {**game, "seats": [AGENT, AGENT]},
-            rewards,
-            ns,
-        ),
-        nim_warmup(work / "warmup.jsonl", train, 2000, ns.seed),
-        ns,
-    )
-    # Evaluation: the trained model against the scripted random player, in each seat order.
-    eval_configs = []
-    for name, seats in (("first", [AGENT, VS_RANDOM]), ("second", [VS_RANDOM, AGENT])):
-        path = job_config(
-            work / f"eval-{name}.yaml",
-            f"bench-credit-nim-eval-{name}",
-            {AGENT: agent_entry(warm)},
-            {**game, "seats": seats},
-            rewards,
-            ns,
-        )
-        eval_configs.append(f"{name}={path}")
-    eval_samples = ns.eval_samples or 8
-    key = f"game/win_rate/vs/{VS_RANDOM}"
+def nim_unit(ns: argparse.Namespace, work: Path, base: Path) -> dict[str, Any]:
+    seed = ns.unit_seed
+    train = train_prompts("nim", ns, seed)
+    piles = {
+        "trained": write_prompts(work / "trained.jsonl", [nim_prompt(p) for p in NIM_TRAIN]),
+        "held-out": write_prompts(work / "held-out.jsonl", [nim_prompt(p) for p in NIM_HELD_OUT]),
+    }
+    prompts = write_prompts(work / "prompts.jsonl", train)
+    game = {
+        "name": "nim",
+        "options": game_options("nim", train),
+        "seats": [AGENT, AGENT],
+        "illegal_penalty": ILLEGAL_PENALTY["nim"],
+    }
+    run_id = f"bench-credit-nim-{seed}"
+    warm = warm_model(ns)
+    # Evaluation: the trained model against each scripted player, in each seat order, on the
+    # trained and the held-out starting piles.
+    eval_args = [
+        "--eval-interval",
+        str(ns.eval_interval),
+        "--n-samples-per-eval-prompt",
+        str(ns.eval_samples or 8),
+    ]
+    for opp in OPPONENTS:
+        for i, seat in enumerate(SEATS):
+            seats = [AGENT, f"script:{opp}"] if i == 0 else [f"script:{opp}", AGENT]
+            path = job_config(
+                work / f"eval-{opp}-{seat}.yaml", run_id, warm, {**game, "seats": seats}, {}, ns, seed, "nim"
+            )
+            eval_args += ["--eval-config", f"{opp}-{seat}={path}"]
+    eval_args += ["--eval-prompt-data", *(x for name, path in piles.items() for x in (name, str(path)))]
 
-    def win_rate(row: dict[str, Any]) -> float | None:
-        rates = [row.get(f"eval/{seat}/{key}") for seat in NIM_SEATS]
-        return sum(r or 0.0 for r in rates) / len(rates)
+    def value(row: dict[str, Any]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for opp in OPPONENTS:
+            for pos in ("trained", "held-out"):
+                key = f"{opp}_{pos.replace('-', '_')}"
+                rates = [row.get(f"eval/{opp}-{s}/{pos}/game/win_rate/vs/script:{opp}") for s in SEATS]
+                for s, r in zip(SEATS, rates):
+                    out[f"{key}_{s}"] = r
+                out[key] = None if None in rates else sum(rates) / len(rates)
+                bad = [row.get(f"eval/{opp}-{s}/{pos}/game/illegal_rate") for s in SEATS]
+                out[f"illegal_{key}"] = None if None in bad else sum(bad) / len(bad)
+        return out
 
-    arms: dict[str, Any] = {}
-    for arm in (a for a in NIM_ARMS if a in ns.arms):
-        frozen = arm == "frozen copy"
-        agents = {AGENT: agent_entry(warm)}
-        if frozen:
-            agents[FROZEN] = agent_entry(warm, url="FROZEN_URL", trainable=False)
-        config = job_config(
-            work / f"{arm.replace(' ', '-')}.yaml",
-            "bench-credit-nim",  # one run id: as above
-            agents,
-            {**game, "seats": [AGENT, FROZEN if frozen else AGENT]},
-            rewards,
-            ns,
+    def show(row: dict[str, Any]) -> str | None:
+        if "eval/random-first/trained/episodes" not in row:
+            return None
+        v = value(row)
+        return (
+            f"after {row['step'] + 1:>3} steps: win rate vs random {v['random_trained'] or 0:.3f} "
+            f"(held-out piles {v['random_held_out'] or 0:.3f}), vs optimal {v['optimal_trained'] or 0:.3f}"
         )
 
-        def show(row: dict[str, Any]) -> str | None:
-            if "eval/first/episodes" not in row:
-                return None
-            per = ", ".join(f"{s} seat {row.get(f'eval/{s}/{key}') or 0:.3f}" for s in NIM_SEATS)
-            return f"after {row['step'] + 1:>3} steps: win rate vs {VS_RANDOM} {win_rate(row):.3f} ({per})"
-
-        rows, wall = run_arm(
-            f"nim {arm}",
-            work / arm.replace(" ", "-"),
+    arms = {}
+    for arm in (a for a in ns.arms if ARMS[a] == "nim"):
+        rewards, extra = arm_settings(arm, ns)
+        config = job_config(work / f"{arm}.yaml", run_id, warm, {**game, **extra}, rewards, ns, seed, "nim")
+        run = run_arm(
+            arm,
+            work / arm,
             warm,
             config,
-            frozen=frozen,
             prompts=prompts,
-            eval_prompts=eval_prompts,
-            eval_configs=eval_configs,
-            steps=ns.nim_steps,
-            prompts_per_step=ns.prompts_per_step,
-            samples_per_prompt=ns.samples_per_prompt,
-            eval_samples=eval_samples,
+            eval_args=eval_args,
+            budget=ns.nim_budget,
+            episodes_per_step=sizes(arm, ns),
             ns=ns,
             show=show,
+            probe=nim_probe,
         )
-        train_key = f"game/win_rate/vs/{FROZEN}" if frozen else "game/win_rate/first"
-        summary = arm_summary(rows, wall, win_rate, train_key)
-        evals = [r for r in rows if "eval/first/episodes" in r]
-        for when, row in (
-            ("before_by_seat", evals[0] if evals and evals[0]["step"] == -1 else None),
-            ("after_by_seat", evals[-1] if evals else None),
-        ):
-            summary[when] = {s: (row or {}).get(f"eval/{s}/{key}") for s in NIM_SEATS}
-            summary[when.replace("by_seat", "illegal_rate")] = {
-                s: (row or {}).get(f"eval/{s}/game/illegal_rate") for s in NIM_SEATS
-            }
-        summary |= {
-            "seats": [AGENT, FROZEN if frozen else AGENT],
-            "prompts_per_step": ns.prompts_per_step,
-            "samples_per_prompt": ns.samples_per_prompt,
-            "evaluation_episodes": len(positions) * eval_samples * len(NIM_SEATS),
-        }
-        arms[arm] = summary
+        arms[arm] = arm_record(arm, run, value, ns, budget=ns.nim_budget, episodes_per_step=sizes(arm, ns)[0])
     return {
-        "task": "nim, 3 to 9 stones, take 1 to 3, who takes the last stone wins",
-        "evaluation": (
-            f"win rate against {VS_RANDOM} on {len(positions)} starting positions x {eval_samples} "
-            f"episodes, in both seat orders (the mean of the two)"
-        ),
-        "warm_start": str(warm),
+        "task": f"nim, take 1 to {NIM_TAKE}, who takes the last stone wins; self-play",
+        "train_piles": list(NIM_TRAIN),
+        "held_out_piles": list(NIM_HELD_OUT),
+        "reference": nim_reference(),
         "arms": arms,
     }
 
 
-# ----------------------------------------------------------------------------------------------
-# Table, plot, main
-# ----------------------------------------------------------------------------------------------
-
-
-def _fmt(v: Any, digits: int = 3) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        return f"{v:.{digits}f}"
-    return str(v)
-
-
-def print_tables(report: dict[str, Any]) -> None:
-    chain = report.get("chain")
-    if chain:
-        arms = chain["arms"]
-        print(f"\n  chain: {chain['task']}\n  budget: {chain['budget']}")
-        rows = [
-            ("episodes per step", [str(a["episodes_per_step"]) for a in arms.values()]),
-            ("engine calls, all steps", [f"{a['engine_calls']:,.0f}" for a in arms.values()]),
-            ("held-out success before training", [_fmt(a["before"]) for a in arms.values()]),
-            (
-                f"steps to held-out success >= {chain['threshold']}",
-                [
-                    str(a["steps_to_threshold"]) if a["steps_to_threshold"] is not None else "not reached"
-                    for a in arms.values()
-                ],
-            ),
-            (
-                "engine calls to reach it",
-                [
-                    f"{a['engine_calls_to_threshold']:,.0f}"
-                    if a["engine_calls_to_threshold"] is not None
-                    else "-"
-                    for a in arms.values()
-                ],
-            ),
-            ("final held-out success", [_fmt(a["after"]) for a in arms.values()]),
-            (
-                f"held-out success at {chain['equal_calls']:,.0f} engine calls",
-                [
-                    f"{_fmt(a['at_equal_calls']['success'])} (step {a['at_equal_calls']['after_steps']})"
-                    for a in arms.values()
-                ],
-            ),
-            ("wall time (s)", [f"{a['wall_time_s']:.0f}" for a in arms.values()]),
-        ]
-        _table(list(arms), rows)
-    nim = report.get("nim")
-    if nim:
-        arms = nim["arms"]
-        print(f"\n  nim: {nim['task']}\n  evaluation: {nim['evaluation']}")
-        rows = [
-            ("steps", [str(a["steps"]) for a in arms.values()]),
-            ("engine calls, all steps (every engine)", [f"{a['engine_calls']:,.0f}" for a in arms.values()]),
-            ("win rate vs script:random, before", [_fmt(a["before"]) for a in arms.values()]),
-            ("win rate vs script:random, after", [_fmt(a["after"]) for a in arms.values()]),
-        ]
-        for seat in NIM_SEATS:
-            rows.append(
-                (
-                    f"  as the {seat} seat, before -> after",
-                    [
-                        f"{_fmt(a['before_by_seat'][seat])} -> {_fmt(a['after_by_seat'][seat])}"
-                        for a in arms.values()
-                    ],
-                )
+def kuhn_unit(ns: argparse.Namespace, work: Path, base: Path) -> dict[str, Any]:
+    seed = ns.unit_seed
+    train = train_prompts("kuhn", ns, seed)
+    prompts = write_prompts(work / "prompts.jsonl", train)
+    game = {
+        "name": "kuhn_poker",
+        "seats": [AGENT, AGENT],
+        "max_turns": 3,
+        "illegal_penalty": ILLEGAL_PENALTY["kuhn"],
+    }
+    run_id = f"bench-credit-kuhn-{seed}"
+    warm = warm_model(ns)
+    arms = {}
+    for arm in (a for a in ns.arms if ARMS[a] == "kuhn"):
+        rewards, extra = arm_settings(arm, ns)
+        config = job_config(work / f"{arm}.yaml", run_id, warm, {**game, **extra}, rewards, ns, seed, "kuhn")
+        run = run_arm(
+            arm,
+            work / arm,
+            warm,
+            config,
+            prompts=prompts,
+            eval_args=[],
+            budget=ns.kuhn_budget,
+            episodes_per_step=sizes(arm, ns),
+            ns=ns,
+            show=None,
+            probe=kuhn_probe,
+        )
+        if not ns.quiet:
+            before, after = run["probe_before"], run["probe_after"]
+            print(
+                f"  seed {seed} {arm:<17} exploitability {before['exploitability']:.3f} -> "
+                f"{after['exploitability']:.3f}",
+                flush=True,
             )
-        rows += [
-            (
-                "illegal moves after (first / second seat)",
-                [
-                    f"{_fmt(a['after_illegal_rate']['first'])} / {_fmt(a['after_illegal_rate']['second'])}"
-                    for a in arms.values()
-                ],
-            ),
-            ("wall time (s)", [f"{a['wall_time_s']:.0f}" for a in arms.values()]),
+        arms[arm] = arm_record(
+            arm, run, lambda r: {}, ns, budget=ns.kuhn_budget, episodes_per_step=sizes(arm, ns)[0]
+        )
+    return {
+        "task": "Kuhn poker, self-play; exploitability of the probed policy (OpenSpiel)",
+        "reference": {"uniform_exploitability": uniform_exploitability()},
+        "arms": arms,
+    }
+
+
+def uniform_exploitability() -> float:
+    """The exploitability of uniform play, through the same helper the probes use (0.458)."""
+    from mrlx_plugin.systems.games import BUILT_IN_GAMES
+    from mrlx_plugin.systems.library_games import kuhn_exploitability
+
+    game = BUILT_IN_GAMES["kuhn_poker"]
+    return kuhn_exploitability(
+        {
+            key: {m: 1 / len(game.legal_moves(state, seat)) for m in game.legal_moves(state, seat)}
+            for key, seat, state, _ in kuhn_positions()
+        }
+    )
+
+
+UNITS = {"warm": warm_unit, "chain": chain_unit, "nim": nim_unit, "kuhn": kuhn_unit}
+
+
+# ----------------------------------------------------------------------------------------------
+# Over the seeds: measures, intervals, tables, plot
+# ----------------------------------------------------------------------------------------------
+
+# (key, label, format) per part: the lines of the tables, each a measure of every seed's run.
+LINES: dict[str, tuple[tuple[str, str, str], ...]] = {
+    "chain": (
+        ("success_before", "held-out success, before RL", "{:.3f}"),
+        ("success_after", "held-out success, after RL", "{:.3f}"),
+        ("steps_right_before", "held-out steps right (share), before RL", "{:.3f}"),
+        ("steps_right_after", "held-out steps right (share), after RL", "{:.3f}"),
+        ("seen_success_after", "trained chains: success, after RL", "{:.3f}"),
+        ("seen_steps_right_before", "trained chains: steps right (share), before RL", "{:.3f}"),
+        ("seen_steps_right_after", "trained chains: steps right (share), after RL", "{:.3f}"),
+    ),
+    "nim": (
+        ("random_trained_before", "win rate vs script:random, trained piles, before", "{:.3f}"),
+        ("random_trained_after", "win rate vs script:random, trained piles, after", "{:.3f}"),
+        (
+            "random_trained_first_after",
+            "win rate vs script:random, trained piles, first seat, after",
+            "{:.3f}",
+        ),
+        (
+            "random_trained_second_after",
+            "win rate vs script:random, trained piles, second seat, after",
+            "{:.3f}",
+        ),
+        ("random_held_out_before", "win rate vs script:random, held-out piles, before", "{:.3f}"),
+        ("random_held_out_after", "win rate vs script:random, held-out piles, after", "{:.3f}"),
+        ("optimal_trained_after", "win rate vs script:optimal, trained piles, after", "{:.3f}"),
+        ("optimal_held_out_after", "win rate vs script:optimal, held-out piles, after", "{:.3f}"),
+        (
+            "optimal_moves_trained_before",
+            "optimal moves from winning positions, trained piles, before",
+            "{:.3f}",
+        ),
+        (
+            "optimal_moves_trained_after",
+            "optimal moves from winning positions, trained piles, after",
+            "{:.3f}",
+        ),
+        (
+            "optimal_moves_held_out_after",
+            "optimal moves from winning positions, held-out piles, after",
+            "{:.3f}",
+        ),
+        ("illegal_after", "illegal answers (probe), after", "{:.3f}"),
+    ),
+    "kuhn": (
+        ("exploitability_before", "exploitability, before RL", "{:.3f}"),
+        ("exploitability_after", "exploitability, after RL", "{:.3f}"),
+        ("illegal_before", "illegal answers (probe), before", "{:.3f}"),
+        ("illegal_after", "illegal answers (probe), after", "{:.3f}"),
+    ),
+}
+COMMON = (
+    ("engine_calls", "engine calls spent in training", "{:,.0f}"),
+    ("steps", "training steps", "{:.0f}"),
+    ("samples_trained", "samples trained (no fillers)", "{:,.0f}"),
+    ("tokens_trained", "tokens trained", "{:,.0f}"),
+    ("samples_all", "samples returned, fillers included", "{:,.0f}"),
+    ("wall_s", "wall time (s)", "{:.0f}"),
+)
+# The measures shown seed by seed under each table.
+PER_SEED = {
+    "chain": ("steps_right_after", "seen_steps_right_after"),
+    "nim": ("random_trained_after",),
+    "kuhn": ("exploitability_after",),
+}
+
+
+def measures(part: str, rec: dict[str, Any]) -> dict[str, float | None]:
+    """The values one arm of one seed contributes to the tables."""
+    out: dict[str, float | None] = {
+        "engine_calls": rec["engine_calls"],
+        "steps": rec["steps"],
+        "samples_trained": rec["samples_trained"],
+        "tokens_trained": rec["tokens_trained"],
+        "samples_all": rec["samples_all"],
+        "wall_s": rec["wall_time_s"],
+    }
+    for when in ("before", "after"):
+        for key, value in (rec.get(when) or {}).items():
+            if key not in ("after_steps", "engine_calls"):
+                out[f"{key}_{when}"] = value
+        probe = rec.get(f"probe_{when}") or {}
+        if part == "nim" and probe:
+            out[f"optimal_moves_trained_{when}"] = probe["optimal_trained"]
+            out[f"optimal_moves_held_out_{when}"] = probe["optimal_held_out"]
+            out[f"illegal_{when}"] = probe["illegal"]
+        if part == "kuhn" and probe:
+            out[f"exploitability_{when}"] = probe["exploitability"]
+            out[f"illegal_{when}"] = probe["illegal"]
+    return out
+
+
+def summarise(values: list[float | None]) -> dict[str, Any] | None:
+    known = [v for v in values if v is not None]
+    if not known:
+        return None
+    mean, low, high = interval(known)
+    return {"mean": mean, "low": low, "high": high, "values": values}
+
+
+def reference(part: str, key: str, ref: dict[str, float]) -> str:
+    """What a known player scores on the measure `key`, for scale."""
+    if part == "kuhn" and key.startswith("exploitability"):
+        return f"uniform {ref['uniform_exploitability']:.3f}, equilibrium 0"
+    if part != "nim" or "_first" in key or "_second" in key:
+        return ""
+    if key.startswith("optimal_moves"):
+        return "optimal 1"
+    if key.startswith(OPPONENTS):
+        opp, piles = key.split("_")[0], "held_out" if "held_out" in key else "trained"
+        return f"optimal {ref[f'optimal_vs_{opp}_{piles}']:.3f}, random {ref[f'random_vs_{opp}_{piles}']:.3f}"
+    return ""
+
+
+def _cell(s: dict[str, Any] | None, fmt: str) -> str:
+    if s is None:
+        return "-"
+    if s["high"] == s["low"]:
+        return fmt.format(s["mean"])
+    return f"{fmt.format(s['mean'])} [{fmt.format(s['low'])}, {fmt.format(s['high'])}]"
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """The docs' tables: per part, a line per measure, a column per arm (mean [95% interval] over
+    the seeds), the reference players' values; then the main measure seed by seed."""
+    lines: list[str] = []
+    seeds = report["seeds"]
+    for part in PARTS:
+        p = report.get(part)
+        if not p:
+            continue
+        arms = list(p["arms"])
+        ref = p.get("reference") or {}
+        lines += [
+            "",
+            f"| {part}: {p['task']} | " + " | ".join(arms) + " | reference |",
+            "|---|" + "---|" * (len(arms) + 1),
         ]
-        _table(list(arms), rows)
-    print(f"\n  total wall time {report['wall_time_s']:.0f} s; plot: {report.get('plot')}")
+        for key, label, fmt in (*LINES[part], *COMMON):
+            cells = [_cell(p["arms"][a]["summary"].get(key), fmt) for a in arms]
+            if all(c == "-" for c in cells):
+                continue
+            lines.append(f"| {label.strip()} | " + " | ".join(cells) + f" | {reference(part, key, ref)} |")
+        for key in PER_SEED[part]:
+            label = next(lab for k, lab, _ in LINES[part] if k == key)
+            fmt = next(f for k, _, f in LINES[part] if k == key)
+            per = "; ".join(
+                f"{a} " + " / ".join("-" if v is None else fmt.format(v) for v in s["values"])
+                for a in arms
+                if (s := p["arms"][a]["summary"].get(key))
+            )
+            lines += ["", f"{label}, seeds {' / '.join(map(str, seeds))}: {per}"]
+    return "\n".join(lines[1:])
 
 
-def _table(names: list[str], rows: list[tuple[str, list[str]]]) -> None:
-    width = max(len(r[0]) for r in rows)
-    cols = [max(len(n), *(len(r[1][i]) for r in rows)) for i, n in enumerate(names)]
-    print(f"  {'measure':<{width}}  " + "  ".join(f"{n:>{c}}" for n, c in zip(names, cols)))
-    for name, values in rows:
-        print(f"  {name:<{width}}  " + "  ".join(f"{v:>{c}}" for v, c in zip(values, cols)))
+def aggregate(ns: argparse.Namespace, units: dict[tuple[int, str], dict[str, Any]]) -> dict[str, Any]:
+    """Per part: the units' facts, each arm's runs (one per seed) and their summary."""
+    out: dict[str, Any] = {}
+    for part in PARTS:
+        found = [(seed, units[(seed, part)]) for seed in range(ns.seeds) if (seed, part) in units]
+        if not found:
+            continue
+        first = found[0][1]
+        arms: dict[str, Any] = {}
+        for arm in (a for a in ns.arms if ARMS[a] == part):
+            runs = [u["arms"][arm] for _, u in found]
+            per_seed = [measures(part, r) for r in runs]
+            keys = dict.fromkeys(k for m in per_seed for k in m)
+            arms[arm] = {
+                "summary": {k: s for k in keys if (s := summarise([m.get(k) for m in per_seed])) is not None},
+                "runs": runs,
+            }
+        out[part] = {
+            "task": first["task"],
+            "reference": first.get("reference"),
+            "units": [{"seed": seed, **{k: v for k, v in u.items() if k != "arms"}} for seed, u in found],
+            "arms": arms,
+        }
+    return out
 
 
 def plot(report: dict[str, Any], path: Path) -> Path | None:
-    """Success (chain) and win rate (nim) at each evaluation, per arm: the chain against training
-    steps and against engine calls spent, nim against training steps."""
+    """Steps right on the trained and held-out chains, and nim's win rate against `script:random`,
+    against the engine calls spent, a line per arm and seed; kuhn's exploitability before and
+    after, per arm."""
     try:
         import matplotlib
     except ImportError:
@@ -924,25 +1282,53 @@ def plot(report: dict[str, Any], path: Path) -> Path | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [
-        (p, x)
-        for p, xs in (("chain", ("after_steps", "engine_calls")), ("nim", ("after_steps",)))
-        if report.get(p)
-        for x in xs
-    ]
+    panels = [p for p in PARTS if report.get(p)]
+    if not panels:
+        return None
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), dpi=120, squeeze=False)
-    for ax, (part, x) in zip(axes[0], panels):
-        for name, arm in report[part]["arms"].items():
-            points = [p for p in arm["eval"] if p["value"] is not None]
-            ax.plot([p[x] for p in points], [p["value"] for p in points], marker="o", ms=3, label=name)
-        if part == "chain":
-            ax.axhline(report["chain"]["threshold"], color="grey", lw=0.8, ls="--")
-            ax.set_title("chain: held-out success")
-            ax.set_ylabel("success rate (every step right)")
-        else:
-            ax.set_title(f"nim: win rate vs {VS_RANDOM} (both seat orders)")
-            ax.set_ylabel("win rate")
-        ax.set_xlabel("training step" if x == "after_steps" else "engine calls spent in training")
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax, part in zip(axes[0], panels):
+        arms = report[part]["arms"]
+        if part == "kuhn":
+            names = list(arms)
+            for j, when in enumerate(("before", "after")):
+                s = [arms[a]["summary"].get(f"exploitability_{when}") for a in names]
+                xs = [i + (j - 0.5) * 0.35 for i in range(len(names))]
+                means = [x["mean"] if x else 0.0 for x in s]
+                errs = [x["mean"] - x["low"] if x else 0.0 for x in s]
+                ax.bar(xs, means, width=0.35, yerr=errs, capsize=4, label=when)
+            ax.axhline(report["kuhn"]["reference"]["uniform_exploitability"], color="grey", lw=0.8, ls="--")
+            ax.set_xticks(range(len(names)), names)
+            ax.set_title("kuhn poker: exploitability (uniform: dashed)")
+            ax.set_ylabel("exploitability")
+            ax.legend(loc="upper right")
+            continue
+        # chain: steps right on the trained chains (solid) and the held-out ones (dashed); nim: the
+        # win rate against script:random on the trained piles.
+        keys = (
+            (("seen_steps_right", "-"), ("steps_right", "--"))
+            if part == "chain"
+            else (("random_trained", "-"),)
+        )
+        for i, (name, arm) in enumerate(arms.items()):
+            for j, run in enumerate(arm["runs"]):
+                for k, (key, style) in enumerate(keys):
+                    points = [p for p in run["curve"] if p.get(key) is not None]
+                    ax.plot(
+                        [p["engine_calls"] for p in points],
+                        [p[key] for p in points],
+                        color=colours[i % len(colours)],
+                        ls=style,
+                        lw=1,
+                        alpha=0.6,
+                        label=name if j == k == 0 else None,
+                    )
+        ax.set_title(
+            "chain: steps right, trained (solid) and held-out (dashed)"
+            if part == "chain"
+            else "nim: win rate vs script:random, trained piles"
+        )
+        ax.set_xlabel("engine calls spent in training")
         ax.set_ylim(-0.02, 1.02)
         ax.grid(alpha=0.3)
         ax.legend(loc="upper left")
@@ -952,36 +1338,102 @@ def plot(report: dict[str, Any], path: Path) -> Path | None:
     return path
 
 
+# ----------------------------------------------------------------------------------------------
+# Main: the units in parallel processes, then the report
+# ----------------------------------------------------------------------------------------------
+
+
+def unit_main(ns: argparse.Namespace) -> int:
+    """One part of one seed, or its warm-start (a process of its own): its result.json."""
+    from mrlx_plugin.local.model import ensure_model
+
+    seed, part = ns.unit.split(":")
+    ns.unit_seed = int(seed)
+    root = Path(ns.out)
+    work = root / f"seed_{seed}" / part
+    (work / "logs").mkdir(parents=True, exist_ok=True)
+    base = ensure_model(root / "models" / f"{ns.preset}-seed{seed}", preset=ns.preset, seed=int(seed))
+    try:
+        result = UNITS[part](ns, work, base)
+    except RuntimeError as exc:
+        print(f"mrlx bench credit: seed {seed} {part}: {exc}", file=sys.stderr)
+        return 1
+    (work / "result.json").write_text(json.dumps(result, indent=1, default=str))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    from mrlx_plugin.core import processes
     from mrlx_plugin.core.config import ConfigError
     from mrlx_plugin.local.model import ensure_model
 
+    argv = list(sys.argv[1:] if argv is None else argv)
     ns = settle(build_parser().parse_args(argv))
-    out = Path(ns.out)
-    root = Path(ns.workdir) if ns.workdir else out.parent
+    if ns.table:
+        try:
+            saved = json.loads(Path(ns.table).read_text())
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"--table {ns.table}: cannot read a saved report ({exc})") from None
+        print(markdown(saved))
+        return 0
+    if ns.unit:
+        return unit_main(ns)
+    root = Path(ns.out)
     root.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
+    for seed in range(ns.seeds):  # built here once, not by two units at once
+        try:
+            ensure_model(root / "models" / f"{ns.preset}-seed{seed}", preset=ns.preset, seed=seed)
+        except (ValueError, FileExistsError) as exc:
+            raise ConfigError(f"--out {root}: {exc}") from None
+    # Each seed's warm-start first (its parts start from it), then the longest units, so that
+    # the last ones to start are short.
+    parts = [p for p in PARTS if any(ARMS[a] == p for a in ns.arms)]
+    pending = [(seed, "warm") for seed in range(ns.seeds)]
+    pending += [(seed, part) for part in parts for seed in range(ns.seeds)]
+    threads = max(1, (os.cpu_count() or 2) // ns.jobs)
+    running: dict[tuple[int, str], Any] = {}
+    done: set[tuple[int, str]] = set()
+    failed = None
     try:
-        base = ensure_model(root / "models" / ns.preset, preset=ns.preset, seed=ns.seed)
-    except (ValueError, FileExistsError) as exc:
-        raise ConfigError(f"--workdir {root}: {exc}") from None
+        while (pending or running) and failed is None:
+            ready = [u for u in pending if u[1] == "warm" or (u[0], "warm") in done]
+            while ready and len(running) < ns.jobs:
+                unit = ready.pop(0)
+                pending.remove(unit)
+                argv_unit = [*argv, "--unit", f"{unit[0]}:{unit[1]}", "--threads", str(threads)]
+                command = [sys.executable, "-m", "mrlx_plugin.bench.credit", *argv_unit]
+                running[unit] = processes.start(command)
+            for unit, proc in list(running.items()):
+                if proc.poll() is not None:
+                    del running[unit]
+                    if proc.returncode != 0:
+                        failed = failed or unit
+                    done.add(unit)
+            time.sleep(0.5)
+    finally:  # a failed unit, or the bench stopped: the others are stopped too
+        processes.stop_all(list(running.values()), timeout=20)
+    if failed is not None:
+        print(f"mrlx bench credit: seed {failed[0]} {failed[1]} failed (its error is above)", file=sys.stderr)
+        return 1
+
+    def result(seed: int, unit: str) -> dict[str, Any]:
+        return json.loads((root / f"seed_{seed}" / unit / "result.json").read_text())
+
+    units = {(seed, part): result(seed, part) for part in parts for seed in range(ns.seeds)}
     report: dict[str, Any] = {
         "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
-        "config": {k: v for k, v in vars(ns).items()},
+        "config": {k: v for k, v in vars(ns).items() if k not in ("unit", "table")},
+        "seeds": list(range(ns.seeds)),
+        "warm_start": [{"seed": seed, **result(seed, "warm")} for seed in range(ns.seeds)],
+        **aggregate(ns, units),
     }
-    try:
-        if ns.only in (None, "chain") and set(ns.arms) & set(CHAIN_ARMS):
-            report["chain"] = chain_part(ns, root, base)
-        if ns.only in (None, "nim") and set(ns.arms) & set(NIM_ARMS):
-            report["nim"] = nim_part(ns, root, base)
-    except RuntimeError as exc:
-        print(f"mrlx bench credit: {exc}", file=sys.stderr)
-        return 1
     report["wall_time_s"] = time.monotonic() - started
-    picture = plot(report, out.with_suffix(".png"))
+    picture = plot(report, root / "credit.png")
     report["plot"] = str(picture) if picture else None
-    print_tables(report)
-    write_report(out, report)
+    print(markdown(report))
+    print(f"\n  total wall time {report['wall_time_s']:.0f} s; plot: {report['plot']}")
+    write_report(root / "credit.json", report)
     return 0
 
 

@@ -17,25 +17,11 @@ after RL; peak memory under 4 GiB.
 from __future__ import annotations
 
 import argparse
-import math
-import statistics
 import sys
 from pathlib import Path
 from typing import Any
 
-from mrlx_plugin.bench.report import write_report
-
-# Two-sided 95% quantiles of Student's t by degrees of freedom (n - 1); 1.96 past the table.
-_T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
-
-
-def interval(values: list[float]) -> tuple[float, float, float]:
-    """(mean, low, high): the mean and its 95% interval; (mean, mean, mean) for a single value."""
-    mean = statistics.fmean(values)
-    if len(values) < 2:
-        return mean, mean, mean
-    half = _T95.get(len(values) - 1, 1.96) * statistics.stdev(values) / math.sqrt(len(values))
-    return mean, mean - half, mean + half
+from mrlx_plugin.bench.report import interval, write_report
 
 
 def measures(s: dict[str, Any]) -> dict[str, float | None]:

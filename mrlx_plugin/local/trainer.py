@@ -12,6 +12,7 @@ plugin's functions the way slime calls them:
         save a checkpoint; push it to the engine                  # /update_weights_from_disk
         (the next rollout reports the new version to the coordinator)
         every --eval-interval steps: rollout_fn(..., evaluation=True) on held-out prompts
+        --engine-call-budget spent (episodes x engine calls, summed): evaluate, stop
 
 The loss is slime's shape: PPO-clip per token with separate low/high clip ranges, the ratio
 taken against the rollout log-probs (`--use-rollout-logprobs`), log-probs computed at the
@@ -89,7 +90,12 @@ def build_parser() -> argparse.ArgumentParser:
         "needs --eval-prompt-data",
     )
     p.add_argument(
-        "--eval-prompt-data", default=None, help="JSONL of held-out prompts for evaluation episodes"
+        "--eval-prompt-data",
+        nargs="+",
+        default=None,
+        metavar="[NAME] FILE",
+        help="JSONL of held-out prompts for evaluation episodes; or NAME FILE pairs (slime's form), each "
+        "evaluated under every --eval-config, as set CONFIG/NAME",
     )
     p.add_argument(
         "--n-samples-per-eval-prompt", type=int, default=1, help="evaluation episodes per held-out prompt"
@@ -101,6 +107,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="[NAME=]FILE",
         help="YAML of the evaluation episodes (default: --config, as set `eval`); repeat for several "
         "sets, e.g. one per seat order of a game",
+    )
+    p.add_argument(
+        "--engine-call-budget",
+        type=int,
+        default=None,
+        help="stop after the step at which the engine calls spent in training (every step's episodes "
+        "x its `multi_agent/engine_calls`) reach this, evaluating first; --num-rollout stays the most "
+        "steps. Runs compared at one budget spend the same calls, past it by at most one step",
     )
     add_host_arguments(p)
     return p
@@ -380,7 +394,8 @@ async def _push_weights(engines: list[str], path: Path, version: int, deadline_s
 
 def evaluation_sets(ns: argparse.Namespace, args: Any) -> list[tuple[str, Any, Any]]:
     """(name, args, data source) per evaluation set: the held-out prompts of --eval-prompt-data
-    under each --eval-config (default: the job's own config and args, as set `eval`)."""
+    under each --eval-config (default: the job's own config and args, as set `eval`); with
+    named prompt files, one set per config and file, `CONFIG/NAME`."""
     from mrlx_plugin.core.config import ConfigError
     from mrlx_plugin.local.fake_host import LocalDataSource, host_args, read_prompts
 
@@ -390,7 +405,15 @@ def evaluation_sets(ns: argparse.Namespace, args: Any) -> list[tuple[str, Any, A
         raise ConfigError("--eval-interval: give the held-out prompts with --eval-prompt-data")
     if ns.eval_interval < 1:
         raise ConfigError(f"--eval-interval: got {ns.eval_interval}; expected at least 1")
-    prompts = read_prompts(ns.eval_prompt_data, ns.input_key, ns.label_key)
+    data = ns.eval_prompt_data
+    if len(data) == 1:
+        files = [("", data[0])]
+    elif len(data) % 2 == 0:
+        files = list(zip(data[0::2], data[1::2]))
+    else:
+        raise ConfigError(
+            f"--eval-prompt-data: got {len(data)} values; give one file, or NAME FILE pairs (slime's form)"
+        )
     sets = []
     for spec in ns.eval_config or [None]:
         if spec is None:
@@ -402,7 +425,10 @@ def evaluation_sets(ns: argparse.Namespace, args: Any) -> list[tuple[str, Any, A
             eval_args.custom_generate_function_path = args.custom_generate_function_path
             eval_args.rollout_function_path = args.rollout_function_path
         eval_args.n_samples_per_eval_prompt = ns.n_samples_per_eval_prompt
-        sets.append((name, eval_args, LocalDataSource(prompts[:1], 1, eval_prompts=prompts)))
+        for label, file in files:
+            prompts = read_prompts(file, ns.input_key, ns.label_key)
+            source = LocalDataSource(prompts[:1], 1, eval_prompts=prompts)
+            sets.append((f"{name}/{label}" if label else name, eval_args, source))
     return sets
 
 
@@ -433,6 +459,29 @@ def evaluate(sets: list[tuple[str, Any, Any]], rollout_fn: Any, rollout_id: int)
 # ----------------------------------------------------------------------------------------------
 
 
+def trained_counts(samples: list[Any]) -> tuple[int, int]:
+    """(samples, tokens) the step trains on: the samples that are not ABORTED (an aborted
+    episode's, or the fillers standing in for turns an episode did not reach) and have a token
+    to train (loss mask 1), and those tokens."""
+    from mrlx_plugin.core.host import Status
+
+    counted = [s for s in samples if s.status != Status.ABORTED and sum(s.loss_mask or []) > 0]
+    return len(counted), sum(sum(s.loss_mask) for s in counted)
+
+
+def step_engine_calls(metrics: dict[str, Any]) -> float:
+    """Engine calls one step's rollout spent: its episodes x `multi_agent/engine_calls` (every
+    call: turns, tree-sampling candidates, the moves played ahead to score them). A plugin
+    without that metric: its model turns plus the candidates not gone on from."""
+    episodes = metrics.get("multi_agent/episodes") or 0.0
+    per_episode = metrics.get("multi_agent/engine_calls")
+    if per_episode is None:
+        per_episode = (metrics.get("multi_agent/avg_turns") or 0.0) + (
+            metrics.get("credit/branch_candidates") or 0.0
+        )
+    return episodes * per_episode
+
+
 def flatten(groups: Any) -> list[Any]:
     out: list[Any] = []
     for item in groups:
@@ -448,6 +497,12 @@ def main(argv: list[str] | None = None) -> int:
     # Agent code's HTTP clients (the openai SDK's httpx) would log every request of every episode.
     logging.getLogger("httpx").setLevel(logging.WARNING)
     ns = build_parser().parse_args(argv)
+    if ns.engine_call_budget is not None and ns.engine_call_budget < 1:
+        print(
+            f"trainer: --engine-call-budget: got {ns.engine_call_budget}; expected at least 1",
+            file=sys.stderr,
+        )
+        return 2
     import torch
 
     from mrlx_plugin.core.config import ConfigError
@@ -560,6 +615,10 @@ def main(argv: list[str] | None = None) -> int:
                 out / "metrics.jsonl",
                 {"step": -1, "eval/before_training": True, **evaluate(eval_sets, rollout_fn, 0)},
             )
+        # Engine calls spent in training so far (a resumed run: those of the steps it keeps).
+        calls_spent = (
+            sum(r.get("engine_calls") or 0.0 for r in _rows(out / "metrics.jsonl")) if resumed_from else 0.0
+        )
         for rollout_id in range(start, ns.num_rollout):
             t0 = time.monotonic()
             output = rollout_fn(args, rollout_id, data_source, evaluation=False)
@@ -590,9 +649,17 @@ def main(argv: list[str] | None = None) -> int:
             if responder:  # trained and saved (the checkpoint holds the step): never trained again
                 ack_trained_groups(args, rollout_id)
             push_weights(ns.engine_url, checkpoint, version=rollout_id + 1)
+            calls = step_engine_calls(metrics)
+            calls_spent += calls
+            spent = ns.engine_call_budget is not None and calls_spent >= ns.engine_call_budget
+            trained, tokens = trained_counts(samples)
             row = {
                 "step": rollout_id,
                 "samples": len(samples),
+                "samples_trained": trained,
+                "tokens_trained": tokens,
+                "engine_calls": calls,
+                "engine_calls_total": calls_spent,
                 "rollout_s": rollout_s,
                 "train_s": time.monotonic() - t1,
                 "raw_reward_mean": sum(raw) / max(1, len(raw)),
@@ -602,7 +669,10 @@ def main(argv: list[str] | None = None) -> int:
             }
             if resumed_from and rollout_id == start:
                 row["resumed_from"] = resumed_from
-            if eval_sets and ((rollout_id + 1) % ns.eval_interval == 0 or rollout_id + 1 == ns.num_rollout):
+            if spent:
+                row["engine_call_budget_spent"] = True
+            last = spent or rollout_id + 1 == ns.num_rollout
+            if eval_sets and ((rollout_id + 1) % ns.eval_interval == 0 or last):
                 row |= evaluate(eval_sets, rollout_fn, rollout_id + 1)  # the weights this step made
             _append(out / "metrics.jsonl", row)
             log.info(
@@ -613,15 +683,29 @@ def main(argv: list[str] | None = None) -> int:
                 rollout_s,
                 row["train_s"],
             )
+            if spent:
+                log.info(
+                    "engine-call budget spent: %.0f calls of %d after step %d; stopping",
+                    calls_spent,
+                    ns.engine_call_budget,
+                    rollout_id,
+                )
+                break
     except ConfigError as exc:  # a setting found wrong at the first step (say, the coordinator's queue)
         print(f"trainer: {exc}", file=sys.stderr)
         return 2
     finally:  # also on errors: close the rollout loop's connections (no "unclosed session" noise)
         run_in_host_loop(runtime_for(args).aclose())
-        for _, eval_args, _ in eval_sets:
+        for eval_args in {id(a): a for _, a, _ in eval_sets}.values():  # one per config
             if eval_args is not args and cached_runtime(eval_args) is not None:
                 run_in_host_loop(cached_runtime(eval_args).aclose())
     return 0
+
+
+def _rows(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def _drop_rows_from(path: Path, step: int) -> None:
