@@ -59,6 +59,7 @@ from typing import Any
 import yaml
 
 from mrlx_plugin.bench.report import interval, write_report
+from mrlx_plugin.local.trainer import read_rows
 
 AGENT = "player"
 PARTS = ("chain", "nim", "kuhn")
@@ -626,12 +627,6 @@ def job_config(
     return path
 
 
-def _rows(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def run_trainer(
     argv: list[str], log_path: Path, out: Path, label: str, ns: argparse.Namespace, show: Any = None
 ) -> list[dict[str, Any]]:
@@ -650,7 +645,7 @@ def run_trainer(
         shown, t0 = 0, time.monotonic()
         while True:
             done = job.poll() is not None
-            rows = _rows(out / "metrics.jsonl")
+            rows = read_rows(out / "metrics.jsonl")
             if show is not None and not ns.quiet:
                 for row in rows[shown:]:
                     line = show(row)
@@ -666,7 +661,7 @@ def run_trainer(
     if job.returncode != 0:
         tail = log_path.read_text(errors="replace")[-3000:]
         raise RuntimeError(f"the trainer of {label} failed (exit {job.returncode}); {log_path}:\n{tail}")
-    return _rows(out / "metrics.jsonl")
+    return read_rows(out / "metrics.jsonl")
 
 
 def train_prompts(part: str, ns: argparse.Namespace, seed: int) -> list[tuple[str, str]]:
@@ -862,6 +857,51 @@ def sizes(arm: str, ns: argparse.Namespace) -> tuple[int, int]:
     return prompts * per_prompt, per_prompt
 
 
+def run_arms(
+    part: str,
+    ns: argparse.Namespace,
+    work: Path,
+    run_id: str,
+    warm: Path,
+    game: dict[str, Any],
+    prompts: Path,
+    eval_args: list[str],
+    *,
+    budget: int,
+    show: Any,
+    value: Any,
+    probe: Any = None,
+    done: Any = None,
+) -> dict[str, Any]:
+    """Every arm of `part`, one after another from the seed's warm-started model: its config (the
+    part's game with the arm's settings), its run until `budget` engine calls, its record.
+    `done(arm, run)` is told of each finished run."""
+    arms = {}
+    for arm in (a for a in ns.arms if ARMS[a] == part):
+        rewards, extra = arm_settings(arm, ns)
+        config = job_config(
+            work / f"{arm}.yaml", run_id, warm, {**game, **extra}, rewards, ns, ns.unit_seed, part
+        )
+        per_step = sizes(arm, ns)
+        run = run_arm(
+            arm,
+            work / arm,
+            warm,
+            config,
+            prompts=prompts,
+            eval_args=eval_args,
+            budget=budget,
+            episodes_per_step=per_step,
+            ns=ns,
+            show=show,
+            probe=probe,
+        )
+        if done is not None:
+            done(arm, run)
+        arms[arm] = arm_record(arm, run, value, ns, budget=budget, episodes_per_step=per_step[0])
+    return arms
+
+
 def chain_unit(ns: argparse.Namespace, work: Path, base: Path) -> dict[str, Any]:
     seed = ns.unit_seed
     train, held = chain_sets(ns, seed)
@@ -901,31 +941,17 @@ def chain_unit(ns: argparse.Namespace, work: Path, base: Path) -> dict[str, Any]
             f"{v['steps_right']:.3f} (trained chains {v['seen_success']:.3f}, {v['seen_steps_right']:.3f})"
         )
 
-    arms = {}
-    for arm in (a for a in ns.arms if ARMS[a] == "chain"):
-        rewards, extra = arm_settings(arm, ns)
-        config = job_config(work / f"{arm}.yaml", run_id, warm, {**game, **extra}, rewards, ns, seed, "chain")
-        eval_args = [
-            "--eval-interval",
-            str(ns.eval_interval),
-            "--eval-prompt-data",
-            *("held-out", str(held_out), "trained", str(seen)),
-            "--n-samples-per-eval-prompt",
-            str(ns.eval_samples or 2),
-        ]
-        run = run_arm(
-            arm,
-            work / arm,
-            warm,
-            config,
-            prompts=prompts,
-            eval_args=eval_args,
-            budget=ns.budget,
-            episodes_per_step=sizes(arm, ns),
-            ns=ns,
-            show=show,
-        )
-        arms[arm] = arm_record(arm, run, value, ns, budget=ns.budget, episodes_per_step=sizes(arm, ns)[0])
+    eval_args = [
+        "--eval-interval",
+        str(ns.eval_interval),
+        "--eval-prompt-data",
+        *("held-out", str(held_out), "trained", str(seen)),
+        "--n-samples-per-eval-prompt",
+        str(ns.eval_samples or 2),
+    ]
+    arms = run_arms(
+        "chain", ns, work, run_id, warm, game, prompts, eval_args, budget=ns.budget, show=show, value=value
+    )
     first_held = sorted({first_step(p) for p, _ in held})
     return {
         "task": (
@@ -995,24 +1021,20 @@ def nim_unit(ns: argparse.Namespace, work: Path, base: Path) -> dict[str, Any]:
             f"(held-out piles {v['random_held_out'] or 0:.3f}), vs optimal {v['optimal_trained'] or 0:.3f}"
         )
 
-    arms = {}
-    for arm in (a for a in ns.arms if ARMS[a] == "nim"):
-        rewards, extra = arm_settings(arm, ns)
-        config = job_config(work / f"{arm}.yaml", run_id, warm, {**game, **extra}, rewards, ns, seed, "nim")
-        run = run_arm(
-            arm,
-            work / arm,
-            warm,
-            config,
-            prompts=prompts,
-            eval_args=eval_args,
-            budget=ns.nim_budget,
-            episodes_per_step=sizes(arm, ns),
-            ns=ns,
-            show=show,
-            probe=nim_probe,
-        )
-        arms[arm] = arm_record(arm, run, value, ns, budget=ns.nim_budget, episodes_per_step=sizes(arm, ns)[0])
+    arms = run_arms(
+        "nim",
+        ns,
+        work,
+        run_id,
+        warm,
+        game,
+        prompts,
+        eval_args,
+        budget=ns.nim_budget,
+        show=show,
+        value=value,
+        probe=nim_probe,
+    )
     return {
         "task": f"nim, take 1 to {NIM_TAKE}, who takes the last stone wins; self-play",
         "train_piles": list(NIM_TRAIN),
@@ -1034,33 +1056,27 @@ def kuhn_unit(ns: argparse.Namespace, work: Path, base: Path) -> dict[str, Any]:
     }
     run_id = f"bench-credit-kuhn-{seed}"
     warm = warm_model(ns)
-    arms = {}
-    for arm in (a for a in ns.arms if ARMS[a] == "kuhn"):
-        rewards, extra = arm_settings(arm, ns)
-        config = job_config(work / f"{arm}.yaml", run_id, warm, {**game, **extra}, rewards, ns, seed, "kuhn")
-        run = run_arm(
-            arm,
-            work / arm,
-            warm,
-            config,
-            prompts=prompts,
-            eval_args=[],
-            budget=ns.kuhn_budget,
-            episodes_per_step=sizes(arm, ns),
-            ns=ns,
-            show=None,
-            probe=kuhn_probe,
-        )
+
+    def shown(arm: str, run: dict[str, Any]) -> None:  # no evaluation rows: the probes are the result
         if not ns.quiet:
-            before, after = run["probe_before"], run["probe_after"]
-            print(
-                f"  seed {seed} {arm:<17} exploitability {before['exploitability']:.3f} -> "
-                f"{after['exploitability']:.3f}",
-                flush=True,
-            )
-        arms[arm] = arm_record(
-            arm, run, lambda r: {}, ns, budget=ns.kuhn_budget, episodes_per_step=sizes(arm, ns)[0]
-        )
+            before, after = run["probe_before"]["exploitability"], run["probe_after"]["exploitability"]
+            print(f"  seed {seed} {arm:<17} exploitability {before:.3f} -> {after:.3f}", flush=True)
+
+    arms = run_arms(
+        "kuhn",
+        ns,
+        work,
+        run_id,
+        warm,
+        game,
+        prompts,
+        [],
+        budget=ns.kuhn_budget,
+        show=None,
+        value=lambda r: {},
+        probe=kuhn_probe,
+        done=shown,
+    )
     return {
         "task": "Kuhn poker, self-play; exploitability of the probed policy (OpenSpiel)",
         "reference": {"uniform_exploitability": uniform_exploitability()},

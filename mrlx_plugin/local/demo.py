@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from mrlx_plugin.local.procstat import memory_mib
+from mrlx_plugin.local.trainer import read_rows
 
 A, B = "proposer", "decider"
 
@@ -171,12 +172,6 @@ def peak_memory_kib(pid: int) -> int:
         return int(memory_mib(pid)[1] * 1024)
     except OSError:  # it has exited
         return 0
-
-
-def read_rows(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 # What a run leaves in --out (the models, built from --preset and --seed, come back identical).

@@ -38,7 +38,6 @@ from mrlx_plugin.local.demo import (
     peak_memory_kib,
     print_files,
     print_measures,
-    read_rows,
     refuse_previous_run,
     run_main,
     save_plot,
@@ -46,6 +45,7 @@ from mrlx_plugin.local.demo import (
     start_trainer,
     write_report,
 )
+from mrlx_plugin.local.trainer import read_rows
 
 PLANNER, SEARCHER = "planner", "searcher"
 HOOKS = "examples.research_pair.hooks"

@@ -36,13 +36,13 @@ from mrlx_plugin.local.demo import (
     peak_memory_kib,
     print_files,
     print_measures,
-    read_rows,
     refuse_previous_run,
     run_main,
     save_plot,
     start_trainer,
     write_report,
 )
+from mrlx_plugin.local.trainer import read_rows
 
 AGENT = "solver"
 SYSTEM = "tool_lookup"

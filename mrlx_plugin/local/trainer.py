@@ -253,13 +253,21 @@ def ppo_step(
 # ----------------------------------------------------------------------------------------------
 
 
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    """The rows of a JSON-lines file (a trainer's metrics.jsonl, warm-start data); none when the
+    file is not there yet."""
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
 def warm_start(
     model: Any, tokenizer: Any, path: str, steps: int, lr: float, batch: int, seed: int
 ) -> list[float]:
     """Cross-entropy on the assistant messages of `path` for `steps` steps; returns the losses."""
     import torch
 
-    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    rows = read_rows(Path(path))
     rng = random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     model.train()
@@ -616,9 +624,8 @@ def main(argv: list[str] | None = None) -> int:
                 {"step": -1, "eval/before_training": True, **evaluate(eval_sets, rollout_fn, 0)},
             )
         # Engine calls spent in training so far (a resumed run: those of the steps it keeps).
-        calls_spent = (
-            sum(r.get("engine_calls") or 0.0 for r in _rows(out / "metrics.jsonl")) if resumed_from else 0.0
-        )
+        kept = read_rows(out / "metrics.jsonl") if resumed_from else []
+        calls_spent = sum(r.get("engine_calls") or 0.0 for r in kept)
         for rollout_id in range(start, ns.num_rollout):
             t0 = time.monotonic()
             output = rollout_fn(args, rollout_id, data_source, evaluation=False)
@@ -700,12 +707,6 @@ def main(argv: list[str] | None = None) -> int:
             if eval_args is not args and cached_runtime(eval_args) is not None:
                 run_in_host_loop(cached_runtime(eval_args).aclose())
     return 0
-
-
-def _rows(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def _drop_rows_from(path: Path, step: int) -> None:
