@@ -196,3 +196,37 @@ def check_rollout_mode(args: Any, source: str, peer_agents: Sequence[str]) -> No
             "and "
             "mrlx_plugin.rollout.responder_rollout in each other agent's job"
         )
+
+
+_HOST_NAMES = {"slime": "slime", "miles": "Miles"}
+# Why a host cannot train an agent's LoRA adapter (docs/multi-model.md, "Agents as LoRA adapters").
+_NO_ADAPTER_TRAINING = {
+    "slime": "slime has no LoRA training path: its Megatron trainer updates whole models (LoRA appears only "
+    "in its Megatron-to-HF conversion)",
+    "miles": "Miles trains LoRA adapters through its own drivers only: one fixed adapter per job "
+    "(`--lora-rank`, served as `miles_lora`), or its multi-LoRA driver, which runs fully asynchronously "
+    "with no --rollout-function-path and gives each prompt group to one adapter, while an mrlx episode "
+    "returns samples of several agents; that driver is being replaced upstream by a Tinker-protocol "
+    "gateway",
+}
+
+
+def check_trained_adapters(settings: Any, trained: Sequence[str], source: str) -> None:
+    """Refuse, at start-up, an agent this job would train as a LoRA adapter on a host that cannot
+    train one. A frozen agent served as an adapter works on any host whose SGLang serves adapters
+    (the request names it); the embedded trainer (no host) trains adapters."""
+    from mrlx_plugin.core.host import HOST
+
+    why = _NO_ADAPTER_TRAINING.get(HOST or "")
+    if why is None:
+        return
+    for name in trained:
+        adapter = settings.agents[name].adapter
+        if adapter is not None:
+            raise ConfigError(
+                f"{source}: mrlx.agents.{name}.adapter: this {_HOST_NAMES[HOST]} job trains agent {name!r}, "
+                "served as "
+                f"LoRA adapter {adapter!r}, but {why}. Train {name!r} as a whole model of its own (a "
+                f"multi-model run, docs/multi-model.md), or set mrlx.agents.{name}.trainable: false to "
+                "serve the adapter frozen; the embedded trainer (`mrlx demo --adapters`) trains adapters"
+            )

@@ -30,7 +30,7 @@ from mrlx_plugin.core.host import HOST_PROCESS, HostLimits, router_url
 from mrlx_plugin.core.tokenizer import AgentTokenizer, TokenizerCache
 from mrlx_plugin.episodes import Episode, EpisodeContext, Registered, System
 from mrlx_plugin.hookspecs import hookimpl
-from mrlx_plugin.hostcheck import check_rollout_mode, check_step_split
+from mrlx_plugin.hostcheck import check_rollout_mode, check_step_split, check_trained_adapters
 from mrlx_plugin.link.client import CoordinatorClient
 from mrlx_plugin.link.job import make_client
 from mrlx_plugin.link.limits import read_model_limits
@@ -246,6 +246,7 @@ def build_runtime(args: Any, tokenizers: bool = True) -> Runtime:
         )
     runtime = Runtime(args, settings, pm, source, base, tokenizers=tokenizers, systems=systems)
     check_rollout_mode(args, source, runtime.peer_agents())
+    check_trained_adapters(settings, sorted(runtime.context.trained), source)
     check_step_split(args, runtime.samples_per_episode(), settings.system, source)
     return runtime
 
@@ -415,6 +416,7 @@ def build_responder(args: Any) -> Responder:
     _, fan_out = start_system(systems, collect_games(pm), settings, source, pm)  # the checks start-up runs
     responder = Responder.for_job(settings, source, args, fan_out)
     check_rollout_mode(args, source, _peer_agents(settings))
+    check_trained_adapters(settings, [responder.agent], source)
     per_episode = None if fan_out is None else fan_out.get(responder.agent, 0)
     check_step_split(args, per_episode, settings.system, source)
     return responder

@@ -50,3 +50,38 @@ def test_short_demo_runs_the_two_model_loop_and_resumes(tmp_path):
     assert [r["engine/weight_versions"] for r in a_rows[3:]] == [["4"], ["5"]]
     # resuming trained nothing twice: B got exactly A's two new steps of groups
     assert all(r["coordinator/groups"] == 2 for r in b_rows[3:])
+
+
+def test_short_adapter_demo_trains_each_agents_adapter_on_one_engine_and_resumes(tmp_path):
+    out = tmp_path / "adapters"
+    first = demo(out, "--adapters", "--lora-rank", "4", "--steps", "3")
+    assert first.returncode == 0, first.stderr[-4000:]
+    assert "two LoRA adapters on one base" in first.stdout
+    report = json.loads((out / "metrics.json").read_text())
+    summary = report["summary"]
+    assert summary["adapters"] is True and summary["base_warm_start"]["warm_start/steps"] == 4
+    # one engine (and one router) for both agents, serving the base and both adapters
+    engines = sorted(p.name for p in (out / "logs").glob("engine-*.log"))
+    assert engines == ["engine-proposer-decider.log"], engines
+    for name in ("proposer", "decider"):
+        rows = [r for r in report["metrics"][name] if r["step"] >= 0]
+        assert [r["step"] for r in rows] == [0, 1, 2]
+        # each trainer pushed its own adapter every step; the engine reports that adapter's version
+        assert [r["engine/weight_versions"] for r in rows] == [[str(s + 1)] for s in range(3)]
+        # the adapters start from the warm-started base: no warm-start of their own
+        assert not [r for r in report["metrics"][name] if r["step"] == -1]
+        latest = sorted((out / name / "checkpoints").iterdir())[-1]
+        files = {p.name for p in latest.iterdir()}
+        assert "adapter_model.safetensors" in files and "model.safetensors" not in files, files
+        assert f"adapter: {name}" in (out / f"{name}.yaml").read_text()
+    a_rows = [r for r in report["metrics"]["proposer"] if r["step"] >= 0]
+    assert all(r["coordinator/samples_sent"] == 4 for r in a_rows)
+
+    second = demo(out, "--adapters", "--lora-rank", "4", "--steps", "5", "--resume")
+    assert second.returncode == 0, second.stderr[-4000:]
+    report = json.loads((out / "metrics.json").read_text())
+    for name in ("proposer", "decider"):
+        rows = [r for r in report["metrics"][name] if r["step"] >= 0]
+        assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
+        assert rows[3]["resumed_from"].endswith("step_00002")
+        assert [r["engine/weight_versions"] for r in rows[3:]] == [["4"], ["5"]]

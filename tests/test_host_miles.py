@@ -337,6 +337,67 @@ def test_multi_model_refuses_fully_async(tmp_path, stub_engine, tiny_model_dir):
     assert engine_stats(stub_engine.url)["generate"] == 0
 
 
+LORA_JOBS = {
+    # a shared-model job: every url-self agent is trained here; the frozen selector is not blamed
+    "shared-model": (
+        {
+            **PIPELINE,
+            "agents": {
+                **PIPELINE["agents"],
+                "solver": {"url": "self", "adapter": "solver-lora"},
+                "selector": {"url": "http://127.0.0.1:9", "trainable": False, "adapter": "selector-lora"},
+            },
+        },
+        [],
+        ("solver", "solver-lora"),
+        "selector",
+    ),
+    # job A of a multi-model run trains mrlx.self only: b (trained by its own job) is not blamed here
+    "multi-model": (
+        {
+            "run_id": "miles-mm-lora",
+            "system": "dialogue",
+            "self": "a",
+            "agents": {
+                "a": {"url": "self", "adapter": "a-lora"},
+                "b": {"url": "http://127.0.0.1:9", "trainable": True, "adapter": "b-lora"},
+            },
+            "coordinator": {"url": "http://127.0.0.1:9"},
+            "dialogue": {"max_turns": 2},
+        },
+        ["--rollout-function-path", "mrlx_plugin.rollout.initiator_rollout"],
+        ("a", "a-lora"),
+        "b-lora",
+    ),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("job", sorted(LORA_JOBS))
+def test_training_an_agent_served_as_a_lora_adapter_is_refused_by_name(
+    tmp_path, stub_engine, tiny_model_dir, job
+):
+    """Miles trains LoRA adapters only through its own drivers (one fixed adapter per job, or its
+    multi-LoRA driver without a rollout function): a job whose trained agent (shared-model: the
+    url-self agents; multi-model: mrlx.self) is served as an adapter is refused at start-up, naming
+    the agent, its adapter and the key, before any engine call; an agent this job does not train
+    is not blamed."""
+    config, flags, (agent, adapter), innocent = LORA_JOBS[job]
+    run = run_miles(
+        tmp_path, stub_engine.url, tiny_model_dir, config, *BATCH, *flags, env={"MRLX_TOKEN": "test-token"}
+    )
+    assert run.proc.returncode != 0 and run.error is not None, run.explain()
+    assert run.error["type"] == "ConfigError", run.explain()
+    message = run.error["message"]
+    assert (
+        f": mrlx.agents.{agent}.adapter: this Miles job trains agent '{agent}', served as LoRA adapter "
+        f"'{adapter}', but Miles trains LoRA adapters through its own drivers only" in message
+    ), message
+    assert innocent not in message, message
+    assert run.steps == []
+    assert engine_stats(stub_engine.url)["generate"] == 0
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("legacy", [False, True], ids=["class-based", "legacy-v1"])
 def test_initiator_rollout_runs_miles_default_rollout_and_hands_b_its_groups(

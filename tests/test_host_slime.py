@@ -369,6 +369,59 @@ def test_top_p_training_path_is_refused_by_name(tmp_path, tiny_model_dir, stub_e
     _refused(run, stub_engine.url, "--rollout-top-p 0.9", "rollout_top_p_token_ids")
 
 
+@pytest.mark.slow
+def test_training_an_agent_served_as_a_lora_adapter_is_refused_by_name(tmp_path, tiny_model_dir, stub_engine):
+    """slime's Megatron trainer updates whole models: a shared-model job whose trained agent is
+    served as a LoRA adapter would train the base model while its rollouts sample the adapter.
+    Refused at start-up, naming the agent, its adapter and the key, before any engine call."""
+    mrlx = {
+        **PIPELINE,
+        "agents": {**PIPELINE["agents"], "rewriter": {"url": "self", "adapter": "rewriter-lora"}},
+    }
+    run = run_slime(tmp_path, tiny_model_dir, stub_engine.url, mrlx, *batch_flags(num_rollout=1))
+    _refused(
+        run,
+        stub_engine.url,
+        ": mrlx.agents.rewriter.adapter: this slime job trains agent 'rewriter', served as LoRA adapter "
+        "'rewriter-lora', but slime has no LoRA training path",
+        "trainable: false",
+    )
+    assert "mrlx.agents.solver" not in run.errors[0]["message"], run.errors[0]  # only the adapter is blamed
+
+
+@pytest.mark.slow
+def test_a_frozen_agent_served_as_a_lora_adapter_runs_a_step(tmp_path, tiny_model_dir, logs_dir):
+    """A frozen agent on another engine, served there as a LoRA adapter, is no trained adapter: the
+    job runs its step, every one of the patient's requests names its adapter and the doctor's
+    (trained, the base model of this job's engine) name none."""
+    from mrlx_plugin.local.processes import start_stub_engine
+
+    own = start_stub_engine(log_dir=logs_dir, name="slime-lora-own")
+    peer = start_stub_engine(log_dir=logs_dir, name="slime-lora-peer", extra=["--lora-names", "patient-lora"])
+    try:
+        mrlx = {
+            "run_id": "slime-lora",
+            "system": "dialogue",
+            "agents": {
+                "doctor": {"url": "self"},
+                "patient": {"url": peer.url, "trainable": False, "adapter": "patient-lora"},
+            },
+            "dialogue": {"first": "doctor", "max_turns": 2},
+        }
+        run = run_slime(tmp_path, tiny_model_dir, own.url, mrlx, *batch_flags(num_rollout=1))
+        own_stats, peer_stats = engine_stats(own.url), engine_stats(peer.url)
+    finally:
+        own.stop()
+        peer.stop()
+    assert not run.errors and run.proc.returncode == 0, run.explain()
+    (step,) = run.steps
+    assert step["num_samples"] == 4 and step["statuses"] == ["completed"] * 4, step  # the doctor's only
+    assert step["rank_sizes"] == [2, 2], step
+    # one turn each in each of the 4 dialogues
+    assert peer_stats["generate"] == 4 and peer_stats["lora_paths"] == {"patient-lora": 4}, peer_stats
+    assert own_stats["generate"] == 4 and own_stats["lora_paths"] == {"": 4}, own_stats
+
+
 def _initiator_step(tmp_path, tiny_model_dir, logs_dir, start_coordinator, run_id: str, **sections):
     """Job A of a two-model dialogue run (a, b) through slime's loop for one step: its rollout
     function is the initiator's, B's engine a stub of its own, the coordinator real. Returns

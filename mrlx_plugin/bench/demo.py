@@ -1,9 +1,10 @@
-"""`mrlx bench demo`: the default demo and its frozen-B baseline on the same seed, side by side.
+"""`mrlx bench demo`: the default demo, the same two agents as two LoRA adapters of one base
+(`--adapters`), and the two-model demo's frozen-B baseline, each on the same seed, side by side.
 
 Targets (2-core machine): the demo finishes in at most 10 minutes; agent A's mean reward rises
 from at most 0.2 at the first step to at least 0.8 by the last; the team's final reward with
 co-training ends at least 0.15 above the frozen-B baseline; peak memory (every process of the
-demo together) under 4 GiB.
+demo together) under 4 GiB. The adapter run is measured beside them, against the same goals.
 """
 
 from __future__ import annotations
@@ -14,6 +15,12 @@ from pathlib import Path
 
 from mrlx_plugin.bench.report import write_report
 
+ARMS = (
+    ("two models", "co_training", []),
+    ("two adapters", "adapters", ["--adapters"]),
+    ("frozen B", "frozen_b", ["--freeze", "B"]),
+)
+
 
 def main(argv: list[str] | None = None) -> int:
     from mrlx_plugin.local.demo import A, B, build_parser, run_demo
@@ -22,63 +29,64 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="runs/bench/demo.json")
     p.add_argument("--workdir", default="runs/bench/demo")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--arms",
+        nargs="+",
+        choices=[key for _, key, _ in ARMS],
+        default=[key for _, key, _ in ARMS],
+        help="which runs to make (default: all three)",
+    )
     ns, rest = p.parse_known_args(argv)
     runs = {}
     # A measurement starts from scratch: an earlier run in the work folder is replaced.
     fresh = [] if {"--resume", "--overwrite"} & set(rest) else ["--overwrite"]
-    for label, extra in (("co-training", fresh), ("frozen B", ["--freeze", "B", *fresh])):
+    for label, key, extra in ARMS:
+        if key not in ns.arms:
+            continue
         out = Path(ns.workdir) / label.replace(" ", "-")
         args = build_parser().parse_args(
-            ["--out", str(out), "--seed", str(ns.seed), "--quiet", *extra, *rest]
+            ["--out", str(out), "--seed", str(ns.seed), "--quiet", *extra, *fresh, *rest]
         )
         print(f"mrlx bench demo: running {label} in {out} ...", flush=True)
         runs[label] = run_demo(args)
 
-    co, frozen = runs["co-training"], runs["frozen B"]
+    def cell(run, value) -> str:
+        return "-" if run is None else value(run)
 
-    def agent(run, name, key):
-        return run["agents"][name][key]
+    def reward(name, which):
+        return lambda r: f"{r['agents'][name][which]:.3f}"
 
-    gap = (co["team_reward_last5"] or 0.0) - (frozen["team_reward_last5"] or 0.0)
     rows = [
-        ("wall time (s)", f"{co['wall_time_s']:.0f}", f"{frozen['wall_time_s']:.0f}", "<= 600"),
-        ("steps", str(co["steps"]), str(frozen["steps"]), ""),
-        (
-            f"{A} (A) reward, first step",
-            f"{agent(co, A, 'first_step_reward'):.3f}",
-            f"{agent(frozen, A, 'first_step_reward'):.3f}",
-            "<= 0.2",
-        ),
-        (
-            f"{A} (A) reward, last step",
-            f"{agent(co, A, 'last_step_reward'):.3f}",
-            f"{agent(frozen, A, 'last_step_reward'):.3f}",
-            ">= 0.8",
-        ),
-        (
-            "team's final reward, last step",
-            f"{agent(co, B, 'last_step_reward'):.3f}",
-            f"{agent(frozen, B, 'last_step_reward'):.3f}",
-            "",
-        ),
+        ("wall time (s)", lambda r: f"{r['wall_time_s']:.0f}", "<= 600"),
+        ("steps", lambda r: str(r["steps"]), ""),
+        (f"{A} (A) reward, first step", reward(A, "first_step_reward"), "<= 0.2"),
+        (f"{A} (A) reward, last step", reward(A, "last_step_reward"), ">= 0.8"),
+        ("team's final reward, first step", reward(B, "first_step_reward"), ""),
+        ("team's final reward, last step", reward(B, "last_step_reward"), ""),
         (
             "team's final reward, mean of last 5 steps",
-            f"{co['team_reward_last5']:.3f}",
-            f"{frozen['team_reward_last5']:.3f}",
-            f"co-training - frozen = {gap:+.3f} (>= +0.15)",
+            lambda r: f"{r['team_reward_last5']:.3f}",
+            "co-training - frozen B >= +0.15",
         ),
-        (
-            "peak memory, all processes (MiB)",
-            f"{co['peak_memory_mib']:.0f}",
-            f"{frozen['peak_memory_mib']:.0f}",
-            "< 4096",
-        ),
+        ("peak memory, all processes (MiB)", lambda r: f"{r['peak_memory_mib']:.0f}", "< 4096"),
     ]
+    labels = [label for label, key, _ in ARMS if key in ns.arms]
     width = max(len(r[0]) for r in rows)
-    print(f"\n  {'measure':<{width}}  {'co-training':>12}  {'frozen B':>10}  goal")
-    for name, c, f, goal in rows:
-        print(f"  {name:<{width}}  {c:>12}  {f:>10}  {goal}")
-    write_report(ns.out, {"co_training": co, "frozen_b": frozen, "team_gap_last5": gap})
+    print(f"\n  {'measure':<{width}}  " + "  ".join(f"{lab:>12}" for lab in labels) + "  goal")
+    for name, value, goal in rows:
+        print(
+            f"  {name:<{width}}  "
+            + "  ".join(f"{cell(runs[lab], value):>12}" for lab in labels)
+            + f"  {goal}"
+        )
+    report = {key: runs[label] for label, key, _ in ARMS if label in runs}
+    if "frozen B" in runs:
+        frozen = runs["frozen B"]["team_reward_last5"] or 0.0
+        for label, key in (("two models", "team_gap_last5"), ("two adapters", "adapters_team_gap_last5")):
+            if label in runs:
+                report[key] = (runs[label]["team_reward_last5"] or 0.0) - frozen
+                print(f"  {label}: team's final reward over frozen B, last 5 steps: {report[key]:+.3f}")
+    write_report(ns.out, report)
     return 0
 
 

@@ -25,6 +25,7 @@ import asyncio
 import math
 import os
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,7 @@ from mrlx_plugin.core.config import (
     public_text,
     read_text_setting,
 )
-from mrlx_plugin.core.engine_client import EngineClient, EngineError
+from mrlx_plugin.core.engine_client import EngineClient, EngineError, MalformedAnswer
 from mrlx_plugin.core.retry import Backoff, Deadline, wait_until
 from mrlx_plugin.link.client import CoordinatorClient, CoordinatorError
 from mrlx_plugin.local.settings import SECTIONS as TRAINER_SECTIONS
@@ -77,7 +78,13 @@ def load_config(path: str) -> Settings:
 
 
 async def check_engine(
-    name: str, where: str, url: str, timeout: float, report: Report, frozen: bool = False
+    name: str,
+    where: str,
+    url: str,
+    timeout: float,
+    report: Report,
+    frozen: bool = False,
+    adapter: str | None = None,
 ) -> None:
     client = EngineClient(url)
     try:
@@ -94,8 +101,40 @@ async def check_engine(
             else "start its engines/router first"
         )
         report.fail(f"{where}: agent {name!r} at {public_text(url)} is unreachable: {exc.reason}; {start}")
+        await client.close()
+        return
+    try:
+        if adapter is not None:
+            await _check_adapter(client, name, where, url, adapter, timeout, report)
     finally:
         await client.close()
+
+
+async def _check_adapter(
+    client: EngineClient, name: str, where: str, url: str, adapter: str, timeout: float, report: Report
+) -> None:
+    """One token generated through the agent's adapter, as its turns will be: an engine that does
+    not serve the adapter refuses the request (SGLang answers 400), whatever it lists."""
+    try:
+        await client.generate(
+            [0],
+            {"max_new_tokens": 1, "temperature": 0.0},
+            deadline=time.monotonic() + timeout,
+            extra={"lora_path": adapter},
+        )
+        report.ok(f"{where}: agent {name!r} at {public_text(url)} serves adapter {adapter!r}")
+    except EngineError as exc:
+        if exc.retryable or isinstance(exc, MalformedAnswer):  # no refusal: it failed or never answered
+            report.fail(
+                f"{where}: agent {name!r} at {public_text(url)}: a 1-token generate through adapter "
+                f"{adapter!r} failed: {exc.reason}"
+            )
+            return
+        report.fail(  # the engine refused the request (HTTP 4xx): it does not serve the adapter
+            f"{where}: agent {name!r} at {public_text(url)} does not serve LoRA adapter {adapter!r}: "
+            f"{exc.reason}; load it (SGLang: --lora-paths {adapter}=DIR, or POST /load_lora_adapter) or "
+            f"correct mrlx.agents.{name}.adapter"
+        )
 
 
 async def check_coordinator(path: str, settings: Settings, timeout: float, report: Report) -> None:
@@ -349,7 +388,7 @@ async def run_checks(
                 continue
             reached.add((name, url))
             frozen = not agent.trainable and agent.url != "self"
-            jobs.append(check_engine(name, path, url, timeout, report, frozen))
+            jobs.append(check_engine(name, path, url, timeout, report, frozen, agent.adapter))
         await asyncio.gather(*jobs)
         await check_coordinator(path, settings, timeout, report)
         if tokenizers:

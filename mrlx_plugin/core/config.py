@@ -250,9 +250,17 @@ class SamplingSettings(Section):
     ) = Field(None, description="token ids that end a turn")
 
 
+_ADAPTER_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
+
+
 class AgentSettings(Section):
     url: Text = Field(
         "self", description="`self` (this job's router, from `--sglang-router-ip/port`) or `http://host:port`"
+    )
+    adapter: Text | None = Field(
+        None,
+        description="the LoRA adapter the engine at `url` serves this agent with (SGLang's `lora_path`, "
+        "a name given to `--lora-paths` or `/load_lora_adapter`); none = the engine's base model",
     )
     tokenizer: Text | None = Field(
         None,
@@ -296,6 +304,17 @@ class AgentSettings(Section):
         if url != "self" and not url.startswith(("http://", "https://")):
             raise _problem(f"got {show_value(url)}; expected 'self' or an http://host:port URL")
         return url
+
+    @field_validator("adapter")
+    @classmethod
+    def _adapter_name(cls, name: str | None) -> str | None:
+        # A name, not a path: SGLang looks the request's lora_path up among the adapters it loaded.
+        if name is not None and not _ADAPTER_NAME.fullmatch(name):
+            raise _problem(
+                f"got {show_value(name)}; expected the name an engine loaded the adapter under (letters, "
+                "digits, '_', '-', '.', at most 128), not a path"
+            )
+        return name
 
     @model_validator(mode="after")
     def _defaults_from_url(self) -> AgentSettings:

@@ -498,6 +498,8 @@ class Episode:
             "agent": t.agent if t is not None else None,
             "label": t.label if t is not None else None,
             "role": t.role if t is not None else None,
+            # the LoRA adapter that produced the sample's turns (None: the engine's base model)
+            "adapter": self.settings.agents[t.agent].adapter if t is not None else None,
             "turn": turn,
             "candidate": candidate,
             "credit_group": self.credit_group(t, turn),

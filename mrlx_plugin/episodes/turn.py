@@ -136,6 +136,8 @@ async def _sample(
     peer = bool(agent.retry_on_abort)
     deadline = Deadline(e.peer_deadline_s if peer else e.request_timeout_s * (e.max_retries + 1))
     retried = False
+    # An agent served as a LoRA adapter: the engine applies the adapter this request names.
+    route = {"lora_path": agent.adapter} if agent.adapter else None
 
     async def call(attempt: int) -> GenerateResult:
         nonlocal retried
@@ -143,7 +145,7 @@ async def _sample(
             retried = True
             episode.check_alive()  # the host may have ended the rollout while this turn waited
         try:
-            result = await client.generate(transcript.tokens, params, deadline=deadline.at)
+            result = await client.generate(transcript.tokens, params, deadline=deadline.at, extra=route)
         except MalformedAnswer as exc:
             _malformed(episode, f"{exc.url}: {exc.detail}")
         except EngineError as exc:

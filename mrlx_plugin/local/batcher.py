@@ -17,6 +17,12 @@ How it works:
 - Weight updates load in the worker thread and swap in between steps: running rows finish
   first (or are aborted, with `abort_all_requests`); while generation is paused the swap
   happens at once. A directory that does not load leaves the old weights serving.
+- LoRA adapters (peft): several adapters on the one base model, each request naming its own
+  (`Job.adapter`; none is the base). A batch mixes adapters row by row (peft's `adapter_names`),
+  so one agent's requests never wait for another's. Each adapter has its own weight version; an
+  update to one (`AdapterUpdate`, swapped in like a weight update) loads the new weights under a
+  fresh internal name and retires the old, so the other adapters and the base never change, and
+  a directory that does not load leaves the old adapter serving.
 
 torch is imported by `load_torch`, not at import time, so that importing this module (and
 `engine.py`, for `router_command` or the argument parser) stays cheap.
@@ -75,6 +81,7 @@ class Job:
     generator: Any = None
     finish: dict[str, Any] | None = None
     error: str | None = None
+    adapter: str | None = None  # a loaded LoRA adapter's name; None: the base model
 
     @property
     def done(self) -> bool:
@@ -96,6 +103,27 @@ class WeightUpdate:
     weight_version: str | None
     abort_all: bool
     deliver: Callable[[dict[str, Any]], None]
+
+
+@dataclass
+class AdapterUpdate:
+    """A `/load_lora_adapter` (`path` set) or `/unload_lora_adapter` (`path` None) call handed to
+    the worker; `deliver` receives its answer."""
+
+    name: str
+    path: str | None
+    weight_version: str | None
+    upsert: bool
+    deliver: Callable[[dict[str, Any]], None]
+
+
+@dataclass
+class Adapter:
+    """A loaded adapter: where it was loaded from, its weight version, its name inside the peft model."""
+
+    path: str
+    weight_version: str
+    internal: str
 
 
 # --- KV-cache plumbing that works across transformers versions --------------------------------
@@ -189,6 +217,7 @@ class BatchWorker:
         max_batch: int,
         seed: int,
         weight_version: str = "0",
+        enable_lora: bool = False,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -214,7 +243,12 @@ class BatchWorker:
         self._running: list[Job] = []  # admitted and not finished (guarded by _cond)
         self._batch: _Batch | None = None
         self.paused: str | None = None  # None | "abort" | "in_place"
-        self._updates: collections.deque[WeightUpdate] = collections.deque()
+        self._updates: collections.deque[WeightUpdate | AdapterUpdate] = collections.deque()
+        # LoRA: the adapters by public name (read from any thread, changed by the worker only),
+        # and a counter for the internal names (a public name may hold a '.', a peft name may not).
+        self.enable_lora = enable_lora
+        self.adapters: dict[str, Adapter] = {}
+        self._loaded = 0
         self._stopping = False
         self._keep_arg = self._logits_to_keep_arg(model)
         self.steps = 0
@@ -262,11 +296,20 @@ class BatchWorker:
             self.paused = None
             self._cond.notify()
 
-    def request_weight_update(self, update: WeightUpdate) -> None:
+    def load_adapters(self, specs: list[tuple[str, str]]) -> None:
+        """Load `(name, dir)` adapters before the worker starts (`--lora-paths`); ValueError when
+        one does not load."""
+        for name, path in specs:
+            answers: list[dict[str, Any]] = []
+            self._apply_adapter_update(AdapterUpdate(name, path, None, False, answers.append))
+            if not answers[0]["success"]:
+                raise ValueError(answers[0]["error_message"])
+
+    def request_weight_update(self, update: WeightUpdate | AdapterUpdate) -> None:
         with self._cond:
             self._updates.append(update)
             self._cond.notify()
-        if update.abort_all:
+        if isinstance(update, WeightUpdate) and update.abort_all:
             self.abort(message="aborted by /update_weights_from_disk (abort_all_requests)")
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -302,9 +345,7 @@ class BatchWorker:
                         job.error = "engine worker crashed; see the engine log"
                         self._deliver(job)
                 for u in updates:
-                    u.deliver(
-                        {"success": False, "message": "engine worker crashed", "num_paused_requests": 0}
-                    )
+                    u.deliver(_failed(u, "engine worker crashed"))
                 raise
 
     def _has_work(self) -> bool:
@@ -329,7 +370,7 @@ class BatchWorker:
     def _loop(self) -> None:
         while True:
             admit: list[Job] = []
-            update: WeightUpdate | None = None
+            update: WeightUpdate | AdapterUpdate | None = None
             with self._cond:
                 while not self._has_work():
                     self._cond.wait(timeout=1.0)
@@ -350,11 +391,12 @@ class BatchWorker:
                 self._finish_abort(job)
             if stopping:
                 for u in updates:
-                    u.deliver(
-                        {"success": False, "message": "engine is shutting down", "num_paused_requests": 0}
-                    )
+                    u.deliver(_failed(u, "engine is shutting down"))
                 return
             self._drop_aborted_rows()
+            if isinstance(update, AdapterUpdate):
+                self._apply_adapter_update(update)
+                continue
             if update is not None:
                 self._apply_weight_update(update)
                 continue
@@ -366,9 +408,19 @@ class BatchWorker:
     # --- generation ------------------------------------------------------------------------
 
     def _forward(
-        self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: Any, keep_all: bool
+        self,
+        ids: torch.Tensor,
+        mask: torch.Tensor,
+        pos: torch.Tensor,
+        cache: Any,
+        keep_all: bool,
+        jobs: list[Job],
     ) -> Any:
-        kwargs = {self._keep_arg: 1} if self._keep_arg and not keep_all else {}
+        kwargs: dict[str, Any] = {self._keep_arg: 1} if self._keep_arg and not keep_all else {}
+        if self.adapters:  # each row through its own adapter, or the base (peft's "__base__")
+            kwargs["adapter_names"] = [
+                self.adapters[j.adapter].internal if j.adapter else "__base__" for j in jobs
+            ]
         return self.model(
             input_ids=ids,
             attention_mask=mask,
@@ -381,6 +433,12 @@ class BatchWorker:
     def _prefill(self, jobs: list[Job]) -> None:
         from transformers import DynamicCache
 
+        gone = [j for j in jobs if j.adapter is not None and j.adapter not in self.adapters]
+        if gone:  # validated when it arrived; unloaded while it waited
+            self._fail(gone, f"LoRA adapter {gone[0].adapter!r} was unloaded before the request ran")
+            jobs = [j for j in jobs if j not in gone]
+            if not jobs:
+                return
         width = max(len(j.prompt_ids) for j in jobs)
         ids = torch.full((len(jobs), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(jobs), width), dtype=torch.long)
@@ -393,7 +451,7 @@ class BatchWorker:
         # Every position's logits only when a job asked for prompt log-probs (rare; costly).
         keep_all = any(j.logprob_start_len >= 0 for j in jobs)
         try:
-            out = self._forward(ids, mask, (mask.cumsum(1) - 1).clamp(min=0), DynamicCache(), keep_all)
+            out = self._forward(ids, mask, (mask.cumsum(1) - 1).clamp(min=0), DynamicCache(), keep_all, jobs)
         except Exception as exc:  # this prefill's failure, not the engine's
             log.exception("prefill failed")
             self._fail(jobs, f"prefill failed: {exc}")
@@ -417,7 +475,9 @@ class BatchWorker:
         assert batch is not None
         mask = torch.cat([batch.mask, torch.ones((len(batch.jobs), 1), dtype=torch.long)], dim=1)
         try:
-            out = self._forward(batch.next_tokens[:, None], mask, batch.next_pos[:, None], batch.cache, False)
+            out = self._forward(
+                batch.next_tokens[:, None], mask, batch.next_pos[:, None], batch.cache, False, batch.jobs
+            )
         except Exception as exc:
             log.exception("decode step failed")
             self._batch = None
@@ -546,7 +606,8 @@ class BatchWorker:
                 cut = text.find(matched)
                 if cut >= 0:
                     text = text[:cut]
-        job.deliver(JobResult(job, text, self.weight_version))
+        adapter = self.adapters.get(job.adapter) if job.adapter else None
+        job.deliver(JobResult(job, text, adapter.weight_version if adapter else self.weight_version))
 
     # --- weights ---------------------------------------------------------------------------
 
@@ -584,3 +645,81 @@ class BatchWorker:
                 "message": f"loaded weights from {update.model_path}; weight_version {self.weight_version}",
             }
         )
+
+    def _apply_adapter_update(self, update: AdapterUpdate) -> None:
+        """Load, replace (upsert) or unload one adapter; the others and the base stay as they are."""
+        name, old = update.name, self.adapters.get(update.name)
+        if update.path is None:  # unload
+            if old is None:
+                update.deliver(_failed(update, f"no LoRA adapter named {name!r} is loaded"))
+                return
+            del self.adapters[name]
+            if self.adapters:
+                self.model.delete_adapter(old.internal)
+            else:  # the last one: back to the plain base model
+                self.model = self.model.unload()
+                self._keep_arg = self._logits_to_keep_arg(self.model)
+            update.deliver(self._adapter_answer(f"unloaded LoRA adapter {name!r}"))
+            return
+        if old is not None and not update.upsert:
+            update.deliver(
+                _failed(
+                    update,
+                    f"a LoRA adapter named {name!r} is already loaded (from {old.path}); unload it first, "
+                    "or send upsert: true to replace it",
+                )
+            )
+            return
+        internal = f"adapter{self._loaded}"
+        try:
+            self._load_adapter(internal, update.path)
+        except Exception as exc:  # noqa: BLE001 - whatever fails, what was loaded keeps serving
+            log.warning("LoRA adapter %r from %s did not load: %s", name, update.path, exc)
+            update.deliver(
+                _failed(
+                    update,
+                    f"could not load LoRA adapter {name!r} from {update.path}: {exc}"
+                    + ("; the old adapter keeps serving" if old is not None else ""),
+                )
+            )
+            return
+        self._loaded += 1
+        version = update.weight_version
+        if version is None:
+            version = str(int(old.weight_version) + 1) if old and old.weight_version.isdigit() else "0"
+        self.adapters[name] = Adapter(update.path, version, internal)
+        if old is not None:
+            self.model.delete_adapter(old.internal)
+        update.deliver(self._adapter_answer(f"loaded LoRA adapter {name!r}; weight_version {version}"))
+
+    def _load_adapter(self, internal: str, path: str) -> None:
+        from peft import PeftModel
+
+        if not self.adapters and not isinstance(self.model, PeftModel):
+            model = PeftModel.from_pretrained(self.model, path, adapter_name=internal, is_trainable=False)
+            model.eval()
+            self.model, self._keep_arg = model, self._logits_to_keep_arg(model)
+            return
+        try:
+            self.model.load_adapter(path, adapter_name=internal, is_trainable=False)
+        except BaseException:
+            if internal in self.model.peft_config:  # half loaded: drop what came in
+                self.model.delete_adapter(internal)
+            raise
+
+    def _adapter_answer(self, message: str) -> dict[str, Any]:
+        # SGLang's answer shape (`loaded_adapters`: name -> path), with each adapter's version.
+        return {
+            "success": True,
+            "error_message": "",
+            "message": message,
+            "loaded_adapters": {n: a.path for n, a in self.adapters.items()},
+            "weight_versions": {n: a.weight_version for n, a in self.adapters.items()},
+        }
+
+
+def _failed(update: WeightUpdate | AdapterUpdate, message: str) -> dict[str, Any]:
+    """The answer of an update that did not happen, in the shape of its endpoint's answers."""
+    if isinstance(update, AdapterUpdate):
+        return {"success": False, "error_message": message}
+    return {"success": False, "message": message, "num_paused_requests": 0}

@@ -10,6 +10,13 @@ for its own answer, B for the team's. Both models are built from a config on thi
 first taught the answer FORMAT only (a short supervised warm-start on random numbers, logged
 as such); what the right answer is they learn by RL. `--freeze B` runs the same seed with B's
 weights never updated: the baseline co-training has to beat.
+
+`--adapters` runs the same two agents as two LoRA adapters of one base model: one engine serves
+the base and both adapters, each agent's turns go through its own adapter, and each agent's
+trainer trains and pushes only its adapter, with its own optimizer. The base stands for a
+pretrained model: built from the config, it gets the format-only warm-start on both agents'
+examples (how to answer, not what), and each adapter starts as the base. Everything else (the
+coordinator, the steps, the plot and the metrics) is the two-model run's.
 """
 
 from __future__ import annotations
@@ -44,7 +51,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--max-operand", type=int, default=3, help="questions are a + b with 0 <= a, b <= this")
     p.add_argument("--preset", default="small", help="model size (mrlx_plugin.local.model presets)")
-    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument(
+        "--lr", type=float, default=None, help="learning rate (default: 2e-3; 3e-3 with --adapters)"
+    )
+    p.add_argument(
+        "--adapters",
+        action="store_true",
+        help="the two agents as two LoRA adapters of one base model on one engine (each trains its own)",
+    )
+    p.add_argument("--lora-rank", type=int, default=16, help="the adapters' rank (with --adapters)")
     p.add_argument("--warmup-steps", type=int, default=80, help="format-only supervised steps (0: none)")
     p.add_argument(
         "--freeze", choices=[A, B, "A", "B"], default=None, help="never update this agent (baseline)"
@@ -138,12 +153,19 @@ def run_main(
 
 
 def _yaml(
-    path: Path, me: str, urls: dict[str, str], models: dict[str, Path], coordinator: str, ns: Any
+    path: Path,
+    me: str,
+    urls: dict[str, str],
+    models: dict[str, Path],
+    coordinator: str,
+    ns: Any,
+    adapters: bool = False,
 ) -> Path:
     def agent(name: str) -> str:
         url = "self" if name == me else urls[name]
+        adapter = f"adapter: {name}, " if adapters else ""  # its LoRA adapter's name on the engine
         return (
-            f"    {name}: {{url: '{url}', tokenizer: '{models[name]}', trainable: true, "
+            f"    {name}: {{url: '{url}', {adapter}tokenizer: '{models[name]}', trainable: true, "
             f"sampling: {{max_new_tokens: 10, temperature: 1.0}}}}\n"
         )
 
@@ -159,11 +181,63 @@ def _yaml(
         f"{ns.seed}}}\n"
         f"  coordinator: {{url: '{coordinator}', token_env: MRLX_DEMO_TOKEN, max_staleness: 1, "
         "wait_deadline_s: 900, lease_s: 120}\n"
-        f"  trainer: {{lr: {ns.lr}, lr_warmup_steps: 10, lr_decay_style: cosine, lr_min: {ns.lr / 10}, "
+        f"  trainer: {{lr: {_lr(ns)}, lr_warmup_steps: 10, lr_decay_style: cosine, lr_min: {_lr(ns) / 10}, "
         "kl_coef: 0.1, ppo_epochs: 2, adam_eps: 1.0e-5, "
         f"warmup_sft_steps: {ns.warmup_steps}, warmup_sft_lr: 1.0e-3, micro_batch_size: 64, threads: 1}}\n"
     )
     return path
+
+
+def warm_base(path: Path, init: Path, examples: list[Path], steps: int, seed: int) -> Path:
+    """`path`: the model at `init` after `steps` format-only supervised steps on `examples` (the
+    adapters' base, as a pretrained model would be), built once. The steps run in a process of
+    their own, so the demo's own memory stays what it is without them."""
+    import multiprocessing
+
+    if (path / "config.json").is_file():
+        return path
+    ctx = multiprocessing.get_context("spawn")
+    proc = ctx.Process(
+        target=_warm_base, args=(str(path), str(init), [str(e) for e in examples], steps, seed)
+    )
+    proc.start()
+    proc.join()
+    if proc.exitcode != 0 or not (path / "config.json").is_file():
+        raise RuntimeError(
+            f"the warm-start of the adapters' base model in {path} failed (exit {proc.exitcode})"
+        )
+    return path
+
+
+def _warm_base(path: str, init: str, examples: list[str], steps: int, seed: int) -> None:
+    import torch
+
+    from mrlx_plugin.local.model import load_model, load_tokenizer
+    from mrlx_plugin.local.trainer import warm_start
+
+    torch.set_num_threads(1)
+    torch.manual_seed(seed)
+    final = Path(path)
+    merged = final.with_name(final.name + "-warmup.jsonl")
+    merged.write_text("".join(Path(e).read_text() for e in examples))
+    model, tokenizer = load_model(init), load_tokenizer(init)
+    losses = warm_start(model, tokenizer, str(merged), steps, 1e-3, 64, seed) if steps else [float("nan")]
+    tmp = final.with_name(final.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(str(tmp))
+    tokenizer.save_pretrained(str(tmp))
+    record = {
+        "warm_start/steps": steps,
+        "warm_start/loss_first": losses[0],
+        "warm_start/loss_last": losses[-1],
+    }
+    (tmp / "warm_start.json").write_text(json.dumps(record))
+    os.replace(tmp, final)  # the base is complete or absent
+
+
+def _lr(ns: Any) -> float:
+    # An adapter's few parameters take larger steps than a whole model's to move it as far.
+    return ns.lr if ns.lr is not None else 3e-3 if getattr(ns, "adapters", False) else 2e-3
 
 
 def peak_memory_kib(pid: int) -> int:
@@ -239,7 +313,7 @@ def example_env(root: Path, **extra: str) -> dict[str, str]:
 def run_demo(ns: argparse.Namespace) -> dict[str, Any]:
     from mrlx_plugin.core.config import ConfigError
     from mrlx_plugin.core.processes import stop_all
-    from mrlx_plugin.local.model import ensure_model
+    from mrlx_plugin.local.model import ensure_adapter, ensure_model
     from mrlx_plugin.local.tasks import addition_prompts, format_examples
 
     freeze = {"A": A, "B": B}.get(ns.freeze, ns.freeze)
@@ -251,14 +325,6 @@ def run_demo(ns: argparse.Namespace) -> dict[str, Any]:
     token = secrets.token_urlsafe(24)
     env = dict(os.environ, MRLX_DEMO_TOKEN=token)
 
-    # The two models, each built from a config on this machine (never downloaded).
-    try:
-        models = {
-            A: ensure_model(out / "models" / A, preset=ns.preset, seed=ns.seed),
-            B: ensure_model(out / "models" / B, preset=ns.preset, seed=ns.seed + 1),
-        }
-    except (ValueError, FileExistsError) as exc:  # a model of other settings is there already
-        raise ConfigError(f"--out {out}: {exc} (--preset and --seed must match the run there)") from None
     prompts = addition_prompts(256, seed=ns.seed, max_operand=ns.max_operand)
     prompt_file = out / "prompts.jsonl"
     prompt_file.write_text("".join(json.dumps({"prompt": p, "label": lab}) + "\n" for p, lab in prompts))
@@ -266,6 +332,35 @@ def run_demo(ns: argparse.Namespace) -> dict[str, Any]:
         A: format_examples(out / f"warmup_{A}.jsonl", prompts, 2000, seed=ns.seed),
         B: format_examples(out / f"warmup_{B}.jsonl", prompts, 2000, seed=ns.seed + 1, context=True),
     }
+    # The two models, each built from a config on this machine (never downloaded); with
+    # --adapters, one base model and an adapter per agent on it (each starts as the base).
+    adapters: dict[str, Path] = {}
+    try:
+        if ns.adapters:
+            init = ensure_model(out / "models" / "base-init", preset=ns.preset, seed=ns.seed)
+            base = warm_base(
+                out / "models" / "base", init, [warmup[A], warmup[B]], 2 * ns.warmup_steps, ns.seed
+            )
+            models = {A: base, B: base}
+            adapters = {
+                name: ensure_adapter(
+                    out / "models" / f"adapter-{name}",
+                    base,
+                    rank=ns.lora_rank,
+                    alpha=2 * ns.lora_rank,
+                    seed=k,
+                )
+                for k, name in enumerate((A, B), start=ns.seed)
+            }
+        else:
+            models = {
+                A: ensure_model(out / "models" / A, preset=ns.preset, seed=ns.seed),
+                B: ensure_model(out / "models" / B, preset=ns.preset, seed=ns.seed + 1),
+            }
+    except (ValueError, FileExistsError) as exc:  # a model of other settings is there already
+        raise ConfigError(
+            f"--out {out}: {exc} (--preset, --seed and --lora-rank must match the run there)"
+        ) from None
 
     procs: list[Any] = []
     jobs: dict[str, subprocess.Popen] = {}
@@ -277,12 +372,21 @@ def run_demo(ns: argparse.Namespace) -> dict[str, Any]:
             stop_all([p.proc for p in procs], timeout=10)
 
         stack.callback(stop_everything)
-        served = {name: (_latest(out / name) if ns.resume else None) or models[name] for name in (A, B)}
+        start = adapters or models
+        served = {name: (_latest(out / name) if ns.resume else None) or start[name] for name in (A, B)}
         coordinator, engines, urls, use_router = start_services(
-            out, "demo", served, procs, token=token, seed=ns.seed, router=not ns.no_router
+            out,
+            "demo",
+            served,
+            procs,
+            token=token,
+            seed=ns.seed,
+            router=not ns.no_router,
+            base=models[A] if adapters else None,
         )
         configs = {
-            name: _yaml(out / f"{name}.yaml", name, urls, models, coordinator.url, ns) for name in (A, B)
+            name: _yaml(out / f"{name}.yaml", name, urls, models, coordinator.url, ns, bool(adapters))
+            for name in (A, B)
         }
         for name, rollout_fn in (
             (B, "mrlx_plugin.rollout.responder_rollout"),
@@ -303,6 +407,9 @@ def run_demo(ns: argparse.Namespace) -> dict[str, Any]:
                 str(warmup[name]),
             ]
             extra += (["--freeze"] if freeze == name else []) + (["--resume"] if ns.resume else [])
+            if adapters:  # the base had the warm-start: the adapters start from it
+                at = extra.index("--warmup-data")
+                extra = [*extra[:at], *extra[at + 2 :], "--adapter", str(adapters[name])]
             jobs[name] = start_trainer(
                 out,
                 name,
@@ -331,11 +438,14 @@ def start_services(
     token: str,
     seed: int,
     router: bool = True,
+    base: Path | None = None,
 ) -> tuple[Any, dict[str, str], dict[str, str], bool]:
     """The coordinator of the agents of `models`, and one engine per agent serving its model, behind
-    its own sglang-router when that is installed and `router` is set. Each process is appended to
-    `procs` as soon as it runs, so the caller stops it whatever fails next. Returns the coordinator,
-    the engines' URLs, the URLs the agents are reached at, and whether routers are in front."""
+    its own sglang-router when that is installed and `router` is set; with `base`, `models` are
+    LoRA adapters of `base`, and one engine (and router) serves them all, each under its agent's
+    name. Each process is appended to `procs` as soon as it runs, so the caller stops it whatever
+    fails next. Returns the coordinator, the engines' URLs, the URLs the agents are reached at, and
+    whether routers are in front."""
     from mrlx_plugin.local.processes import router_available, start_coordinator, start_engine, start_router
 
     coordinator = start_coordinator(
@@ -349,20 +459,26 @@ def start_services(
     procs.append(coordinator)
     engines, urls = {}, {}
     use_router = router_available() and router
-    for name, model in models.items():
+    served = {name: (model, []) for name, model in models.items()}
+    if base is not None:  # one engine: the base, and every agent's adapter under the agent's name
+        lora = ["--lora-paths", *(f"{name}={path}" for name, path in models.items())]
+        served = {"-".join(models): (base, lora)}
+    for label, (model, lora) in served.items():
         engine = start_engine(
             model,
             log_dir=out / "logs",
-            name=f"engine-{name}",
+            name=f"engine-{label}",
             threads=1,
-            extra=["--seed", str(seed), "--max-batch", "256"],
+            extra=["--seed", str(seed), "--max-batch", "256", *lora],
         )
         procs.append(engine)
-        engines[name] = urls[name] = engine.url
+        url = engine.url
         if use_router:
-            front = start_router([engine.url], log_dir=out / "logs", name=f"router-{name}")
+            front = start_router([engine.url], log_dir=out / "logs", name=f"router-{label}")
             procs.append(front)
-            urls[name] = front.url
+            url = front.url
+        for name in models if base is not None else [label]:
+            engines[name], urls[name] = engine.url, url
     return coordinator, engines, urls, use_router
 
 
@@ -473,6 +589,7 @@ def _report(
         "wall_time_s": wall,
         "peak_memory_mib": peak_mib,
         "frozen": freeze,
+        "adapters": bool(getattr(ns, "adapters", False)),
         "router": router,
         "steps": len(a_rows),
         "seed": ns.seed,
@@ -492,13 +609,15 @@ def _report(
             "warm_start_steps": warm[0]["warm_start/steps"] if warm else 0,
             "checkpoints": str(out / name / "checkpoints"),
         }
+    base_warm = out / "models" / "base" / "warm_start.json"  # --adapters: the base's warm-start
+    summary["base_warm_start"] = json.loads(base_warm.read_text()) if summary["adapters"] else None
     team = [r.get("multi_agent/team_reward") for r in a_rows if r.get("multi_agent/team_reward") is not None]
     summary["team_reward_last5"] = sum(team[-5:]) / len(team[-5:]) if team else None
-    summary["plot"] = str(_plot(out, a_rows, freeze))
+    summary["plot"] = str(_plot(out, a_rows, freeze, summary["adapters"]))
     return write_report(out, summary, rows)
 
 
-def _plot(out: Path, a_rows: list[dict[str, Any]], freeze: str | None) -> Path:
+def _plot(out: Path, a_rows: list[dict[str, Any]], freeze: str | None, adapters: bool = False) -> Path:
     def draw(ax: Any) -> None:
         steps = [r["step"] for r in a_rows]
         for key, label in (
@@ -510,7 +629,8 @@ def _plot(out: Path, a_rows: list[dict[str, Any]], freeze: str | None) -> Path:
     return save_plot(
         out,
         draw,
-        title="mrlx demo: two models co-training" + (f" ({freeze} frozen)" if freeze else ""),
+        title=f"mrlx demo: two {'LoRA adapters of one model' if adapters else 'models'} co-training"
+        + (f" ({freeze} frozen)" if freeze else ""),
         xlabel="training step",
         ylabel="mean reward (fraction right)",
         ylim=(-0.02, 1.02),
@@ -521,7 +641,8 @@ def _plot(out: Path, a_rows: list[dict[str, Any]], freeze: str | None) -> Path:
 def print_summary(s: dict[str, Any]) -> None:
     print(
         f"\nmrlx demo finished in {s['wall_time_s']:.0f} s ({s['steps']} steps; peak memory "
-        f"{s['peak_memory_mib']:.0f} MiB{'; frozen: ' + s['frozen'] if s['frozen'] else ''})"
+        f"{s['peak_memory_mib']:.0f} MiB{'; frozen: ' + s['frozen'] if s['frozen'] else ''}"
+        f"{'; two LoRA adapters on one base' if s.get('adapters') else ''})"
     )
     print(
         f"  {'agent':<10} {'rewarded for':<20} {'first step':>10} {'last step':>10} {'steps':>6} "
@@ -532,6 +653,11 @@ def print_summary(s: dict[str, Any]) -> None:
             f"  {name:<10} {a['reward']:<20} {fmt(a['first_step_reward']):>10} "
             f"{fmt(a['last_step_reward']):>10} "
             f"{a['steps_trained']:>6} {a['samples_trained']:>8}  {a['warm_start_steps']} format-only steps"
+        )
+    if s.get("base_warm_start"):
+        print(
+            f"  the adapters' base: {s['base_warm_start']['warm_start/steps']} format-only steps on both "
+            "agents' examples; each adapter starts as the base"
         )
     print_files(s, [a["checkpoints"] for a in s["agents"].values()])
 

@@ -2,7 +2,8 @@
 
 It stands in for an SGLang engine where there is no GPU (CI, a laptop), so the plugin's rollout
 code runs unchanged end to end: token-in/token-out `/generate` with log-probs and weight
-versions, aborts, pause/continue, and weight reloads from disk. The real `sglang-router` can sit
+versions, aborts, pause/continue, weight reloads from disk, and LoRA adapters (`--lora-paths`,
+`/load_lora_adapter`, `/unload_lora_adapter`, `lora_path` per request). The real `sglang-router` can sit
 in front of it (`router_command` gives a command line that works; `--router-url` registers).
 
 This module is the HTTP side: the request models (pydantic; SGLang's field names, defaults and
@@ -32,14 +33,16 @@ from aiohttp import web
 
 from mrlx_plugin.core.netutil import free_port, public_bind_refusal, write_port_file
 from mrlx_plugin.core.retry import Backoff, Deadline, retry
-from mrlx_plugin.local.batcher import BatchWorker, Job, JobResult, WeightUpdate, load_torch
+from mrlx_plugin.local.batcher import AdapterUpdate, BatchWorker, Job, JobResult, WeightUpdate, load_torch
 from mrlx_plugin.local.requests import (
     DEFAULT_MAX_NEW_TOKENS,
     AbortRequest,
     GenerateRequest,
+    LoadLoraAdapterRequest,
     PauseRequest,
     RequestError,
     SamplingParams,
+    UnloadLoraAdapterRequest,
     UpdateWeightsRequest,
     split_generate_body,
     validate,
@@ -190,6 +193,8 @@ class EngineServer:
         r.add_post("/pause_generation", self.pause_generation)
         r.add_post("/continue_generation", self.continue_generation)
         r.add_post("/update_weights_from_disk", self.update_weights_from_disk)
+        r.add_post("/load_lora_adapter", self.load_lora_adapter)
+        r.add_post("/unload_lora_adapter", self.unload_lora_adapter)
         return app
 
     # --- /generate -------------------------------------------------------------------------
@@ -216,6 +221,8 @@ class EngineServer:
                 else renamed.get("text", "text")
             )
             prompt = req.input_ids if req.input_ids is not None else next(encoded)
+            if req.lora_path is not None:
+                self._check_adapter(req.lora_path, renamed.get("lora_path", "lora_path"))
             if len(prompt) >= w.max_positions:
                 raise RequestError(
                     where,
@@ -241,10 +248,27 @@ class EngineServer:
                     req.return_logprob,
                     start,
                     deliver,
+                    adapter=req.lora_path,
                 )
             )
             futures.append(fut)
         return jobs, futures, batched
+
+    def _check_adapter(self, name: str, where: str) -> None:
+        w = self.worker
+        if not w.enable_lora:
+            raise RequestError(
+                where,
+                f"asks for LoRA adapter {name!r}, but this engine serves none; start it with --lora-paths "
+                "NAME=DIR (or --enable-lora, then POST /load_lora_adapter)",
+            )
+        if name not in w.adapters:
+            loaded = ", ".join(sorted(w.adapters)) or "none"
+            raise RequestError(
+                where,
+                f"no LoRA adapter named {name!r} is loaded (loaded: {loaded}); load it with POST "
+                "/load_lora_adapter or --lora-paths, or send the name of a loaded one",
+            )
 
     @staticmethod
     def _result_json(result: JobResult) -> dict[str, Any]:
@@ -345,6 +369,11 @@ class EngineServer:
                 "host": self.host,
                 "port": self.port,
                 "weight_version": w.weight_version,
+                "enable_lora": w.enable_lora,
+                "lora_adapters": {
+                    n: {"lora_path": a.path, "weight_version": a.weight_version}
+                    for n, a in w.adapters.items()
+                },
                 "max_running_requests": w.max_batch,
                 "context_length": w.max_positions,
                 "vocab_size": w.vocab_size,
@@ -409,6 +438,14 @@ class EngineServer:
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
         try:
             req = validate(UpdateWeightsRequest, await _read_json(request))
+            if self.worker.enable_lora:
+                # The adapters were trained against these base weights; a new base would silently
+                # change what every adapter means.
+                raise RequestError(
+                    "model_path",
+                    "this engine serves LoRA adapters on a fixed base model; update an adapter with POST "
+                    "/load_lora_adapter (upsert: true) instead; the old weights keep serving",
+                )
             if not (Path(req.model_path) / "config.json").is_file():
                 raise RequestError(
                     "model_path",
@@ -425,6 +462,46 @@ class EngineServer:
                     req.model_path,
                     req.weight_version,
                     req.abort_all_requests,
+                    lambda r: loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(r)),
+                )
+            )
+            result = await fut
+        return _json(result, 200 if result["success"] else 400)
+
+    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+        try:
+            req = validate(LoadLoraAdapterRequest, await _read_json(request))
+            if not self.worker.enable_lora:
+                raise RequestError(
+                    "lora_name", "this engine was started without --enable-lora (or --lora-paths)"
+                )
+            if not (Path(req.lora_path) / "adapter_config.json").is_file():
+                raise RequestError(
+                    "lora_path", f"{req.lora_path!r} is not a LoRA adapter directory (no adapter_config.json)"
+                )
+        except RequestError as exc:
+            return _json({"success": False, "error_message": exc.message}, 400)
+        return await self._adapter_update(req.lora_name, req.lora_path, req.weight_version, req.upsert)
+
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        try:
+            req = validate(UnloadLoraAdapterRequest, await _read_json(request))
+        except RequestError as exc:
+            return _json({"success": False, "error_message": exc.message}, 400)
+        return await self._adapter_update(req.lora_name, None, None, False)
+
+    async def _adapter_update(
+        self, name: str, path: str | None, version: str | None, upsert: bool
+    ) -> web.Response:
+        loop = asyncio.get_running_loop()
+        async with self._update_lock:
+            fut: asyncio.Future = loop.create_future()
+            self.worker.request_weight_update(
+                AdapterUpdate(
+                    name,
+                    path,
+                    version,
+                    upsert,
                     lambda r: loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(r)),
                 )
             )
@@ -543,6 +620,16 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
         "--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)"
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampling generator (default: 0)")
+    parser.add_argument(
+        "--enable-lora", action="store_true", help="serve LoRA adapters (implied by --lora-paths), as SGLang"
+    )
+    parser.add_argument(
+        "--lora-paths",
+        nargs="+",
+        default=[],
+        metavar="NAME=DIR",
+        help="LoRA adapters (peft directories) to serve from the start, each under its name (SGLang's flag)",
+    )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return parser
 
@@ -573,6 +660,16 @@ async def _serve(args: argparse.Namespace) -> int:
             args.model,
         )
         return 2
+    adapters = []
+    for spec in args.lora_paths:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not (Path(path) / "adapter_config.json").is_file():
+            log.error(
+                "--lora-paths %s: expected NAME=DIR, DIR a LoRA adapter directory (with adapter_config.json)",
+                spec,
+            )
+            return 2
+        adapters.append((name, path))
     torch = load_torch()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -585,8 +682,18 @@ async def _serve(args: argparse.Namespace) -> int:
         log.error("cannot load the model and its tokenizer from %s: %s", args.model, exc)
         return 2
     worker = BatchWorker(
-        model, tokenizer, model_path=str(args.model), max_batch=args.max_batch, seed=args.seed
+        model,
+        tokenizer,
+        model_path=str(args.model),
+        max_batch=args.max_batch,
+        seed=args.seed,
+        enable_lora=args.enable_lora or bool(adapters),
     )
+    try:
+        await loop.run_in_executor(None, worker.load_adapters, adapters)
+    except Exception as exc:  # noqa: BLE001 - reported as one line and exit code 2
+        log.error("--lora-paths: %s", exc)
+        return 2
     worker.start()
     # A router must reach the engine at an address it can dial, never at a wildcard.
     advertise = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host

@@ -10,6 +10,8 @@ they must never download one. This module builds such a directory from nothing:
 - a small Llama-architecture causal LM whose weights are initialised from a seed.
 
 `ensure_model` builds a directory once and is safe when several processes race for it.
+`ensure_adapter` builds, the same way, a LoRA adapter (peft's directory layout) for such a model:
+several agents can then be several adapters on one base model, served by one engine.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import re
 import shutil
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -77,11 +80,27 @@ PRESETS: dict[str, dict[str, int]] = {
     },
 }
 
-# Written beside the weights; records how the directory was built so `ensure_model` can tell a
-# finished build from a stranger's directory or a build with other settings.
+# Written beside the weights; records how the directory was built so `ensure_model` (and
+# `ensure_adapter`) can tell a finished build from a stranger's directory or a build with other
+# settings.
 BUILD_INFO_FILE = "mrlx_model.json"
+ADAPTER_INFO_FILE = "mrlx_adapter.json"
 _BUILD_LOCK = threading.Lock()
 _BUILD_FORMAT = 1
+
+# Every linear layer of a Llama block; not lm_head or the embeddings, so an adapter file stays
+# small and the engine's vocabulary is the base model's whatever adapter a request names.
+LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# What the shapes of an adapter's matrices follow from: an adapter fits any base that agrees on these.
+_ADAPTER_BASE_KEYS = (
+    "model_type",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+)
 
 _WORDS = (  # noqa: SIM905 - a word list reads best as text
     "the a an and or but if then so of to in on at for with from by is are was be it this that "
@@ -273,8 +292,42 @@ def build_model(
     return out
 
 
-def _is_built(path: Path) -> bool:
-    return (path / BUILD_INFO_FILE).is_file() and (path / "config.json").is_file()
+def _build_once(
+    out: Path, record: str, marker: str, wanted: dict[str, Any], build: Callable[[Path], Any], what: str
+) -> Path:
+    """Build into `out` once: `build(tmp)` fills a private temporary directory beside `out` (and
+    writes `record` there), which is then renamed into place; a loser of a race discards its copy.
+    A finished directory whose `record` is not `wanted` is an error."""
+
+    def built(path: Path) -> bool:
+        return (path / record).is_file() and (path / marker).is_file()
+
+    if not built(out):
+        if out.exists() and (not out.is_dir() or any(out.iterdir())):
+            raise FileExistsError(
+                f"{out} exists but holds no {what} built by mrlx_plugin ({record} missing); "
+                "remove it or choose another directory"
+            )
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.building-", dir=out.parent))
+        try:
+            build(tmp)
+            try:
+                # rename() replaces an empty directory atomically and fails on a non-empty one,
+                # which is exactly the "someone else finished first" case.
+                os.rename(tmp, out)
+            except OSError:
+                if not built(out):
+                    raise
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+    have = json.loads((out / record).read_text())
+    if have != wanted:
+        raise ValueError(
+            f"{out} holds {what} built with {have}, not {wanted}; remove it or choose another directory"
+        )
+    return out
 
 
 def ensure_model(
@@ -287,35 +340,99 @@ def ensure_model(
     discards its copy. A finished directory built with other settings is an error (rather than
     silently serving a different model than asked for).
     """
-    out = Path(out_dir)
     size = int(vocab_size if vocab_size is not None else PRESETS.get(preset, {}).get("vocab_size", 512))
     wanted = {"format": _BUILD_FORMAT, "preset": preset, "seed": seed, "vocab_size": size}
-    if not _is_built(out):
-        if out.exists() and (not out.is_dir() or any(out.iterdir())):
-            raise FileExistsError(
-                f"{out} exists but holds no model built by mrlx_plugin ({BUILD_INFO_FILE} missing); "
-                "remove it or choose another directory"
-            )
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.building-", dir=out.parent))
-        try:
-            build_model(tmp, preset=preset, seed=seed, vocab_size=size)
-            try:
-                # rename() replaces an empty directory atomically and fails on a non-empty one,
-                # which is exactly the "someone else finished first" case.
-                os.rename(tmp, out)
-            except OSError:
-                if not _is_built(out):
-                    raise
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
-    have = json.loads((out / BUILD_INFO_FILE).read_text())
-    if have != wanted:
-        raise ValueError(
-            f"{out} holds a model built with {have}, not {wanted}; remove it or choose another directory"
-        )
-    return out
+    return _build_once(
+        Path(out_dir),
+        BUILD_INFO_FILE,
+        "config.json",
+        wanted,
+        lambda tmp: build_model(tmp, preset=preset, seed=seed, vocab_size=size),
+        "a model",
+    )
+
+
+def _peft() -> Any:
+    try:
+        import peft
+    except ImportError as exc:
+        raise ImportError(
+            f"LoRA adapters need peft ({exc}); install it with: pip install 'mrlx-plugin[local]'"
+        ) from exc
+    return peft
+
+
+def is_adapter_dir(path: str | os.PathLike[str]) -> bool:
+    """Whether `path` holds a peft adapter (adapter_config.json) rather than a whole model."""
+    return (Path(path) / "adapter_config.json").is_file()
+
+
+def _adapter_settings(base_dir: Path, rank: int, alpha: float, seed: int) -> dict[str, Any]:
+    config = json.loads((base_dir / "config.json").read_text())
+    return {
+        "format": _BUILD_FORMAT,
+        "rank": rank,
+        "alpha": alpha,
+        "seed": seed,
+        "target_modules": list(LORA_TARGET_MODULES),
+        "base": {key: config.get(key) for key in _ADAPTER_BASE_KEYS},
+    }
+
+
+def _build_adapter(out: Path, base_dir: Path, info: dict[str, Any]) -> None:
+    import torch
+
+    peft = _peft()
+    config = peft.LoraConfig(
+        r=info["rank"],
+        lora_alpha=info["alpha"],
+        lora_dropout=0.0,
+        target_modules=list(LORA_TARGET_MODULES),
+        task_type="CAUSAL_LM",
+        init_lora_weights=True,  # B = 0: the adapter starts as the base model exactly
+    )
+    base = load_model(base_dir)
+    # A's initialisation draws from torch's global generator: seeded inside a saved-and-restored
+    # state, one build at a time per process, as in build_model.
+    with _BUILD_LOCK, torch.random.fork_rng(devices=[]):
+        torch.manual_seed(info["seed"])
+        model = peft.get_peft_model(base, config)  # adapter "default": its files sit at the top of `out`
+    model.save_pretrained(str(out))
+    (out / ADAPTER_INFO_FILE).write_text(json.dumps(info, indent=1) + "\n")
+
+
+def ensure_adapter(
+    path: str | os.PathLike[str],
+    base_dir: str | os.PathLike[str],
+    *,
+    rank: int = 16,
+    alpha: float = 32,
+    seed: int = 0,
+) -> Path:
+    """Return `path`, building a fresh LoRA adapter for the model at `base_dir` there first if it
+    is not there yet: peft's adapter_config.json and adapter_model.safetensors, on every linear
+    layer of the blocks, no dropout, B = 0 (so base + adapter computes what the base does) and A
+    drawn from `seed`.
+
+    Idempotent and safe when several processes call it at once, as `ensure_model`; a directory
+    built with other settings (rank, alpha, seed, or a base of other shapes) is a ValueError.
+    """
+    if not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"rank must be an integer >= 1, got {rank!r}")
+    if not alpha > 0:
+        raise ValueError(f"alpha must be > 0, got {alpha!r}")
+    base = Path(base_dir)
+    if not (base / "config.json").is_file():
+        raise FileNotFoundError(f"{base} holds no model (config.json missing)")
+    info = _adapter_settings(base, rank, alpha, seed)
+    return _build_once(
+        Path(path),
+        ADAPTER_INFO_FILE,
+        "adapter_config.json",
+        info,
+        lambda tmp: _build_adapter(tmp, base, info),
+        "an adapter",
+    )
 
 
 def _quiet() -> None:
@@ -349,3 +466,24 @@ def load_tokenizer(model_dir: str | os.PathLike[str]) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+
+
+def load_policy(
+    model_dir: str | os.PathLike[str],
+    adapter_dir: str | os.PathLike[str] | None = None,
+    *,
+    trainable: bool = False,
+) -> Any:
+    """The model at `model_dir` (as `load_model`), with the LoRA adapter at `adapter_dir` on it
+    when given: a peft model whose only trainable parameters, with `trainable`, are the adapter's
+    (the base stays frozen); without `trainable` nothing trains."""
+    model = load_model(model_dir)
+    if adapter_dir is None:
+        return model
+    if not is_adapter_dir(adapter_dir):
+        # peft would take a missing local directory for a hub id and try to download it.
+        raise FileNotFoundError(f"{adapter_dir} holds no LoRA adapter (adapter_config.json missing)")
+    peft = _peft()
+    model = peft.PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=trainable)
+    model.eval()
+    return model

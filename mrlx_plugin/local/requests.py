@@ -140,7 +140,8 @@ class GenerateRequest(_Request):
     video_data: _neutral(lambda v: not v) = None
     audio_data: _neutral(lambda v: not v) = None
     input_embeds: _neutral(lambda v: False) = None
-    lora_path: _neutral(lambda v: False) = None
+    # The name of a loaded LoRA adapter (`--lora-paths NAME=DIR`, `/load_lora_adapter`); none: the base.
+    lora_path: Annotated[str, Field(min_length=1)] | None = None
     return_hidden_states: _neutral(lambda v: not v) = False
     return_routed_experts: _neutral(lambda v: not v) = False
     custom_logit_processor: _neutral(lambda v: False) = None
@@ -165,8 +166,32 @@ class UpdateWeightsRequest(_Request):
     load_format: Literal["auto"] | None = None
 
 
+class LoadLoraAdapterRequest(_Request):
+    """SGLang's `/load_lora_adapter`. `upsert` replaces an adapter already loaded under the name (as
+    SGLang's tensor loads do), and `weight_version` is the version its answers report: the embedded
+    trainer pushes one agent's adapter that way without touching the others'."""
+
+    lora_name: str = Field(min_length=1, max_length=128)
+    lora_path: str = Field(min_length=1)
+    pinned: bool = False  # accepted: every adapter stays loaded here
+    upsert: bool = False
+    weight_version: Annotated[str | None, BeforeValidator(lambda v: str(v) if type(v) is int else v)] = None
+
+
+class UnloadLoraAdapterRequest(_Request):
+    lora_name: str = Field(min_length=1, max_length=128)
+
+
 # Keys of a batched /generate body that may hold one value per prompt.
-_PER_PROMPT = ("input_ids", "text", "sampling_params", "rid", "return_logprob", "logprob_start_len")
+_PER_PROMPT = (
+    "input_ids",
+    "text",
+    "sampling_params",
+    "rid",
+    "return_logprob",
+    "logprob_start_len",
+    "lora_path",
+)
 
 
 def _field(loc: Sequence[Any], renamed: dict[str, str]) -> str:

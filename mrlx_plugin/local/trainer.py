@@ -10,6 +10,7 @@ plugin's functions the way slime calls them:
         log_rollout(rollout_id, args, samples, metrics, secs)     # --custom-rollout-log-function-path
         ppo_step(samples, advantages)                             # the trainer's own work
         save a checkpoint; push it to the engine                  # /update_weights_from_disk
+                                                                  # (--adapter: /load_lora_adapter)
         (the next rollout reports the new version to the coordinator)
         every --eval-interval steps: rollout_fn(..., evaluation=True) on held-out prompts
         --engine-call-budget spent (episodes x engine calls, summed): evaluate, stop
@@ -18,6 +19,10 @@ The loss is slime's shape: PPO-clip per token with separate low/high clip ranges
 taken against the rollout log-probs (`--use-rollout-logprobs`), log-probs computed at the
 rollout temperature, an optional low-variance KL to the initial model, and a per-token mean
 over every trainable token of the step. Settings come from `mrlx.trainer` in the same YAML.
+
+With `--adapter DIR` the policy is a LoRA adapter on the base `--model` (one agent of several
+served as adapters of one base model by one engine): only the adapter's parameters train, and
+checkpoints and pushes hold only the adapter, loaded under the agent's `adapter` name.
 
     python -m mrlx_plugin.local.trainer --config job.yaml --model DIR --engine-url URL \
         --rollout-function mrlx_plugin.rollout.initiator_rollout --out runs/demo/doctor ...
@@ -55,6 +60,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--config", required=True, help="the job's YAML (mrlx: ..., with mrlx.trainer)")
     p.add_argument("--model", required=True, help="the agent's initial model directory")
+    p.add_argument(
+        "--adapter",
+        default=None,
+        metavar="DIR",
+        help="train a LoRA adapter on --model (the base), starting from this peft directory; the engine "
+        "serves it under the trained agent's `adapter` setting",
+    )
     p.add_argument(
         "--engine-url", action="append", default=[], help="this agent's engine(s), for weight pushes"
     )
@@ -191,6 +203,11 @@ def ppo_loss(
     return (per_token * mask).sum() / total_tokens, info
 
 
+def trainable_parameters(model: Any) -> list[Any]:
+    """The parameters that train: all of a whole model's, only the adapter's of a LoRA policy."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
 def learning_rate(cfg: Any, step: int, total: int) -> float:
     """slime's schedule: linear warm-up over `lr_warmup_steps`, then constant or cosine to `lr_min`."""
     if step < cfg.lr_warmup_steps:
@@ -232,7 +249,7 @@ def ppo_step(
             clipped += info["clipped_tokens"]
             kl_sum += info["kl_sum"]
             drift += info["drift_sum"]
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(trainable_parameters(model), cfg.max_grad_norm))
         optimizer.step()
         # train/logprob_drift: mean |trainer log-prob - rollout log-prob| of the step's first pass;
         # near 0 when the engine and the trainer agree on the weights and the sampling temperature.
@@ -269,7 +286,7 @@ def warm_start(
 
     rows = read_rows(Path(path))
     rng = random.Random(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    opt = torch.optim.AdamW(trainable_parameters(model), lr=lr)
     model.train()
     losses = []
     for _ in range(steps):
@@ -290,7 +307,7 @@ def warm_start(
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     model.eval()
     return losses
 
@@ -303,7 +320,8 @@ def warm_start(
 def save_checkpoint(
     out: Path, step: int, model: Any, tokenizer: Any, optimizer: Any, data_source: Any, keep: int
 ) -> Path:
-    """out/checkpoints/step_{step:05d}: the weights (from_pretrained layout) and the trainer state."""
+    """out/checkpoints/step_{step:05d}: the weights (from_pretrained layout; of a LoRA policy, only
+    the adapter, in peft's layout), the tokenizer and the trainer state."""
     import torch
 
     final = out / "checkpoints" / f"step_{step:05d}"
@@ -327,13 +345,20 @@ def save_checkpoint(
     return final
 
 
-def engine_version(url: str) -> str | None:
-    """The weight version an engine reports now (after a push: proof that it took the weights)."""
+def engine_version(url: str, adapter: str | None = None) -> str | None:
+    """The weight version an engine reports now (after a push: proof that it took the weights);
+    with `adapter`, the version of that adapter (from /server_info's `lora_adapters`). None when
+    the engine is unreachable or does not report it."""
+    route = "/server_info" if adapter else "/get_weight_version"
     try:
-        with urllib.request.urlopen(url.rstrip("/") + "/get_weight_version", timeout=10) as resp:
-            return json.loads(resp.read()).get("weight_version")
+        with urllib.request.urlopen(url.rstrip("/") + route, timeout=10) as resp:
+            answer = json.loads(resp.read())
     except (urllib.error.URLError, ConnectionError, TimeoutError, ValueError):
         return None
+    if adapter:
+        entry = (answer.get("lora_adapters") or {}).get(adapter)
+        return entry.get("weight_version") if isinstance(entry, dict) else None
+    return answer.get("weight_version")
 
 
 def latest_checkpoint(out: Path) -> Path | None:
@@ -341,39 +366,57 @@ def latest_checkpoint(out: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def push_weights(engines: list[str], path: Path, version: int, deadline_s: float = 300.0) -> None:
-    """Load `path` into every engine of this agent and set its weight version (SGLang's call).
+def push_weights(
+    engines: list[str], path: Path, version: int, adapter: str | None = None, deadline_s: float = 300.0
+) -> None:
+    """Load `path` into every engine of this agent and set its weight version (SGLang's
+    /update_weights_from_disk); with `adapter`, `path` is a LoRA adapter, loaded (or replaced)
+    under that name with SGLang's /load_lora_adapter, the base model and other adapters untouched.
 
     An engine that is down (restarting) is retried with backoff until `deadline_s`; one that
     refuses the weights is an error. Runs on the host's event loop, as the rollouts do.
     """
     from mrlx_plugin.core.host import run_in_host_loop
 
-    run_in_host_loop(_push_weights(engines, path, version, deadline_s))
+    run_in_host_loop(_push_weights(engines, path, version, adapter, deadline_s))
 
 
-async def _push_weights(engines: list[str], path: Path, version: int, deadline_s: float) -> None:
+def _engine_message(raw: bytes) -> str:
+    """An engine's reason for a refusal: SGLang's `message` (weights) or `error_message` (adapters)."""
+    try:
+        answer = json.loads(raw)
+    except ValueError:
+        return repr(raw[:200])
+    if isinstance(answer, dict) and (answer.get("error_message") or answer.get("message")):
+        return str(answer.get("error_message") or answer.get("message"))
+    return repr(raw[:200])
+
+
+async def _push_weights(
+    engines: list[str], path: Path, version: int, adapter: str | None, deadline_s: float
+) -> None:
     import asyncio
 
     import aiohttp
 
     from mrlx_plugin.core.retry import Backoff, Deadline, RetriesExhausted, retry
 
-    body = {"model_path": str(path), "weight_version": str(version)}
+    if adapter is None:
+        route, what = "/update_weights_from_disk", f"the weights at {path}"
+        body: dict[str, Any] = {"model_path": str(path), "weight_version": str(version)}
+    else:
+        route, what = "/load_lora_adapter", f"adapter {adapter!r} at {path}"
+        body = {"lora_name": adapter, "lora_path": str(path), "upsert": True, "weight_version": str(version)}
     async with aiohttp.ClientSession() as session:
         for url in engines:
             deadline = Deadline(deadline_s)
 
             async def attempt(_: int, url: str = url, deadline: Deadline = deadline) -> dict[str, Any]:
                 timeout = aiohttp.ClientTimeout(total=max(1.0, deadline.remaining()))
-                async with session.post(
-                    url.rstrip("/") + "/update_weights_from_disk", json=body, timeout=timeout
-                ) as resp:
+                async with session.post(url.rstrip("/") + route, json=body, timeout=timeout) as resp:
                     raw = await resp.read()
                 if resp.status != 200:
-                    raise RuntimeError(
-                        f"{url} refused the weights at {path}: HTTP {resp.status} {raw[:200]!r}"
-                    )
+                    raise RuntimeError(f"{url} refused {what}: HTTP {resp.status} {_engine_message(raw)}")
                 return json.loads(raw or b"{}")
 
             def on_retry(n: int, exc: BaseException, wait: float, url: str = url) -> None:
@@ -389,10 +432,39 @@ async def _push_weights(engines: list[str], path: Path, version: int, deadline_s
                 )
             except RetriesExhausted as exc:
                 raise RuntimeError(
-                    f"{url} did not take the weights at {path} within {deadline_s:.0f}s: {exc.last}"
+                    f"{url} did not take {what} within {deadline_s:.0f}s: {exc.last}"
                 ) from None
             if not answer.get("success", True):
-                raise RuntimeError(f"{url} refused the weights at {path}: {answer.get('message')}")
+                reason = answer.get("error_message") or answer.get("message")
+                raise RuntimeError(f"{url} refused {what}: {reason}")
+
+
+def trained_adapter(settings: Any, adapter_dir: str | None) -> str | None:
+    """The name the engine serves the trained agent's LoRA adapter under (its `adapter` setting),
+    or None when the trainer trains a whole model. `adapter_dir` is --adapter; the two must come
+    together, or a push would load weights the agent's requests never name (ConfigError)."""
+    from mrlx_plugin.core.config import ConfigError
+
+    agent = settings.self_agent
+    if agent is None:
+        if adapter_dir is not None:
+            raise ConfigError(
+                f"--adapter {adapter_dir}: the job names no agent it trains (mrlx.self), so it trains the "
+                "engine's whole model; set mrlx.self to the agent this adapter serves"
+            )
+        return None
+    name = getattr(settings.agents.get(agent), "adapter", None)
+    if adapter_dir is not None and name is None:
+        raise ConfigError(
+            f"--adapter {adapter_dir}: the trained agent {agent!r} has no adapter; set "
+            f"mrlx.agents.{agent}.adapter to the name its engine serves the adapter under"
+        )
+    if name is not None and adapter_dir is None:
+        raise ConfigError(
+            f"mrlx.agents.{agent}.adapter is {name!r}: pass --adapter DIR, the adapter's initial weights "
+            "(a peft directory for the base --model)"
+        )
+    return name
 
 
 # ----------------------------------------------------------------------------------------------
@@ -517,7 +589,7 @@ def main(argv: list[str] | None = None) -> int:
     from mrlx_plugin.core.host import load_function, run_in_host_loop
     from mrlx_plugin.core.metrics import log_rollout
     from mrlx_plugin.local.fake_host import LocalDataSource, host_args, read_prompts
-    from mrlx_plugin.local.model import load_model, load_tokenizer
+    from mrlx_plugin.local.model import is_adapter_dir, load_policy, load_tokenizer
     from mrlx_plugin.local.settings import trainer_settings
     from mrlx_plugin.local.tasks import task_prompts
     from mrlx_plugin.rewards.shaping import normalize
@@ -538,14 +610,27 @@ def main(argv: list[str] | None = None) -> int:
     # responder's rollout reads these to know which steps a resumed job would not train again).
     args.save, args.save_interval, args.async_save = str(out / "checkpoints"), 1, False
     args.num_rollout = ns.num_rollout
+    checkpoint = latest_checkpoint(out) if ns.resume else None
     try:
-        cfg = trainer_settings(
-            runtime_for(
-                args,
-                tokenizers=ns.rollout_function.endswith("initiator_rollout")
-                or ns.rollout_function.endswith("default_rollout"),
-            ).settings
-        )
+        settings = runtime_for(
+            args,
+            tokenizers=ns.rollout_function.endswith("initiator_rollout")
+            or ns.rollout_function.endswith("default_rollout"),
+        ).settings
+        cfg = trainer_settings(settings)
+        adapter = trained_adapter(settings, ns.adapter)
+        if adapter is not None and not is_adapter_dir(ns.adapter):
+            raise ConfigError(f"--adapter {ns.adapter}: no LoRA adapter there (adapter_config.json missing)")
+        if checkpoint is not None and is_adapter_dir(checkpoint) != (adapter is not None):
+            held, trains = (
+                ("a LoRA adapter", "a whole model")
+                if adapter is None
+                else ("a whole model", f"adapter {adapter!r}")
+            )
+            raise ConfigError(
+                f"--resume: {checkpoint} holds {held} but this run trains {trains}; resume with the "
+                "--adapter and config it was saved under"
+            )
     except ConfigError as exc:
         print(f"trainer: {exc}", file=sys.stderr)
         return 2
@@ -559,13 +644,23 @@ def main(argv: list[str] | None = None) -> int:
     rollout_fn = load_function(ns.rollout_function)
     responder = ns.rollout_function.endswith("responder_rollout")
 
-    # The model, its frozen reference (for the KL term) and the optimizer.
+    # The model (a LoRA policy: the base with this agent's adapter, only the adapter trainable), its
+    # frozen reference (for the KL term) and the optimizer.
     start, resumed_from = 0, None
-    checkpoint = latest_checkpoint(out) if ns.resume else None
-    model = load_model(checkpoint or ns.model)
+    if adapter is None:
+        model = load_policy(checkpoint or ns.model)
+    else:
+        model = load_policy(ns.model, checkpoint or ns.adapter, trainable=True)
     tokenizer = load_tokenizer(checkpoint or ns.model)
+    params = trainable_parameters(model)
+    log.info(
+        "training %s: %d of %d parameters",
+        f"adapter {adapter!r} on {ns.model}" if adapter else f"the whole model {checkpoint or ns.model}",
+        sum(p.numel() for p in params),
+        sum(p.numel() for p in model.parameters()),
+    )
     optimizer = torch.optim.AdamW(
-        model.parameters(),
+        params,
         lr=cfg.lr,
         weight_decay=cfg.weight_decay,
         betas=(cfg.adam_beta1, cfg.adam_beta2),
@@ -582,7 +677,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in ("samples.jsonl", "metrics.jsonl"):  # rows of steps the checkpoint does not hold
             _drop_rows_from(out / name, start)
         log.info("resumed from %s: continuing at step %d", checkpoint, start)
-        push_weights(ns.engine_url, checkpoint, version=start)
+        push_weights(ns.engine_url, checkpoint, version=start, adapter=adapter)
     elif ns.warmup_data and cfg.warmup_sft_steps:  # a frozen agent is warm-started too: it is the baseline
         losses = warm_start(
             model,
@@ -610,11 +705,16 @@ def main(argv: list[str] | None = None) -> int:
         )
         model.save_pretrained(str(out / "warm_start"))
         tokenizer.save_pretrained(str(out / "warm_start"))
-        push_weights(ns.engine_url, out / "warm_start", version=0)
+        push_weights(ns.engine_url, out / "warm_start", version=0, adapter=adapter)
 
-    # The KL reference is the policy RL starts from: the initial model after any warm-start.
-    start_model = out / "warm_start" if (out / "warm_start" / "config.json").exists() else Path(ns.model)
-    ref = load_model(start_model) if cfg.kl_coef else None
+    # The KL reference is the policy RL starts from: the initial model (or adapter) after any
+    # warm-start, a frozen copy of its own.
+    warm = out / "warm_start"
+    if adapter is None:
+        ref_dirs = (warm if (warm / "config.json").exists() else Path(ns.model), None)
+    else:
+        ref_dirs = (Path(ns.model), warm if is_adapter_dir(warm) else Path(ns.adapter))
+    ref = load_policy(*ref_dirs) if cfg.kl_coef else None
     eval_sets: list[tuple[str, Any, Any]] = []
     try:
         eval_sets = evaluation_sets(ns, args)
@@ -655,7 +755,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             if responder:  # trained and saved (the checkpoint holds the step): never trained again
                 ack_trained_groups(args, rollout_id)
-            push_weights(ns.engine_url, checkpoint, version=rollout_id + 1)
+            push_weights(ns.engine_url, checkpoint, version=rollout_id + 1, adapter=adapter)
             calls = step_engine_calls(metrics)
             calls_spent += calls
             spent = ns.engine_call_budget is not None and calls_spent >= ns.engine_call_budget
@@ -670,7 +770,7 @@ def main(argv: list[str] | None = None) -> int:
                 "rollout_s": rollout_s,
                 "train_s": time.monotonic() - t1,
                 "raw_reward_mean": sum(raw) / max(1, len(raw)),
-                "engine/weight_versions": [engine_version(url) for url in ns.engine_url],
+                "engine/weight_versions": [engine_version(url, adapter) for url in ns.engine_url],
                 **metrics,
                 **train,
             }
