@@ -211,14 +211,15 @@ _NO_ADAPTER_TRAINING = {
 }
 
 
-def check_trained_adapters(settings: Any, trained: Sequence[str], source: str) -> None:
+def check_trained_adapters(args: Any, settings: Any, trained: Sequence[str], source: str) -> None:
     """Refuse, at start-up, an agent this job would train as a LoRA adapter on a host that cannot
     train one. A frozen agent served as an adapter works on any host whose SGLang serves adapters
-    (the request names it); the embedded trainer (no host) trains adapters."""
+    (the request names it); the embedded trainer trains adapters (it marks its args
+    `mrlx_trains_adapters`, also where slime happens to be importable)."""
     from mrlx_plugin.core.host import HOST
 
     why = _NO_ADAPTER_TRAINING.get(HOST or "")
-    if why is None:
+    if why is None or getattr(args, "mrlx_trains_adapters", False):
         return
     for name in trained:
         adapter = settings.agents[name].adapter
@@ -227,6 +228,11 @@ def check_trained_adapters(settings: Any, trained: Sequence[str], source: str) -
                 f"{source}: mrlx.agents.{name}.adapter: this {_HOST_NAMES[HOST]} job trains agent {name!r}, "
                 "served as "
                 f"LoRA adapter {adapter!r}, but {why}. Train {name!r} as a whole model of its own (a "
-                f"multi-model run, docs/multi-model.md), or set mrlx.agents.{name}.trainable: false to "
-                "serve the adapter frozen; the embedded trainer (`mrlx demo --adapters`) trains adapters"
+                f"multi-model run, docs/multi-model.md), or serve the adapter frozen ("
+                + (
+                    f"no job with mrlx.self: {name}, and trainable: false in every config"
+                    if name == settings.self_agent
+                    else f"mrlx.agents.{name}.trainable: false"
+                )
+                + "); the embedded trainer (`mrlx demo --adapters`) trains adapters"
             )

@@ -246,7 +246,7 @@ def build_runtime(args: Any, tokenizers: bool = True) -> Runtime:
         )
     runtime = Runtime(args, settings, pm, source, base, tokenizers=tokenizers, systems=systems)
     check_rollout_mode(args, source, runtime.peer_agents())
-    check_trained_adapters(settings, sorted(runtime.context.trained), source)
+    check_trained_adapters(args, settings, sorted(runtime.context.trained), source)
     check_step_split(args, runtime.samples_per_episode(), settings.system, source)
     return runtime
 
@@ -416,7 +416,7 @@ def build_responder(args: Any) -> Responder:
     _, fan_out = start_system(systems, collect_games(pm), settings, source, pm)  # the checks start-up runs
     responder = Responder.for_job(settings, source, args, fan_out)
     check_rollout_mode(args, source, _peer_agents(settings))
-    check_trained_adapters(settings, [responder.agent], source)
+    check_trained_adapters(args, settings, [responder.agent], source)
     per_episode = None if fan_out is None else fan_out.get(responder.agent, 0)
     check_step_split(args, per_episode, settings.system, source)
     return responder

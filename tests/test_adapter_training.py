@@ -24,7 +24,7 @@ import yaml  # noqa: E402
 from aiohttp import web  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
-from mrlx_plugin.core.config import AgentSettings, ConfigError  # noqa: E402
+from mrlx_plugin.core.config import ConfigError  # noqa: E402
 from mrlx_plugin.local.model import (  # noqa: E402
     LORA_TARGET_MODULES,
     ensure_adapter,
@@ -232,15 +232,15 @@ def test_a_whole_model_needs_no_adapter_and_refuses_one():
         trained_adapter(_settings(None, None), "runs/doctor-lora")
 
 
-@pytest.mark.skipif(
-    "adapter" not in AgentSettings.model_fields, reason="AgentSettings has no `adapter` setting yet"
-)
 def test_an_agent_served_as_an_adapter_needs_its_initial_adapter():
     assert trained_adapter(_settings("doctor", "doctor-lora"), "runs/doctor-lora") == "doctor-lora"
     with pytest.raises(ConfigError, match="--adapter DIR"):
         trained_adapter(_settings("doctor", "doctor-lora"), None)
     # Another agent's adapter is not the trained agent's.
     assert trained_adapter(_settings("patient", "doctor-lora"), None) is None
+    # A job that trains the engine's whole model cannot train an agent served as an adapter on it.
+    with pytest.raises(ConfigError, match="mrlx.agents.doctor.adapter: this job trains the engine's whole"):
+        trained_adapter(_settings(None, "doctor-lora"), None)
 
 
 def test_the_trainer_refuses_an_adapter_the_trained_agent_is_not_served_with(base, tmp_path):
@@ -358,3 +358,38 @@ def test_an_adapter_push_loads_it_by_name_and_reports_a_refusal(tmp_path):
         assert engine_version(eng.url, "doctor-lora") == "4"  # the refused push changed nothing
         url = eng.url
     assert engine_version(url, "doctor-lora") is None  # unreachable
+
+
+# --- the host refusal, and who is exempt -------------------------------------------------------
+
+
+@pytest.mark.parametrize("host", ["slime", "miles"])
+def test_a_host_that_cannot_train_adapters_refuses_the_trained_one_only(host, monkeypatch):
+    from mrlx_plugin.core import host as host_module
+    from mrlx_plugin.hostcheck import check_trained_adapters
+
+    monkeypatch.setattr(host_module, "HOST", host)
+    job = _settings("doctor", "doctor-lora")
+    with pytest.raises(ConfigError) as refused:
+        check_trained_adapters(SimpleNamespace(), job, ["doctor"], "job.yaml")
+    message = str(refused.value)
+    assert message.startswith("job.yaml: mrlx.agents.doctor.adapter: this ")
+    assert ("slime has no LoRA training path" if host == "slime" else "Miles trains LoRA adapters") in message
+    # the job's own agent: freezing it means no job of its own
+    assert "no job with mrlx.self: doctor" in message
+    # an agent another job trains, or none: nothing to refuse here
+    check_trained_adapters(SimpleNamespace(), job, ["patient"], "job.yaml")
+    # the embedded trainer trains adapters even where slime or Miles can be imported
+    check_trained_adapters(SimpleNamespace(mrlx_trains_adapters=True), job, ["doctor"], "job.yaml")
+    monkeypatch.setattr(host_module, "HOST", None)
+    check_trained_adapters(SimpleNamespace(), job, ["doctor"], "job.yaml")
+
+
+def test_the_demo_resumes_a_run_only_as_it_was_started(base, tmp_path):
+    from mrlx_plugin.local.demo import build_parser, run_demo
+
+    checkpoint = tmp_path / "run" / "proposer" / "checkpoints" / "step_00002"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "adapter_config.json").write_text("{}")
+    with pytest.raises(ConfigError, match="holds a LoRA adapter; resume the run with --adapters"):
+        run_demo(build_parser().parse_args(["--out", str(tmp_path / "run"), "--resume", "--quiet"]))

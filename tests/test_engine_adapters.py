@@ -8,11 +8,13 @@ request routed to the wrong one).
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from test_local_engine import call, generate, out_ids, out_logprobs
+from test_local_engine import call, generate, out_ids, out_logprobs, wait_running
 
+from mrlx_plugin.local.model import ensure_model
 from mrlx_plugin.local.processes import router_available, start_engine, start_router
 
 PROMPT = [1, 74, 75, 20, 21, 9]
@@ -198,3 +200,63 @@ def test_the_router_passes_lora_path_through(lora_engine, logs_dir):
         assert status == 400
     finally:
         router.stop()
+
+
+def test_an_update_while_paused_in_place_aborts_only_that_adapters_rows(lora_engine, adapters):
+    """Paused in place, rows stay in the batch across an update (as in SGLang): a row of the adapter
+    replaced cannot go on with other weights than it started with, so it ends (abort); a row of
+    another adapter resumes untouched."""
+    long = {"max_new_tokens": 400, "temperature": 0.0, "ignore_eos": True}
+    with ThreadPoolExecutor(2) as pool:
+        alpha = pool.submit(through, lora_engine, "alpha", **long)
+        beta = pool.submit(through, lora_engine, "beta", **long)
+        wait_running(lora_engine, 2)
+        assert call(lora_engine + "/pause_generation", {"mode": "in_place"})[0] == 200
+        status, out = call(
+            lora_engine + "/load_lora_adapter",
+            {"lora_name": "alpha", "lora_path": str(adapters["alpha"]), "upsert": True},
+        )
+        assert status == 200, out
+        assert call(lora_engine + "/continue_generation", {})[0] == 200
+        stopped, kept = alpha.result(timeout=120), beta.result(timeout=120)
+    assert stopped["meta_info"]["finish_reason"]["type"] == "abort"
+    assert "'alpha' was updated" in stopped["meta_info"]["finish_reason"]["message"]
+    assert kept["meta_info"]["finish_reason"] == {"type": "length", "length": 400}
+
+
+def test_adapters_the_engine_cannot_serve_are_refused_and_leave_the_base_as_it_was(
+    tiny_model_dir, adapters, logs_dir, tmp_path
+):
+    proc = start_engine(
+        tiny_model_dir, log_dir=logs_dir, name="engine-lora-empty", threads=1, extra=["--enable-lora"]
+    )
+    try:
+        base = out_logprobs(generate(proc.url, PROMPT, **GREEDY))
+        # DoRA rows cannot share a batch with other rows: refused by name
+        dora = tmp_path / "dora"
+        dora.mkdir()
+        config = (
+            (adapters["alpha"] / "adapter_config.json")
+            .read_text()
+            .replace('"use_dora": false', '"use_dora": true')
+        )
+        assert '"use_dora": true' in config
+        (dora / "adapter_config.json").write_text(config)
+        status, out = call(proc.url + "/load_lora_adapter", {"lora_name": "d", "lora_path": str(dora)})
+        assert status == 400 and "DoRA" in out["error_message"]
+        # An adapter made for a base of other shapes fails half way through its first load; the
+        # base must not keep the layers it got before the failure.
+        other_base = ensure_model(tmp_path / "small", preset="small", seed=0)
+        misfit = random_adapter(other_base, tmp_path / "misfit", 4)
+        status, out = call(proc.url + "/load_lora_adapter", {"lora_name": "m", "lora_path": str(misfit)})
+        assert status == 400 and "could not load" in out["error_message"], out
+        assert out_logprobs(generate(proc.url, PROMPT, **GREEDY)) == base
+        # and an adapter that fits loads after it
+        status, out = call(
+            proc.url + "/load_lora_adapter", {"lora_name": "a", "lora_path": str(adapters["alpha"])}
+        )
+        assert status == 200 and out["loaded_adapters"] == {"a": str(adapters["alpha"])}, out
+        assert out_logprobs(through(proc.url, None)) == base
+        assert out_logprobs(through(proc.url, "a")) != base
+    finally:
+        proc.stop()

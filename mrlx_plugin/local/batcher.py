@@ -19,10 +19,11 @@ How it works:
   happens at once. A directory that does not load leaves the old weights serving.
 - LoRA adapters (peft): several adapters on the one base model, each request naming its own
   (`Job.adapter`; none is the base). A batch mixes adapters row by row (peft's `adapter_names`),
-  so one agent's requests never wait for another's. Each adapter has its own weight version; an
-  update to one (`AdapterUpdate`, swapped in like a weight update) loads the new weights under a
-  fresh internal name and retires the old, so the other adapters and the base never change, and
-  a directory that does not load leaves the old adapter serving.
+  so the agents' requests share batches. Each adapter has its own weight version; an update to
+  one (`AdapterUpdate`) is swapped in like a weight update (running rows finish first, new ones
+  wait), loads the new weights under a fresh internal name and retires the old, so the other
+  adapters and the base never change, and a directory that does not load leaves the old adapter
+  serving.
 
 torch is imported by `load_torch`, not at import time, so that importing this module (and
 `engine.py`, for `router_command` or the argument parser) stays cheap.
@@ -257,8 +258,10 @@ class BatchWorker:
 
     @staticmethod
     def _logits_to_keep_arg(model: Any) -> str | None:
-        # Asking for the last position's logits only saves a (rows x prompt x vocab) tensor.
-        params = inspect.signature(model.forward).parameters
+        # Asking for the last position's logits only saves a (rows x prompt x vocab) tensor. A peft
+        # model's forward takes **kwargs and hands them to the base model's: ask the base.
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        params = inspect.signature(base.forward).parameters
         return next((n for n in ("logits_to_keep", "num_logits_to_keep") if n in params), None)
 
     # --- called from any thread ----------------------------------------------------------------
@@ -300,6 +303,8 @@ class BatchWorker:
         """Load `(name, dir)` adapters before the worker starts (`--lora-paths`); ValueError when
         one does not load."""
         for name, path in specs:
+            if name in self.adapters:
+                raise ValueError(f"{name}={path}: the name {name!r} is given twice")
             answers: list[dict[str, Any]] = []
             self._apply_adapter_update(AdapterUpdate(name, path, None, False, answers.append))
             if not answers[0]["success"]:
@@ -649,6 +654,8 @@ class BatchWorker:
     def _apply_adapter_update(self, update: AdapterUpdate) -> None:
         """Load, replace (upsert) or unload one adapter; the others and the base stay as they are."""
         name, old = update.name, self.adapters.get(update.name)
+        if old is not None and (update.path is None or update.upsert):
+            self._abort_rows_of(name)
         if update.path is None:  # unload
             if old is None:
                 update.deliver(_failed(update, f"no LoRA adapter named {name!r} is loaded"))
@@ -674,6 +681,7 @@ class BatchWorker:
         try:
             self._load_adapter(internal, update.path)
         except Exception as exc:  # noqa: BLE001 - whatever fails, what was loaded keeps serving
+            self._loaded += 1  # never reuse a name a failed load may have left behind
             log.warning("LoRA adapter %r from %s did not load: %s", name, update.path, exc)
             update.deliver(
                 _failed(
@@ -696,7 +704,16 @@ class BatchWorker:
         from peft import PeftModel
 
         if not self.adapters and not isinstance(self.model, PeftModel):
-            model = PeftModel.from_pretrained(self.model, path, adapter_name=internal, is_trainable=False)
+            try:
+                model = PeftModel.from_pretrained(self.model, path, adapter_name=internal, is_trainable=False)
+            except BaseException:
+                # peft puts the adapter's layers into the base before it loads their weights:
+                # a load that fails half way leaves them there. The base is reloaded clean.
+                from mrlx_plugin.local.model import load_model
+
+                self.model = load_model(self.model_path)
+                self.model.eval()
+                raise
             model.eval()
             self.model, self._keep_arg = model, self._logits_to_keep_arg(model)
             return
@@ -706,6 +723,17 @@ class BatchWorker:
             if internal in self.model.peft_config:  # half loaded: drop what came in
                 self.model.delete_adapter(internal)
             raise
+
+    def _abort_rows_of(self, name: str) -> None:
+        """Abort the rows generating through adapter `name` (there are some only while generation
+        is paused in place: an update otherwise waits for every row to finish): the rest of a
+        row must come from the weights its start came from, or its log-probs mix two policies."""
+        batch = self._batch
+        if batch is not None and any(j.adapter == name for j in batch.jobs):
+            for job in batch.jobs:
+                if job.adapter == name:
+                    job.abort_message = job.abort_message or f"LoRA adapter {name!r} was updated or unloaded"
+            self._drop_aborted_rows()
 
     def _adapter_answer(self, message: str) -> dict[str, Any]:
         # SGLang's answer shape (`loaded_adapters`: name -> path), with each adapter's version.

@@ -194,7 +194,12 @@ def warm_base(path: Path, init: Path, examples: list[Path], steps: int, seed: in
     their own, so the demo's own memory stays what it is without them."""
     import multiprocessing
 
-    if (path / "config.json").is_file():
+    record = path / "warm_start.json"
+    wanted = {"init": str(init), "examples": [str(e) for e in examples], "steps": steps, "seed": seed}
+    if (path / "config.json").is_file() and record.is_file():
+        have = {k: json.loads(record.read_text()).get(k) for k in wanted}
+        if have != wanted:
+            raise ValueError(f"{path} is a base warm-started with {have}, not {wanted}")
         return path
     ctx = multiprocessing.get_context("spawn")
     proc = ctx.Process(
@@ -227,6 +232,10 @@ def _warm_base(path: str, init: str, examples: list[str], steps: int, seed: int)
     model.save_pretrained(str(tmp))
     tokenizer.save_pretrained(str(tmp))
     record = {
+        "init": init,
+        "examples": examples,
+        "steps": steps,
+        "seed": seed,
         "warm_start/steps": steps,
         "warm_start/loss_first": losses[0],
         "warm_start/loss_last": losses[-1],
@@ -319,6 +328,16 @@ def run_demo(ns: argparse.Namespace) -> dict[str, Any]:
     freeze = {"A": A, "B": B}.get(ns.freeze, ns.freeze)
     out = Path(ns.out)
     refuse_previous_run(out, ns)
+    if ns.resume:  # the checkpoints in --out are whole models or adapters: resume them as they are
+        from mrlx_plugin.local.model import is_adapter_dir
+
+        held = [c for c in (_latest(out / A), _latest(out / B)) if c is not None]
+        if held and is_adapter_dir(held[0]) != ns.adapters:
+            kind = "a LoRA adapter" if is_adapter_dir(held[0]) else "a whole model"
+            how = "with" if is_adapter_dir(held[0]) else "without"
+            raise ConfigError(
+                f"--resume: {held[0]} holds {kind}; resume the run {how} --adapters, as it started"
+            )
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()

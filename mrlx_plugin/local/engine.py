@@ -263,7 +263,7 @@ class EngineServer:
                 "NAME=DIR (or --enable-lora, then POST /load_lora_adapter)",
             )
         if name not in w.adapters:
-            loaded = ", ".join(sorted(w.adapters)) or "none"
+            loaded = ", ".join(sorted(dict(w.adapters))) or "none"
             raise RequestError(
                 where,
                 f"no LoRA adapter named {name!r} is loaded (loaded: {loaded}); load it with POST "
@@ -370,9 +370,9 @@ class EngineServer:
                 "port": self.port,
                 "weight_version": w.weight_version,
                 "enable_lora": w.enable_lora,
-                "lora_adapters": {
+                "lora_adapters": {  # a copy first: the worker may change the dict meanwhile
                     n: {"lora_path": a.path, "weight_version": a.weight_version}
-                    for n, a in w.adapters.items()
+                    for n, a in dict(w.adapters).items()
                 },
                 "max_running_requests": w.max_batch,
                 "context_length": w.max_positions,
@@ -475,10 +475,14 @@ class EngineServer:
                 raise RequestError(
                     "lora_name", "this engine was started without --enable-lora (or --lora-paths)"
                 )
-            if not (Path(req.lora_path) / "adapter_config.json").is_file():
+            config = Path(req.lora_path) / "adapter_config.json"
+            if not config.is_file():
                 raise RequestError(
                     "lora_path", f"{req.lora_path!r} is not a LoRA adapter directory (no adapter_config.json)"
                 )
+            refusal = adapter_refusal(config)
+            if refusal:
+                raise RequestError("lora_path", refusal)
         except RequestError as exc:
             return _json({"success": False, "error_message": exc.message}, 400)
         return await self._adapter_update(req.lora_name, req.lora_path, req.weight_version, req.upsert)
@@ -507,6 +511,22 @@ class EngineServer:
             )
             result = await fut
         return _json(result, 200 if result["success"] else 400)
+
+
+def adapter_refusal(config: Path) -> str | None:
+    """Why this engine cannot serve the adapter whose adapter_config.json is `config`, or None."""
+    try:
+        settings = orjson.loads(config.read_bytes())
+    except (OSError, orjson.JSONDecodeError) as exc:
+        return f"{config} is not readable JSON ({exc})"
+    if not isinstance(settings, dict):
+        return f"{config} is not a JSON object"
+    if settings.get("peft_type", "LORA") != "LORA":
+        return f"{config} is a {settings.get('peft_type')} adapter; this engine serves LoRA adapters"
+    if settings.get("use_dora"):
+        # peft cannot mix a DoRA adapter's rows with other rows in one batch
+        return f"{config} is a DoRA adapter (use_dora); this engine serves plain LoRA adapters"
+    return None
 
 
 # --------------------------------------------------------------------------------------------
@@ -668,6 +688,10 @@ async def _serve(args: argparse.Namespace) -> int:
                 "--lora-paths %s: expected NAME=DIR, DIR a LoRA adapter directory (with adapter_config.json)",
                 spec,
             )
+            return 2
+        refusal = adapter_refusal(Path(path) / "adapter_config.json")
+        if refusal:
+            log.error("--lora-paths %s: %s", spec, refusal)
             return 2
         adapters.append((name, path))
     torch = load_torch()

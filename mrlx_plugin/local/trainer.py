@@ -447,6 +447,19 @@ def trained_adapter(settings: Any, adapter_dir: str | None) -> str | None:
 
     agent = settings.self_agent
     if agent is None:
+        served = [
+            (n, a.adapter)
+            for n, a in settings.agents.items()
+            if a.trainable and a.url == "self" and a.adapter
+        ]
+        if served:
+            name, lora = served[0]
+            raise ConfigError(
+                f"mrlx.agents.{name}.adapter: this job trains the engine's whole model (it names no "
+                f"mrlx.self), but {name!r} is served as LoRA adapter {lora!r}; train each adapter in a job "
+                f"of its own (mrlx.self: the agent, --adapter DIR), or set mrlx.agents.{name}.trainable: "
+                "false"
+            )
         if adapter_dir is not None:
             raise ConfigError(
                 f"--adapter {adapter_dir}: the job names no agent it trains (mrlx.self), so it trains the "
@@ -610,6 +623,7 @@ def main(argv: list[str] | None = None) -> int:
     # responder's rollout reads these to know which steps a resumed job would not train again).
     args.save, args.save_interval, args.async_save = str(out / "checkpoints"), 1, False
     args.num_rollout = ns.num_rollout
+    args.mrlx_trains_adapters = True  # this trainer trains LoRA adapters (hostcheck.check_trained_adapters)
     checkpoint = latest_checkpoint(out) if ns.resume else None
     try:
         settings = runtime_for(
