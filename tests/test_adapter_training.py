@@ -23,6 +23,7 @@ peft = pytest.importorskip("peft")
 import yaml  # noqa: E402
 from aiohttp import web  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
+from test_local_engine import race  # noqa: E402
 
 from mrlx_plugin.core.config import ConfigError  # noqa: E402
 from mrlx_plugin.local.model import (  # noqa: E402
@@ -77,19 +78,7 @@ def logits(model: Any) -> Any:
 
 def test_ensure_adapter_builds_a_peft_adapter_that_starts_as_the_base(base, tmp_path):
     target = tmp_path / "a"
-    results: list[Any] = []
-
-    def build() -> None:
-        try:
-            results.append(ensure_adapter(target, base, rank=4, alpha=8, seed=1))
-        except Exception as exc:  # noqa: BLE001 - reported by the assert below
-            results.append(exc)
-
-    threads = [threading.Thread(target=build) for _ in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    results = race(lambda: ensure_adapter(target, base, rank=4, alpha=8, seed=1))
     assert results == [target, target]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a"]  # no temporary directories left
     # peft's "default" adapter: the files sit at the top of the directory, not in a subfolder.

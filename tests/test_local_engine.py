@@ -118,21 +118,27 @@ def test_tokenizer_round_trips_any_text_and_has_chatml(tok):
     assert tok.chat_template == CHATML_TEMPLATE
 
 
-def test_ensure_model_is_idempotent_and_survives_a_race(tmp_path):
-    target = tmp_path / "m"
+def race(build: Any, n: int = 2) -> list[Any]:
+    """Call `build()` from `n` threads at once; what each returned or raised."""
     results: list[Any] = []
 
-    def build() -> None:
+    def one() -> None:
         try:
-            results.append(ensure_model(target, preset="tiny", seed=3))
-        except Exception as exc:  # noqa: BLE001 - reported by the assert below
+            results.append(build())
+        except Exception as exc:  # noqa: BLE001 - the caller's assert reports it
             results.append(exc)
 
-    threads = [threading.Thread(target=build) for _ in range(2)]
+    threads = [threading.Thread(target=one) for _ in range(n)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    return results
+
+
+def test_ensure_model_is_idempotent_and_survives_a_race(tmp_path):
+    target = tmp_path / "m"
+    results = race(lambda: ensure_model(target, preset="tiny", seed=3))
     assert results == [target, target]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]  # no temporary directories left
     mtime = (target / "config.json").stat().st_mtime_ns

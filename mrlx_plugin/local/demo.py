@@ -422,13 +422,10 @@ def run_demo(ns: argparse.Namespace) -> dict[str, Any]:
                 str(ns.samples_per_prompt),
                 "--rollout-max-response-len",
                 "24",
-                "--warmup-data",
-                str(warmup[name]),
+                # an adapter starts from the base, which had the warm-start; a model has its own
+                *(["--adapter", str(adapters[name])] if adapters else ["--warmup-data", str(warmup[name])]),
             ]
             extra += (["--freeze"] if freeze == name else []) + (["--resume"] if ns.resume else [])
-            if adapters:  # the base had the warm-start: the adapters start from it
-                at = extra.index("--warmup-data")
-                extra = [*extra[:at], *extra[at + 2 :], "--adapter", str(adapters[name])]
             jobs[name] = start_trainer(
                 out,
                 name,
