@@ -647,6 +647,216 @@ def test_a_huge_tool_output_does_not_stall_the_event_loop(engine_for, tiny_model
     assert got["stall"] < 0.25, f"the event loop stood still for {got['stall']:.2f} s"
 
 
+def _big_tool(i: int, tag: str = "") -> dict:
+    """A tool spec of ~12 KB: a long description and 50 described parameters."""
+    words = " ".join(f"word{(i * 7 + j) % 997}" for j in range(300))
+    props = {f"p{j}": {"type": "string", "description": f"parameter {j}: " + words[:150]} for j in range(50)}
+    function = {
+        "name": f"tool{tag}_{i}",
+        "description": words,
+        "parameters": {"type": "object", "properties": props},
+    }
+    return {"type": "function", "function": function}
+
+
+async def loop_stall(send: Awaitable) -> tuple[Any, float]:
+    """What `send` gives, and the longest the event loop stood still while it ran (seconds)."""
+    gaps, running = [0.0], True
+
+    async def ticker():
+        last = time.monotonic()
+        while running:
+            await asyncio.sleep(0.005)
+            now = time.monotonic()
+            gaps.append(now - last)
+            last = now
+
+    tick = asyncio.ensure_future(ticker())
+    await asyncio.sleep(0.05)
+    try:
+        result = await send
+    finally:
+        running = False
+        await tick
+    return result, max(gaps)
+
+
+def _hostile(bodies: dict[str, Any]) -> tuple[dict[str, tuple], Callable]:
+    """A user function that sends each body (encoded before the loop is watched), and what it
+    records of each: (status, answer, the event loop's longest stall while it was answered)."""
+    got: dict[str, tuple] = {}
+    encoded = {
+        what: json.dumps(body).encode() if not isinstance(body, bytes) else body
+        for what, body in bodies.items()
+    }
+
+    async def script(task, endpoints):
+        for what, data in encoded.items():
+            (status, body), stall = await loop_stall(post(endpoints["solver"], None, raw=data))
+            got[what] = (status, body, stall)
+        return {"solver": 0.0}
+
+    return got, script
+
+
+def test_requests_of_huge_message_lists_or_tools_are_refused_without_stalling_the_event_loop(
+    engine_for, tiny_model_dir
+):
+    """What a request may bring is bounded before anything is rendered: 300,000 empty messages
+    (they cost the template per message, whatever their size), a 6 MB and a 3 MB tools list,
+    2,000 tools. Each is refused, naming what is over which limit, while the loop goes on."""
+    proxy = engine_for(ANSWER)
+    named = [{"type": "function", "function": {**LOOKUP["function"], "name": f"t{i}"}} for i in range(2000)]
+    got, script = _hostile(
+        {
+            "300,000 empty messages": {"messages": [{"role": "user", "content": ""}] * 300_000},
+            "a 6 MB tools list": {"messages": [USER], "tools": [_big_tool(i) for i in range(500)]},
+            "a 3 MB tools list": {"messages": [USER], "tools": [_big_tool(i) for i in range(250)]},
+            "2,000 tools": {"messages": [USER], "tools": named},
+        }
+    )
+    episode(proxy, tiny_model_dir, script)
+    stalls = {what: round(r[2], 2) for what, r in got.items()}
+    assert max(stalls.values()) < 1.0, f"the event loop stood still (s): {stalls}"
+    assert {what: r[0] for what, r in got.items()} == {
+        "300,000 empty messages": 413,
+        "a 6 MB tools list": 413,
+        "a 3 MB tools list": 413,
+        "2,000 tools": 400,
+    }, {what: (r[0], r[1]) for what, r in got.items()}
+    assert "10,000 messages" in got["300,000 empty messages"][1]["error"]["message"]
+    for what in ("a 6 MB tools list", "a 3 MB tools list", "2,000 tools"):
+        error = got[what][1]["error"]
+        assert error["param"] == "tools" and "more than the" in error["message"], error
+    assert proxy.calls == []
+
+
+def test_a_body_of_millions_of_tiny_json_values_is_refused_before_it_is_parsed(engine_for, tiny_model_dir):
+    """A body just under the size limit made of empty lists: parsing it would build millions of
+    objects on the event loop (with the garbage collector walking them). It is refused from a
+    count of its items, made off the loop, and the loop goes on."""
+    from mrlx_plugin.agents.server import MAX_BODY_BYTES
+
+    proxy = engine_for(ANSWER)
+    head = b'{"messages": [' + json.dumps(USER).encode()
+    lists = b",[]" * ((MAX_BODY_BYTES - len(head) - 2) // 3)
+    got, script = _hostile({"empty lists": head + lists + b"]}"})
+    episode(proxy, tiny_model_dir, script)
+    status, body, stall = got["empty lists"]
+    assert stall < 1.0, f"the event loop stood still for {stall:.2f} s"
+    assert status == 413 and "JSON items" in body["error"]["message"], (status, body)
+
+
+def test_large_requests_within_the_limits_are_rendered_off_the_event_loop(
+    engine_for, tiny_model_dir, monkeypatch
+):
+    """Requests within the limits whose rendering is long, whatever makes it long (not only the
+    size of their contents): 9,000 empty messages with a 1.8 MB tools list (over the tiny model's
+    context once rendered), and a conversation of 520 short messages that fits (served). Each is
+    rendered in a worker thread, and the loop goes on meanwhile."""
+    import threading
+
+    from mrlx_plugin.core.tokenizer import AgentTokenizer
+
+    rendered: list[tuple[int, bool]] = []  # (messages, on the event loop's thread)
+    render_text = AgentTokenizer.render_text
+
+    def recording(self, messages, *args, **kwargs):
+        rendered.append((len(messages), threading.current_thread() is threading.main_thread()))
+        return render_text(self, messages, *args, **kwargs)
+
+    monkeypatch.setattr(AgentTokenizer, "render_text", recording)
+    proxy = engine_for(ANSWER)
+    chat = [{"role": "user" if i % 2 == 0 else "assistant", "content": "ok"} for i in range(519)]
+    many = [{"role": "user" if i % 2 == 0 else "assistant", "content": ""} for i in range(8999)]
+    got, script = _hostile(
+        {
+            "at the limits": {"messages": many + [USER], "tools": [_big_tool(i) for i in range(150)]},
+            "520 messages": {"messages": chat + [USER]},
+        }
+    )
+    episode(proxy, tiny_model_dir, script)
+    stalls = {what: round(r[2], 2) for what, r in got.items()}
+    assert max(stalls.values()) < 1.0, f"the event loop stood still (s): {stalls}"
+    statuses = {what: (r[0], r[1]["error"]["code"] if r[0] != 200 else "") for what, r in got.items()}
+    assert statuses == {
+        "at the limits": (400, "context_length_exceeded"),
+        "520 messages": (200, ""),
+    }, statuses
+    assert sorted({n for n, _ in rendered if n >= 500}) == [520, 9000], rendered
+    assert not [n for n, on_loop in rendered if on_loop and n >= 500], "rendered on the event loop"
+    assert len(proxy.calls) == 1
+
+
+def _runtime_tokenizer():
+    """The tokenizer the agent endpoint of this event loop renders with (from inside an episode)."""
+    from mrlx_plugin.agents.server import _servers
+
+    server = _servers[asyncio.get_running_loop()]
+    session = next(iter(server.sessions.values()))
+    return session.episode.context.tokenizers[session.agent]
+
+
+def _held(tok) -> dict[str, int]:
+    """Characters and ids each of the tokenizer's caches holds, counted from what they hold."""
+
+    def chars(key) -> int:
+        if isinstance(key, str):
+            return len(key)
+        if isinstance(key, tuple):
+            return sum(chars(k) for k in key)
+        return 0
+
+    prompts = sum(chars(k) + len(tok._cache.get(k)[0]) + len(tok._cache.get(k)[1]) for k in tok._cache)
+    pieces = {
+        name: sum(len(k) + len(cache.get(k)) for k in cache)
+        for name, cache in (("markup", tok._pieces), ("text", tok._text_pieces))
+    }
+    return {"prompts": prompts, **pieces}
+
+
+def test_a_rendering_refused_for_the_context_is_not_cached(engine_for, tiny_model_dir):
+    """A conversation opened over the context limit is refused after it is rendered: neither
+    its rendering nor its paragraphs stay in the tokenizer's caches (a client sending such
+    requests over and over would fill them with what is never used). An accepted one stays."""
+    proxy = engine_for(ANSWER)
+    got = {}
+    marker = "refused-7f3a"
+    long = f"{marker} " + " ".join(f"w{i % 97}" for i in range(700)) + f"\n\n{marker} tail"
+
+    async def script(task, endpoints):
+        ep = endpoints["solver"]
+        got["refused"] = await post(ep, {"messages": [{"role": "user", "content": long}]})
+        got["served"] = await post(ep, {"messages": [{"role": "user", "content": "kept-51c2 question"}]})
+        tok = _runtime_tokenizer()
+        got["cached"] = [repr(k) for k in tok._cache]
+        got["pieces"] = [k for cache in (tok._pieces, tok._text_pieces) for k in cache]
+        return {"solver": 0.0}
+
+    episode(proxy, tiny_model_dir, script, rollout_max_context_len=600)
+    assert got["refused"][0] == 400 and got["refused"][1]["error"]["code"] == "context_length_exceeded", got
+    assert got["served"][0] == 200
+    assert not [k for k in got["cached"] if marker in k], "a refused rendering is cached"
+    assert not [k for k in got["pieces"] if marker in k], "pieces of a refused rendering are cached"
+    assert [k for k in got["cached"] if "kept-51c2" in k], "an accepted rendering is not cached"
+
+
+def test_the_tokenizer_caches_stay_within_their_budget_of_characters_and_ids(tok):
+    """Many large distinct prompts (400,000 characters each, sharing their long paragraph), and one
+    of 2 million characters: the caches hold at most 16 million characters and ids in all, and
+    the largest prompt, past an eighth of the prompt cache's budget, is not cached at all."""
+    shared = " ".join(f"w{i % 997}" for i in range(33_000))  # ~200,000 characters, no blank line
+    for i in range(40):
+        tok.prompt_ids(
+            [{"role": "user", "content": f"prompt {i}\n\n{shared}"}, {"role": "user", "content": shared}]
+        )
+    huge = [{"role": "user", "content": "huge\n\n" + shared * 10}]
+    tok.prompt_ids(huge)
+    held = _held(tok)
+    assert sum(held.values()) <= 16_000_000, held
+    assert not [k for k in tok._cache if len(k) == 2 and k[1][1].startswith("huge")]
+
+
 def test_sampling_fields_are_checked_and_capped_before_the_engine(engine_for, tiny_model_dir):
     proxy = engine_for(ANSWER)
     got, sent = {}, {}
@@ -787,3 +997,192 @@ def test_a_turn_the_client_never_received_is_not_trained(engine_for, tiny_model_
     agents = {"agents": {"solver": {"url": "self", "tool_parser": "failing"}}}
     [[s]] = episode(proxy, tiny_model_dir, script, mrlx_extra=agents)
     assert got["r"][0] == 200 or sum(s.loss_mask) == 0, (got["r"][0], sum(s.loss_mask), s.reward)
+
+
+# --- what the user's code raises, and clients that leave ----------------------------------------
+
+GRADE_RAISES: list[BaseException] = []  # what the mrlx_grade hook of this module raises, when set
+
+
+@hookimpl
+def mrlx_grade(agent, transcript, episode):
+    if GRADE_RAISES:
+        raise GRADE_RAISES[-1]
+    return None  # the package's default grader
+
+
+class _Unusual(BaseException):
+    """A BaseException that is no Exception, as some libraries define (gevent's, greenlet's)."""
+
+
+async def _own_cancellation():
+    """Code that cancels and awaits its own helper: the CancelledError is its own."""
+    helper = asyncio.ensure_future(asyncio.sleep(30))
+    helper.cancel()
+    await helper
+
+
+def _raise(exc: BaseException):
+    async def run():
+        raise exc
+
+    return run
+
+
+async def _until(condition: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + 20
+    while not condition():
+        assert time.monotonic() < deadline, f"never: {what}"
+        await asyncio.sleep(0.01)
+
+
+@pytest.mark.parametrize(
+    "raising,shown",
+    [
+        (_own_cancellation, "CancelledError"),
+        (_raise(SystemExit(2)), "SystemExit: 2"),
+        (_raise(_Unusual("odd")), "_Unusual: odd"),
+        (_raise(GeneratorExit()), "GeneratorExit"),
+    ],
+    ids=["its own CancelledError", "SystemExit", "a BaseException subclass", "GeneratorExit"],
+)
+def test_whatever_agent_code_raises_ends_its_own_episode_only(engine_for, tiny_model_dir, raising, shown):
+    """Episode 0's code raises while episode 1's turn waits on the engine: episode 0 ends ABORTED,
+    named, and episode 1's turn is answered and trained (the rollout's event loop goes on)."""
+    proxy = engine_for(ANSWER)
+    shared: dict[str, Any] = {}
+
+    async def script(task, endpoints):
+        if task.episode_id.endswith(":0"):
+            await _until(lambda: "in flight" in shared, "episode 1's turn reached the engine")
+            shared["raised"] = True
+            await raising()
+            return {"solver": 1.0}
+        await _stub(proxy, "/pause_generation", {"mode": "in_place"})
+        pending = asyncio.ensure_future(post(endpoints["solver"], {"messages": [USER]}))
+        await engine_received(proxy, 1)
+        shared["in flight"] = True
+        await _until(lambda: "raised" in shared, "episode 0 raised")
+        await _stub(proxy, "/continue_generation", {})
+        shared["answer"] = await pending
+        return {"solver": 1.0}
+
+    [[culprit], [other]] = episode(proxy, tiny_model_dir, script, n=2)
+    reason = culprit.metadata["mrlx"]["abort_reason"] or ""
+    assert culprit.status == Status.ABORTED and "test_agent_attacks.atk_one" in reason and shown in reason
+    assert shared["answer"][0] == 200
+    assert other.status == Status.COMPLETED and other.reward == 1.0 and sum(other.loss_mask) > 0
+    assert_trains_only_engine_ids([other], proxy.calls)
+
+
+@pytest.mark.parametrize("raised", [SystemExit(3), _Unusual("grader")], ids=["SystemExit", "BaseException"])
+def test_a_grade_hook_that_raises_a_base_exception_ends_its_episode_only(engine_for, tiny_model_dir, raised):
+    proxy = engine_for(ANSWER)
+
+    async def script(task, endpoints):
+        await post(endpoints["solver"], {"messages": [USER]})
+        return None  # graded by the hook
+
+    GRADE_RAISES.append(raised)
+    try:
+        [[s]] = episode(proxy, tiny_model_dir, script)
+    finally:
+        GRADE_RAISES.pop()
+    reason = s.metadata["mrlx"]["abort_reason"] or ""
+    assert s.status == Status.ABORTED and type(raised).__name__ in reason, reason
+
+
+async def _leave_mid_turn(proxy, ep) -> None:
+    """A client that gives up on its request while the engine still works on the turn (its
+    timeout): the request is sent, the turn reaches the engine, the client closes its connection,
+    and only then does the engine answer."""
+    await _stub(proxy, "/pause_generation", {"mode": "in_place"})
+    leaving = asyncio.ensure_future(post(ep, {"messages": [USER]}))
+    await engine_received(proxy, 1)
+    leaving.cancel()  # the client's session closes the connection
+    await asyncio.gather(leaving, return_exceptions=True)
+    await _stub(proxy, "/continue_generation", {})
+
+
+def test_a_turn_whose_client_left_is_undone_and_its_retry_is_the_one_trained(engine_for, tiny_model_dir):
+    """The `openai` client retries a request it gave up on: the turn it left is not trained, its
+    conversation's place is free for the retry, and the retry's turn is the sample."""
+    proxy = engine_for(ANSWER)
+    got = {}
+
+    async def script(task, endpoints):
+        ep = endpoints["solver"]
+        await _leave_mid_turn(proxy, ep)
+        deadline = time.monotonic() + 10
+        while True:  # refused (429) while the left request still holds its conversation
+            got["retry"] = await post(ep, {"messages": [USER]})
+            if got["retry"][0] != 429 or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.01)
+        return {"solver": 1.0}
+
+    [[s]] = episode(proxy, tiny_model_dir, script)  # atk_one: one conversation
+    assert got["retry"][0] == 200, got["retry"]
+    assert s.status == Status.COMPLETED and len(trained_spans(s)) == 1
+    assert s.metadata["mrlx"]["episode"]["agent_code"]["solver"]["undelivered"] == 1
+    assert s.tokens == proxy.calls[-1]["input_ids"] + proxy.calls[-1]["ids"]
+
+
+def test_a_turn_whose_client_left_for_good_trains_nothing(engine_for, tiny_model_dir):
+    proxy = engine_for(ANSWER)
+
+    async def script(task, endpoints):
+        await _leave_mid_turn(proxy, endpoints["solver"])
+        return {"solver": 0.0}
+
+    [[s]] = episode(proxy, tiny_model_dir, script)
+    assert s.status == Status.ABORTED and s.remove_sample and sum(s.loss_mask) == 0, (s.status, s.reward)
+
+
+def test_agent_code_turns_that_hold_special_tokens_are_closed_before_the_next_message(
+    engine_for, tiny_model_dir, tok
+):
+    """The engine's every answer holds real special tokens before its end: the conversation the
+    agent trains on closes each of its turns with the template's markup before the next message,
+    as a server that renders the history would show it."""
+    from test_plain_text import closed_turns
+
+    proxy = engine_for(ANSWER)
+
+    async def script(task, endpoints):
+        await _stub(proxy, "/_stub/faults", {"mode": "markup_ids", "count": 100})
+        messages = [USER]
+        for i in range(3):
+            status, body = await post(endpoints["solver"], {"messages": messages})
+            assert status == 200, body
+            messages = messages + [_answer(body), {"role": "user", "content": f"And {i}?"}]
+        return {"solver": 1.0}
+
+    [[s]] = episode(proxy, tiny_model_dir, script)
+    spans = trained_spans(s)
+    assert len(spans) == 3 and all(count(s.tokens[a:b], tok, "<|im_start|>") == 2 for a, b in spans)
+    assert closed_turns(tok, s.tokens, spans) == []
+    assert_trains_only_engine_ids([s], proxy.calls)
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "192.0.2.7"])
+def test_agent_endpoints_on_an_address_other_machines_reach_are_refused_unless_allowed(
+    engine_for, tiny_model_dir, host
+):
+    """As the engines refuse it without --allow-remote: a bind other machines reach needs
+    `allow_remote: true`, or start-up fails with one message naming the key."""
+    from mrlx_plugin.core.config import ConfigError
+
+    proxy = engine_for(ANSWER)
+
+    async def script(task, endpoints):
+        return {"solver": 1.0}
+
+    with pytest.raises(ConfigError) as refused:
+        episode(proxy, tiny_model_dir, script, mrlx_extra={"atk_one": {"host": host}})
+    message = str(refused.value)
+    assert "mrlx.atk_one.host" in message and "allow_remote" in message and host in message, message
+    assert "Value error" not in message and "pydantic" not in message, message
+    from mrlx_plugin.agents import AgentCodeSettings
+
+    assert AgentCodeSettings.model_validate({"host": host, "allow_remote": True}).host == host

@@ -15,14 +15,15 @@ import pytest
 from test_local_engine import call, generate, out_ids, out_logprobs, wait_running
 
 from mrlx_plugin.local.model import ensure_model
-from mrlx_plugin.local.processes import router_available, start_engine, start_router
+from mrlx_plugin.local.processes import ProcessStartError, router_available, start_engine, start_router
 
 PROMPT = [1, 74, 75, 20, 21, 9]
 GREEDY = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
 
 
-def random_adapter(base_dir: Path, out: Path, seed: int) -> Path:
-    """A peft LoRA adapter on `base_dir` whose B matrices are random, so it changes the outputs."""
+def random_adapter(base_dir: Path, out: Path, seed: int, **settings) -> Path:
+    """A peft LoRA adapter on `base_dir` whose B matrices are random, so it changes the outputs;
+    `settings` go to its LoraConfig."""
     import torch
     from peft import LoraConfig, get_peft_model
 
@@ -30,7 +31,8 @@ def random_adapter(base_dir: Path, out: Path, seed: int) -> Path:
 
     torch.manual_seed(seed)
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    model = get_peft_model(load_model(base_dir), LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=targets, **settings)
+    model = get_peft_model(load_model(base_dir), config)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:
@@ -256,6 +258,209 @@ def test_adapters_the_engine_cannot_serve_are_refused_and_leave_the_base_as_it_w
             proc.url + "/load_lora_adapter", {"lora_name": "a", "lora_path": str(adapters["alpha"])}
         )
         assert status == 200 and out["loaded_adapters"] == {"a": str(adapters["alpha"])}, out
+        assert out_logprobs(through(proc.url, None)) == base
+        assert out_logprobs(through(proc.url, "a")) != base
+    finally:
+        proc.stop()
+
+
+def adapter_copy(src: Path, out: Path, tensors: dict | None, **settings) -> Path:
+    """Adapter directory `src` copied to `out` with `tensors` as its weights file (None: none) and
+    `settings` changed in its adapter_config.json."""
+    import json
+
+    from safetensors.torch import save_file
+
+    out.mkdir()
+    config = json.loads((src / "adapter_config.json").read_text())
+    (out / "adapter_config.json").write_text(json.dumps({**config, **settings}))
+    if tensors is not None:
+        save_file(tensors, str(out / "adapter_model.safetensors"))
+    return out
+
+
+def load(url: str, name: str, path: Path, **extra) -> tuple[int, dict]:
+    return call(url + "/load_lora_adapter", {"lora_name": name, "lora_path": str(path), **extra})
+
+
+def unfitting_weights(case: str, good: dict, base_weights: dict) -> dict | None:
+    """An adapter's `good` tensors spoilt as `case` says (None: no weights file)."""
+    import torch
+
+    if case == "empty file":
+        return {}
+    if case == "no weights file":
+        return None
+    if case == "renamed keys":
+        return {k.replace(".lora_A.", ".lora_down."): v for k, v in good.items()}
+    if case == "a layer missing":
+        return {k: v for k, v in good.items() if ".layers.1." not in k}
+    if case == "a module it does not target":
+        return {**good, "base_model.model.model.layers.0.input_layernorm.lora_A.weight": torch.zeros(4, 32)}
+    assert case == "base weights"  # which peft would write into the base model every row shares
+    return {**good, "base_model.model.lm_head.weight": base_weights["lm_head.weight"] + 1.0}
+
+
+@pytest.mark.parametrize(
+    "case, named",
+    [
+        ("empty file", "28 of its 28 LoRA weights are missing"),
+        ("no weights file", "no adapter_model.safetensors"),
+        ("renamed keys", "model.layers.0.mlp.down_proj.lora_down.weight"),
+        ("a layer missing", "model.layers.1."),
+        ("a module it does not target", "model.layers.0.input_layernorm.lora_A.weight"),
+        ("base weights", "lm_head.weight"),
+    ],
+)
+def test_an_upsert_whose_weights_do_not_fit_the_adapter_is_refused_and_the_old_one_keeps_serving(
+    lora_engine, adapters, tiny_model_dir, tmp_path, case, named
+):
+    """peft loads the tensors whose names match and leaves the rest as initialised (B = 0: that
+    module computes what the base does) or writes them into the base model: such a load would
+    serve another policy than the trainer pushed, under a new version, or change every row."""
+    from safetensors.torch import load_file
+
+    good = load_file(str(adapters["beta"] / "adapter_model.safetensors"))
+    spoilt = unfitting_weights(case, good, load_file(str(tiny_model_dir / "model.safetensors")))
+    broken = adapter_copy(adapters["beta"], tmp_path / "broken", spoilt)
+    status, out = load(lora_engine, "delta", adapters["beta"])
+    assert status == 200, out
+    try:
+        before = {n: through(lora_engine, n) for n in ("delta", "alpha", None)}
+        status, out = load(lora_engine, "delta", broken, upsert=True, weight_version="9")
+        assert status == 400, out
+        message = out["error_message"]
+        assert "'delta'" in message and str(broken) in message and named in message, message
+        assert message.endswith("the old adapter keeps serving"), message
+        # the old weights serve on at their version; the other adapter and the base are untouched
+        for n, was in before.items():
+            now = through(lora_engine, n)
+            assert out_logprobs(now) == out_logprobs(was), n
+            assert now["meta_info"]["weight_version"] == was["meta_info"]["weight_version"], n
+        info = call(lora_engine + "/server_info")[1]["lora_adapters"]["delta"]
+        assert info == {"lora_path": str(adapters["beta"]), "weight_version": "0"}
+    finally:
+        call(lora_engine + "/unload_lora_adapter", {"lora_name": "delta"})
+
+
+def test_an_engine_does_not_start_with_an_adapter_whose_weights_do_not_fit(
+    tiny_model_dir, adapters, logs_dir, tmp_path
+):
+    from safetensors.torch import load_file
+
+    good = load_file(str(adapters["alpha"] / "adapter_model.safetensors"))
+    partial = adapter_copy(
+        adapters["alpha"], tmp_path / "partial", {k: v for k, v in good.items() if ".layers.1." not in k}
+    )
+    extra = ["--lora-paths", f"alpha={adapters['alpha']}", f"part={partial}"]
+    try:
+        proc = start_engine(
+            tiny_model_dir, log_dir=logs_dir, name="engine-lora-partial", threads=1, extra=extra
+        )
+    except ProcessStartError as exc:
+        message = str(exc)
+    else:
+        proc.stop()
+        pytest.fail("the engine started, serving adapter 'part' without the weights of its layer 1")
+    assert "'part'" in message and str(partial) in message and "model.layers.1." in message, message
+
+
+# Settings that peft cannot serve row by row beside other adapters: each either fails every mixed
+# batch, or changes the base model (and so every other row). Built with peft where it can.
+UNMIXABLE = {
+    "modules_to_save": {"modules_to_save": ["lm_head"]},
+    "trainable_token_indices": {"trainable_token_indices": [5, 6]},
+    "bias": {"bias": "all"},
+    "layer_replication": {"layer_replication": [[0, 2], [1, 2]]},
+    "init_lora_weights": {"init_lora_weights": "pissa"},
+    "alora_invocation_tokens": {"alora_invocation_tokens": [20, 21]},
+}
+REWRITTEN = {  # written into a copy of an adapter's config
+    "target_parameters": {"target_modules": None, "target_parameters": ["mlp.down_proj.weight"]},
+    "kasa_config": {"kasa_config": {"kasa_mode": "svd"}},
+    "arrow_config": {"arrow_config": {"top_k": 2}},
+}
+
+
+@pytest.mark.parametrize("field", [*UNMIXABLE, *REWRITTEN])
+def test_adapters_that_cannot_share_a_batch_with_others_are_refused_by_name(
+    lora_engine, tiny_model_dir, adapters, tmp_path, field
+):
+    from safetensors.torch import load_file
+
+    if field in UNMIXABLE:
+        odd = random_adapter(tiny_model_dir, tmp_path / field, 5, **UNMIXABLE[field])
+    else:
+        weights = load_file(str(adapters["alpha"] / "adapter_model.safetensors"))
+        odd = adapter_copy(adapters["alpha"], tmp_path / field, weights, **REWRITTEN[field])
+    before = {n: out_logprobs(through(lora_engine, n)) for n in ("alpha", "beta", None)}
+    status, out = load(lora_engine, "odd", odd)
+    try:
+        # every other adapter and the base serve on as before
+        for n, was in before.items():
+            status_n, now = call(
+                lora_engine + "/generate",
+                {"input_ids": PROMPT, "sampling_params": GREEDY, "return_logprob": True, "lora_path": n},
+            )
+            assert status_n == 200, now
+            assert out_logprobs(now) == was, n
+        assert status == 400, out
+        message = out["error_message"]
+        assert "'odd'" in message and field in message and "plain LoRA" in message, message
+        assert "odd" not in call(lora_engine + "/server_info")[1]["lora_adapters"]
+    finally:
+        if status == 200:
+            call(lora_engine + "/unload_lora_adapter", {"lora_name": "odd"})
+
+
+def test_adapters_on_some_layers_or_with_other_scalings_share_batches(lora_engine, tiny_model_dir, tmp_path):
+    """What peft mixes row by row loads: LoRA on some layers only, rsLoRA scaling, a LoRA bias."""
+    some = random_adapter(tiny_model_dir, tmp_path / "some", 6, layers_to_transform=[0], use_rslora=True)
+    biased = random_adapter(tiny_model_dir, tmp_path / "biased", 7, lora_bias=True)
+    for name, path in (("some", some), ("biased", biased)):
+        status, out = load(lora_engine, name, path)
+        assert status == 200, out
+    try:
+        alone = {n: out_logprobs(through(lora_engine, n)) for n in ("some", "biased", "beta", None)}
+        assert alone["some"] != alone[None] and alone["biased"] != alone[None]
+        status, rows = call(
+            lora_engine + "/generate",
+            {
+                "input_ids": [PROMPT] * 4,
+                "sampling_params": GREEDY,
+                "return_logprob": True,
+                "lora_path": ["some", "biased", "beta", None],
+            },
+        )
+        assert status == 200, rows
+        for row, n in zip(rows, alone):
+            assert out_logprobs(row) == pytest.approx(alone[n], abs=1e-5), n
+    finally:
+        for name in ("some", "biased"):
+            call(lora_engine + "/unload_lora_adapter", {"lora_name": name})
+
+
+def test_a_first_adapter_whose_weights_do_not_fit_leaves_the_base_as_it_was(
+    tiny_model_dir, adapters, logs_dir, tmp_path
+):
+    """The first adapter turns the base into a peft model: a refused one must leave no layer behind."""
+    from safetensors.torch import load_file
+
+    good = load_file(str(adapters["alpha"] / "adapter_model.safetensors"))
+    partial = adapter_copy(
+        adapters["alpha"], tmp_path / "partial", {k: v for k, v in good.items() if "lora_B" not in k}
+    )
+    proc = start_engine(
+        tiny_model_dir, log_dir=logs_dir, name="engine-lora-first", threads=1, extra=["--enable-lora"]
+    )
+    try:
+        base = out_logprobs(generate(proc.url, PROMPT, **GREEDY))
+        status, out = load(proc.url, "a", partial)
+        assert status == 400 and "14 of its 28 LoRA weights are missing" in out["error_message"], out
+        assert call(proc.url + "/server_info")[1]["lora_adapters"] == {}
+        assert out_logprobs(generate(proc.url, PROMPT, **GREEDY)) == base
+        status, out = load(proc.url, "a", adapters["alpha"])
+        assert status == 200, out
         assert out_logprobs(through(proc.url, None)) == base
         assert out_logprobs(through(proc.url, "a")) != base
     finally:

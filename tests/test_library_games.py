@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from mrlx_plugin.core import processes
+from mrlx_plugin.core.config import ConfigError
 from mrlx_plugin.core.values import RewardError
 from mrlx_plugin.plugins import collect_games, make_plugin_manager
 from mrlx_plugin.settings import parse_settings
@@ -291,6 +293,61 @@ def test_a_bad_openspiel_name_or_option_is_one_clear_error(name, options, messag
         library_game(name, options)
 
 
+@needs_openspiel
+@pytest.mark.parametrize(
+    "name,options,message",
+    [
+        ("go", {"board_size": 10**6}, "supports board size up to 19. Provided: 1000000"),
+        ("go", {"board_size": -3}, "unsupported board size"),
+        ("breakthrough", {"rows": -5}, "rows_ > 1"),
+        ("breakthrough", {"rows": 10**5}, "not valid UTF-8"),
+        ("dots_and_boxes", {"num_rows": 10**5}, "legal moves at its first position, over the 1000 limit"),
+        ("oware", {"num_seeds_per_house": -5}, "its initial state is already terminal"),
+        ("hex", {"board_size": 10**5}, "it ran out of memory (the trial allows 4 GiB)"),
+    ],
+)
+def test_openspiel_options_the_game_cannot_be_played_with_are_one_start_up_error(name, options, message):
+    settings = game_settings({"name": f"openspiel:{name}", "seats": ["p", "p"], "options": options})
+    (problem,) = check_game(settings, collect_games(make_plugin_manager([])))
+    ((key, value),) = options.items()
+    assert problem.startswith(f"mrlx.game.options.{key}: OpenSpiel's {name} with {key}={value} ")
+    assert message in problem and "a value the game supports (its default: " in problem, problem
+    with pytest.raises(ConfigError) as raised:  # the same verdict, not built again
+        library_game(f"openspiel:{name}", options)
+    assert str(raised.value) == problem
+
+
+@needs_openspiel
+def test_an_openspiel_game_that_does_not_start_within_the_bound_is_refused(monkeypatch):
+    monkeypatch.setattr(library_games, "TRIAL_S", 1.0, raising=False)
+    settings = game_settings(
+        {"name": "openspiel:liars_dice", "seats": ["p", "p"], "options": {"numdice": 10**6}}
+    )
+    (problem,) = check_game(settings, collect_games(make_plugin_manager([])))
+    assert problem.startswith("mrlx.game.options.numdice: OpenSpiel's liars_dice with numdice=1000000 ")
+    assert "did not build its first position and 8 random moves within 1 s" in problem, problem
+
+
+@needs_openspiel
+def test_a_valid_openspiel_game_is_tried_once_per_process(monkeypatch):
+    monkeypatch.setattr(library_games, "_BUILT", {})
+    monkeypatch.setattr(library_games, "_VERDICTS", {}, raising=False)
+    started = []
+    real = processes.start
+
+    def counting(argv, **kwargs):
+        started.append(argv)
+        return real(argv, **kwargs)
+
+    monkeypatch.setattr(processes, "start", counting)
+    settings = game_settings({"name": "openspiel:tic_tac_toe", "seats": ["p", "p"]})
+    games = collect_games(make_plugin_manager([]))
+    assert check_game(settings, games) == [] and check_game(settings, games) == []
+    library_games._BUILT.clear()  # built again (another settings object): the verdict is kept
+    assert library_game("openspiel:tic_tac_toe", {}).seats == ("player0", "player1")
+    assert len(started) == 1
+
+
 def test_a_library_game_without_its_library_names_the_extra(monkeypatch):
     monkeypatch.setattr(library_games, "_BUILT", {})
     monkeypatch.setitem(sys.modules, "pyspiel", None)
@@ -397,6 +454,49 @@ def test_the_game_system_counts_a_textarena_games_turns_and_refuses_scripts():
 
 
 @needs_textarena
+def test_textarena_keeps_a_live_env_for_every_game_in_flight_past_its_first_bound(monkeypatch):
+    # Twelve games in flight, moved in turn, with room for 8 live envs at first: the bound grows
+    # as soon as a game in flight needs its evicted env, so only the games evicted before that
+    # are replayed, once each, and every later move steps a live env.
+    monkeypatch.setattr(library_games, "_BUILT", {})
+    monkeypatch.setattr(library_games.TextArenaGame, "LIVE", 8)
+    game = library_game("textarena:TicTacToe-v0", {"max_moves": 10})
+    states = [game.start("", None, random.Random(i), {}) for i in range(12)]
+    replayed = []
+    real = game._replay
+
+    def counting(*args):
+        replayed.append(args)
+        return real(*args)
+
+    monkeypatch.setattr(game, "_replay", counting)  # from here on, every call replays a game
+    per_round = []
+    for cell in range(4):  # each game: player0 and player1 take cells in turn
+        before = len(replayed)
+        states = [game.play(s, game.to_move(s), f"[{cell}]") for s in states]
+        per_round.append(len(replayed) - before)
+    assert all(game.to_move(s) is not None for s in states)
+    assert per_round == [12 - 8, 0, 0, 0] and game.live_bound == 16, per_round
+    assert game.replays == sum(per_round)
+    assert sum(game.episode_facts(s)["replays"] for s in states) == sum(per_round)
+
+
+def test_the_replays_of_library_games_are_a_rollout_metric():
+    from mrlx_plugin.core.host import Sample
+    from mrlx_plugin.core.metrics import compute_metrics
+
+    def sample(i: int, replays: int | None) -> Sample:
+        episode = {"game": "textarena:TicTacToe-v0", "seats": ["player0", "player1"], "outcome": [0, 0]}
+        episode.update({} if replays is None else {"replays": replays})
+        s = Sample(index=i, prompt="", label=None, reward=0.0)
+        s.metadata = {"mrlx": {"agent": "p", "episode_id": f"e{i}", "episode": episode}}
+        return s
+
+    assert compute_metrics([sample(0, 2), sample(1, 0), sample(2, 3)])["game/replays"] == 5.0
+    assert "game/replays" not in compute_metrics([sample(0, None)])  # no TextArena game: not reported
+
+
+@needs_textarena
 def test_textarena_leaves_the_process_random_state_alone():
     game = library_game("textarena:TicTacToe-v0", {"max_moves": 10})
     random.seed(5)
@@ -445,6 +545,7 @@ def test_mrlx_rollout_local_plays_a_library_game(config, needs, tiny_model_dir, 
     )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert "4 episodes, 8 samples" in r.stdout and "game/episodes" in r.stdout, r.stdout
+    assert ("game/replays" in r.stdout) == (needs == "textarena"), r.stdout
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == 8
     for row in rows:
@@ -457,4 +558,6 @@ def test_mrlx_rollout_local_plays_a_library_game(config, needs, tiny_model_dir, 
         assert ended or facts["outcome"] == [0, 0]  # a draw
         assert all(math.isfinite(x) for x in facts["outcome"]) and math.isfinite(row["reward"])
         assert row["status"] in ("completed", "truncated", "aborted")  # aborted: a seat that never moved
+        if needs == "textarena" and row["status"] != "aborted":
+            assert facts["replays"] == 0  # every move stepped the game's live env
     assert {row["metadata"]["mrlx"]["role"] for row in rows if row["status"] != "aborted"} >= {"player0"}

@@ -21,13 +21,20 @@ rendered as plain text, so no special token and no markup of the template can be
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import functools
+import gc
 import json
 import logging
 import math
 import secrets
 import time
+import weakref
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
+
+import orjson
 
 from mrlx_plugin.agents.parsers import (
     ParsedTurn,
@@ -37,7 +44,7 @@ from mrlx_plugin.agents.parsers import (
     render_calls_hermes,
 )
 from mrlx_plugin.core.tokenizer import TemplateError
-from mrlx_plugin.core.transcript import Transcript
+from mrlx_plugin.core.transcript import Mark, Transcript
 from mrlx_plugin.episodes.episode import Episode
 from mrlx_plugin.episodes.errors import EpisodeAborted
 
@@ -61,8 +68,27 @@ _FIELDS = {
     "logprobs",
 }
 _ROLES = ("system", "developer", "user", "assistant", "tool")
-# Texts past this many bytes are rendered and encoded off the event loop (other episodes go on).
-_OFF_LOOP_BYTES = 256 * 1024
+
+# What one request may bring, checked before anything is rendered (docs/agents-as-code.md). A long
+# coding-agent session (a few hundred tools' specs, a 200k-token conversation) is well within them.
+MAX_MESSAGES = 10_000
+MAX_TOOLS = 1_024
+MAX_TOOLS_BYTES = 2 * 1024 * 1024  # the tools list as JSON
+MAX_REQUEST_BYTES = 4 * 1024 * 1024  # the messages and the tools as JSON: every text the request brings
+# The JSON items (objects, arrays, keys, values) a body may hold: parsing costs 10-40 ns an item on
+# the event loop (orjson holds the interpreter while it runs; freeing them, half that again), so a
+# body of millions of tiny values is refused before it is parsed. A request at the limits above
+# holds 100,000 to 500,000 (10,000 messages that each carry a tool call are 220,000).
+MAX_JSON_ITEMS = 1_000_000
+# A request whose work is estimated past this (bytes of its JSON, and `_MESSAGE_COST` a message,
+# which the template renders one by one) is checked, rendered and encoded off the event loop, in at
+# most `_OFF_LOOP_THREADS` threads at once per loop (more requests wait their turn, unrendered).
+_OFF_LOOP_COST = 32 * 1024
+_MESSAGE_COST = 64
+_OFF_LOOP_THREADS = 2
+_PARSE_INLINE_BYTES = 256 * 1024  # bodies past this are scanned for their item count first
+_SCAN_CHUNK = 256 * 1024
+_slots: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = weakref.WeakKeyDictionary()
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +109,9 @@ class ChatError(Exception):
         kind = "invalid_request_error" if self.status < 500 else "server_error"
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
+
+# Sends a turn's answer to the client; returns once it is written (raises if the client is gone).
+Deliver = Callable[[dict[str, Any]], Awaitable[None]]
 
 # A message as matched against a thread: (role, text, ((call id, name, arguments as a JSON value),
 # ...), tool_call_id). The client's copy of an answer is matched on what it shows, not its extra
@@ -106,6 +135,7 @@ class SessionStats:
     tool_calls: int = 0
     malformed_tool_calls: int = 0
     refused: int = 0  # requests answered with a 4xx
+    undelivered: int = 0  # requests undone unanswered: the client left, or the episode ended first
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
@@ -128,17 +158,20 @@ class AgentSession:
     # quotes one shows the model what it wrote, not a re-rendering of it.
     _written: dict[Seen, str] = field(default_factory=dict)
 
-    async def complete(self, body: Any) -> dict[str, Any]:
-        """Answer one chat-completions request body (parsed JSON); ChatError for what is refused."""
+    async def complete(self, body: Any, deliver: Deliver) -> None:
+        """Answer one chat-completions request body (parsed JSON) by awaiting `deliver(answer)`;
+        ChatError for what is refused. The turn is kept only once `deliver` has returned: a turn
+        whose answer did not reach its client (it left, or the episode ended first) is undone as if
+        it never ran, and counted (`undelivered`)."""
         self.stats.requests += 1
         try:
-            return await self._complete(body)
+            await self._complete(body, deliver)
         except ChatError as exc:
             if exc.status < 500:
                 self.stats.refused += 1
             raise
 
-    async def _complete(self, body: Any) -> dict[str, Any]:
+    async def _complete(self, body: Any, deliver: Deliver) -> None:
         if self.closed is not None:
             raise ChatError(404, self.closed, "session_not_found")
         if self.episode.aborted:
@@ -146,11 +179,7 @@ class AgentSession:
                 404, f"episode {self.episode.id} has ended: {self.episode.abort_reason}", "session_not_found"
             )
         request = _check_request(body)
-        tools = request["tools"]
-        tools_key = json.dumps(tools, sort_keys=True, ensure_ascii=False) if tools else ""
-        self._check_tools(tools_key)
-        seen = [_seen(m, i) for i, m in enumerate(request["messages"])]
-        _check_tool_results(seen)
+        tools, tools_key, seen = await self._read(request)
         thread = self._thread_for(seen, tools_key)
         if thread is not None and len(thread.transcript.turns) >= self.max_turns:
             raise ChatError(  # refused before anything is appended
@@ -179,23 +208,41 @@ class AgentSession:
                 raise ChatError(
                     502, f"episode {self.episode.id} has ended: {self.episode.abort_reason}", "episode_ended"
                 ) from None
-        except BaseException:  # the turn never ran (cancelled, the engine failed): no trace of it
-            if before is not None:
-                thread.transcript.rollback(before[0])
-                thread.seen = before[1]
-            thread.busy = False
-            raise
-        try:
             parse_tools = tools if request["tool_choice"] != "none" else None
             parsed = self._parse(turn.text, parse_tools)
-            self.stats.tool_calls += len(parsed.tool_calls)
-            self.stats.malformed_tool_calls += parsed.malformed
             answer: Seen = ("assistant", parsed.content or "", _calls_seen(parsed), None)
-            thread.seen = seen + [answer]
-            self._written[answer] = turn.text
-            return _response(self.agent, parsed, turn.finish_reason, thread.transcript, len(turn.token_ids))
+            await deliver(
+                _response(self.agent, parsed, turn.finish_reason, thread.transcript, len(turn.token_ids))
+            )
+        except BaseException as exc:  # the turn never ran, or its answer never reached the client
+            self._undo(thread, before)
+            if isinstance(
+                exc, (asyncio.CancelledError, ConnectionError)
+            ):  # the client left, or the episode ended
+                self.stats.undelivered += 1
+            raise
         finally:
             thread.busy = False
+        if before is None:  # counted once its first turn is delivered
+            self.stats.threads += 1
+            if any(m[0] == "assistant" for m in seen):
+                self.stats.forks += 1
+                self.episode.metadata["agent_forks"] = self.episode.metadata.get("agent_forks", 0) + 1
+        self.stats.tool_calls += len(parsed.tool_calls)
+        self.stats.malformed_tool_calls += parsed.malformed
+        thread.seen = seen + [answer]
+        self._written[answer] = turn.text
+
+    def _undo(self, thread: Thread, before: tuple[Mark, list[Seen]] | None) -> None:
+        """Leave no trace of a request: its appends undone, its turn too if it ran; a conversation
+        it opened is gone, so its place is free for the client's retry."""
+        self.episode.turns -= len(thread.transcript.turns) - (before[0].turns if before is not None else 0)
+        if before is None:
+            self.threads.remove(thread)
+            self.episode.transcripts.remove(thread.transcript)
+        else:
+            thread.transcript.rollback(before[0])
+            thread.seen = before[1]
 
     def _parse(self, text: str, tools: list[dict] | None) -> ParsedTurn:
         """The turn's content, reasoning and calls. A parser that fails leaves the text as content
@@ -205,6 +252,21 @@ class AgentSession:
         except Exception as exc:  # noqa: BLE001 - a parser's bug must not drop a recorded turn
             logger.warning("agent %r: a parser failed on a turn: %s: %s", self.agent, type(exc).__name__, exc)
             return ParsedTurn(text.strip() or None, None, (), 1)
+
+    async def _read(self, request: dict[str, Any]) -> tuple[list[dict] | None, str, list[Seen]]:
+        """The request's tools, their canonical JSON (`tools_key`) and its messages as matched
+        (`Seen`), checked; off the event loop when the request is large (`_OFF_LOOP_COST`)."""
+        if request["cost"] > _OFF_LOOP_COST:
+            return await off_loop(self._read_now, request)
+        return self._read_now(request)
+
+    def _read_now(self, request: dict[str, Any]) -> tuple[list[dict] | None, str, list[Seen]]:
+        tools = request["tools"]
+        tools_key = json.dumps(tools, sort_keys=True, ensure_ascii=False) if tools else ""
+        self._check_tools(tools_key)
+        seen = [_seen(m, i) for i, m in enumerate(request["messages"])]
+        _check_tool_results(seen)
+        return tools, tools_key, seen
 
     def _check_tools(self, tools_key: str) -> None:
         """Tool specs are rendered as the template's markup: none may spell an added token."""
@@ -266,36 +328,56 @@ class AgentSession:
                 "answers back unchanged) or declare more samples",
                 "thread_limit",
             )
-        template = [self._template_message(s, m) for s, m in zip(seen, messages)]
-        size = self._check_size([m["content"] for m in template], self.episode.context_limit(self.agent))
-        if size > _OFF_LOOP_BYTES:  # rendered and encoded in a thread; opening it is then a cache hit
-            tok = self.episode.context.tokenizers[self.agent]
+        tok = self.episode.context.tokenizers[self.agent]
+        limit = self.episode.context_limit(self.agent)
+
+        def render() -> tuple[list[dict[str, str]], list[dict[str, str]], tuple[str, tuple[int, ...]]]:
+            template = [self._template_message(s, m) for s, m in zip(seen, messages)]
+            self._check_size([m["content"] for m in template], limit)
             full = self.episode.with_system_prompt(self.agent, template)
-            await asyncio.to_thread(tok.prompt_ids, full, tools, tools_key)
+            # not cached yet: a rendering over the context is refused, and must leave nothing behind
+            return template, full, tok.prompt_ids(full, tools, tools_key, cache=False)
+
+        if _cost(seen, tools_key) > _OFF_LOOP_COST:
+            template, full, rendered = await off_loop(render)
             if len(self.threads) >= self.max_threads:  # other requests opened theirs meanwhile
                 raise ChatError(
                     429, f"agent {self.agent!r} has opened its {self.max_threads} conversation(s)"
                 )
+        else:
+            template, full, rendered = render()
+        if limit is not None and len(rendered[1]) >= limit:
+            raise ChatError(
+                400,
+                f"the prompt is {len(rendered[1])} tokens, and agent {self.agent!r} has a context limit of "
+                f"{limit} (a turn needs at least one more); shorten the messages (a tool's output, for one)",
+                "context_length_exceeded",
+                "messages",
+            )
         label = f"{self.agent}-{len(self.threads)}"
-        t = self.episode.open_transcript(self.agent, template, label, tools=tools, tools_key=tools_key)
+        with tok.lend(full, tools_key, rendered):  # opened from the rendering made above
+            t = self.episode.open_transcript(self.agent, template, label, tools=tools, tools_key=tools_key)
         if isinstance(t, str):
             raise ChatError(400, t, "context_length_exceeded", "messages")
+        tok.keep(full, tools_key, rendered)  # accepted: cached for the next conversation from it
         thread = Thread(t, seen, tools_key, busy=True)
         self.threads.append(thread)
-        self.stats.threads += 1
-        if any(s[0] == "assistant" for s in seen):
-            self.stats.forks += 1
-            self.episode.metadata["agent_forks"] = self.episode.metadata.get("agent_forks", 0) + 1
         return thread
 
     async def _extend(self, thread: Thread, seen: list[Seen], messages: list[dict]) -> None:
         n = len(thread.seen)
-        new = [self._template_message(s, m) for s, m in zip(seen[n:], messages[n:])]
         room = thread.transcript.room()
-        if self._check_size([m["content"] for m in new], room) > _OFF_LOOP_BYTES:
-            text, ids = await asyncio.to_thread(thread.transcript.continuation, new)
+
+        def render() -> tuple[list[dict[str, str]], tuple[str, list[int]]]:
+            new = [self._template_message(s, m) for s, m in zip(seen[n:], messages[n:])]
+            self._check_size([m["content"] for m in new], room)
+            return new, thread.transcript.continuation(new)
+
+        # The template renders the whole conversation (twice): its cost is the whole's.
+        if _cost(seen, thread.tools_key) > _OFF_LOOP_COST:
+            new, (text, ids) = await off_loop(render)
         else:
-            text, ids = thread.transcript.continuation(new)
+            new, (text, ids) = render()
         if room is not None and len(ids) >= room:
             raise ChatError(
                 400,
@@ -326,6 +408,94 @@ class AgentSession:
         self.closed = reason
 
 
+# --- the body, and work kept off the event loop ------------------------------------------------
+
+T = TypeVar("T")
+
+
+async def off_loop(fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)` in a worker thread, at most `_OFF_LOOP_THREADS` at once per event loop. A caller
+    cancelled meanwhile returns at once, and its thread keeps its slot until it ends: a flood of
+    requests, cancelled or not, cannot pile up threads (or the memory they render into)."""
+    loop = asyncio.get_running_loop()
+    slots = _slots.get(loop)
+    if slots is None:
+        slots = _slots[loop] = asyncio.Semaphore(_OFF_LOOP_THREADS)
+    await slots.acquire()
+    try:
+        future = loop.run_in_executor(None, functools.partial(contextvars.copy_context().run, fn, *args))
+    except BaseException:
+        slots.release()
+        raise
+
+    def done(f: asyncio.Future) -> None:
+        slots.release()
+        if not f.cancelled():
+            f.exception()  # retrieved: a cancelled caller's thread may fail unseen
+
+    future.add_done_callback(done)
+    return await asyncio.shield(future)
+
+
+async def parse_body(raw: bytes) -> Any:
+    """A request body's JSON (orjson.JSONDecodeError when it is not JSON).
+
+    A body past `_PARSE_INLINE_BYTES` is first scanned off the event loop for the JSON items it
+    holds, and refused (413) past `MAX_JSON_ITEMS`. orjson holds the interpreter while it parses,
+    in a thread as well, so the parse itself runs here, with the garbage collector paused (it
+    would otherwise walk every object of the process again and again while the body's are made)."""
+    if len(raw) > _PARSE_INLINE_BYTES:
+        items = await off_loop(_json_items, raw, MAX_JSON_ITEMS)
+        if items > MAX_JSON_ITEMS:
+            raise ChatError(
+                413,
+                f"the body holds more than {MAX_JSON_ITEMS:,} JSON items (objects, arrays, keys and values); "
+                f"a request holds at most {MAX_MESSAGES:,} messages and {MAX_TOOLS:,} tools: send fewer, "
+                "larger values",
+                "request_too_large",
+            )
+    collecting = gc.isenabled()
+    if collecting:
+        gc.disable()
+    try:
+        return orjson.loads(raw)
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def _json_items(raw: bytes, cap: int) -> int:
+    """How many JSON items (objects, arrays, keys, values) the JSON text `raw` holds at most,
+    counted outside its strings: every item but the first follows a `[`, `{`, `,` or `:`, and a
+    container is an item too. A chunk at a time, so that the thread running it lets the event
+    loop run between chunks; stops once past `cap`. Not a validation: orjson parses it next."""
+    items, inside, start, n = 1, False, 0, len(raw)
+    while start < n and items <= cap:
+        end = min(n, start + _SCAN_CHUNK)
+        while end < n and raw[end - 1] == 0x5C:  # a chunk never ends inside an escape
+            end += 1
+        chunk = raw[start:end].replace(b"\\\\", b"").replace(b'\\"', b"")  # escaped quotes are text
+        parts = chunk.split(b'"')
+        outside = b"".join(parts[1 if inside else 0 :: 2])
+        items += outside.count(b",") + outside.count(b":") + 2 * (outside.count(b"[") + outside.count(b"{"))
+        inside ^= len(parts) % 2 == 0  # an odd number of quotes: the chunk ends in the other state
+        start = end
+    return items
+
+
+def _json_size(value: Any, where: str) -> int:
+    """The bytes of `value` as compact JSON (orjson: a few ms for megabytes)."""
+    try:
+        return len(orjson.dumps(value))
+    except orjson.JSONEncodeError as exc:
+        raise ChatError(400, f"{where} cannot be read as JSON: {exc}", param=where) from None
+
+
+def _cost(seen: list[Seen], tools_key: str) -> int:
+    """The estimated work of rendering a conversation (see `_OFF_LOOP_COST`)."""
+    return len(tools_key) + sum(len(s[1]) for s in seen) + _MESSAGE_COST * len(seen)
+
+
 # --- the request ---------------------------------------------------------------------------
 
 
@@ -349,12 +519,48 @@ def _check_request(body: Any) -> dict[str, Any]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ChatError(400, "messages must be a non-empty list", param="messages")
+    if len(messages) > MAX_MESSAGES:
+        raise ChatError(
+            400,
+            f"messages: {len(messages):,} messages, more than the {MAX_MESSAGES:,} a request may hold; "
+            "send fewer (drop or summarise earlier turns)",
+            "too_many_messages",
+            "messages",
+        )
     tools = body.get("tools")
+    if isinstance(tools, list) and len(tools) > MAX_TOOLS:
+        raise ChatError(
+            400,
+            f"tools: {len(tools):,} tools, more than the {MAX_TOOLS:,} a request may hold; send the tools "
+            "this conversation needs",
+            "too_many_tools",
+            "tools",
+        )
     if tools is not None and (not isinstance(tools, list) or not all(_is_tool(t) for t in tools)):
         raise ChatError(
             400,
             'tools must be a list of {"type": "function", "function": {"name": ..., "parameters": {...}}}',
             param="tools",
+        )
+    size = _json_size(tools, "tools") if tools else 0
+    if size > MAX_TOOLS_BYTES:
+        raise ChatError(
+            413,
+            f"tools: {size:,} bytes as JSON, more than the {MAX_TOOLS_BYTES:,} "
+            f"({MAX_TOOLS_BYTES // 2**20} MiB) a request's tools may take; shorten their descriptions, "
+            "or send fewer tools",
+            "tools_too_large",
+            "tools",
+        )
+    size += _json_size(messages, "messages")
+    if size > MAX_REQUEST_BYTES:
+        raise ChatError(
+            413,
+            f"the messages and tools are {size:,} bytes as JSON, more than the {MAX_REQUEST_BYTES:,} "
+            f"({MAX_REQUEST_BYTES // 2**20} MiB) a request may bring; shorten the messages (a tool's "
+            "output, for one)",
+            "request_too_large",
+            "messages",
         )
     names = {t["function"]["name"] for t in tools or []}
     choice = body.get("tool_choice", "auto" if tools else "none")
@@ -369,7 +575,13 @@ def _check_request(body: Any) -> dict[str, Any]:
         raise ChatError(
             400, f"tool_choice {choice!r}: expected auto, none, required or a function", param="tool_choice"
         )
-    return {"messages": messages, "tools": tools or None, "tool_choice": choice, "sampling": _sampling(body)}
+    return {
+        "messages": messages,
+        "tools": tools or None,
+        "tool_choice": choice,
+        "sampling": _sampling(body),
+        "cost": size + _MESSAGE_COST * len(messages),  # see _OFF_LOOP_COST
+    }
 
 
 def _is_tool(t: Any) -> bool:

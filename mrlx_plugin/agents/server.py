@@ -18,11 +18,14 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from mrlx_plugin.agents.chat import AgentSession, ChatError
+from mrlx_plugin.agents.chat import AgentSession, ChatError, parse_body
 
 logger = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 32 * 1024 * 1024  # a request past this is answered 413 before it is read whole
+# A request past this is answered 413 before it is read whole. Its messages and tools may bring
+# 4 MiB of text (chat.MAX_REQUEST_BYTES): this leaves room for JSON's escapes (non-ASCII text
+# written as \uXXXX, as Python's json writes it by default, takes twice its UTF-8 bytes).
+MAX_BODY_BYTES = 16 * 1024 * 1024
 
 
 class AgentServer:
@@ -37,7 +40,9 @@ class AgentServer:
         app = web.Application(client_max_size=MAX_BODY_BYTES)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_get("/v1/models", self._models)
-        self._runner = web.AppRunner(app, access_log=None)
+        # A client that closes its connection cancels its request's handler: the turn it waited
+        # for is undone (cancelled on the engine, or rolled back), never trained unseen.
+        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
         await site.start()
@@ -88,11 +93,12 @@ class AgentServer:
 
     # --- handlers --------------------------------------------------------------------------
 
-    async def _chat(self, request: web.Request) -> web.Response:
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        sent: web.Response | None = None
         try:
             key, session = self._session(request)
             try:
-                body = orjson.loads(await request.read())
+                body = await parse_body(await request.read())  # large bodies: their items counted first
             except orjson.JSONDecodeError as exc:
                 raise ChatError(400, f"the body is not JSON: {exc}") from None
             except web.HTTPRequestEntityTooLarge:
@@ -103,8 +109,18 @@ class AgentServer:
             inflight = self._inflight.get(key)
             if inflight is not None and task is not None:
                 inflight.add(task)
+
+            async def deliver(answer: dict[str, Any]) -> None:
+                # Written here, not after the handler returns: the session keeps the turn only
+                # once its answer is on the client's connection (a client that left gets none,
+                # and the handler is cancelled, so the turn is undone).
+                nonlocal sent
+                sent = _json(answer, 200)
+                await sent.prepare(request)
+                await sent.write_eof()
+
             try:
-                answer = await session.complete(body)
+                await session.complete(body, deliver)
             except asyncio.CancelledError:
                 if session.closed is None:
                     raise
@@ -113,12 +129,17 @@ class AgentServer:
                 if inflight is not None and task is not None:
                     inflight.discard(task)
         except ChatError as exc:
+            if sent is not None and sent.prepared:  # the episode ended as its answer was written
+                return sent
             return _json(exc.body(), exc.status)
+        except ConnectionError:  # the client left while its answer was written: nothing to answer
+            raise
         except Exception as exc:  # noqa: BLE001 - a bug here answers with its message, in OpenAI's shape
             logger.exception("agent endpoint: a request failed")
             error = ChatError(500, f"the endpoint failed: {type(exc).__name__}: {exc}", "internal_error")
             return _json(error.body(), 500)
-        return _json(answer, 200)
+        assert sent is not None  # complete() delivers its answer or raises
+        return sent
 
     async def _models(self, request: web.Request) -> web.Response:
         try:

@@ -17,16 +17,17 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import Field
+from pydantic import Field, ValidationInfo, field_validator
 
 from mrlx_plugin.agents.chat import AgentSession
 from mrlx_plugin.agents.parsers import ReasoningParser, ToolParser, reasoning_parser, tool_parser
 from mrlx_plugin.agents.server import server_for
 from mrlx_plugin.core.config import Seconds, Section, Settings, Text
+from mrlx_plugin.core.netutil import is_loopback
 from mrlx_plugin.core.transcript import Transcript, Turn
 from mrlx_plugin.core.values import RewardError, finite_reward
 from mrlx_plugin.episodes.episode import Episode
-from mrlx_plugin.episodes.errors import EpisodeAborted
+from mrlx_plugin.episodes.errors import EpisodeAborted, described, stops_the_rollout
 from mrlx_plugin.episodes.system import Registered, System
 
 
@@ -84,12 +85,29 @@ class AgentCodeSettings(Section):
     """The section `mrlx.NAME` of a system made with `agent_code`."""
 
     timeout_s: Seconds = Field(600.0, description="the most one episode's agent code may run")
+    allow_remote: bool = Field(
+        False,
+        description="let `host` be an address other machines reach (the session keys are then the only "
+        "guard: a trusted network only)",
+    )
     host: Text = Field(
         "127.0.0.1",
         description="address the endpoints listen on (loopback: agent code runs in the rollout process "
-        "or beside it)",
+        "or beside it; another address needs `allow_remote`)",
     )
     port: int = Field(0, ge=0, le=65535, description="port of the endpoints (0: a free one)")
+
+    @field_validator("host")
+    @classmethod
+    def _loopback_unless_allowed(cls, host: str, info: ValidationInfo) -> str:
+        # As the engines refuse it: a session key is the endpoint's only guard, and it travels in clear.
+        if not info.data.get("allow_remote") and not is_loopback(host):
+            raise ValueError(
+                f"{host!r} is reachable from other machines, and the endpoints' only guard is each "
+                "episode's session key (sent in clear); keep 127.0.0.1, or set allow_remote: true on a "
+                "trusted network"
+            )
+        return host
 
 
 def agent_code(
@@ -151,25 +169,30 @@ def agent_code(
         )
         # The function runs as a task that is left behind at its deadline: code that catches its
         # cancellation cannot hold the episode (its sessions are closed: it reaches no engine).
-        work = asyncio.ensure_future(run(task, endpoints))
+        work = asyncio.ensure_future(_contained(run(task, endpoints)))
         try:
-            done, _ = await asyncio.wait({work}, timeout=settings.timeout_s)
+            try:
+                done, _ = await asyncio.wait({work}, timeout=settings.timeout_s)
+            except asyncio.CancelledError:  # the host's abort: the episode goes, and its code with it
+                work.cancel()
+                work.add_done_callback(_retrieve)
+                raise
             if not done:
                 work.cancel()
                 work.add_done_callback(_retrieve)
                 episode.abort(f"the agent code {who} ran past mrlx.{episode.settings.system}.timeout_s")
                 raise EpisodeAborted(episode.abort_reason)
-            try:
-                result = work.result()
-            except EpisodeAborted:
-                raise
-            except Exception as exc:  # noqa: BLE001 - the user's code: this episode ends, not the rollout
+            # Whatever the code raised ends this episode, named, and nothing else: its own
+            # CancelledError (nothing cancelled it), SystemExit, any BaseException.
+            failure = _UserCodeFailed(asyncio.CancelledError()) if work.cancelled() else work.exception()
+            if isinstance(failure, EpisodeAborted):
+                raise failure
+            if failure is not None:
+                raised = failure.raised if isinstance(failure, _UserCodeFailed) else failure
                 if not episode.aborted:  # else it failed on an endpoint's answer after the episode ended
-                    episode.abort(f"the agent code {who} raised {type(exc).__name__}: {exc}")
-                raise EpisodeAborted(episode.abort_reason) from None
-        except asyncio.CancelledError:
-            work.cancel()
-            raise
+                    episode.abort(f"the agent code {who} raised {described(raised)}")
+                raise EpisodeAborted(episode.abort_reason)
+            result = work.result()
         finally:
             for key in keys.values():
                 await server.close(key, f"episode {episode.id} has ended")
@@ -214,6 +237,28 @@ async def _grade(episode: Episode, answer: str, agent: str) -> float:
     )
     view.turns.append(Turn(agent, [], [], answer, "stop", None))
     return await episode.grade(view)
+
+
+class _UserCodeFailed(Exception):
+    """What the agent code raised that must not leave its task as itself: asyncio re-raises a
+    task's SystemExit out of the event loop, ending every episode of the rollout."""
+
+    def __init__(self, raised: BaseException):
+        super().__init__(described(raised))
+        self.raised = raised
+
+
+async def _contained(work: Awaitable[Any]) -> Any:
+    """`await work`, with anything it raises that is not an Exception (SystemExit, a CancelledError
+    of its own, ...) held as a `_UserCodeFailed`, short of what `stops_the_rollout`."""
+    try:
+        return await work
+    except Exception:
+        raise
+    except BaseException as exc:
+        if stops_the_rollout(exc):
+            raise
+        raise _UserCodeFailed(exc) from None
 
 
 def _retrieve(task: asyncio.Future) -> None:

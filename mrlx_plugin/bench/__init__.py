@@ -17,6 +17,8 @@ like any other module; they import the rest of the package, never the other way 
                              the built-in pipeline: CPU per call and the critical path
     mrlx bench tools         the tool-using example (`mrlx demo --tools`) from scratch: its
                              learning curve, well-formed tool calls, time and memory
+    mrlx bench requests      how long hostile chat-completions requests (huge message lists,
+                             tools, bodies) hold the agent endpoint's event loop, and their memory
 """
 
 from __future__ import annotations
@@ -45,10 +47,12 @@ def main(argv: list[str]) -> int:
         from mrlx_plugin.bench.agents import main as run
     elif name == "tools":
         from mrlx_plugin.bench.tools import main as run
+    elif name == "requests":
+        from mrlx_plugin.bench.request_stall import main as run
     else:
         print(
             f"mrlx bench: unknown benchmark {name!r} "
-            "(rollout, coordinator, demo, load, answers, credit, agents, tools)",
+            "(rollout, coordinator, demo, load, answers, credit, agents, tools, requests)",
             file=sys.stderr,
         )
         return 2

@@ -49,6 +49,7 @@ import logging
 import math
 import re
 import resource
+import secrets
 import signal
 import sys
 import time
@@ -74,8 +75,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from mrlx_plugin.coordinator.storage import CoordinatorStore, QueueStats, StoreError, StoreOpenError
 from mrlx_plugin.core.netutil import BodyLengthError, is_loopback, read_declared, write_port_file
 from mrlx_plugin.link.auth import (
+    BOOT_HEADER,
     CONTENT_HEADER,
     MAX_SKEW_S,
+    NO_BOOT,
     PROOF_HEADER,
     SCHEME,
     ReplayGuard,
@@ -563,11 +566,14 @@ class Coordinator:
         self._flusher: asyncio.Task[None] | None = None
         # Keys derived from the token: one checks requests, one proves answers (the token is not kept).
         self._keys = derive_keys(config.token) if config.token else None
-        # Nonces live in memory: a request signed before this process started cannot be told from
-        # a replay of one its predecessor served, so it is refused as retryable (the client signs
-        # it afresh; a client whose clock runs behind waits out the difference).
+        # Nonces live in memory, for this start only; a random id of the start (X-Mrlx-Boot) tells
+        # the requests signed after it from those its predecessor may have served: a request that
+        # names it is new to this start whatever its time, one that names another start (or none
+        # yet) is refused once with this one, which the client names when it signs again at once.
+        # (Not the start time: a client whose clock lags would be refused until it caught up, and
+        # one whose clock leads stamps requests signed before the start with times after it.)
+        self.boot = secrets.token_hex(8)
         self._replays = ReplayGuard()
-        self._replays.floor = time.time()
 
     # ----------------------------------------------------------------- plumbing
 
@@ -643,6 +649,7 @@ class Coordinator:
         nonce = request.get(NONCE_KEY)
         if nonce is not None and self._keys is not None:
             response.headers[PROOF_HEADER] = answer_mac(self._keys[1], nonce, response.status, content)
+            response.headers[BOOT_HEADER] = self.boot
 
     @staticmethod
     def _error_response(status: int, message: str, headers: dict[str, str] | None) -> web.Response:
@@ -708,7 +715,7 @@ class Coordinator:
         if self._metrics_reader(request):
             return None
         # The path as the request line carries it (query included), as the client signed it.
-        nonce, problem, stamp = check_request(
+        nonce, problem, stamp, boot = check_request(
             self._keys[0], request.method, request.raw_path, request.headers
         )
         if nonce is None:
@@ -726,17 +733,41 @@ class Coordinator:
                 f"{MAX_SKEW_S:.0f} s either way): synchronise the clocks of the client's and the "
                 "coordinator's hosts"
             )
+        # All refusals below are retryable (503): the request is not done, and its sender signs
+        # it afresh. Each is final for the request refused: it is never accepted later.
+        if boot is not None and boot != self.boot:
+            named = (
+                "no start of the coordinator (its client has not heard from it yet)"
+                if boot == NO_BOOT
+                else f"the coordinator's start {boot} (it restarted since)"
+            )
+            return 503, (
+                f"the request's {BOOT_HEADER} names {named}, not its current start: sign it afresh "
+                f"naming {BOOT_HEADER}: {self.boot}"
+            )
+        if boot is None and stamp <= self.started:
+            return 503, (
+                f"the request's X-Mrlx-Time is before this coordinator started, and the request names no "
+                f"start ({BOOT_HEADER}), so it cannot be told from a replay of one its predecessor served: "
+                f"sign it afresh naming its start, {BOOT_HEADER}: {self.boot}"
+            )
         seen = self._replays.admit(nonce, stamp, now)
         if seen == "replay":
-            # Retryable: a replay changes nothing, and the true sender (whose nonce a copy took
-            # first) signs again.
-            return (
-                503,
-                "the request's X-Mrlx-Nonce was used before: a replayed request is refused; sign it afresh",
-            )
-        if seen == "forgotten":
+            # (a copy that went first must not end the true sender's call)
             return 503, (
-                "the request is older than those the coordinator can still tell from replays: sign it afresh"
+                "the request's X-Mrlx-Nonce was used before: a replayed request is refused; sign it afresh"
+            )
+        if seen == "behind":
+            return 503, (
+                f"the request's X-Mrlx-Nonce counts more than {self._replays.window} requests behind its "
+                "client's newest, further than the coordinator tells replays apart: sign it afresh"
+            )
+        if seen == "full":
+            return 503, (
+                f"the coordinator remembers the requests of at most {self._replays.capacity} clients "
+                f"signed within {MAX_SKEW_S:.0f} s, and refuses a new client's until some are forgotten "
+                "(too many requests were signed each with a nonce of its own): sign it afresh, with a "
+                "client that numbers its requests (the plugin's client, `mrlx coordinator call`)"
             )
         request[CONTENT_KEY] = request.headers[CONTENT_HEADER].strip().lower()
         return None
@@ -1367,12 +1398,14 @@ SIGNATURE_SCHEME_TEXT = (
     f"{SCHEME}: the token never travels. Keys: client_key = HMAC-SHA256(token, 'mrlx client'), "
     "server_key = HMAC-SHA256(token, 'mrlx server'). A request carries X-Mrlx-Time (Unix seconds, within "
     f"{MAX_SKEW_S:.0f} s of the coordinator's clock), X-Mrlx-Nonce (16 to 64 hex digits, never reused), "
-    "X-Mrlx-Content-Sha256 (hex SHA-256 of the body, of nothing when there is none) and X-Mrlx-Signature = "
-    "hex HMAC-SHA256(client_key, 'mrlx-v1' LF METHOD LF PATH LF NONCE LF TIME LF CONTENT_SHA256), PATH as on "
+    "X-Mrlx-Content-Sha256 (hex SHA-256 of the body, of nothing when there is none), optionally X-Mrlx-Boot "
+    "(the coordinator start's id, from an earlier answer, or '-') and X-Mrlx-Signature = hex HMAC-SHA256("
+    "client_key, 'mrlx-v1' LF METHOD LF PATH LF NONCE LF TIME LF CONTENT_SHA256 [LF BOOT]), PATH as on "
     "the request line. Every answer to a request signed so carries X-Mrlx-Proof = hex HMAC-SHA256("
-    "server_key, 'mrlx-v1' LF NONCE LF STATUS LF hex SHA-256 of the answer body); use no answer without "
-    "it. `mrlx coordinator call METHOD PATH` makes one signed call from a shell; mrlx_plugin.link.auth "
-    "has the code."
+    "server_key, 'mrlx-v1' LF NONCE LF STATUS LF hex SHA-256 of the answer body) and X-Mrlx-Boot; use no "
+    "answer without the proof. A request that names another start, or none and a time before the start, "
+    "is refused (503): sign it again naming the start. `mrlx coordinator call METHOD PATH` makes one signed "
+    "call from a shell; mrlx_plugin.link.auth has the code."
 )
 
 

@@ -695,6 +695,8 @@ def _message(error: dict, root: type[BaseModel]) -> list[str]:
     path = _dotted(loc)
     if kind == "mrlx":
         return [f"{path}: {ctx['message']}"]
+    if kind == "value_error":  # a ValueError of a section's own validator (a plugin's too): its text
+        return [f"{path}: {ctx.get('error', error['msg'])}"]
     if kind == "extra_forbidden":
         model = _type_at(loc[:-1], root)
         return [_unknown_key(path, loc[-1], model)]

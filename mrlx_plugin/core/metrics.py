@@ -26,6 +26,7 @@ token counts, aborted/retried turns, ...), so the metrics are computed from the 
 | `game/win_rate/vs/<opponent>` | first agent seat's win rate per opponent met (an agent or `script:NAME`) |
 | `game/draw_rate` | finished game episodes no seat won (only when there were some) |
 | `multi_agent/opponent_down` | game episodes ended at once because the pool member they drew was down |
+| `game/replays` | TextArena moves that replayed their game from the seed, its live env no longer kept |
 | `debate/invalid_verdict_rate` | finished debate episodes whose judge named no winner (`system: debate`) |
 | `debate/win_rate/<side>` | finished debate episodes the side (`A`: the first debater, `B`) won |
 | `credit/branch_candidates` | engine calls per episode on tree-sampling candidates not gone on from |
@@ -33,6 +34,7 @@ token counts, aborted/retried turns, ...), so the metrics are computed from the 
 | `agents/requests`, `agents/tool_calls` | agents as code: endpoint requests, parsed tool calls per episode |
 | `agents/malformed_tool_call_rate` | tool calls a parser could not read (left as text), of all it found |
 | `agents/forks`, `agents/refused_requests` | conversations from rewritten histories; 4xx, per episode |
+| `agents/undelivered_requests` | requests undone unanswered (client left, episode ended), per episode |
 """
 
 from __future__ import annotations
@@ -131,6 +133,7 @@ def _agent_code_metrics(eps: list[dict[str, Any]]) -> dict[str, float]:
         "agents/tool_calls": total["tool_calls"] / n,
         "agents/forks": sum(s.get("forks", 0) for s in stats) / n,
         "agents/refused_requests": sum(s.get("refused", 0) for s in stats) / n,
+        "agents/undelivered_requests": sum(s.get("undelivered", 0) for s in stats) / n,
     }
     if found:
         out["agents/malformed_tool_call_rate"] = total["malformed_tool_calls"] / found
@@ -159,6 +162,9 @@ def _game_metrics(eps: list[dict[str, Any]]) -> dict[str, float]:
     out["game/episodes"] = float(len(games))
     # Ended at once because the opponent-pool member they drew was down (systems.game).
     out["multi_agent/opponent_down"] = float(sum(bool(e["episode"].get("opponent_down")) for e in games))
+    replays = [e["episode"]["replays"] for e in games if "replays" in e["episode"]]
+    if replays:  # TextArena games: moves that replayed their game from the seed (systems.library_games)
+        out["game/replays"] = float(sum(replays))
     if not finished:
         return out
     n = len(finished)

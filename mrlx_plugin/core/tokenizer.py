@@ -16,11 +16,13 @@ text (as `split_special_tokens=True` does). A message cannot open or close a tur
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 import secrets
 import threading
 from collections import OrderedDict
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from mrlx_plugin.core.config import ConfigError
@@ -57,6 +59,60 @@ class TemplateError(ValueError):
     """A chat template that cannot render a conversation incrementally."""
 
 
+# The caches' budgets, in characters (of keys and texts) plus ids held: about 40 MB for rendered
+# prompts of English text, 100 MB at most (a Python int in a tuple takes ~36 bytes, a character
+# of ASCII text one). An entry past an eighth of its cache's budget is never cached: one request
+# cannot flush a cache, and what is cached stays many entries.
+PROMPT_CACHE_BUDGET = 8_000_000
+PIECE_CACHE_BUDGET = 4_000_000  # each of the two piece caches (markup, content)
+_LARGEST_ENTRY = 8  # the budget's share one entry may take: 1/8
+
+
+class _SizedCache:
+    """A map bounded by the total size of its entries (and by their count), evicting the oldest
+    first (`get(touch=True)` makes an entry the newest). Writers hold the tokenizer's lock."""
+
+    def __init__(self, budget: int, max_entries: int):
+        self.budget = budget
+        self.largest = budget // _LARGEST_ENTRY
+        self.max_entries = max_entries
+        self.size = 0
+        self._items: OrderedDict[Any, tuple[Any, int]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __contains__(self, key: Any) -> bool:
+        return key in self._items
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(list(self._items))
+
+    def keys(self) -> list[Any]:
+        return list(self._items)
+
+    def get(self, key: Any, touch: bool = False) -> Any:
+        hit = self._items.get(key)
+        if hit is None:
+            return None
+        if touch:
+            self._items.move_to_end(key)
+        return hit[0]
+
+    def put(self, key: Any, value: Any, size: int) -> bool:
+        """Cache `value` as `size` (characters + ids); False when it is too large to cache."""
+        if size > self.largest:
+            return False
+        old = self._items.pop(key, None)
+        if old is not None:
+            self.size -= old[1]
+        self._items[key] = (value, size)
+        self.size += size
+        while self.size > self.budget or len(self._items) > self.max_entries:
+            self.size -= self._items.popitem(last=False)[1][1]
+        return True
+
+
 def _plain_backend(backend: Any) -> Any:
     """A copy of a Rust tokenizer that encodes special-token strings as ordinary text."""
     if backend is None or not hasattr(backend, "encode_special_tokens"):
@@ -73,20 +129,31 @@ class AgentTokenizer:
 
     # Rendered prompts are cached for reuse while an episode is in flight (one prompt group's
     # shared prompt, the rewriters' shared prompt); pieces (paragraphs) for reuse across prompts.
-    # Both are bounded: a cached 3k-token prompt holds ~100 KB of Python ints.
-    def __init__(self, hf_tokenizer: Any, name: str, cache_size: int = 512, piece_cache_size: int = 4096):
+    # All are bounded by size (characters + ids, see PROMPT_CACHE_BUDGET) and by count: a cached
+    # 3k-token prompt holds ~100 KB of Python ints.
+    def __init__(
+        self,
+        hf_tokenizer: Any,
+        name: str,
+        cache_size: int = 512,
+        piece_cache_size: int = 4096,
+        cache_budget: int = PROMPT_CACHE_BUDGET,
+        piece_budget: int = PIECE_CACHE_BUDGET,
+    ):
         self.hf = hf_tokenizer
         self.name = name
-        self._cache: OrderedDict[tuple, tuple[str, tuple[int, ...]]] = OrderedDict()
+        self._cache = _SizedCache(cache_budget, cache_size)  # (tools_key, messages) -> (text, ids)
         # Pieces' ids are tuples: the garbage collector stops tracking a tuple of ints once it has
         # seen it, so thousands of cached pieces add nothing to its passes (lists would).
         # Markup pieces (special tokens live) and content pieces (special tokens as text).
-        self._pieces: OrderedDict[str, tuple[int, ...]] = OrderedDict()
-        self._text_pieces: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._pieces = _SizedCache(piece_budget, piece_cache_size)
+        self._text_pieces = _SizedCache(piece_budget, piece_cache_size)
+        # Renderings lent to a synchronous open (`lend`), and whether this thread's encodes may
+        # fill the piece caches (not while rendering what may yet be refused: `prompt_ids(cache=False)`).
+        self._lent: dict[tuple, tuple[str, tuple[int, ...]]] = {}
+        self._local = threading.local()
         self._piecewise: bool | None = None  # decided on first use
         self._text_piecewise: bool | None = None
-        self._cache_size = cache_size
-        self._piece_cache_size = piece_cache_size
         self._lock = threading.Lock()
         # The Rust tokenizer behind a fast HF tokenizer, called directly: less overhead, no
         # length warnings, and decoding without "clean-up" of spaces (the text must spell the ids).
@@ -151,26 +218,26 @@ class AgentTokenizer:
     def _encode_pieces(self, text: str, plain: bool = False) -> list[int]:
         ids: list[int] = []
         cache = self._text_pieces if plain else self._pieces
+        store = getattr(self._local, "store", True)
         for piece in _paragraphs(text):
             hit = cache.get(piece)
             if hit is None:
                 hit = tuple(self._encode_whole(piece, plain))
-                with self._lock:
-                    cache[piece] = hit
-                    if len(cache) > self._piece_cache_size:
-                        cache.popitem(last=False)
+                if store:
+                    with self._lock:
+                        cache.put(piece, hit, len(piece) + len(hit))
             ids.extend(hit)
         return ids
 
     def _encode_markup(self, text: str) -> tuple[int, ...]:
-        """Template text between contents: short and repeated, so cached whole."""
+        """Template text between contents: short and repeated, so cached whole (what is larger
+        than the cache's share for one entry, a long tools list's markup, is not)."""
         hit = self._pieces.get(text)
         if hit is None:
             hit = tuple(self._encode_whole(text))
-            with self._lock:
-                self._pieces[text] = hit
-                if len(self._pieces) > self._piece_cache_size:
-                    self._pieces.popitem(last=False)
+            if getattr(self._local, "store", True):
+                with self._lock:
+                    self._pieces.put(text, hit, len(text) + len(hit))
         return hit
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -284,27 +351,73 @@ class AgentTokenizer:
         return self._segments(self.render_text(self._wrapped(messages), add_generation_prompt, tools))
 
     def prompt_ids(
-        self, messages: list[dict[str, str]], tools: list[dict] | None = None, tools_key: str = ""
+        self,
+        messages: list[dict[str, str]],
+        tools: list[dict] | None = None,
+        tools_key: str = "",
+        cache: bool = True,
     ) -> tuple[str, tuple[int, ...]]:
         """The rendered text and token ids of a conversation that the agent answers next.
 
         Cached, and shared by every transcript that starts from the same messages (the ids are a
         tuple, so no one can change them under the others). Contents are plain text. `tools_key`
-        stands for `tools` in the cache's key (their canonical JSON).
+        stands for `tools` in the cache's key (their canonical JSON). `cache=False`: a rendering
+        that may yet be refused (over the context): neither it nor its pieces are cached (a hit
+        is still used); `keep` caches it once it is accepted.
         """
-        key = (tools_key, *((m["role"], m["content"]) if len(m) == 2 else tuple(m.items()) for m in messages))
+        key = _prompt_key(messages, tools_key)
         with self._lock:
-            hit = self._cache.get(key)
-            if hit is not None:
-                self._cache.move_to_end(key)
-                return hit
-        text, ids = self.render_chat(messages, add_generation_prompt=True, tools=tools)
+            hit = self._lent.get(key) or self._cache.get(key, touch=True)
+        if hit is not None:
+            return hit
+        store = getattr(self._local, "store", True)
+        self._local.store = store and cache
+        try:
+            text, ids = self.render_chat(messages, add_generation_prompt=True, tools=tools)
+        finally:
+            self._local.store = store
         value = (text, tuple(ids))
-        with self._lock:
-            self._cache[key] = value
-            if len(self._cache) > self._cache_size:
-                self._cache.popitem(last=False)
+        if cache:
+            self.keep(messages, tools_key, value)
         return value
+
+    def keep(
+        self, messages: list[dict[str, str]], tools_key: str, value: tuple[str, tuple[int, ...]]
+    ) -> bool:
+        """Cache an accepted rendering (`prompt_ids(..., cache=False)`'s); False when it is too
+        large to cache (past an eighth of the budget)."""
+        key = _prompt_key(messages, tools_key)
+        size = _key_chars(key) + len(value[0]) + len(value[1])
+        with self._lock:
+            return self._cache.put(key, value, size)
+
+    @contextlib.contextmanager
+    def lend(
+        self, messages: list[dict[str, str]], tools_key: str, value: tuple[str, tuple[int, ...]]
+    ) -> Iterator[None]:
+        """`prompt_ids(messages)` gives `value` within this block, without caching it: a rendering
+        made off the event loop handed to a synchronous open (`Episode.open_transcript`) before
+        it is known to fit."""
+        key = _prompt_key(messages, tools_key)
+        with self._lock:
+            self._lent[key] = value
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._lent.pop(key, None)
+
+    def cache_sizes(self) -> dict[str, tuple[int, int]]:
+        """Each cache's (size, budget), in characters and ids held."""
+        with self._lock:
+            return {
+                name: (c.size, c.budget)
+                for name, c in (
+                    ("prompts", self._cache),
+                    ("markup", self._pieces),
+                    ("text", self._text_pieces),
+                )
+            }
 
     def continuation(
         self,
@@ -313,15 +426,18 @@ class AgentTokenizer:
         new: list[dict[str, str]],
         add_generation_prompt: bool,
         tools: list[dict] | None = None,
+        held_ids: Sequence[int] = (),
     ) -> tuple[str, list[int]]:
-        """The text and ids to append to a transcript that holds `held_text` so it shows `new`.
+        """The text and ids to append to a transcript that holds `held_text` (whose ids end with
+        `held_ids`) so it shows `new`.
 
         `history` is the conversation the transcript shows so far (the agent's own turns as the
         text their ids spell). The template renders history and history+new; their difference is
         the new part, whose message contents are encoded as plain text. When the held text stops
-        short of what the template expects after the last turn (a turn cut at its token cap has
-        no end-of-turn marker), the missing closing markup is added first, so the agent sees a
-        well-formed conversation.
+        short of what the template writes after the last message (a turn cut at its token cap
+        has no end-of-turn marker; a turn that sampled its end-of-turn token lacks the newline
+        after it), the missing closing markup is added first, so the agent sees a well-formed
+        conversation.
         """
         base = self.render_text(history, add_generation_prompt=False, tools=tools)
         full = self.render_text(
@@ -332,8 +448,48 @@ class AgentTokenizer:
                 f"the chat template of {self.name} renders earlier messages differently once a message is "
                 "added; set a `chat_template` for this agent that only appends"
             )
-        closing = base[len(held_text) :] if base.startswith(held_text) else ""
+        closing = (
+            base[len(held_text) :] if base.startswith(held_text) else self._closing(history, tools, held_ids)
+        )
         return self._segments(full[len(base) :], prefix_markup=closing)
+
+    def _closing(
+        self, history: list[dict[str, str]], tools: list[dict] | None, held_ids: Sequence[int]
+    ) -> str:
+        """The markup the template writes after the last message's content, less what the held
+        ids already end with (whole tokens: the end-of-turn token the model sampled).
+
+        For a held text that is no prefix of the history's rendering: the last turn's ids spell
+        more than its message shows (a special token sampled mid-answer, which readers are not
+        shown), so the closing markup is found from the last message's content on."""
+        if not history:
+            return ""
+        marked = self.render_text(history[:-1] + self._wrapped(history[-1:]), False, tools)
+        if self._close not in marked:  # a message without text content
+            return ""
+        after = marked.rsplit(self._close, 1)[1]
+        after_ids = self._encode_markup(after)
+        for k in range(min(len(after_ids), len(held_ids)), 0, -1):
+            if tuple(held_ids[-k:]) == after_ids[:k]:
+                taken = self.decode(list(after_ids[:k]), skip_special_tokens=False)
+                return after[len(taken) :] if after.startswith(taken) else after
+        return after
+
+
+def _prompt_key(messages: list[dict[str, str]], tools_key: str) -> tuple:
+    return (tools_key, *((m["role"], m["content"]) if len(m) == 2 else tuple(m.items()) for m in messages))
+
+
+def _key_chars(key: tuple) -> int:
+    """The characters a prompt cache key holds (its strings)."""
+    n = len(key[0])
+    for m in key[1:]:
+        for part in m:
+            if isinstance(part, str):
+                n += len(part)
+            elif isinstance(part, tuple):
+                n += sum(len(x) for x in part if isinstance(x, str))
+    return n
 
 
 def gpt2_byte_chars() -> dict[str, int]:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from mrlx_plugin.core.host import Status, copy_sample
 from mrlx_plugin.core.tokenizer import AgentTokenizer
@@ -54,6 +54,17 @@ def strip_reasoning(text: str) -> str:
     if THINK_END in text:
         return text.rsplit(THINK_END, 1)[1].strip()
     return text.strip()
+
+
+class Mark(NamedTuple):
+    """Where a transcript stood (`Transcript.mark`): the lengths of what it appends to."""
+
+    ids: int
+    messages: int
+    turns: int
+    weight_versions: int
+    held: list[str | list[int]]
+    truncated: bool
 
 
 @dataclass
@@ -199,8 +210,12 @@ class Transcript:
     ) -> tuple[str, list[int]]:
         """The text and ids `append_messages(new)` would append (nothing is appended)."""
         return self.tokenizer.continuation(
-            self.held_text(), self.messages, new, add_generation_prompt, self.tools
+            self.held_text(), self.messages, new, add_generation_prompt, self.tools, self._tail_ids()
         )
+
+    def _tail_ids(self) -> list[int]:
+        """The last ids held (enough to hold a template's closing markup)."""
+        return [*self.prompt_ids[-64:], *self.response_ids[-64:]][-64:]
 
     def append_continuation(self, new: list[dict[str, str]], text: str, ids: list[int]) -> bool:
         """Append what `continuation(new)` gave (see `append_messages`)."""
@@ -238,14 +253,27 @@ class Transcript:
             _held=list(self._held),
         )
 
-    def mark(self) -> tuple:
-        """Where the transcript stands, for `rollback` (a request whose turn never ran)."""
-        return (len(self.response_ids), len(self.messages), list(self._held), self.truncated)
+    def mark(self) -> Mark:
+        """Where the transcript stands, for `rollback`."""
+        return Mark(
+            len(self.response_ids),
+            len(self.messages),
+            len(self.turns),
+            len(self.weight_versions),
+            list(self._held),
+            self.truncated,
+        )
 
-    def rollback(self, mark: tuple) -> None:
-        """Undo the appends since `mark` was taken (context only: no turn was appended since)."""
-        n, messages, held, truncated = mark
+    def rollback(self, mark: Mark) -> None:
+        """Undo every append since `mark` was taken, turns included (a request whose turn never
+        ran, or whose answer never reached its client)."""
+        n, messages, turns, versions, held, truncated = mark
         del self.response_ids[n:], self.loss_mask[n:], self.logprobs[n:], self.messages[messages:]
+        del self.turns[turns:], self.turn_rewards[turns:], self.turn_keys[turns:]
+        del self.weight_versions[versions:]
+        for index in [i for i in self.branches if i >= turns]:
+            del self.branches[index]
+            self.taken_scores.pop(index, None)
         self._held, self.truncated = held, truncated
 
     def held_text(self) -> str:

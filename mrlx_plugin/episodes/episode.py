@@ -29,7 +29,7 @@ from mrlx_plugin.core.engine_client import EngineError
 from mrlx_plugin.core.transcript import Transcript, Turn
 from mrlx_plugin.core.values import RewardError, finite_reward
 from mrlx_plugin.episodes.context import EpisodeContext
-from mrlx_plugin.episodes.errors import EpisodeAborted, HookResultError
+from mrlx_plugin.episodes.errors import EpisodeAborted, HookResultError, described, stops_the_rollout
 from mrlx_plugin.episodes.turn import take_turn
 
 logger = logging.getLogger(__name__)
@@ -270,14 +270,14 @@ class Episode:
                 if inspect.isawaitable(found):
                     found = await asyncio.wait_for(found, self.settings.rewards.grade_timeout_s)
                 plugin, value = found
-        except (ConfigError, HookResultError, EpisodeAborted, asyncio.CancelledError):
+        except (ConfigError, HookResultError, EpisodeAborted):
             raise
         except RewardError as exc:  # a system's score that is not finite, named by the system
             raise self.fail_reward(f"scoring turn {index} of {transcript.label}: {exc}", exc) from None
-        except Exception as exc:  # noqa: BLE001 - as a failed grade: the episode ends, not the rollout
-            reason = (
-                f"scoring turn {index} of {transcript.label} with {where} failed: {type(exc).__name__}: {exc}"
-            )
+        except BaseException as exc:  # as a failed grade: the episode ends, not the rollout
+            if stops_the_rollout(exc):
+                raise
+            reason = f"scoring turn {index} of {transcript.label} with {where} failed: {described(exc)}"
             raise self.fail_reward(reason, exc) from None
         if value is None:
             return 0.0
@@ -316,9 +316,11 @@ class Episode:
                     float(result) if isinstance(result, bool) else result, f"mrlx_grade of plugin {plugin!r}"
                 )
             )
-        except (ConfigError, asyncio.CancelledError):
+        except ConfigError:
             raise
-        except Exception as exc:  # noqa: BLE001 - one failed grade must not end the host's rollout
+        except BaseException as exc:  # one failed grade must not end the host's rollout
+            if stops_the_rollout(exc):
+                raise
             if isinstance(exc, asyncio.TimeoutError):
                 reason = (
                     f"grading agent {transcript.agent!r} took longer than rewards.grade_timeout_s "
@@ -327,7 +329,7 @@ class Episode:
             elif isinstance(exc, RewardError):
                 reason = f"grading agent {transcript.agent!r} failed: {exc}"
             else:
-                reason = f"grading agent {transcript.agent!r} failed: {type(exc).__name__}: {exc}"
+                reason = f"grading agent {transcript.agent!r} failed: {described(exc)}"
             raise self.fail_reward(reason, exc) from None
         transcript.raw_reward = transcript.reward = value
         return value

@@ -13,6 +13,9 @@ pid, host), which the coordinator records as a heartbeat.
 
 With the run's token, the token itself is never sent: every attempt is signed, and an answer is
 used only once it proves that it comes from a holder of the token (`mrlx_plugin.link.auth`).
+An attempt names the coordinator start the client last heard from; after a restart (or at the
+client's first call) the coordinator refuses it with its current start, and the client signs it
+again at once, whatever its clock (within the allowed skew) says.
 Another process answering on the coordinator's address (bound to its port during an outage) learns
 no token, and its answers are refused: as a passing failure, retried until the deadline like an
 outage, with a message naming the cause; an unproven 401 is raised at once (the token differs).
@@ -45,7 +48,15 @@ from mrlx_plugin.core.http import (
 )
 from mrlx_plugin.core.netutil import BodyLengthError, read_declared
 from mrlx_plugin.core.retry import Backoff, Deadline, RetriesExhausted, retry
-from mrlx_plugin.link.auth import NONCE_HEADER, PROOF_HEADER, content_sha256, derive_keys, proven, sign
+from mrlx_plugin.link.auth import (
+    BOOT_HEADER,
+    NONCE_HEADER,
+    PROOF_HEADER,
+    Signer,
+    content_sha256,
+    derive_keys,
+    proven,
+)
 from mrlx_plugin.link.wire import CONTENT_TYPE, BufferPool, QueueItem, decode_frame, encode_items_into
 
 log = logging.getLogger("mrlx.coordinator.client")
@@ -137,6 +148,7 @@ class CoordinatorClient(HttpClient):
         max_commit_bytes: int = 16 << 20,
         max_commit_items: int = 1024,
         commit_concurrency: int = 2,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.url = url.rstrip("/")
         base = URL(self.url)
@@ -161,7 +173,9 @@ class CoordinatorClient(HttpClient):
         }
         super().__init__(identity, max_connections=MAX_CONNECTIONS)
         # Keys derived from the token sign requests and check answers; the token is not kept.
+        # `clock` gives the Unix time requests are stamped with.
         self._keys = derive_keys(token) if token else None
+        self._signer = Signer(self._keys[0], clock) if self._keys else None
         self._buffers = BufferPool(keep=self.commit_concurrency + 2)
 
     def __repr__(self) -> str:  # never shows the token
@@ -210,44 +224,59 @@ class CoordinatorClient(HttpClient):
         target = URL(url).raw_path_qs  # the path as the request line carries it: what is signed
 
         async def attempt(_: int) -> tuple[int, Any, Any]:
-            sent, nonce = headers, None
-            if self._keys is not None:
-                sent = {**headers, **sign(self._keys[0], method, target, content)}
-                nonce = sent[NONCE_HEADER]  # fresh for every attempt: the coordinator refuses a repeat
             try:
-                async with self._session().request(
-                    method, url, data=payload, headers=sent, timeout=timeout
-                ) as resp:
-                    frame = frame_answer and resp.status < 400
-                    buf, body = (
-                        await self._read_frame(resp)
-                        if frame
-                        else (None, await read_capped(resp, MAX_JSON_ANSWER_BYTES))
-                    )
-                    if nonce is not None:  # signed: the answer must prove it knows the token
-                        answer = await _off_loop(content_sha256, body)
-                        proof = resp.headers.get(PROOF_HEADER)
-                        if not proven(self._keys[1], nonce, resp.status, answer, proof):
-                            if buf is not None:
-                                self._buffers.give(buf)
-                            self._unproven(method, url, resp.status, body)
-                    if resp.status < 400:
-                        self._reached()
-                        if not frame:
-                            return resp.status, resp.headers, body
-                        decoded = await _off_loop(decode_frame, body)
-                        # the decoded items hold no reference to it (not reused if cancelled)
-                        if buf is not None:
-                            self._buffers.give(buf)
-                        return resp.status, resp.headers, decoded
-                    problem = f"HTTP {resp.status}: {_error_text(body)}"
-                    if resp.status not in RETRYABLE_STATUS:
-                        self._reached()
-                        raise CoordinatorError(f"coordinator {method} {url} failed: {problem}", resp.status)
-                    # Retry-After is outside the answer's proof: `retry_after` bounds it.
-                    raise Passing(problem, resp.status, retry_after(resp.headers.get("Retry-After")))
+                answered = await exchange(resend=True)
+                if answered is None:  # signed again, naming the start the coordinator told
+                    answered = await exchange(resend=False)
+                assert answered is not None
+                return answered
             except TRANSPORT_ERRORS as exc:
                 raise as_passing(exc, self._address, total) from exc
+
+        async def exchange(resend: bool) -> tuple[int, Any, Any] | None:
+            """One HTTP exchange; None when the coordinator refused the start the request named
+            and told its current one, and `resend`: then the call signs again at once."""
+            sent, nonce = headers, None
+            if self._signer is not None:
+                sent = {**headers, **self._signer.sign(method, target, content)}
+                nonce = sent[NONCE_HEADER]  # fresh for every attempt: the coordinator refuses a repeat
+            async with self._session().request(
+                method, url, data=payload, headers=sent, timeout=timeout
+            ) as resp:
+                frame = frame_answer and resp.status < 400
+                buf, body = (
+                    await self._read_frame(resp)
+                    if frame
+                    else (None, await read_capped(resp, MAX_JSON_ANSWER_BYTES))
+                )
+                if nonce is not None:  # signed: the answer must prove it knows the token
+                    answer = await _off_loop(content_sha256, body)
+                    proof = resp.headers.get(PROOF_HEADER)
+                    if not proven(self._keys[1], nonce, resp.status, answer, proof):
+                        if buf is not None:
+                            self._buffers.give(buf)
+                        self._unproven(method, url, resp.status, body)
+                    # The coordinator's start: when the request named another (or none yet), a 503
+                    # refused that, and the request signed again now names this one.
+                    assert self._signer is not None
+                    told = self._signer.learn(resp.headers.get(BOOT_HEADER))
+                    if resp.status == 503 and resend and told is not None and told != sent[BOOT_HEADER]:
+                        return None
+                if resp.status < 400:
+                    self._reached()
+                    if not frame:
+                        return resp.status, resp.headers, body
+                    decoded = await _off_loop(decode_frame, body)
+                    # the decoded items hold no reference to it (not reused if cancelled)
+                    if buf is not None:
+                        self._buffers.give(buf)
+                    return resp.status, resp.headers, decoded
+                problem = f"HTTP {resp.status}: {_error_text(body)}"
+                if resp.status not in RETRYABLE_STATUS:
+                    self._reached()
+                    raise CoordinatorError(f"coordinator {method} {url} failed: {problem}", resp.status)
+                # Retry-After is outside the answer's proof: `retry_after` bounds it.
+                raise Passing(problem, resp.status, retry_after(resp.headers.get("Retry-After")))
 
         def on_retry(_: int, exc: BaseException, wait: float) -> None:
             assert isinstance(exc, Passing)

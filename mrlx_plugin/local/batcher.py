@@ -23,7 +23,10 @@ How it works:
   one (`AdapterUpdate`) is swapped in like a weight update (running rows finish first, new ones
   wait), loads the new weights under a fresh internal name and retires the old, so the other
   adapters and the base never change, and a directory that does not load leaves the old adapter
-  serving.
+  serving. A directory loads only when its weights file fits its adapter_config.json: a LoRA
+  weight of each module the config adapts (peft would leave a missing one as initialised, B = 0,
+  serving the base's outputs under a new version), none that fits no module, and no base model
+  weight (peft would write it into the base that every row shares).
 
 torch is imported by `load_torch`, not at import time, so that importing this module (and
 `engine.py`, for `router_command` or the argument parser) stays cheap.
@@ -40,6 +43,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -701,28 +705,39 @@ class BatchWorker:
         update.deliver(self._adapter_answer(f"loaded LoRA adapter {name!r}; weight_version {version}"))
 
     def _load_adapter(self, internal: str, path: str) -> None:
-        from peft import PeftModel
+        """Load the adapter at `path` under the peft name `internal`; nothing changes when it
+        fails (AdapterWeightsError: its weights file does not fit its adapter_config.json)."""
+        from peft import LoraConfig, PeftModel, get_peft_model
 
-        if not self.adapters and not isinstance(self.model, PeftModel):
-            try:
-                model = PeftModel.from_pretrained(self.model, path, adapter_name=internal, is_trainable=False)
-            except BaseException:
-                # peft puts the adapter's layers into the base before it loads their weights:
-                # a load that fails half way leaves them there. The base is reloaded clean.
+        weights = _check_weight_names(path)  # before peft could write any of them into the base
+        first = not self.adapters and not isinstance(self.model, PeftModel)
+        # the key renames of a transformers model whose layout changed, which peft's from_pretrained
+        # applies: a file saved against the old layout loads as a first adapter and as a later one
+        base = self.model.get_base_model() if isinstance(self.model, PeftModel) else self.model
+        renames = getattr(base, "_checkpoint_conversion_mapping", None) or None
+        try:
+            if first:  # the base model becomes a peft model with this adapter's layers
+                config = LoraConfig.from_pretrained(path)
+                config.inference_mode = True
+                model = get_peft_model(self.model, config, adapter_name=internal)
+            else:
+                model = self.model
+            result = model.load_adapter(path, adapter_name=internal, is_trainable=False, key_mapping=renames)
+            _check_coverage(model, internal, weights, result)
+        except BaseException:
+            if first:
+                # peft puts the adapter's layers into the base before it loads their weights: a
+                # load that fails half way leaves them there. The base is reloaded clean.
                 from mrlx_plugin.local.model import load_model
 
                 self.model = load_model(self.model_path)
                 self.model.eval()
-                raise
-            model.eval()
-            self.model, self._keep_arg = model, self._logits_to_keep_arg(model)
-            return
-        try:
-            self.model.load_adapter(path, adapter_name=internal, is_trainable=False)
-        except BaseException:
-            if internal in self.model.peft_config:  # half loaded: drop what came in
+            elif internal in self.model.peft_config:  # half loaded: drop what came in
                 self.model.delete_adapter(internal)
             raise
+        if first:
+            model.eval()
+            self.model, self._keep_arg = model, self._logits_to_keep_arg(model)
 
     def _abort_rows_of(self, name: str) -> None:
         """Abort the rows generating through adapter `name` (there are some only while generation
@@ -744,6 +759,82 @@ class BatchWorker:
             "loaded_adapters": {n: a.path for n, a in self.adapters.items()},
             "weight_versions": {n: a.weight_version for n, a in self.adapters.items()},
         }
+
+
+class AdapterWeightsError(ValueError):
+    """An adapter directory whose weights file does not fit its adapter_config.json."""
+
+
+# How many tensor names a refusal quotes.
+_QUOTED_NAMES = 3
+
+
+def _quote(names: list[str]) -> str:
+    shown = ", ".join(names[:_QUOTED_NAMES])
+    return shown + (f", ... ({len(names) - _QUOTED_NAMES} more)" if len(names) > _QUOTED_NAMES else "")
+
+
+def _check_weight_names(path: str) -> str:
+    """The weights file of the peft adapter directory `path` (its name), after checking that each
+    tensor in it is a LoRA weight. peft loads the other names of a file as they are: one that
+    names a base model weight (a whole lm_head, a bias) would be written into the base model that
+    every row shares. safetensors names are read from the file's header."""
+    from peft.utils.constants import SAFETENSORS_WEIGHTS_NAME, WEIGHTS_NAME
+
+    directory = Path(path)
+    if (directory / SAFETENSORS_WEIGHTS_NAME).is_file():
+        from safetensors import safe_open
+
+        name = SAFETENSORS_WEIGHTS_NAME
+        with safe_open(str(directory / name), framework="pt") as f:
+            names = list(f.keys())
+    elif (directory / WEIGHTS_NAME).is_file():
+        name = WEIGHTS_NAME
+        names = list(torch.load(directory / name, map_location="cpu", weights_only=True))
+    else:
+        # (peft would look for the directory's name on a model hub)
+        raise AdapterWeightsError(
+            f"no {SAFETENSORS_WEIGHTS_NAME} (or {WEIGHTS_NAME}) in it: a peft adapter directory holds its "
+            "weights beside adapter_config.json; save the adapter with peft's save_pretrained"
+        )
+    foreign = sorted(n for n in names if not any(part.startswith("lora_") for part in n.split(".")))
+    if foreign:
+        raise AdapterWeightsError(
+            f"tensors in {name} that are not LoRA weights: {len(foreign)} ({_quote(foreign)}); peft would "
+            "write them over the base model's weights of the same names, which every adapter and the base "
+            "share; save only the adapter, with peft's save_pretrained"
+        )
+    return name
+
+
+def _check_coverage(model: Any, internal: str, weights: str, result: Any) -> None:
+    """Refuse a load (AdapterWeightsError) whose file left some of the adapter's weights as peft
+    initialised them (B = 0: those modules compute what the base does), or held weights that
+    belong to none of its modules (a file of another adapter, or renamed). `result` is what
+    peft's load_adapter returned: the missing and unexpected names, the former of every adapter."""
+
+    def saved_name(key: str) -> str:  # a name as the adapter's file spells it
+        return ".".join(p for p in key.removeprefix("base_model.model.").split(".") if p != internal)
+
+    mine = [n for n, _ in model.named_parameters() if internal in n.split(".")]
+    missing = sorted(saved_name(k) for k in result.missing_keys if internal in k.split("."))
+    unexpected = sorted(saved_name(k) for k in result.unexpected_keys)
+    problems = []
+    if missing:
+        problems.append(
+            f"{len(missing)} of its {len(mine)} LoRA weights are missing from {weights} ({_quote(missing)})"
+        )
+    if unexpected:
+        problems.append(
+            f"tensors in {weights} that belong to none of its LoRA modules: {len(unexpected)} "
+            f"({_quote(unexpected)})"
+        )
+    if problems:
+        raise AdapterWeightsError(
+            "its weights do not fit its adapter_config.json: "
+            + "; ".join(problems)
+            + "; save the adapter with peft's save_pretrained, from a model with the same LoRA settings"
+        )
 
 
 def _failed(update: WeightUpdate | AdapterUpdate, message: str) -> dict[str, Any]:

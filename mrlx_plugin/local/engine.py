@@ -482,7 +482,7 @@ class EngineServer:
                 )
             refusal = adapter_refusal(config)
             if refusal:
-                raise RequestError("lora_path", refusal)
+                raise RequestError("lora_path", f"cannot serve LoRA adapter {req.lora_name!r}: {refusal}")
         except RequestError as exc:
             return _json({"success": False, "error_message": exc.message}, 400)
         return await self._adapter_update(req.lora_name, req.lora_path, req.weight_version, req.upsert)
@@ -513,8 +513,36 @@ class EngineServer:
         return _json(result, 200 if result["success"] else 400)
 
 
+# peft's init_lora_weights methods that rewrite the base weights of the layers they adapt when the
+# adapter is built, as a load builds it before reading its saved weights.
+_BASE_REWRITING_INITS = ("pissa", "corda", "olora", "loftq", "lora_ga")
+
+# adapter_config.json settings whose adapter cannot be served side by side with others, row by row
+# in one batch, each with why. A list or mapping counts when not empty, a *_config when set.
+_UNMIXABLE_SETTINGS = {
+    "use_dora": "peft cannot mix a DoRA adapter's rows with other rows in one batch",
+    "modules_to_save": "the adapter replaces whole modules, and while it is loaded peft fails every batch "
+    "that holds rows of other adapters",
+    "trainable_token_indices": "the adapter retrains token embeddings, and while it is loaded peft fails "
+    "every batch that holds rows of other adapters",
+    "target_parameters": "peft cannot mix rows of an adapter on parameters (not modules) with other rows "
+    "in one batch",
+    "layer_replication": "peft would replicate the base model's layers on load, changing the base model "
+    "and every other adapter",
+    "kasa_config": "KaSA rewrites the base weights on load, changing the base model and every other adapter",
+    "alora_invocation_tokens": "an activated LoRA acts only after its invocation tokens, which this engine "
+    "does not locate: its rows would be the base model's",
+    "arrow_config": "Arrow routes among all the LoRA adapters loaded beside it, so its rows would depend "
+    "on the other adapters",
+}
+
+
 def adapter_refusal(config: Path) -> str | None:
-    """Why this engine cannot serve the adapter whose adapter_config.json is `config`, or None."""
+    """Why this engine cannot serve the adapter whose adapter_config.json is `config`, or None.
+
+    It serves plain LoRA adapters, row by row in batches shared with other adapters and the base:
+    a setting that makes peft fail such a batch, or that changes the base model (and so every
+    other row), is refused by name."""
     try:
         settings = orjson.loads(config.read_bytes())
     except (OSError, orjson.JSONDecodeError) as exc:
@@ -523,10 +551,34 @@ def adapter_refusal(config: Path) -> str | None:
         return f"{config} is not a JSON object"
     if settings.get("peft_type", "LORA") != "LORA":
         return f"{config} is a {settings.get('peft_type')} adapter; this engine serves LoRA adapters"
-    if settings.get("use_dora"):
-        # peft cannot mix a DoRA adapter's rows with other rows in one batch
-        return f"{config} is a DoRA adapter (use_dora); this engine serves plain LoRA adapters"
-    return None
+    reasons = []
+    for key, why in _UNMIXABLE_SETTINGS.items():
+        value = settings.get(key)
+        if value is not None if key.endswith("_config") else bool(value):
+            reasons.append(f"{key} = {_short(value)} ({why})")
+    bias = settings.get("bias") or "none"
+    if bias != "none":
+        reasons.append(
+            f"bias = {_short(bias)} (the adapter trained the base model's biases, which every row shares)"
+        )
+    init = settings.get("init_lora_weights")
+    if isinstance(init, str) and init.lower().startswith(_BASE_REWRITING_INITS):
+        reasons.append(
+            f"init_lora_weights = {_short(init)} (peft rewrites the base weights when it builds such an "
+            "adapter, changing the base model and every other adapter; save it converted to plain LoRA "
+            "with save_pretrained's path_initial_model_for_weight_conversion)"
+        )
+    if not reasons:
+        return None
+    return (
+        f"{config} sets {'; '.join(reasons)}. This engine serves plain LoRA adapters only, side by side "
+        "in shared batches; train or save the adapter without these settings"
+    )
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = orjson.dumps(value).decode()
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 # --------------------------------------------------------------------------------------------

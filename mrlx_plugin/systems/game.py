@@ -34,7 +34,8 @@ played each seat), `first_seat` (the seat whose result the episode reports: `fir
 `opponent` (who played the other seat(s) against it), `winner` (a seat name, or None for a
 draw), `outcome` (per seat), `moves`, `illegal_move` (the seat, when one was), `stopped_by`
 (`max_turns` or `context full (SEAT)`, when the game was cut short: a draw, every seat 0),
-`opponent_down` (the pool member that was down, in an episode that ended for it).
+`opponent_down` (the pool member that was down, in an episode that ended for it), and the
+game's own (`episode_facts`: a TextArena game's `replays`).
 
 Evaluation (`mrlx rollout --evaluation`): the final transcript is the first seat's, and
 `team_reward` its outcome, so an evaluation's mean reward is that seat's mean result.
@@ -226,6 +227,11 @@ class Game:
         compares a turn with the turns of the prompt group that saw the same (docs/credit.md);
         None (the default) compares it with the turns of the same index."""
         return None
+
+    def episode_facts(self, state: Any) -> dict[str, Any]:
+        """The game's own facts about the episode that ended at `state` (its last state, the
+        game over or cut short), added to the episode's facts; default none."""
+        return {}
 
 
 # --- which game, who plays ------------------------------------------------------------------
@@ -563,6 +569,9 @@ async def run_game(episode: Episode) -> None:
     if end.illegal is not None:
         episode.metadata["illegal_move"] = names[end.illegal]
     outcome = end.outcome or [0.0] * len(names)  # a game cut short (max_turns, a full context) is a draw
+    facts = getattr(game, "episode_facts", None)  # optional: a game need not subclass Game
+    if facts is not None:
+        episode.metadata.update(facts(table.state))
     episode.metadata.update(winner=winner_of(outcome, names), outcome=outcome, moves=sum(table.made))
     whole = episode.settings.rewards.credit == "episode"
     for seat, t in table.views.items():

@@ -11,12 +11,16 @@ system's lookups (`check_game`, `the_game`, `game_turns`) ask for it by name.
   none) and the legal action strings, and answers `\\boxed{ACTION}`. Chance nodes are resolved
   here, from a seed drawn at `start` from the episode's generator and kept in the state, so that
   `play` is a function of the state and the move alone. The outcome is OpenSpiel's returns.
+  Before a game is built here it is tried with its options in a child process under time,
+  memory and size bounds (`_tried`): OpenSpiel checks few options itself.
 - `textarena:ENV_ID`: any TextArena env; options `max_moves` (required: TextArena does not bound a
   game's length, and the samples per episode are built on a bound) and `num_players` (2). Seats
   `player0`, ... A seat is shown the env's messages to it since its last move (quoted: the env
   writes them, and they hold the other players' free text) and answers in the env's own action
   format (e.g. `[4]`); the env judges the answer, invalid moves included, by its own rules (most
-  envs warn once, then end the game and score it), and its rewards are the outcome.
+  envs warn once, then end the game and score it), and its rewards are the outcome. A live env
+  is kept per game in flight (`TextArenaGame.LIVE`, grown as needed); a move whose env is gone
+  replays its game from the seed, counted in the episode's facts (`replays`).
 
 `kuhn_exploitability` scores a policy of the built-in `kuhn_poker` with OpenSpiel's
 exploitability, for benchmarks.
@@ -28,12 +32,19 @@ import contextlib
 import difflib
 import importlib
 import json
+import os
 import random
+import signal
+import subprocess
+import sys
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+from mrlx_plugin.core import processes
+from mrlx_plugin.core.config import ConfigError
 from mrlx_plugin.systems.games import CARDS, KuhnPoker, KuhnState, boxed_move
 from mrlx_plugin.systems.quoting import quote
 
@@ -93,6 +104,169 @@ def _unknown(what: str, name: str, known: list[str], how: str) -> ValueError:
 
 # --- OpenSpiel ------------------------------------------------------------------------------
 
+# The trial of an OpenSpiel game with the user's options, once per process before it is built
+# here (`_tried`): OpenSpiel checks few options itself, and one it does not (a board of 10^5
+# rows, 10^6 dice) builds a game that fails, hangs or exhausts memory at its first position.
+# The trial builds the game, settles its first position and plays TRIAL_MOVES random moves in a
+# child process, killed past TRIAL_S seconds and held to TRIAL_MEMORY bytes more than its
+# imports took; each position's text must stay within the size bounds below (the longest of the
+# library's games at their default options, for scale: an observation string of about 2,200
+# characters (twixt), 362 legal moves (go), 11,000 characters of legal move strings (battleship)).
+TRIAL_S = 10.0
+TRIAL_MOVES = 8
+TRIAL_MEMORY = 4 << 30
+MAX_VIEW_CHARS = 20_000  # an observation or information state string
+MAX_MOVES = 1_000  # legal moves at one position
+MAX_MOVE_CHARS = 50_000  # the legal moves' strings together
+_TRIAL_IMPORT_S = 60.0  # the trial process's start and imports, before its own bound applies
+_VERDICTS: dict[str, str | None] = {}  # (name, parameters) -> the refusal, or None: tried once per process
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())
+
+
+def _refusal(name: str, spec: Mapping[str, Any], params: Mapping[str, Any], cause: str) -> str:
+    """The start-up error for OpenSpiel's `name` with `params` that cannot be played: the option
+    it names (the one given, or the one the cause mentions), every option given, the cause and
+    what to do."""
+    named = [k for k in params if k in cause or k.replace("_", " ") in cause]
+    if len(named) != 1:
+        named = list(params)
+    given = ", ".join(f"{k}={v!r}" for k, v in params.items())
+    if len(named) == 1:
+        where = f"mrlx.game.options.{named[0]}"
+        fix = f"give {named[0]} a value the game supports (its default: {spec[named[0]]!r})"
+    elif params:
+        where = "mrlx.game.options"
+        defaults = ", ".join(f"{k}={spec[k]!r}" for k in params)
+        fix = f"give them values the game supports (their defaults: {defaults})"
+    else:
+        where, fix = "mrlx.game.name", "pick another game"
+    return f"{where}: OpenSpiel's {name}{f' with {given}' if params else ''} cannot be played: {cause}; {fix}"
+
+
+def _tried(name: str, spec: Mapping[str, Any], params: dict[str, Any]) -> None:
+    """Raise ConfigError when OpenSpiel's `name` with `params` fails its trial (above); the
+    verdict is kept for the process, so a valid game is tried once."""
+    key = json.dumps([name, params], sort_keys=True, default=repr)
+    if key not in _VERDICTS:
+        _VERDICTS[key] = _run_trial(name, spec, params)
+    if _VERDICTS[key] is not None:
+        raise ConfigError(_VERDICTS[key])
+
+
+def _run_trial(name: str, spec: Mapping[str, Any], params: dict[str, Any]) -> str | None:
+    """The trial in a child process (`_trial_main`): None, or the refusal's message."""
+    code = "from mrlx_plugin.systems.library_games import _trial_main; _trial_main()"
+    root = str(Path(__file__).resolve().parents[2])  # this package, importable in the child as here
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    proc = processes.start(
+        [sys.executable, "-c", code, name, json.dumps(params), repr(TRIAL_S)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        errors="replace",
+        env={**os.environ, "PYTHONPATH": path},
+    )
+    slow = f"it did not build its first position and {TRIAL_MOVES} random moves within {TRIAL_S:g} s"
+    try:
+        out, err = proc.communicate(timeout=TRIAL_S + _TRIAL_IMPORT_S)
+    except subprocess.TimeoutExpired:
+        processes.stop(proc, timeout=1.0)
+        proc.communicate()
+        return _refusal(name, spec, params, slow)
+    if hasattr(signal, "SIGALRM") and proc.returncode == -signal.SIGALRM:  # its own bound (`_bound_trial`)
+        return _refusal(name, spec, params, slow)
+    lines = out.strip().splitlines()
+    try:
+        verdict = json.loads(lines[-1]) if lines else None
+    except ValueError:
+        verdict = None
+    if not isinstance(verdict, dict):
+        rc = proc.returncode
+        how = f"signal {-rc}" if rc < 0 else f"exit code {rc}"
+        said = (err.strip().splitlines() or ["nothing on stderr"])[-1][:500]
+        return _refusal(name, spec, params, f"its trial process ended with {how} ({said})")
+    if verdict.get("message") is not None:
+        return str(verdict["message"])
+    return None if verdict.get("cause") is None else _refusal(name, spec, params, str(verdict["cause"]))
+
+
+def _bound_trial(seconds: float) -> None:
+    """The trial process's bounds: killed by SIGALRM (its default action) `seconds` from now,
+    whatever it runs (a loop in OpenSpiel's C++ included), and TRIAL_MEMORY bytes of address
+    space beyond what it holds now (an allocation past it raises MemoryError)."""
+    if hasattr(signal, "setitimer"):
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+        signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        import resource
+
+        held = os.sysconf("SC_PAGE_SIZE") * int(Path("/proc/self/statm").read_text().split()[0])
+        _, hard = resource.getrlimit(resource.RLIMIT_AS)
+        resource.setrlimit(resource.RLIMIT_AS, (held + TRIAL_MEMORY, hard))
+    except (ImportError, OSError, ValueError):
+        pass  # no such limit here: the time bound remains
+
+
+def _trial_main() -> None:
+    """The trial's process: `NAME PARAMETERS_JSON SECONDS` in argv; one JSON line on stdout,
+    `{"cause": null}` for a game that passed, else its cause or the adapter's own message."""
+    name, params, seconds = sys.argv[1], json.loads(sys.argv[2]), float(sys.argv[3])
+    pyspiel = importlib.import_module("pyspiel")
+    _bound_trial(seconds)
+    verdict: dict[str, Any]
+    try:
+        verdict = {"cause": _trial(name, params)}
+    except ConfigError as exc:  # the adapter's own checks (a simultaneous-move game, ...)
+        verdict = {"message": str(exc)}
+    except pyspiel.SpielError as exc:
+        verdict = {"cause": f"OpenSpiel refused it ({_one_line(exc)})"}
+    except MemoryError:
+        verdict = {"cause": f"it ran out of memory (the trial allows {TRIAL_MEMORY >> 30} GiB)"}
+    except UnicodeDecodeError as exc:
+        verdict = {"cause": f"OpenSpiel gave a string that is not valid UTF-8 ({exc.reason})"}
+    except Exception as exc:
+        verdict = {"cause": f"it failed ({type(exc).__name__}: {_one_line(exc)[:500]})"}
+    print(json.dumps(verdict), flush=True)
+
+
+def _trial(name: str, params: dict[str, Any]) -> str | None:
+    """Why OpenSpiel's `name` with `params` cannot be played, or None: built by the adapter,
+    its first position settled and TRIAL_MOVES random moves played, each position within the
+    size bounds. Runs in the trial's process; the adapter's own errors propagate."""
+    game = OpenSpielGame(name, params, in_trial=True)
+    rng = random.Random(0)
+    state = game.start("", None, rng, {})
+    if game.to_move(state) is None:
+        return "its initial state is already terminal: the game is over before any move"
+    for made in range(TRIAL_MOVES + 1):
+        seat = game.to_move(state)
+        if seat is None:
+            break
+        where = "its first position" if made == 0 else f"the position after {made} random move(s)"
+        legal = len(state.state.legal_actions(seat))
+        if legal > MAX_MOVES:
+            return f"it has {legal} legal moves at {where}, over the {MAX_MOVES} limit"
+        for what, text in (
+            (game.view, game.view_string(state, seat)),
+            ("information state", game.information_state(state, seat)),
+        ):
+            if len(text) > MAX_VIEW_CHARS:
+                return (
+                    f"its {what} string at {where} is {len(text)} characters, over the {MAX_VIEW_CHARS} limit"
+                )
+        moves = game.legal_moves(state, seat)
+        size = sum(len(m) + 2 for m in moves)  # as listed: "a, b, c"
+        if size > MAX_MOVE_CHARS:
+            return f"its legal moves at {where} are {size} characters, over the {MAX_MOVE_CHARS} limit"
+        game.observation(state, seat)
+        if made < TRIAL_MOVES:
+            state = game.play(state, seat, rng.choice(moves))
+    return None
+
 
 @dataclass(frozen=True)
 class SpielState:
@@ -134,27 +308,35 @@ class OpenSpielGame:
 
     scripts = ("random",)
 
-    def __init__(self, name: str, options: dict[str, Any]):
+    def __init__(self, name: str, options: dict[str, Any], *, in_trial: bool = False):
+        """Raises ConfigError for a game or options that cannot be played: the game is tried
+        first with these options, in a child process with bounds (`_tried`), unless this is
+        that trial (`in_trial`)."""
         pyspiel = _import("pyspiel", "OpenSpiel", "openspiel", f"mrlx.game.name {OPENSPIEL + name!r}")
         types = {t.short_name: t for t in pyspiel.registered_games()}
         if name not in types:
             how = "python -c 'import pyspiel; print(pyspiel.registered_names())'"
             raise _unknown("OpenSpiel", name, sorted(types), how)
-        params = _spiel_options(name, types[name].parameter_specification, options)
+        spec = types[name].parameter_specification
+        params = _spiel_options(name, spec, options)
+        if not in_trial:
+            _tried(name, spec, params)
         try:
             self.game = pyspiel.load_game(name, params)
         except pyspiel.SpielError as exc:
-            raise ValueError(f"mrlx.game.options: OpenSpiel's {name} refused {params}: {exc}") from exc
+            raise ConfigError(
+                _refusal(name, spec, params, f"OpenSpiel refused it ({_one_line(exc)})")
+            ) from exc
         kind = self.game.get_type()
         if kind.dynamics != pyspiel.GameType.Dynamics.SEQUENTIAL:
             dynamics = {"SIMULTANEOUS": "simultaneous-move", "MEAN_FIELD": "mean-field"}
-            raise ValueError(
+            raise ConfigError(
                 f"mrlx.game.name: OpenSpiel's {name} is a "
                 f"{dynamics.get(kind.dynamics.name, kind.dynamics.name.lower())} game; the game system "
                 "plays sequential (turn-based) games only: pick one whose players move in turn"
             )
         if not (kind.provides_observation_string or kind.provides_information_state_string):
-            raise ValueError(
+            raise ConfigError(
                 f"mrlx.game.name: OpenSpiel's {name} gives no observation or information state string, "
                 "so a seat cannot be shown its position as text; pick another game"
             )
@@ -195,9 +377,14 @@ class OpenSpielGame:
     def parse_move(self, state: SpielState, seat: int, text: str) -> str | None:
         return boxed_move(text, self.legal_moves(state, seat))
 
-    def observation(self, state: SpielState, seat: int) -> str:
+    def view_string(self, state: SpielState, seat: int) -> str:
+        """What `seat` is shown of the position: its observation string (its information state
+        string where the game has none)."""
         s = state.state
-        view = s.observation_string(seat) if self.view == "observation" else s.information_state_string(seat)
+        return s.observation_string(seat) if self.view == "observation" else s.information_state_string(seat)
+
+    def observation(self, state: SpielState, seat: int) -> str:
+        view = self.view_string(state, seat)
         moves = self.legal_moves(state, seat)
         return (
             f"OpenSpiel {self.name}; you are {self.seats[seat]}. Your {self.view}:\n{quote(view)}\n"
@@ -243,6 +430,14 @@ class OpenSpielGame:
 # --- TextArena ------------------------------------------------------------------------------
 
 
+@dataclass
+class _Tally:
+    """What one game of a TextArena env cost, shared by every state played from its start
+    (tree-sampling candidates included): its moves that replayed the game from the seed."""
+
+    replays: int = 0
+
+
 @dataclass(frozen=True)
 class ArenaState:
     """A position of a TextArena game, as a value: the env is rebuilt from `seed` and `actions`
@@ -256,6 +451,7 @@ class ArenaState:
     knows: tuple[tuple[tuple[str, str], ...], ...]  # per seat: ("told", messages) and ("moved", action)
     moves: tuple[int, ...]  # moves made per seat, invalid ones included
     rewards: tuple[Any, ...] | None = None  # TextArena's rewards per seat, once it is done
+    tally: _Tally = field(default_factory=_Tally, compare=False, repr=False)
 
 
 @contextlib.contextmanager
@@ -290,7 +486,13 @@ class TextArenaGame:
     """A TextArena env through the game protocol (see the module's docstring)."""
 
     scripts: tuple[str, ...] = ()  # TextArena lists no legal moves to draw a random one from
-    LIVE = 256  # live envs kept (about one per episode in flight): a move steps one, not a replay
+    # Live envs kept, one per game in flight, so that a move steps one rather than replaying the
+    # game from its seed (every move so far again, on the event loop). The bound starts at LIVE
+    # and doubles, up to LIVE_MAX, when a game in flight needs the env that the bound evicted: a
+    # run with more games in flight replays each of those once, then none. An env left behind (an
+    # episode that ended early, a tree-sampling candidate not taken) is the one evicted first.
+    LIVE = 256
+    LIVE_MAX = 65_536
 
     def __init__(self, env_id: str, options: dict[str, Any]):
         ta = _import("textarena", "TextArena", "textarena", f"mrlx.game.name {TEXTARENA + env_id!r}")
@@ -322,6 +524,9 @@ class TextArenaGame:
         self.max_moves_per_seat = options["max_moves"]
         self.seats = tuple(f"player{i}" for i in range(options.get("num_players", 2)))
         self._live: OrderedDict[tuple[int, tuple[str, ...]], tuple[Any, Any]] = OrderedDict()
+        self.live_bound = self.LIVE
+        self._evicted: OrderedDict[int, int] = OrderedDict()  # hash of a state's key -> the bound then
+        self.replays = 0  # moves that replayed their game from the seed, in this process
         try:
             self._replay(0, ())  # the env loads and takes this many players
         except Exception as exc:
@@ -331,9 +536,11 @@ class TextArenaGame:
             ) from exc
         self._live.clear()
 
-    def _replay(self, seed: int, actions: tuple[str, ...]) -> ArenaState:
+    def _replay(self, seed: int, actions: tuple[str, ...], tally: _Tally | None = None) -> ArenaState:
         """The env reset with `seed` and stepped through `actions`, as TextArena's own loop does
-        (the player to move reads its messages, then acts); the live env is kept for the next move."""
+        (the player to move reads its messages, then acts); the live env is kept for the next move.
+        The states share `tally` (a new one: a new game)."""
+        tally = _Tally() if tally is None else tally
         saved: list[Any] = []
         with _own_random(None, saved):
             import numpy as np
@@ -342,7 +549,7 @@ class TextArenaGame:
             np.random.seed(seed)
             env = self.ta.make(self.env_id)
             env.reset(num_players=len(self.seats), seed=seed)
-            state = self._told(env, seed, (), ((),) * len(self.seats), (0,) * len(self.seats))
+            state = self._told(env, seed, (), ((),) * len(self.seats), (0,) * len(self.seats), tally)
             for action in actions:
                 state = self._step(env, state, action)
         if state.player is not None:
@@ -350,7 +557,13 @@ class TextArenaGame:
         return state
 
     def _told(
-        self, env: Any, seed: int, actions: tuple[str, ...], knows: tuple[Any, ...], moves: tuple[int, ...]
+        self,
+        env: Any,
+        seed: int,
+        actions: tuple[str, ...],
+        knows: tuple[Any, ...],
+        moves: tuple[int, ...],
+        tally: _Tally,
     ) -> ArenaState:
         """The state once the player to move has read its messages."""
         raw = env
@@ -359,7 +572,7 @@ class TextArenaGame:
         player, messages = raw.get_observation()
         inbox = _render(messages, getattr(raw.state, "role_mapping", {}))
         knows = tuple(k + ((("told", inbox),) if i == player else ()) for i, k in enumerate(knows))
-        return ArenaState(seed, actions, player, inbox, knows, moves)
+        return ArenaState(seed, actions, player, inbox, knows, moves, tally=tally)
 
     def _step(self, env: Any, state: ArenaState, action: str) -> ArenaState:
         seat = state.player
@@ -368,7 +581,7 @@ class TextArenaGame:
         moves = tuple(n + (i == seat) for i, n in enumerate(state.moves))
         done, _ = env.step(action)
         if not done:
-            return self._told(env, state.seed, state.actions + (action,), knows, moves)
+            return self._told(env, state.seed, state.actions + (action,), knows, moves, state.tally)
         rewards, _ = env.close()
         rewards = rewards or {}
         return ArenaState(
@@ -379,12 +592,16 @@ class TextArenaGame:
             knows,
             moves,
             tuple(rewards.get(i) for i in range(len(self.seats))),
+            state.tally,
         )
 
     def _keep(self, state: ArenaState, env: Any, randomness: Any) -> None:
         self._live[(state.seed, state.actions)] = (env, randomness)
-        while len(self._live) > self.LIVE:
-            self._live.popitem(last=False)
+        while len(self._live) > self.live_bound:
+            key, _ = self._live.popitem(last=False)
+            self._evicted[hash(key)] = self.live_bound
+            while len(self._evicted) > self.live_bound:
+                self._evicted.popitem(last=False)
 
     def start(self, problem: str, label: Any, rng: random.Random, options: dict[str, Any]) -> ArenaState:
         return self._replay(rng.randrange(2**31), ())
@@ -419,10 +636,15 @@ class TextArenaGame:
     def play(self, state: ArenaState, seat: int, move: str) -> ArenaState:
         if seat != state.player:
             raise ValueError(f"{TEXTARENA}{self.env_id}: {self.seats[seat]} moved, but it is not its turn")
-        live = self._live.pop((state.seed, state.actions), None)
-        if live is None:  # a state played from twice (tree sampling), or no longer kept
-            self._replay(state.seed, state.actions)
-            live = self._live.pop((state.seed, state.actions))
+        key = (state.seed, state.actions)
+        live = self._live.pop(key, None)
+        if live is None:  # a state played from twice (tree sampling), or its env evicted
+            if self._evicted.pop(hash(key), None) == self.live_bound:  # in flight, evicted at this bound
+                self.live_bound = min(2 * self.live_bound, self.LIVE_MAX)
+            self.replays += 1
+            state.tally.replays += 1
+            self._replay(state.seed, state.actions, state.tally)
+            live = self._live.pop(key)
         env, randomness = live
         saved: list[Any] = []
         with _own_random(randomness, saved):
@@ -433,6 +655,10 @@ class TextArenaGame:
 
     def move_reward(self, state: ArenaState, seat: int, move: str, next_state: ArenaState) -> float:
         return 0.0
+
+    def episode_facts(self, state: ArenaState) -> dict[str, Any]:
+        """`replays`: the game's moves that replayed it from the seed (its env no longer kept)."""
+        return {"replays": state.tally.replays}
 
     def outcome(self, state: ArenaState) -> list[Any]:
         """TextArena's rewards (the system checks each is a finite number); a game cut short at

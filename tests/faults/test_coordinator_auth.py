@@ -7,10 +7,11 @@ its port, must go on and train only what the real coordinator hands out.
 
 Also: what a caller without the token learns (that the service is alive, nothing about the run),
 and the coordinator's side of the signatures (replays, stale times, a body other than the signed
-one).
+one), with clients whose clocks are off within the allowed skew: never locked out, after a restart
+or another client's burst, while a recorded request is never accepted again.
 
 Real processes and sockets: a coordinator process on 127.0.0.1, killed and restarted on the same
-port, and a small aiohttp server in this process as the impostor.
+port, and small aiohttp servers in this process as the impostor and as a recorder on the way.
 """
 
 from __future__ import annotations
@@ -20,9 +21,11 @@ import base64
 import hashlib
 import hmac
 import json
+import logging
 import secrets
 import time
 
+import aiohttp
 import pytest
 from _coord_procs import CoordinatorProcess, error_of, make_items
 from aiohttp import web
@@ -266,20 +269,30 @@ def test_replays_stale_times_and_other_bodies_are_refused(start_coordinator):
     assert status == 200 and json.loads(body)["queued_items"] == 0, body
 
 
-def test_the_replay_memory_is_bounded_and_refuses_only_what_it_cannot_tell_apart():
-    guard = ReplayGuard(capacity=4, window_s=300)
+def test_the_replay_memory_holds_counts_per_signer_and_never_accepts_what_it_refused():
+    guard = ReplayGuard(capacity=2, window=4, window_s=300)
+    a, b, c = "a" * 32, "b" * 32, "c" * 32
     now = 1000.0
-    for i in range(4):
-        assert guard.admit(f"n{i}", now + i, now + i) is None
-    assert guard.admit("n2", now + 2, now + 4) == "replay"
-    assert guard.admit("n4", now + 4, now + 4) is None  # full: the oldest (n0) is forgotten
-    assert len(guard._seen) == 4 and guard.floor == now
-    assert guard.admit("n0", now, now + 4) == "forgotten"  # could be a replay of n0: sign afresh
-    assert guard.admit("late", now + 0.5, now + 5) == "forgotten"  # older than all it remembers
-    assert guard.admit("late", now + 1.5, now + 5) is None  # newer than the oldest it remembers
-    assert guard.floor == now + 1
-    assert guard.admit("later", now + 1000, now + 1000) is None  # the window moved: old entries go
-    assert len(guard._seen) == 1
+    for count in range(10_000):  # a burst of one signer costs one entry
+        assert guard.admit(f"{a}{count:016x}", now, now) is None
+    assert len(guard) == 1
+    assert guard.admit(f"{a}{9_999:016x}", now, now) == "replay"
+    assert guard.admit(f"{a}{9_996:016x}", now, now) == "replay"
+    assert guard.admit(f"{a}{9_995:016x}", now, now) == "behind"  # further back than the window
+    assert guard.admit(f"{a}{10_002:016x}", now, now) is None  # out of order within the window
+    assert guard.admit(f"{a}{10_001:016x}", now, now) is None
+    assert guard.admit(f"{a}{10_001:016x}", now, now) == "replay"
+    assert guard.admit("ab" * 16, now - 250, now) is None  # another nonce signs once; its time is no matter
+    assert guard.admit("ab" * 16, now - 250, now) == "replay"
+    assert guard.admit(f"{b}{0:016x}", now, now) == "full"  # a new signer while full
+    assert guard.admit(f"{a}{10_003:016x}", now + 1, now + 1) is None  # known signers go on
+    later = now + 251  # "ab" * 16 is out of the window: forgotten
+    assert guard.admit(f"{b}{0:016x}", now, later) == "full"  # once refused, never accepted
+    assert guard.admit(f"{b}{1:016x}", later, later) is None
+    assert guard.admit(f"{b}{0:016x}", now, later) == "full"
+    assert len(guard) == 2
+    assert guard.admit(f"{c}{0:016x}", now + 1000, now + 1000) is None  # a and b are out of the window
+    assert len(guard) == 1
 
 
 def test_a_request_signed_before_a_restart_cannot_be_replayed_after_it(start_coordinator):
@@ -356,3 +369,179 @@ def test_an_endless_answer_is_cut_before_its_proof_is_checked():
         await runner.cleanup()
 
     asyncio.run(scenario())
+
+
+# --------------------------------------------------------------------------- clocks within the skew
+
+SKEW_S = 200.0  # within the coordinator's allowed +-300 s
+
+
+def refusals(coord: CoordinatorProcess, endpoint: str) -> int:
+    """How many calls to `endpoint` this start of the coordinator refused as retryable (503)."""
+    text = coord.http("GET", "/metrics")[2].decode()
+    prefix = f'mrlx_coordinator_requests_total{{endpoint="{endpoint}",status="503"}} '
+    return sum(int(float(line[len(prefix) :])) for line in text.splitlines() if line.startswith(prefix))
+
+
+def skewed_client(
+    coord: CoordinatorProcess, agent: str, skew_s: float, url: str | None = None
+) -> CoordinatorClient:
+    """A client whose clock is `skew_s` seconds off the coordinator's; a call that is refused for
+    longer than a few retries gives up (a lock-out fails the test instead of waiting it out)."""
+    return CoordinatorClient(
+        url or coord.url,
+        run_id=coord.run_id,
+        agent=agent,
+        token=coord.token,
+        clock=lambda: time.time() + skew_s,
+        outage_deadline_s=10,
+        backoff_max_s=0.5,
+    )
+
+
+def test_a_client_whose_clock_lags_is_served_at_once_after_a_coordinator_start(start_coordinator, caplog):
+    """Right after a start (the first, and a restart) the coordinator serves a client whose clock
+    runs 200 s behind its own: at most one refusal per call, which the client gets past at once,
+    signing again (it never waits on it: nothing is logged)."""
+    coord = start_coordinator()
+    caplog.set_level(logging.INFO, logger="mrlx.coordinator.client")
+
+    async def scenario() -> None:
+        lagging = skewed_client(coord, "patient", -SKEW_S)
+        assert (await lagging.heartbeat())["agent"] == "patient"
+        assert await lagging.report_version(1) == 1
+        assert refusals(coord, "heartbeat") <= 1 and refusals(coord, "report_version") == 0
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, coord.kill)
+        await loop.run_in_executor(None, lambda: coord.start(same_port=True))
+        fresh = skewed_client(coord, "doctor", -SKEW_S)
+        # Calls at once, as a job makes them: each may be refused once, none more.
+        beats = await asyncio.gather(lagging.heartbeat(), fresh.heartbeat(), lagging.queue_info())
+        assert [beat.get("agent") for beat in beats[:2]] == ["patient", "doctor"]
+        assert await lagging.report_version(2) == 2
+        assert await fresh.get_version("patient") == 2
+        assert refusals(coord, "heartbeat") <= 2 and refusals(coord, "queue") <= 1
+        assert refusals(coord, "report_version") == 0 and refusals(coord, "get_version") == 0
+        for c in (lagging, fresh):
+            await c.close()
+
+    asyncio.run(scenario())
+    waited = [r.getMessage() for r in caplog.records if "HTTP 503" in r.getMessage()]
+    assert not waited, waited
+
+
+BURST = 16_500  # more signed calls than a memory of 16,384 nonces holds (30 in flight at a time)
+
+
+def test_a_burst_of_one_client_refuses_no_call_of_another(start_coordinator):
+    """One client (its clock 200 s ahead, within the skew) makes a burst of calls; another client's
+    calls, during the burst and after it, are all served at once."""
+    coord = start_coordinator()
+
+    async def scenario() -> None:
+        flooding = skewed_client(coord, "doctor", +SKEW_S)
+        other = skewed_client(coord, "patient", 0.0)
+        assert (await other.heartbeat())["agent"] == "patient"  # (refused once: it learns the start)
+        before = refusals(coord, "heartbeat")
+        served = 0
+
+        async def worker(calls: int) -> None:
+            nonlocal served
+            for _ in range(calls):
+                await flooding.health()
+                served += 1
+
+        burst = asyncio.ensure_future(asyncio.gather(*(worker(BURST // 30) for _ in range(30))))
+        during = 0
+        while not burst.done():
+            assert (await other.heartbeat())["agent"] == "patient"
+            during += 1
+        await burst
+        assert served == BURST
+        for _ in range(20):
+            assert (await other.heartbeat())["agent"] == "patient"
+        refused = refusals(coord, "heartbeat") - before
+        assert refused == 0, f"{refused} of the other client's calls were refused ({during} during the burst)"
+        for c in (flooding, other):
+            await c.close()
+
+    asyncio.run(scenario())
+
+
+class Recorder:
+    """A listener on the path from clients to the coordinator: it forwards every request and its
+    answer unchanged, and keeps a copy of each request (method, path, headers, body) to replay."""
+
+    def __init__(self, upstream: str) -> None:
+        self.upstream = upstream
+        self.recorded: list[tuple[str, str, dict[str, str], bytes]] = []
+
+    async def handle(self, request: web.Request) -> web.Response:
+        body = await request.read()
+        headers = {
+            k: v for k, v in request.headers.items() if k.lower().startswith("x-mrlx-") or k == "Content-Type"
+        }
+        self.recorded.append((request.method, request.raw_path, headers, body))
+        async with self.session.request(
+            request.method, self.upstream + request.raw_path, data=body, headers=headers
+        ) as answer:
+            content = await answer.read()
+            kept = {
+                k: v
+                for k, v in answer.headers.items()
+                if k.lower().startswith("x-mrlx-") or k in ("Content-Type", "Retry-After")
+            }
+            return web.Response(status=answer.status, body=content, headers=kept)
+
+    async def __aenter__(self) -> Recorder:  # noqa: PYI034
+        self.session = aiohttp.ClientSession()
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", self.handle)
+        self.runner = web.AppRunner(app, access_log=None)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.runner.cleanup()
+        await self.session.close()
+
+
+def test_a_recorded_request_is_refused_before_and_after_a_restart(start_coordinator):
+    """Requests recorded on the way (clients whose clocks lag, agree and lead by 200 s) are
+    refused when replayed, both to the coordinator that served them and, on the same database,
+    to its successor."""
+    coord = start_coordinator()
+    recorded: dict[float, tuple[str, str, dict[str, str], bytes]] = {}
+
+    async def scenario() -> None:
+        async with Recorder(coord.url) as recorder:
+            for index, skew in enumerate((-SKEW_S, 0.0, SKEW_S)):
+                c = skewed_client(coord, "doctor", skew, url=recorder.url)
+                await c.heartbeat()  # the client knows the coordinator from here on
+                items = make_items(2, f"recorded{index}", start=10 * index)
+                assert (await c.commit("patient", items)).accepted == 2
+                method, path, headers, body = recorder.recorded[-1]
+                assert path.endswith("/commit") and headers["X-Mrlx-Time"]
+                recorded[skew] = (method, path, headers, body)
+                await c.close()
+
+    asyncio.run(scenario())
+
+    def replay(skew: float) -> tuple[int, str]:
+        method, path, headers, body = recorded[skew]
+        status, _, answer = coord.http(method, path, body, token=None, headers=headers)
+        return status, (error_of(answer) if status >= 400 else answer.decode())
+
+    for skew in recorded:
+        status, message = replay(skew)
+        assert status == 503 and "used before" in message, (skew, status, message)
+    coord.kill()
+    coord.start(same_port=True)
+    for skew in recorded:
+        status, message = replay(skew)
+        assert status == 503 and "sign it afresh" in message, (skew, status, message)
+    status, _, body = coord.http("GET", f"/v1/runs/{coord.run_id}/queues/patient")
+    assert status == 200 and json.loads(body)["queued_items"] == 6, body
