@@ -1,7 +1,8 @@
 """Regenerate the settings table of docs/reference.md from the settings models.
 
-The table is written from `mrlx_plugin.local.settings.settings_reference_markdown()`, so a key's
-documentation lives in one place (its field's description) and the page cannot drift from it.
+The table is `mrlx_plugin.core.config.settings_reference_markdown()` of every section the package
+knows (the core's, the built-in systems', the embedded trainer's), so a key's documentation lives in
+one place (its field's description) and the page cannot drift from it.
 
     .venv/bin/python docs/generate_reference.py           # rewrite the table in place
     .venv/bin/python docs/generate_reference.py --check   # exit 1 if the page is out of date
@@ -13,7 +14,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from mrlx_plugin.local.settings import settings_reference_markdown
+from mrlx_plugin.core.config import settings_model, settings_reference_markdown
+from mrlx_plugin.local.trainer.settings import SECTIONS as TRAINER_SECTIONS
+from mrlx_plugin.settings import job_sections
 
 PAGE = Path(__file__).resolve().parent / "reference.md"
 START = (
@@ -32,7 +35,8 @@ def render(page: str) -> str:
             f"{PAGE}: the markers of the settings table are missing; put\n  {START}\n  {END}\n"
             "around the place the table goes"
         )
-    return f"{head}{START}\n{settings_reference_markdown()}{END}{tail}"
+    table = settings_reference_markdown(settings_model(job_sections(read_here=TRAINER_SECTIONS)))
+    return f"{head}{START}\n{table}{END}{tail}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,7 +7,7 @@ functions the host's flags name).
 from mrlx_plugin.core.config import ConfigError
 from mrlx_plugin.core.host import HOST, Sample
 from mrlx_plugin.core.transcript import Transcript, Turn
-from mrlx_plugin.episodes import Episode, EpisodeAborted, System
+from mrlx_plugin.episodes import Episode, EpisodeAborted, Outcome, System
 from mrlx_plugin.hookspecs import hookimpl
 
 __version__ = "0.1.0"
@@ -17,6 +17,7 @@ __all__ = [
     "ConfigError",
     "Episode",
     "EpisodeAborted",
+    "Outcome",
     "Sample",
     "System",
     "Transcript",

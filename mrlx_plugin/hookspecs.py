@@ -51,8 +51,15 @@ def mrlx_register_systems() -> dict[str, System]:
     Return a mapping of system names to `mrlx_plugin.System` objects. A system's `run(episode)`,
     an async function, drives one episode: it opens transcripts with
     `episode.new_transcript(agent, messages)`, calls `await episode.generate(transcript)` for each
-    model turn, may grade with `await episode.grade(transcript)`, and sets `episode.final_answer`.
-    It raises nothing for engine faults: the episode turns them into ABORTED samples.
+    model turn, may grade with `await episode.grade(transcript)`, and returns the episode's
+    `mrlx_plugin.Outcome` (the final answer and the conversation that gave it, the team's reward,
+    rewards per agent; `Outcome()` for none). It raises nothing for engine faults: the episode
+    turns them into ABORTED samples.
+
+        async def run(episode):
+            t = episode.new_transcript("solver", [{"role": "user", "content": episode.problem}])
+            await episode.generate(t)
+            return Outcome(final_transcript=t)
 
         SOLO = System(run=run, fan_out=lambda settings: {"solver": 1}, turns=lambda settings: {"solver": 1})
 
@@ -79,8 +86,11 @@ def mrlx_register_systems() -> dict[str, System]:
     with `mrlx_plugin.agents.agent_code(run, samples=..., turns=...)` and registered the same way
     (docs/agents-as-code.md).
 
-    Migration: a system used to be a bare async function carrying `run.fan_out`, `run.turns` and
-    `run.team_shaping` attributes; wrap such a function: `System(run=run, fan_out=run.fan_out, ...)`.
+    Migration: a run function used to set `episode.final_answer`, `episode.final_transcript`,
+    `episode.team_reward` and `episode.stopped_early` and return None; it now returns them as an
+    `Outcome` (`episode.*` are set from it), and a run function that returns anything else is an
+    error naming the system. Earlier still, a system was a bare async function carrying `run.fan_out`,
+    `run.turns` and `run.team_shaping` attributes; wrap such a function: `System(run=run, ...)`.
     """
 
 

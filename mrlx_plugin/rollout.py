@@ -61,8 +61,8 @@ async def generate(
     `input` is slime's `args` (then `sample` and `sampling_params` follow), or Miles' one
     `GenerateFnInput` (the first parameter's name `input` is what tells Miles to pass it).
 
-    Training returns the same number of samples for every episode (the system's fan-out for
-    the agents this job trains, all with the input's rollout id and a reward set, ABORTED
+    Training returns the same number of samples for every episode (the system's samples per
+    episode for the agents this job trains, all with the input's rollout id and a reward set, ABORTED
     fillers standing in for what an episode did not produce); evaluation returns one sample
     holding the team's final answer and its grade. Engine faults never raise: they come back
     as ABORTED samples with reward 0.0 and a zero loss mask. No new turn starts once the host
@@ -119,7 +119,7 @@ def initiator_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: 
         outbox.load_limits(args, runtime.tokenizers)  # once; blocking file reads stay off the event loop
         metrics.update(
             run_in_host_loop(
-                initiator_barrier(runtime.coordinator, outbox, args, rollout_id, runtime.fan_out)
+                initiator_barrier(runtime.coordinator, outbox, args, rollout_id, runtime.samples_per_episode)
             )
         )
     output = host_default_rollout(args, rollout_id, data_source, evaluation=False)

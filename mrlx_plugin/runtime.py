@@ -22,13 +22,16 @@ from mrlx_plugin.core.config import (
     AgentSettings,
     ConfigError,
     Settings,
+    parse_settings,
     raw_settings_from_args,
     read_text_setting,
 )
 from mrlx_plugin.core.engine_client import EngineClient
 from mrlx_plugin.core.host import HOST_PROCESS, HostLimits, router_url
 from mrlx_plugin.core.tokenizer import AgentTokenizer, TokenizerCache
-from mrlx_plugin.episodes import Episode, EpisodeContext, Registered, System
+from mrlx_plugin.episodes import Episode, EpisodeContext, Registered, start_system
+from mrlx_plugin.episodes.samples import samples_of
+from mrlx_plugin.episodes.system import HookUsers
 from mrlx_plugin.hookspecs import hookimpl
 from mrlx_plugin.hostcheck import check_rollout_mode, check_step_split, check_trained_adapters
 from mrlx_plugin.link.client import CoordinatorClient
@@ -45,7 +48,7 @@ from mrlx_plugin.plugins import (
     resolve_hooks,
 )
 from mrlx_plugin.rewards.shaping import math_verifier
-from mrlx_plugin.settings import parse_settings
+from mrlx_plugin.settings import job_sections
 
 
 class Runtime:
@@ -73,7 +76,7 @@ class Runtime:
         self.source = source
         systems = systems if systems is not None else collect_systems(pm)
         games = collect_games(pm)
-        self.system, fan_out = start_system(systems, games, settings, source, pm)
+        self.system, per_episode = start_system(systems, games, settings, source, hook_users(pm))
         self.verifier = math_verifier(args)  # the process's, shared with the `reward` function
         self._tokenizer_cache = TokenizerCache()
         self.tokenizers: dict[str, AgentTokenizer] = {}
@@ -108,12 +111,14 @@ class Runtime:
             clients=self.clients,
             urls=self.urls,
             system_prompts=system_prompts,
-            fan_out=fan_out,
+            samples_per_episode=per_episode,
             trained=frozenset(a for a in settings.agents if _trains_here(settings, a)),
             games=games,
         )
         self.limits = self.context.limits
-        self.fan_out = self.context.fan_out
+        # Samples one episode returns per agent (None: they vary): the system's fan-out (transcripts),
+        # under per-turn credit times its turns and `rewards.branch` (episodes.system.samples_per_agent).
+        self.samples_per_episode = self.context.samples_per_episode
         peers = self.peer_agents()
         if peers and not settings.coordinator.url:
             raise ConfigError(
@@ -129,11 +134,11 @@ class Runtime:
         if self.outbox is not None:
             pm.register(_OutboxObserver(self.outbox), name="mrlx_plugin.link.outbox")
 
-    def samples_per_episode(self) -> int | None:
+    def trained_samples_per_episode(self) -> int | None:
         """How many samples each episode returns to this job's trainer (None: it varies)."""
-        if self.fan_out is None:
+        if self.samples_per_episode is None:
             return None
-        return sum(n for agent, n in self.fan_out.items() if self.trains_here(agent))
+        return sum(n for agent, n in self.samples_per_episode.items() if self.trains_here(agent))
 
     def load_tokenizers(self) -> None:
         """Load the agents' tokenizers a responder's Runtime skipped (blocking; before episodes run
@@ -226,7 +231,9 @@ def read_settings(
         raise ConfigError(f"{source}: mrlx.plugins: expected a list of module names, got {plugins!r}")
     pm = make_plugin_manager(plugins, source=f"{source}: mrlx.plugins")
     systems = collect_systems(pm)
-    settings = parse_settings(raw, source=source, known_systems=set(systems), systems=systems)
+    settings = parse_settings(
+        raw, source, set(systems), sections=job_sections(systems, getattr(args, "mrlx_sections", None))
+    )
     return settings, pm, systems, source, base
 
 
@@ -247,101 +254,14 @@ def build_runtime(args: Any, tokenizers: bool = True) -> Runtime:
     runtime = Runtime(args, settings, pm, source, base, tokenizers=tokenizers, systems=systems)
     check_rollout_mode(args, source, runtime.peer_agents())
     check_trained_adapters(args, settings, sorted(runtime.context.trained), source)
-    check_step_split(args, runtime.samples_per_episode(), settings.system, source)
+    check_step_split(args, runtime.trained_samples_per_episode(), settings.system, source)
     return runtime
 
 
-def start_system(
-    systems: dict[str, Registered],
-    games: dict[str, Registered],
-    settings: Settings,
-    source: str,
-    pm: pluggy.PluginManager,
-) -> tuple[System, dict[str, int] | None]:
-    """The selected system, its start-up checks passed, and the samples one episode returns per
-    agent (`samples_per_agent`): what start-up computes, also for `mrlx check`."""
-    if settings.system not in systems:
-        raise ConfigError(
-            f"{source}: mrlx.system: no system named {settings.system!r} is registered "
-            f"(known: {', '.join(sorted(systems))})"
-        )
-    system = systems[settings.system].value
-    assert isinstance(system, System)  # collect_systems takes no other kind
-    problems = system.check(settings, games) if system.check is not None else []
-    problems += tree_sampling_problems(system, settings, pm)
-    if problems:
-        raise ConfigError("; ".join(f"{source}: {p}" for p in problems))
-    return system, samples_per_agent(system, settings, source)
-
-
-def tree_sampling_problems(system: System, settings: Settings, pm: pluggy.PluginManager) -> list[str]:
-    """Tree sampling (`rewards.branch` > 1) trains every candidate on its score (docs/credit.md):
-    something must score the candidates, and under `branch_target: score` no shaping may be
-    expected to reach them (a score is the system's or the hook's number, never shaped)."""
-    r = settings.rewards
-    if r.branch <= 1:
-        return []
-    problems = []
-    users = {name for name, _ in plugin_callers(pm, "mrlx_turn_reward")} - {DEFAULTS}
-    if not system.scores_candidates and not users:
-        problems.append(
-            f"mrlx.rewards.branch: {r.branch} candidates per turn are compared by their score, and "
-            f"nothing scores them: system {settings.system!r} does not, and no plugin implements "
-            "mrlx_turn_reward (every candidate would score 0.0, and the episode's outcome reaches no "
-            "tree-sampled turn); implement mrlx_turn_reward, or set branch: 1"
-        )
-    shapers = {name for name, _ in plugin_callers(pm, "mrlx_shape_rewards")} - {DEFAULTS}
-    if r.branch_target == "score" and (r.shaping != "independent" or system.team_shaping or shapers):
-        what = (
-            f"plugin {sorted(shapers)[0]!r} implements mrlx_shape_rewards"
-            if shapers
-            else f"system {settings.system!r} weights its samples by the team"
-            if system.team_shaping
-            else f"mrlx.rewards.shaping is {r.shaping!r}"
-        )
-        problems.append(
-            f"mrlx.rewards.branch: tree-sampled turns train on their candidates' scores, which no episode "
-            f"shaping reaches, but {what}; use shaping: independent with tree sampling (or branch: 1)"
-        )
-    return problems
-
-
-def declared_counts(system: System, settings: Settings, source: str, what: str) -> dict[str, int] | None:
-    """What `system` declares (see `System`): `fan_out(settings)`, transcripts per episode and
-    agent (0 or more), or `turns(settings)`, the most model turns one transcript of an agent
-    takes (1 or more); None when it declares none."""
-    declare = system.fan_out if what == "fan_out" else system.turns
-    if declare is None:
-        return None
-    counts = declare(settings)
-    least, meaning = (
-        (0, "transcripts per episode") if what == "fan_out" else (1, "the most turns one transcript takes")
-    )
-    if not isinstance(counts, dict) or not all(
-        a in settings.agents and isinstance(n, int) and n >= least for a, n in counts.items()
-    ):
-        raise ConfigError(
-            f"{source}: system {settings.system!r}: {what}(settings) returned {counts!r}; expected a mapping "
-            f"of configured agents ({', '.join(settings.agents)}) to {meaning} ({least} or more)"
-        )
-    return counts
-
-
-def samples_per_agent(system: System, settings: Settings, source: str) -> dict[str, int] | None:
-    """Samples one episode returns per agent: the declared fan-out (transcripts), times, under
-    `rewards.credit: turn`, the declared turns per transcript and `rewards.branch`."""
-    transcripts = declared_counts(system, settings, source, "fan_out")
-    if transcripts is None or settings.rewards.credit != "turn":
-        return transcripts
-    turns = declared_counts(system, settings, source, "turns")
-    if turns is None:
-        raise ConfigError(
-            f"{source}: mrlx.rewards.credit is `turn`, but system {settings.system!r} declares no "
-            "turns(settings) (the most model turns one transcript takes), so the samples of an episode "
-            "cannot be counted; give its System `turns=lambda settings: {agent: n}`, or use credit: episode"
-        )
-    branch = settings.rewards.branch
-    return {a: n * turns.get(a, 1) * branch for a, n in transcripts.items()}
+def hook_users(pm: pluggy.PluginManager) -> HookUsers:
+    """The plugins other than the package's own defaults that implement a hook (what a system's
+    start-up checks ask of the plugins: `episodes.system.start_system`)."""
+    return lambda hook: {name for name, _ in plugin_callers(pm, hook)} - {DEFAULTS}
 
 
 def cached_runtime(args: Any) -> Runtime | None:
@@ -404,7 +324,7 @@ class _OutboxObserver:
     # Last: observers of the package's users see the episode first, as before it reached the outbox.
     @hookimpl(trylast=True)
     def mrlx_episode_end(self, episode: Episode) -> None:
-        self.outbox.episode_ended(episode)
+        self.outbox.episode_ended(episode, lambda agent: samples_of(episode, [agent], every_agent=True))
 
 
 def build_responder(args: Any) -> Responder:
@@ -413,12 +333,14 @@ def build_responder(args: Any) -> Responder:
     limits and its coordinator client; no tokenizer, engine client or system prompt (it runs no
     episodes; its evaluation builds a Runtime)."""
     settings, pm, systems, source, _ = read_settings(args)
-    _, fan_out = start_system(systems, collect_games(pm), settings, source, pm)  # the checks start-up runs
-    responder = Responder.for_job(settings, source, args, fan_out)
+    # the checks start-up runs, and the samples per episode and agent
+    _, per_episode = start_system(systems, collect_games(pm), settings, source, hook_users(pm))
+    responder = Responder.for_job(settings, source, args, per_episode)
     check_rollout_mode(args, source, _peer_agents(settings))
     check_trained_adapters(args, settings, [responder.agent], source)
-    per_episode = None if fan_out is None else fan_out.get(responder.agent, 0)
-    check_step_split(args, per_episode, settings.system, source)
+    check_step_split(
+        args, None if per_episode is None else per_episode.get(responder.agent, 0), settings.system, source
+    )
     return responder
 
 

@@ -8,7 +8,7 @@ import urllib.request
 from typing import Any
 
 from mrlx_plugin.core.host import Sample, run_in_host_loop
-from mrlx_plugin.local.fake_host import (
+from mrlx_plugin.local.trainer.fake_host import (
     LocalDataSource,
     add_host_arguments,
     default_rollout,

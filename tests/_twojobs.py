@@ -22,7 +22,7 @@ from _coord_procs import TOKEN_ENV, CoordinatorProcess
 
 from mrlx_plugin.core import processes
 from mrlx_plugin.link.auth import signed_headers
-from mrlx_plugin.local.processes import ManagedProcess, start_engine
+from mrlx_plugin.local.services import ManagedProcess, start_engine
 
 TOKEN = "two-jobs-test-token"
 ENV = {TOKEN_ENV: TOKEN}

@@ -39,7 +39,7 @@ def logs_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def engine(tiny_model_dir, logs_dir):
     """The embedded engine serving the tiny model (one per test session)."""
-    from mrlx_plugin.local.processes import start_engine
+    from mrlx_plugin.local.services import start_engine
 
     proc = start_engine(tiny_model_dir, log_dir=logs_dir, extra=["--seed", "0"], threads=1)
     yield proc
@@ -49,7 +49,7 @@ def engine(tiny_model_dir, logs_dir):
 @pytest.fixture
 def stub_engine(logs_dir, request):
     """A fresh model-free responder per test (fault injection state is per process)."""
-    from mrlx_plugin.local.processes import start_stub_engine
+    from mrlx_lab.stub_engine import start_stub_engine
 
     proc = start_stub_engine(log_dir=logs_dir, name=f"stub-{request.node.name[:40]}")
     yield proc

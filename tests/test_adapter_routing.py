@@ -15,10 +15,10 @@ import pytest
 from _host import engine_stats
 from test_debate import ENGINE, last_request, run_group
 
-from mrlx_plugin.core.config import ConfigError
+from mrlx_lab.stub_engine import start_stub_engine
+from mrlx_plugin.core.config import ConfigError, parse_settings
 from mrlx_plugin.core.host import Status
-from mrlx_plugin.local.processes import start_stub_engine
-from mrlx_plugin.settings import parse_settings
+from mrlx_plugin.settings import job_sections
 
 REPO = Path(__file__).resolve().parent.parent
 ROUNDS = 2
@@ -111,7 +111,7 @@ def test_an_adapter_the_engine_does_not_serve_aborts_the_episode_without_a_retry
     judge = lora_stub("judge-lora")
     adapters = {"pro": "pro-lora", "con": None, "judge": "judge-lora", who: "ghost-lora"}
     mrlx = debate(debaters.url, judge.url, **adapters, max_retries=3)
-    assert parse_settings(mrlx, source="test").agents["judge"].retry_on_abort is True
+    assert parse_settings(mrlx, source="test", sections=job_sections()).agents["judge"].retry_on_abort is True
     [samples] = run_group(debaters.url, tiny_model_dir, mrlx, n=1)
 
     assert [s.metadata["mrlx"]["agent"] for s in samples] == ["pro", "con"]  # the fan-out is kept
@@ -136,11 +136,15 @@ def test_an_adapter_the_engine_does_not_serve_aborts_the_episode_without_a_retry
 def test_an_adapter_setting_is_a_name_not_a_path(bad):
     mrlx = debate("http://127.0.0.1:1", "http://127.0.0.1:2", pro="pro-lora", judge=bad)
     with pytest.raises(ConfigError) as err:
-        parse_settings(mrlx, source="job.yaml")
+        parse_settings(mrlx, source="job.yaml", sections=job_sections())
     message = str(err.value)
     assert message.startswith("job.yaml") and "mrlx.agents.judge.adapter" in message, message
     assert "mrlx.agents.pro" not in message, message  # the good name is not blamed
-    ok = parse_settings(debate("http://127.0.0.1:1", "http://127.0.0.1:2", judge="a" * 128), source="x")
+    ok = parse_settings(
+        debate("http://127.0.0.1:1", "http://127.0.0.1:2", judge="a" * 128),
+        source="x",
+        sections=job_sections(),
+    )
     assert ok.agents["judge"].adapter == "a" * 128 and ok.agents["pro"].adapter is None
 
 

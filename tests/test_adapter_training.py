@@ -25,7 +25,7 @@ from aiohttp import web  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from test_local_engine import race  # noqa: E402
 
-from mrlx_plugin.core.config import ConfigError  # noqa: E402
+from mrlx_plugin.core.config import ConfigError, parse_settings  # noqa: E402
 from mrlx_plugin.local.model import (  # noqa: E402
     LORA_TARGET_MODULES,
     ensure_adapter,
@@ -35,18 +35,16 @@ from mrlx_plugin.local.model import (  # noqa: E402
     load_policy,
     load_tokenizer,
 )
-from mrlx_plugin.local.settings import TrainerSettings  # noqa: E402
-from mrlx_plugin.local.trainer import (  # noqa: E402
+from mrlx_plugin.local.trainer.loss import ppo_step, token_logprobs, trainable_parameters  # noqa: E402
+from mrlx_plugin.local.trainer.settings import TrainerSettings  # noqa: E402
+from mrlx_plugin.local.trainer.warm_start import warm_start  # noqa: E402
+from mrlx_plugin.local.trainer.weights import (  # noqa: E402
     engine_version,
-    ppo_step,
     push_weights,
     save_checkpoint,
-    token_logprobs,
-    trainable_parameters,
     trained_adapter,
-    warm_start,
 )
-from mrlx_plugin.settings import parse_settings  # noqa: E402
+from mrlx_plugin.settings import job_sections  # noqa: E402
 
 IDS = torch.tensor([[5, 17, 42, 99, 7, 300, 12, 64]])
 
@@ -209,7 +207,7 @@ def _settings(self_agent: str | None, adapter: str | None) -> Any:
     data: dict[str, Any] = {"system": "dialogue", "agents": {"doctor": doctor, "patient": {"url": "self"}}}
     if self_agent is not None:
         data["self"] = self_agent
-    return parse_settings(data)
+    return parse_settings(data, sections=job_sections())
 
 
 def test_a_whole_model_needs_no_adapter_and_refuses_one():
@@ -375,7 +373,7 @@ def test_a_host_that_cannot_train_adapters_refuses_the_trained_one_only(host, mo
 
 
 def test_the_demo_resumes_a_run_only_as_it_was_started(base, tmp_path):
-    from mrlx_plugin.local.demo import build_parser, run_demo
+    from mrlx_lab.demos.co_training import build_parser, run_demo
 
     checkpoint = tmp_path / "run" / "proposer" / "checkpoints" / "step_00002"
     checkpoint.mkdir(parents=True)

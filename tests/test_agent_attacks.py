@@ -17,11 +17,11 @@ import pytest
 from _host import group, params, slime_args
 from _recorder import RecordingProxy
 
+from mrlx_lab.stub_engine import start_stub_engine
 from mrlx_plugin import hookimpl
 from mrlx_plugin.agents import Outcome, agent_code
 from mrlx_plugin.core.host import Status
 from mrlx_plugin.core.tokenizer import load_tokenizer
-from mrlx_plugin.local.processes import start_stub_engine
 from mrlx_plugin.rollout import generate
 from mrlx_plugin.runtime import get_runtime
 

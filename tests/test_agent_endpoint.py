@@ -16,11 +16,11 @@ from _agent_systems import SEEN, TOOL_OUTPUT
 from _host import group, params, slime_args
 from _recorder import RecordingProxy
 
+from mrlx_lab.stub_engine import start_stub_engine
 from mrlx_plugin.core.host import Status
 from mrlx_plugin.core.metrics import compute_metrics
 from mrlx_plugin.core.retry import wait_until
 from mrlx_plugin.core.tokenizer import load_tokenizer
-from mrlx_plugin.local.processes import start_stub_engine
 from mrlx_plugin.rollout import generate
 from mrlx_plugin.runtime import get_runtime
 

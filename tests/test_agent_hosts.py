@@ -36,9 +36,9 @@ from test_host_miles import CLASS_BASED, run_miles
 from test_host_slime import PROMPTS as SLIME_PROMPTS
 from test_host_slime import _by_rollout, run_slime
 
+from mrlx_lab.stub_engine import start_stub_engine
 from mrlx_plugin.core.tokenizer import load_tokenizer
 from mrlx_plugin.local.model import ensure_model
-from mrlx_plugin.local.processes import start_stub_engine
 
 REPO = Path(__file__).resolve().parent.parent
 LOG_STEP = ["--custom-rollout-log-function-path", f"{MODULE}.log_step"]

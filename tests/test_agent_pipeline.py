@@ -1,4 +1,4 @@
-"""The README's pipeline written as agent code (examples/pipeline_as_code) against the built-in
+"""The README's pipeline written as agent code (mrlx_lab/examples/pipeline_as_code) against the built-in
 `system: pipeline`, on the same stub engine: the same calls reach the engine, the same samples
 come back, graded the same way."""
 
@@ -9,9 +9,9 @@ import asyncio
 from _host import group, params, slime_args
 from _recorder import RecordingProxy
 
-from examples.pipeline_as_code import hooks
+from mrlx_lab.examples.pipeline_as_code import hooks
+from mrlx_lab.stub_engine import start_stub_engine
 from mrlx_plugin.core.host import Status
-from mrlx_plugin.local.processes import start_stub_engine
 from mrlx_plugin.rollout import generate
 from mrlx_plugin.runtime import get_runtime
 
@@ -39,7 +39,10 @@ def test_the_pipeline_as_agent_code_makes_the_calls_and_samples_of_the_built_in_
     )
     try:
         runs = {}
-        for system, plugins in (("pipeline", []), ("pipeline_code", ["examples.pipeline_as_code.hooks"])):
+        for system, plugins in (
+            ("pipeline", []),
+            ("pipeline_code", ["mrlx_lab.examples.pipeline_as_code.hooks"]),
+        ):
             proxy = RecordingProxy(stub.url).start()
             mrlx = {
                 "run_id": f"side-by-side-{system}",

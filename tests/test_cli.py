@@ -11,7 +11,7 @@ import pytest
 
 from mrlx_plugin.core import processes
 from mrlx_plugin.core.netutil import free_port
-from mrlx_plugin.local.processes import router_available
+from mrlx_plugin.local.services import router_available
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -119,7 +119,7 @@ def test_check_wait_repeats_the_checks_until_a_late_engine_answers(tmp_path, log
     """`mrlx check --wait` gates a launch: it keeps checking (through the one retry helper) and
     passes once the engine that was down comes up."""
     from mrlx_plugin.core.retry import wait_until
-    from mrlx_plugin.local.processes import start_service
+    from mrlx_plugin.local.services import start_service
 
     port = free_port()
     cfg = tmp_path / "late.yaml"
@@ -162,7 +162,7 @@ def test_check_wait_repeats_the_checks_until_a_late_engine_answers(tmp_path, log
         assert check.poll() is None, log.read_text()
         engine = start_service(
             "late-stub",
-            [sys.executable, "-m", "mrlx_plugin.local.stub_engine", "--port", str(port)],
+            [sys.executable, "-m", "mrlx_lab.stub_engine", "--port", str(port)],
             log_dir=logs_dir,
             port=port,
             health_path="/health",

@@ -8,19 +8,23 @@ import textwrap
 
 import pytest
 
-from mrlx_plugin.core.config import ConfigError
-from mrlx_plugin.local.settings import parse_settings, settings_from_yaml
+from mrlx_plugin.core.config import ConfigError, parse_settings, settings_from_yaml
+from mrlx_plugin.local.trainer.settings import SECTIONS as TRAINER_SECTIONS
 from mrlx_plugin.runtime import build_runtime
+from mrlx_plugin.settings import job_sections
+
+# Every section the package knows: the core's, the built-in systems', the embedded trainer's.
+EVERY_SECTION = job_sections(read_here=TRAINER_SECTIONS)
 
 
 def errors_of(data, **kw) -> str:
     with pytest.raises(ConfigError) as info:
-        parse_settings(data, source="job.yaml", **kw)
+        parse_settings(data, source="job.yaml", sections=EVERY_SECTION, **kw)
     return str(info.value)
 
 
 def test_defaults_give_the_pipeline_with_three_roles_on_self():
-    s = parse_settings({})
+    s = parse_settings({}, sections=EVERY_SECTION)
     assert s.system == "pipeline"
     assert list(s.agents) == ["solver", "rewriter", "selector"]
     assert all(a.url == "self" and a.trainable for a in s.agents.values())
@@ -105,14 +109,14 @@ def test_yaml_without_top_key(tmp_path):
     path = tmp_path / "x.yaml"
     path.write_text("pipeline: {num_parallel: 2}\n")
     with pytest.raises(ConfigError, match="no top-level 'mrlx' key"):
-        settings_from_yaml(path)
+        settings_from_yaml(path, sections=EVERY_SECTION)
 
 
 def test_broken_yaml_names_the_file(tmp_path):
     path = tmp_path / "x.yaml"
     path.write_text("mrlx: {pipeline: [\n")
     with pytest.raises(ConfigError, match=str(path)):
-        settings_from_yaml(path)
+        settings_from_yaml(path, sections=EVERY_SECTION)
 
 
 def _args(tmp_path, body: str, **extra) -> argparse.Namespace:
@@ -216,7 +220,7 @@ def test_two_agents_with_one_name_are_refused_not_merged(tmp_path):
         "    doctor: {url: 'http://127.0.0.1:9'}\n"
     )
     with pytest.raises(ConfigError, match=r"key 'doctor' appears twice in one mapping \(lines 4 and 6\)"):
-        settings_from_yaml(path)
+        settings_from_yaml(path, sections=EVERY_SECTION)
     # also when the host (slime) has parsed the file already and handed over args.mrlx
     import yaml
 
@@ -238,9 +242,9 @@ def _sections():
 
     from pydantic import BaseModel
 
-    from mrlx_plugin.local.settings import settings_model
+    from mrlx_plugin.core.config import settings_model
 
-    Settings = settings_model()
+    Settings = settings_model(EVERY_SECTION)
     seen, todo = [], [Settings]
     while todo:
         model = todo.pop()
@@ -277,9 +281,9 @@ def test_every_setting_has_a_description():
 
 
 def test_the_reference_table_lists_every_key_with_type_default_and_description():
-    from mrlx_plugin.local.settings import settings_reference_markdown
+    from mrlx_plugin.core.config import settings_model, settings_reference_markdown
 
-    table = settings_reference_markdown()
+    table = settings_reference_markdown(settings_model(EVERY_SECTION))
     lines = table.splitlines()
     assert lines[0] == "| key | type | default | meaning |"
     rows = {line.split(" | ")[0].strip("| `"): line for line in lines[2:]}
@@ -301,9 +305,9 @@ def test_the_reference_table_lists_every_key_with_type_default_and_description()
 
 
 def test_the_json_schema_names_the_yaml_keys():
-    from mrlx_plugin.local.settings import settings_model
+    from mrlx_plugin.core.config import settings_model
 
-    schema = settings_model().model_json_schema()
+    schema = settings_model(EVERY_SECTION).model_json_schema()
     assert "self" in schema["properties"] and "extra" not in schema["properties"]
     assert schema["additionalProperties"]["type"] == "object"  # the sections of plugin systems
     engine = schema["$defs"]["EngineSettings"]["properties"]
@@ -336,7 +340,7 @@ def test_a_bad_value_shared_by_a_yaml_alias_is_named_at_each_place(tmp_path):
         "mrlx: {system: dialogue, agents: {doctor: *agent, patient: *agent}}\n"
     )
     with pytest.raises(ConfigError) as info:
-        settings_from_yaml(path)
+        settings_from_yaml(path, sections=EVERY_SECTION)
     msg = str(info.value)
     assert msg.startswith(f"{path}: 4 problem(s):"), msg
     for who in ("doctor", "patient"):
@@ -349,7 +353,7 @@ def test_numbers_as_yaml_writes_them_and_strict_types(tmp_path):
     path.write_text(
         "mrlx: {trainer: {lr: 3e-4, threads: 2}, engine: {backoff_s: 1}}\n"
     )  # YAML 1.1: 3e-4 is a string
-    s = settings_from_yaml(path)
+    s = settings_from_yaml(path, sections=EVERY_SECTION)
     assert s.trainer.lr == 3e-4 and s.engine.backoff_s == 1.0 and isinstance(s.engine.backoff_s, float)
     msg = errors_of({"trainer": {"threads": 1.5, "lr": "fast"}, "plugins": ["a", 3]})
     assert "mrlx.trainer.threads: got float 1.5; expected an integer" in msg
@@ -378,10 +382,10 @@ def _numeric_keys():
 
     from pydantic import BaseModel
 
-    from mrlx_plugin.core.config import _unwrap
-    from mrlx_plugin.local.settings import settings_model
+    from mrlx_plugin.core.config import settings_model
+    from mrlx_plugin.core.config import unwrap as _unwrap
 
-    out, todo = [], [(settings_model(), [])]
+    out, todo = [], [(settings_model(EVERY_SECTION), [])]
     while todo:
         model, path = todo.pop()
         for name, f in model.model_fields.items():

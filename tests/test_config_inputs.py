@@ -14,12 +14,15 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mrlx_plugin.core.config import ConfigError, looks_like_a_path
+from mrlx_plugin.core.config import ConfigError, looks_like_a_path, parse_settings, settings_from_yaml
 from mrlx_plugin.core.netutil import free_port
-from mrlx_plugin.local.settings import parse_settings, settings_from_yaml
+from mrlx_plugin.local.trainer.settings import SECTIONS as TRAINER_SECTIONS
 from mrlx_plugin.runtime import build_runtime
+from mrlx_plugin.settings import job_sections
 
 REPO = Path(__file__).resolve().parent.parent
+# Every section the package knows: the core's, the built-in systems', the embedded trainer's.
+EVERY_SECTION = job_sections(read_here=TRAINER_SECTIONS)
 SECRET = "s3cr3t-v4lue"
 
 
@@ -74,7 +77,7 @@ def test_a_yaml_bomb_under_a_mapping_is_caught_before_it_is_built(tmp_path):
         BOMB.replace("mrlx:\n  plugins: *i\n", "mrlx:\n  rewards:\n    coupling: {a: {b: 1.0}, c: *i}\n")
     )
     with pytest.raises(ConfigError, match=r"line 12: mrlx\.rewards\.coupling\.c: the aliases"):
-        settings_from_yaml(cfg)
+        settings_from_yaml(cfg, sections=EVERY_SECTION)
 
 
 def test_deeply_nested_yaml_is_one_message(tmp_path):
@@ -92,7 +95,7 @@ def test_nesting_through_aliases_and_alias_loops_are_named(tmp_path):
     with pytest.raises(
         ConfigError, match=r"chain.yaml: line 201: mrlx\.l199\[0\].*nested more than 64 levels deep"
     ):
-        settings_from_yaml(chain)
+        settings_from_yaml(chain, sections=EVERY_SECTION)
     loop = tmp_path / "loop.yaml"
     loop.write_text("mrlx:\n  plugins: &a [x, *a]\n")
     with pytest.raises(
@@ -100,7 +103,7 @@ def test_nesting_through_aliases_and_alias_loops_are_named(tmp_path):
         match=r"loop.yaml: line 2: mrlx\.plugins\[1\]: an alias refers to a value that "
         r"contains it",
     ):
-        settings_from_yaml(loop)
+        settings_from_yaml(loop, sections=EVERY_SECTION)
 
 
 def test_ordinary_anchors_and_merge_keys_still_work(tmp_path):
@@ -115,7 +118,7 @@ def test_ordinary_anchors_and_merge_keys_still_work(tmp_path):
             patient: {<<: *agent, trainable: false, url: 'http://127.0.0.1:9'}
         """)
     )
-    s = settings_from_yaml(cfg)
+    s = settings_from_yaml(cfg, sections=EVERY_SECTION)
     assert s.agents["doctor"].sampling.max_new_tokens == 8 and s.agents["patient"].sampling.temperature == 0.5
     assert s.agents["patient"].trainable is False and s.agents["doctor"].trainable is True
     assert s.agents["patient"].url == "http://127.0.0.1:9" and s.agents["doctor"].url == "self"
@@ -276,6 +279,7 @@ def test_no_message_about_settings_shows_an_environment_value(monkeypatch):
                 "dialogue": {"first": "${RT_SECRET_TOKEN}", "order": ["a", "${RT_SECRET_TOKEN:-x}"]},
             },
             source="job.yaml",
+            sections=EVERY_SECTION,
         )
     msg = str(info.value)
     assert "5 problem(s)" in msg and SECRET not in msg
@@ -289,7 +293,8 @@ def test_no_message_about_settings_shows_an_environment_value(monkeypatch):
         assert key in msg, (key, msg)
     # the values themselves are the environment's
     s = parse_settings(
-        {"system": "dialogue", "agents": {"a": {"url": "http://h:1/${RT_SECRET_TOKEN}"}, "b": {}}}
+        {"system": "dialogue", "agents": {"a": {"url": "http://h:1/${RT_SECRET_TOKEN}"}, "b": {}}},
+        sections=EVERY_SECTION,
     )
     assert s.agents["a"].url == f"http://h:1/{SECRET}"
 
@@ -361,7 +366,11 @@ def test_a_number_out_of_bounds_is_one_message_from_check_and_at_start_up(
     assert msg.startswith(f"mrlx check: {cfg}: 1 problem(s):"), msg
     assert f"{where}: {expected}" in msg, msg
     args = argparse.Namespace(
-        custom_config_path=str(cfg), hf_checkpoint=None, sglang_router_ip="127.0.0.1", sglang_router_port=9
+        custom_config_path=str(cfg),
+        hf_checkpoint=None,
+        sglang_router_ip="127.0.0.1",
+        sglang_router_port=9,
+        mrlx_sections=TRAINER_SECTIONS,  # as the embedded trainer's host args name its section
     )
     with pytest.raises(ConfigError) as info:  # the rollout's own start-up reads the file the same way
         build_runtime(args, tokenizers=False)

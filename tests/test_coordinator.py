@@ -239,7 +239,9 @@ def test_auth_health_metrics_and_openapi(start_coordinator):
 
 
 def test_openapi_document_lists_every_route():
-    from mrlx_plugin.coordinator.server import Coordinator, CoordinatorConfig, openapi_document
+    from mrlx_plugin.coordinator.config import CoordinatorConfig
+    from mrlx_plugin.coordinator.openapi import openapi_document
+    from mrlx_plugin.coordinator.service import Coordinator
     from mrlx_plugin.coordinator.storage import LoadedState
 
     app = Coordinator(

@@ -11,13 +11,13 @@ from _coord_procs import CoordinatorProcess, attempts_of, make_items, waits_in_p
 
 from mrlx_plugin.core.netutil import free_port
 from mrlx_plugin.core.retry import async_wait_until
+from mrlx_plugin.link.auth import token_from_env_or_file
 from mrlx_plugin.link.client import (
     CoordinatorClient,
     CoordinatorError,
     CoordinatorUnavailable,
     CoordinatorWaitTimeout,
 )
-from mrlx_plugin.link.wire import token_from_env_or_file
 
 
 @pytest.fixture

@@ -15,12 +15,12 @@ import pytest
 from _hookmodule import write_hook_module
 from _host import group, params, slime_args
 
-from mrlx_plugin.core.config import ConfigError
+from mrlx_plugin.core.config import ConfigError, parse_settings
 from mrlx_plugin.core.host import Status
 from mrlx_plugin.rewards.shaping import group_key, normalize
 from mrlx_plugin.rollout import generate
 from mrlx_plugin.runtime import get_runtime, runtime_for
-from mrlx_plugin.settings import parse_settings
+from mrlx_plugin.settings import job_sections
 
 AGENTS = ("asker", "answerer")
 
@@ -41,7 +41,7 @@ def _run(stub, model_dir, mrlx, n=1, evaluation=False):
         args = slime_args(stub.url, str(model_dir), mrlx)
         try:
             outs = [await generate(args, s, params(args), evaluation=evaluation) for s in group(3, n)]
-            return args, outs, (await get_runtime(args)).samples_per_episode()
+            return args, outs, (await get_runtime(args)).trained_samples_per_episode()
         finally:
             await (await get_runtime(args)).aclose()
 
@@ -179,9 +179,9 @@ def test_the_normaliser_groups_by_turn_and_role():
 
 def test_branching_without_per_turn_credit_is_refused():
     with pytest.raises(ConfigError, match="rewards.credit: turn"):
-        parse_settings(_mrlx(branch=2))
+        parse_settings(_mrlx(branch=2), sections=job_sections())
     with pytest.raises(ConfigError, match="gamma"):
-        parse_settings(_mrlx(credit="turn", gamma=1.5))
+        parse_settings(_mrlx(credit="turn", gamma=1.5), sections=job_sections())
 
 
 def test_a_turn_score_that_is_no_number_names_the_plugin(stub_engine, tiny_model_dir, tmp_path, monkeypatch):
@@ -200,16 +200,19 @@ def test_a_turn_score_that_is_no_number_names_the_plugin(stub_engine, tiny_model
         _run(stub_engine, tiny_model_dir, mrlx)
 
 
-def test_the_fan_out_counts_turns_and_candidates(tiny_model_dir, tmp_path, monkeypatch):
+def test_the_samples_per_episode_count_turns_and_candidates(tiny_model_dir, tmp_path, monkeypatch):
     router = "http://127.0.0.1:9"  # never called: building the runtime reads settings only
     branched = _mrlx(credit="turn", branch=2)
     branched["plugins"] = [write_hook_module(tmp_path, monkeypatch, "turns_scored", FIRST_TURN_QUARTER)]
     args = slime_args(router, str(tiny_model_dir), branched)
-    assert runtime_for(args).fan_out == {"asker": 4, "answerer": 4}
+    assert runtime_for(args).samples_per_episode == {"asker": 4, "answerer": 4}
     mrlx = _mrlx(credit="turn")
     mrlx["dialogue"]["max_turns"] = 5  # the asker speaks first: three turns to the answerer's two
-    assert runtime_for(slime_args(router, str(tiny_model_dir), mrlx)).fan_out == {"asker": 3, "answerer": 2}
-    assert runtime_for(slime_args(router, str(tiny_model_dir), _mrlx())).fan_out == {
+    assert runtime_for(slime_args(router, str(tiny_model_dir), mrlx)).samples_per_episode == {
+        "asker": 3,
+        "answerer": 2,
+    }
+    assert runtime_for(slime_args(router, str(tiny_model_dir), _mrlx())).samples_per_episode == {
         "asker": 1,
         "answerer": 1,
     }

@@ -11,13 +11,14 @@ import pytest
 from _host import group, params, slime_args
 from test_plain_text import markdown_reading
 
+from mrlx_lab.stub_engine import start_stub_engine
+from mrlx_plugin.core.config import parse_settings
 from mrlx_plugin.core.host import Status
 from mrlx_plugin.core.metrics import compute_metrics
 from mrlx_plugin.core.tokenizer import load_tokenizer
-from mrlx_plugin.local.processes import start_stub_engine
 from mrlx_plugin.rollout import generate
 from mrlx_plugin.runtime import get_runtime
-from mrlx_plugin.settings import parse_settings
+from mrlx_plugin.settings import job_sections
 from mrlx_plugin.systems.debate import debate_fan_out, debate_turns, parse_verdict
 
 IM_START = 1  # the tiny tokenizer's <|im_start|>
@@ -204,7 +205,7 @@ def test_a_verdict_is_the_answers_last_line_and_nothing_else(text):
     assert parse_verdict(text) is None
 
 
-def test_a_failed_judge_aborts_the_episode_with_the_same_fan_out(stub, tiny_model_dir):
+def test_a_failed_judge_aborts_the_episode_with_the_same_samples_per_episode(stub, tiny_model_dir):
     debaters, judge = stub(PRO), stub("Winner: A")
     req = urllib.request.Request(
         judge.url + "/_stub/faults",
@@ -219,13 +220,17 @@ def test_a_failed_judge_aborts_the_episode_with_the_same_fan_out(stub, tiny_mode
 
 
 def test_fan_out_and_turns_are_declared():
-    frozen = parse_settings(config("http://127.0.0.1:1", rounds=3), source="test")
+    frozen = parse_settings(config("http://127.0.0.1:1", rounds=3), source="test", sections=job_sections())
     assert debate_fan_out(frozen) == {"pro": 1, "con": 1}
     assert debate_turns(frozen) == {"pro": 3, "con": 3, "judge": 1}
     trained = config("http://127.0.0.1:1")
     trained["agents"]["judge"]["trainable"] = True
     trained["coordinator"] = {"url": "http://127.0.0.1:2"}
-    assert debate_fan_out(parse_settings(trained, source="test")) == {"pro": 1, "con": 1, "judge": 1}
+    assert debate_fan_out(parse_settings(trained, source="test", sections=job_sections())) == {
+        "pro": 1,
+        "con": 1,
+        "judge": 1,
+    }
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,7 @@ import pytest
 from test_local_engine import call, generate, out_ids, out_logprobs, wait_running
 
 from mrlx_plugin.local.model import ensure_model
-from mrlx_plugin.local.processes import ProcessStartError, router_available, start_engine, start_router
+from mrlx_plugin.local.services import ProcessStartError, router_available, start_engine, start_router
 
 PROMPT = [1, 74, 75, 20, 21, 9]
 GREEDY = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}

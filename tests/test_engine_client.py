@@ -20,13 +20,9 @@ import pytest
 from _raw_server import HANG_UP, ScriptedServer, answer
 
 from mrlx_plugin.core.config import EngineSettings
-from mrlx_plugin.core.engine_client import (
-    MIN_LOG_PROB,
-    EngineClient,
-    EngineError,
-    MalformedAnswer,
-    answer_limits,
-)
+from mrlx_plugin.core.engine_client import EngineClient, EngineError, MalformedAnswer, PeerRetry
+from mrlx_plugin.core.sglang import answer_limits
+from mrlx_plugin.core.values import MIN_LOG_PROB
 
 OK_BODY = orjson.dumps(
     {
@@ -346,3 +342,67 @@ def test_an_error_answer_past_the_request_allowance_is_still_an_http_error():
     assert len(page) > answer_limits(16)[0]
     assert error.retryable and not isinstance(error, MalformedAnswer)
     assert error.reason.startswith("HTTP 503: <html>busy"), error.reason
+
+
+ABORT = answer(
+    200,
+    orjson.dumps(
+        {"text": "", "meta_info": {"finish_reason": {"type": "abort"}, "output_token_logprobs": []}}
+    ),
+)
+
+
+def test_a_peer_call_retries_aborts_and_lasting_faults_in_the_same_loop():
+    """A peer's engine (`PeerRetry`): an `abort` answer, and a fault that outlived the call's
+    retries, are tried again after the peer's wait, each told to `failed` first (None for an
+    abort); `alive` runs before every attempt. Without the policy an `abort` answer is returned."""
+    failed: list = []
+    alive: list = []
+
+    async def on_failed(error):
+        failed.append(None if error is None else error.reason)
+
+    peer = PeerRetry(wait_s=0.01, alive=lambda: alive.append(1), failed=on_failed)
+
+    async def run():
+        script = (ABORT, answer(503, b"updating"), answer(503, b"updating"), OK)
+        async with ScriptedServer(*script) as server:
+            result = await call(EngineClient(server.url, settings(max_retries=1)), peer=peer)
+        async with ScriptedServer(ABORT) as server:
+            own = await call(EngineClient(server.url, settings()))
+        return result, own, server
+
+    result, own, _ = asyncio.run(run())
+    assert result.token_ids == [7, 8] and result.retries == 3
+    assert failed == [None, "HTTP 503: updating"] and len(alive) == 4
+    assert own.finish_reason == "abort" and own.retries == 0
+
+
+def test_a_peer_call_ends_at_its_deadline_with_its_last_answer_or_fault():
+    """No wait of the peer's crosses the call's deadline: its last `abort` answer is returned, its
+    last fault raised, neither told to `failed`."""
+    failed: list = []
+
+    async def on_failed(error):
+        failed.append(error)
+
+    peer = PeerRetry(wait_s=30.0, alive=lambda: None, failed=on_failed)
+
+    async def run():
+        async with ScriptedServer(ABORT) as server:
+            aborted = await call(
+                EngineClient(server.url, settings()), peer=peer, deadline=time.monotonic() + 5
+            )
+        async with ScriptedServer(answer(500, b"down")) as server:
+            with pytest.raises(EngineError) as info:
+                await call(
+                    EngineClient(server.url, settings(max_retries=0)),
+                    peer=peer,
+                    deadline=time.monotonic() + 5,
+                )
+        return aborted, info.value
+
+    aborted, error = asyncio.run(run())
+    assert aborted.finish_reason == "abort" and aborted.retries == 0
+    assert error.retryable and error.reason == "HTTP 500: down" and error.attempts == 1
+    assert failed == []

@@ -17,15 +17,15 @@ from pathlib import Path
 import pytest
 from _host import params, slime_args
 
-from mrlx_plugin.core.config import ConfigError
+from mrlx_lab.stub_engine import start_stub_engine
+from mrlx_plugin.core.config import ConfigError, parse_settings, settings_from_yaml
 from mrlx_plugin.core.host import Sample, Status
 from mrlx_plugin.core.metrics import compute_metrics
-from mrlx_plugin.local.processes import start_stub_engine
 from mrlx_plugin.plugins import collect_games, collect_systems, make_plugin_manager
 from mrlx_plugin.rewards.shaping import group_key, normalize
 from mrlx_plugin.rollout import generate
 from mrlx_plugin.runtime import get_runtime
-from mrlx_plugin.settings import parse_settings, settings_from_yaml
+from mrlx_plugin.settings import job_sections
 from mrlx_plugin.systems.game import GAME, check_game, pool_draw
 
 REPO = Path(__file__).resolve().parent.parent
@@ -168,7 +168,8 @@ def test_every_episode_returns_the_same_number_of_samples_whatever_its_length(cr
         {"name": "nim", "seats": ["p", "p"], "options": {"max_stones": 5}},
         rewards={"credit": credit},
     )
-    assert GAME.turns(parse_settings(mrlx)) == {"p": 3}  # 5 stones: the first seat moves at most 3 times
+    settings = parse_settings(mrlx, sections=job_sections())
+    assert GAME.turns(settings) == {"p": 3}  # 5 stones: the first seat moves at most 3 times
     outs, _ = episodes(stub.url, tiny_model_dir, mrlx, ["Nim: 1 stones", "Nim: 2 stones", "Nim: 5 stones"])
     per_episode = 2 if credit == "episode" else 2 * 3
     assert [len(out) for out in outs] == [per_episode] * 3
@@ -563,12 +564,12 @@ def test_every_example_game_config_loads_through_the_real_loader():
         "chain_turn_credit.yaml",
     }
     for path in paths:
-        settings = settings_from_yaml(path, known_systems=systems)
+        settings = settings_from_yaml(path, known_systems=systems, sections=job_sections())
         assert settings.system == "game"
         assert not check_game(settings, games)  # the seats fit the game
         assert GAME.fan_out(settings) and GAME.turns(settings)
     for name, rows in (("nim", 64), ("chain", 64), ("kuhn", 64)):
-        from mrlx_plugin.local.tasks import task_prompts
+        from mrlx_plugin.local.trainer.tasks import task_prompts
 
         lines = (REPO / "examples" / "games" / f"{name}_prompts.jsonl").read_text().splitlines()
         task = {"kuhn": "kuhn_poker"}.get(name, name)

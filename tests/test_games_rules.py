@@ -8,7 +8,7 @@ from fractions import Fraction
 
 import pytest
 
-from mrlx_plugin.local.tasks import chain_prompts, kuhn_prompts, nim_prompts, task_prompts
+from mrlx_plugin.local.trainer.tasks import chain_prompts, kuhn_prompts, nim_prompts, task_prompts
 from mrlx_plugin.systems.game import Game, boxed, judge_move, winner_of
 from mrlx_plugin.systems.games import BUILT_IN_GAMES, Chain, KuhnPoker, KuhnState, Nim, kuhn_equilibrium
 

@@ -257,7 +257,7 @@ def test_one_runtime_per_args_sharing_tokenizers_and_the_reward_functions_verifi
     # `reward(args, ...)` gets nothing but args: it finds the same worker as the Runtime's grader
     assert math_verifier(args) is runtime.verifier and math_verifier(other) is runtime_for(other).verifier
     assert runtime.verifier is not runtime_for(other).verifier
-    assert runtime.system.team_shaping is True and runtime.samples_per_episode() == 5
+    assert runtime.system.team_shaping is True and runtime.trained_samples_per_episode() == 5
 
 
 def test_peer_samples_need_an_open_step(tiny_model_dir):
@@ -274,13 +274,15 @@ def test_peer_samples_need_an_open_step(tiny_model_dir):
     assert outbox.step == 3 and outbox.groups[0].episodes == 1
 
 
-def test_the_outbox_observes_the_training_episodes_of_a_job_with_peers(tiny_model_dir):
+def test_the_outbox_observes_the_training_episodes_of_a_job_with_peers(tiny_model_dir, monkeypatch):
     """A job whose episodes have samples for another job's agent registers its outbox on the
     mrlx_episode_end hook: a training episode's samples for that agent go to it, an evaluation
     episode's do not. A job without peer agents registers none."""
     from types import SimpleNamespace
 
     from _twojobs import two_job_config
+
+    import mrlx_plugin.runtime
 
     nowhere = "http://127.0.0.1:9"
     mrlx = two_job_config("a", run_id="observe", urls={"b": nowhere}, coordinator=nowhere)
@@ -292,12 +294,14 @@ def test_the_outbox_observes_the_training_episodes_of_a_job_with_peers(tiny_mode
     assert outbox is not None and outbox.peer_agents == ["b"]
 
     def ended(evaluation: bool, episode_id: str):
-        return SimpleNamespace(
-            evaluation=evaluation,
-            sample=SimpleNamespace(group_index=7),
-            id=episode_id,
-            samples_of=lambda agents, every_agent: [f"{agents[0]}-sample" for _ in range(2)],
-        )
+        return SimpleNamespace(evaluation=evaluation, sample=SimpleNamespace(group_index=7), id=episode_id)
+
+    # the samples the observer builds of an episode (episodes.samples.samples_of)
+    monkeypatch.setattr(
+        mrlx_plugin.runtime,
+        "samples_of",
+        lambda episode, agents, every_agent: [f"{agents[0]}-sample" for _ in range(2)],
+    )
 
     outbox.open_step(0)
     runtime.pm.hook.mrlx_episode_end(episode=ended(True, "eval"), samples=[])

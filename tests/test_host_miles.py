@@ -192,7 +192,7 @@ RETRY_WAIT_S = 0.1
 @pytest.fixture
 def slow_engine(logs_dir, request):
     """A stub engine that answers each /generate after LATENCY_S seconds."""
-    from mrlx_plugin.local.processes import start_stub_engine
+    from mrlx_lab.stub_engine import start_stub_engine
 
     proc = start_stub_engine(
         log_dir=logs_dir, name=f"slow-{request.node.name[:40]}", extra=["--latency", str(LATENCY_S)]
@@ -262,7 +262,7 @@ def test_abort_stops_dialogues_between_turns(tmp_path, slow_engine, tiny_model_d
 
 
 @pytest.mark.slow
-def test_aborted_episode_keeps_fan_out_and_dp_split(tmp_path, stub_engine, tiny_model_dir):
+def test_aborted_episode_keeps_samples_per_episode_and_dp_split(tmp_path, stub_engine, tiny_model_dir):
     """One episode of 4 aborted by an engine fault (no retries): the step still holds 4 x 5
     samples, so static micro-batches of 1 split evenly over 2 ranks (Miles' schedule asserts that
     the micro-batch count is a multiple of dp_size)."""
@@ -409,7 +409,7 @@ def test_initiator_rollout_runs_miles_default_rollout_and_hands_b_its_groups(
     real coordinator, one whole group per prompt group."""
     from _twojobs import two_job_config
 
-    from mrlx_plugin.local.processes import start_stub_engine
+    from mrlx_lab.stub_engine import start_stub_engine
 
     engine_a = start_stub_engine(log_dir=logs_dir, name="stub-miles-a")
     engine_b = start_stub_engine(log_dir=logs_dir, name="stub-miles-b")

@@ -149,7 +149,9 @@ def _by_rollout(step: dict[str, Any]) -> dict[Any, list[str]]:
     return out
 
 
-def test_aborted_episode_keeps_its_fan_out_and_the_step_splits(tmp_path, tiny_model_dir, stub_engine):
+def test_aborted_episode_keeps_its_samples_per_episode_and_the_step_splits(
+    tmp_path, tiny_model_dir, stub_engine
+):
     """4 pipeline episodes per step, one failed by the engine: 20 samples (5 ABORTED), split 10/10."""
     engine_faults(stub_engine.url, "http500", 1)
     mrlx = {**PIPELINE, "engine": {"max_retries": 0}}
@@ -257,7 +259,7 @@ def test_no_turn_starts_after_the_host_aborts_the_rollout(tmp_path, tiny_model_d
     comes back the rollout is over: no further /generate request may be sent (at most the
     requests already on their way when the flag was set reach the engines afterwards).
     """
-    from mrlx_plugin.local.processes import start_stub_engine
+    from mrlx_lab.stub_engine import start_stub_engine
 
     slow = ["--latency", "0.3", "--response-tokens", "16"]
     own = start_stub_engine(log_dir=logs_dir, name="slime-fake-own", extra=slow)
@@ -394,7 +396,7 @@ def test_a_frozen_agent_served_as_a_lora_adapter_runs_a_step(tmp_path, tiny_mode
     """A frozen agent on another engine, served there as a LoRA adapter, is no trained adapter: the
     job runs its step, every one of the patient's requests names its adapter and the doctor's
     (trained, the base model of this job's engine) name none."""
-    from mrlx_plugin.local.processes import start_stub_engine
+    from mrlx_lab.stub_engine import start_stub_engine
 
     own = start_stub_engine(log_dir=logs_dir, name="slime-lora-own")
     peer = start_stub_engine(log_dir=logs_dir, name="slime-lora-peer", extra=["--lora-names", "patient-lora"])
@@ -431,7 +433,7 @@ def _initiator_step(tmp_path, tiny_model_dir, logs_dir, start_coordinator, run_i
     from _coord_procs import TOKEN_ENV
     from _twojobs import two_job_config
 
-    from mrlx_plugin.local.processes import start_stub_engine
+    from mrlx_lab.stub_engine import start_stub_engine
 
     engine_a = start_stub_engine(log_dir=logs_dir, name=f"stub-{run_id}-a")
     engine_b = start_stub_engine(log_dir=logs_dir, name=f"stub-{run_id}-b")

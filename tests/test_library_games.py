@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 
 from mrlx_plugin.core import processes
-from mrlx_plugin.core.config import ConfigError
+from mrlx_plugin.core.config import ConfigError, parse_settings
 from mrlx_plugin.core.values import RewardError
 from mrlx_plugin.plugins import collect_games, make_plugin_manager
-from mrlx_plugin.settings import parse_settings
+from mrlx_plugin.settings import job_sections
 from mrlx_plugin.systems import library_games
 from mrlx_plugin.systems.game import GAME, check_game, game_outcome
 from mrlx_plugin.systems.games import CARDS, Chain, KuhnPoker, KuhnState, Nim, kuhn_equilibrium
@@ -46,7 +46,10 @@ SPIEL_KUHN_ACTION = {"check": 0, "fold": 0, "bet": 1, "call": 1}
 
 
 def game_settings(game: dict, agents: tuple[str, ...] = ("p",)):
-    return parse_settings({"system": "game", "agents": {a: {"url": "self"} for a in agents}, "game": game})
+    return parse_settings(
+        {"system": "game", "agents": {a: {"url": "self"} for a in agents}, "game": game},
+        sections=job_sections(),
+    )
 
 
 # --- kuhn poker against OpenSpiel -----------------------------------------------------------

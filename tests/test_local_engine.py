@@ -20,10 +20,10 @@ import pytest
 
 from mrlx_plugin.core.netutil import free_port
 from mrlx_plugin.core.retry import wait_until
-from mrlx_plugin.local.engine import router_command
+from mrlx_plugin.local.engine.router import router_command
 from mrlx_plugin.local.model import CHATML_TEMPLATE, build_model, ensure_model, load_tokenizer
-from mrlx_plugin.local.processes import router_available, start_engine, start_router, start_service
-from mrlx_plugin.local.trainer import push_weights
+from mrlx_plugin.local.services import router_available, start_engine, start_router, start_service
+from mrlx_plugin.local.trainer.weights import push_weights
 
 # --- helpers -----------------------------------------------------------------------------------
 
@@ -517,7 +517,7 @@ def test_push_weights_waits_for_an_engine_that_comes_up(tmp_path, logs_dir):
     pusher.start()
     stub = start_service(
         "stub-late",
-        [sys.executable, "-m", "mrlx_plugin.local.stub_engine", "--port", str(port)],
+        [sys.executable, "-m", "mrlx_lab.stub_engine", "--port", str(port)],
         log_dir=logs_dir,
         port=port,
     )

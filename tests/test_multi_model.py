@@ -23,7 +23,7 @@ from _twojobs import ENV, TOKEN, two_job_config, write_config
 from mrlx_plugin.core import processes
 from mrlx_plugin.core.retry import wait_until
 from mrlx_plugin.local.model import ensure_model
-from mrlx_plugin.local.processes import start_engine, start_service
+from mrlx_plugin.local.services import start_engine, start_service
 
 pytestmark = pytest.mark.slow  # two trainer jobs, or a rollout of each job's, end to end
 
@@ -297,7 +297,7 @@ def test_evaluation_queues_nothing_and_a_missing_rollout_function_is_named(
     from mrlx_plugin.core.config import ConfigError
     from mrlx_plugin.core.host import Sample, run_in_host_loop
     from mrlx_plugin.link.client import CoordinatorClient
-    from mrlx_plugin.local.fake_host import LocalDataSource
+    from mrlx_plugin.local.trainer.fake_host import LocalDataSource
     from mrlx_plugin.rollout import generate, initiator_rollout, responder_rollout
     from mrlx_plugin.runtime import runtime_for
 

@@ -12,8 +12,8 @@ import pytest
 import yaml
 from _coord_procs import CoordinatorProcess
 
+from mrlx_lab.stub_engine import start_stub_engine
 from mrlx_plugin.core.netutil import free_port
-from mrlx_plugin.local.processes import start_stub_engine
 
 REPO = Path(__file__).resolve().parent.parent
 TRAINED = ("a", "b", "c")

@@ -102,7 +102,7 @@ def _episode_on_a_stub(model_dir, logs_dir, name, stub_extra, last_request=False
     import json
     import urllib.request
 
-    from mrlx_plugin.local.processes import start_stub_engine
+    from mrlx_lab.stub_engine import start_stub_engine
 
     stub = start_stub_engine(log_dir=logs_dir, name=name, extra=stub_extra)
     try:
@@ -297,7 +297,7 @@ def test_engine_faults_become_aborted_samples(mode, stub_engine, tiny_model_dir)
     assert compute_metrics(out)["multi_agent/aborted_episodes"] == 1
 
 
-def test_an_episode_that_stops_early_still_returns_its_fixed_fan_out(tiny_model_dir, logs_dir):
+def test_an_episode_that_stops_early_still_returns_its_fixed_samples_per_episode(tiny_model_dir, logs_dir):
     """Solvers that give no answer end the episode before the rewriters speak: the rewriter and
     selector samples are ABORTED fillers (reward 0.0, zero mask), in those agents' token space."""
     out = _episode_on_a_stub(tiny_model_dir, logs_dir, "stub-silent", ["--text", ""])

@@ -18,10 +18,10 @@ import re
 import pytest
 from _host import group, params, slime_args
 
+from mrlx_lab.stub_engine import start_stub_engine
 from mrlx_plugin.core.host import Status
 from mrlx_plugin.core.tokenizer import AgentTokenizer, TemplateError, load_tokenizer
 from mrlx_plugin.core.transcript import Transcript, Turn
-from mrlx_plugin.local.processes import start_stub_engine
 from mrlx_plugin.rollout import generate
 from mrlx_plugin.runtime import get_runtime
 from mrlx_plugin.systems.quoting import quote

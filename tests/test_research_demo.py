@@ -1,4 +1,4 @@
-"""The research pair (`examples/research_pair`): its corpus, search and warm-start data, then
+"""The research pair (`mrlx_lab/examples/research_pair`): its corpus, search and warm-start data, then
 `mrlx demo --research`, shortened: two models behind the coordinator, as agent code with a tool."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 import pytest
 from _demo import REPO
 
-from examples.research_pair import corpus
+from mrlx_lab.examples.research_pair import corpus
 from mrlx_plugin.local.model import load_tokenizer
 
 SHORT = [
@@ -90,7 +90,7 @@ def test_the_warm_start_holds_no_true_fact_and_the_searcher_searches_half_the_ti
 def test_short_research_demo_trains_both_models_and_masks_the_tool_output(tmp_path):
     out = tmp_path / "research"
     run = subprocess.run(
-        [sys.executable, "-m", "mrlx_plugin.local.research_demo", "--out", str(out), *SHORT],
+        [sys.executable, "-m", "mrlx_lab.demos.research", "--out", str(out), *SHORT],
         cwd=REPO,
         capture_output=True,
         text=True,

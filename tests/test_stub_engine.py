@@ -13,8 +13,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from mrlx_plugin.local.processes import start_stub_engine
-from mrlx_plugin.local.stub_engine import DEFAULT_TEXT
+from mrlx_lab.stub_engine import start_stub_engine
+from mrlx_lab.stub_engine.answers import DEFAULT_TEXT
 
 
 def call(

@@ -246,7 +246,7 @@ def test_a_sigkilled_parent_takes_its_services_with_it(tmp_path):
     log = tmp_path / "parent.log"
     script = (
         "import signal\n"
-        "from mrlx_plugin.local.processes import start_stub_engine\n"
+        "from mrlx_lab.stub_engine import start_stub_engine\n"
         f"stub = start_stub_engine(log_dir={str(tmp_path)!r})\n"
         "print('started', stub.proc.pid, flush=True)\n"
         "while True:\n    signal.pause()  # until the test SIGKILLs it\n"
@@ -259,7 +259,7 @@ def test_a_sigkilled_parent_takes_its_services_with_it(tmp_path):
         )
         assert parent.poll() is None, log.read_text()
         seen.update(descendants(parent.pid))
-        assert any("mrlx_plugin.local.stub_engine" in cmdline(p) for p in seen)
+        assert any("mrlx_lab.stub_engine" in cmdline(p) for p in seen)
         os.kill(parent.pid, signal.SIGKILL)
         parent.wait(30)
         assert_nothing_left(mark, seen, timeout=30)

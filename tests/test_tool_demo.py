@@ -1,4 +1,4 @@
-"""The tool-using example (`examples/tool_lookup`) and its runner (`mrlx demo --tools`): the data and
+"""The tool-using example (`mrlx_lab/examples/tool_lookup`) and its runner (`mrlx demo --tools`): the data and
 the chat template with tools, then a short run of the whole loop on the CPU."""
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from examples.tool_lookup import data, hooks
+from mrlx_lab.demos import tools as tool_demo
+from mrlx_lab.demos.kit import refuse_previous_run
+from mrlx_lab.examples.tool_lookup import data, hooks
 from mrlx_plugin.agents.parsers import hermes
 from mrlx_plugin.cli.main import main as cli_main
 from mrlx_plugin.core.config import ConfigError
-from mrlx_plugin.local import tool_demo
-from mrlx_plugin.local.demo import refuse_previous_run
 from mrlx_plugin.local.model import CHATML_TEMPLATE, build_tokenizer, load_tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
@@ -140,7 +140,7 @@ def test_a_short_run_trains_on_episodes_whose_tool_results_are_context(tmp_path)
         "--quiet",
     ]
     run = subprocess.run(
-        [sys.executable, "-m", "mrlx_plugin.local.tool_demo", *argv],
+        [sys.executable, "-m", "mrlx_lab.demos.tools", *argv],
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -17,7 +17,8 @@ import yaml
 torch = pytest.importorskip("torch")
 
 from mrlx_plugin.core.host import Status  # noqa: E402
-from mrlx_plugin.local.trainer import ppo_loss, step_engine_calls, trained_counts  # noqa: E402
+from mrlx_plugin.local.trainer.loop import step_engine_calls, trained_counts  # noqa: E402
+from mrlx_plugin.local.trainer.loss import ppo_loss  # noqa: E402
 
 
 class _Confident(torch.nn.Module):

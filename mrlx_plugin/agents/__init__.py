@@ -13,7 +13,8 @@ an OpenAI-compatible endpoint that the rollout process serves (see docs/agents-a
 """
 
 from mrlx_plugin.agents.parsers import ParsedTurn, ToolCall, parse_turn
-from mrlx_plugin.agents.system import AgentCodeSettings, Endpoint, Outcome, Task, agent_code
+from mrlx_plugin.agents.system import AgentCodeSettings, Endpoint, Task, agent_code
+from mrlx_plugin.episodes.outcome import Outcome
 
 __all__ = [
     "AgentCodeSettings",

@@ -16,25 +16,17 @@ beside the agent's `Transcript`, which holds the exact ids the engine sampled:
 
 Every text a request brings (a system, user, tool or earlier assistant message) is content: it is
 rendered as plain text, so no special token and no markup of the template can be forged by it.
+The request's body and fields are checked before it reaches a session (`agents.request`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextvars
-import functools
-import gc
 import json
 import logging
-import math
-import secrets
-import time
-import weakref
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
-
-import orjson
+from typing import Any
 
 from mrlx_plugin.agents.parsers import (
     ParsedTurn,
@@ -43,80 +35,28 @@ from mrlx_plugin.agents.parsers import (
     parse_turn,
     render_calls_hermes,
 )
+from mrlx_plugin.agents.request import (
+    OFF_LOOP_COST,
+    ChatError,
+    Seen,
+    answer_body,
+    calls_seen,
+    check_request,
+    check_tool_results,
+    off_loop,
+    render_cost,
+    seen_of,
+)
 from mrlx_plugin.core.tokenizer import TemplateError
 from mrlx_plugin.core.transcript import Mark, Transcript
 from mrlx_plugin.episodes.episode import Episode
 from mrlx_plugin.episodes.errors import EpisodeAborted
 
-# Request fields read here; any other is refused (a setting the endpoint would not honour).
-_FIELDS = {
-    "model",
-    "messages",
-    "tools",
-    "tool_choice",
-    "temperature",
-    "top_p",
-    "max_tokens",
-    "max_completion_tokens",
-    "stop",
-    "seed",
-    "n",
-    "stream",
-    "parallel_tool_calls",
-    "user",
-    "metadata",
-    "logprobs",
-}
-_ROLES = ("system", "developer", "user", "assistant", "tool")
-
-# What one request may bring, checked before anything is rendered (docs/agents-as-code.md). A long
-# coding-agent session (a few hundred tools' specs, a 200k-token conversation) is well within them.
-MAX_MESSAGES = 10_000
-MAX_TOOLS = 1_024
-MAX_TOOLS_BYTES = 2 * 1024 * 1024  # the tools list as JSON
-MAX_REQUEST_BYTES = 4 * 1024 * 1024  # the messages and the tools as JSON: every text the request brings
-# The JSON items (objects, arrays, keys, values) a body may hold: parsing costs 10-40 ns an item on
-# the event loop (orjson holds the interpreter while it runs; freeing them, half that again), so a
-# body of millions of tiny values is refused before it is parsed. A request at the limits above
-# holds 100,000 to 500,000 (10,000 messages that each carry a tool call are 220,000).
-MAX_JSON_ITEMS = 1_000_000
-# A request whose work is estimated past this (bytes of its JSON, and `_MESSAGE_COST` a message,
-# which the template renders one by one) is checked, rendered and encoded off the event loop, in at
-# most `_OFF_LOOP_THREADS` threads at once per loop (more requests wait their turn, unrendered).
-_OFF_LOOP_COST = 32 * 1024
-_MESSAGE_COST = 64
-_OFF_LOOP_THREADS = 2
-_PARSE_INLINE_BYTES = 256 * 1024  # bodies past this are scanned for their item count first
-_SCAN_CHUNK = 256 * 1024
-_slots: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = weakref.WeakKeyDictionary()
-
 logger = logging.getLogger(__name__)
-
-
-class ChatError(Exception):
-    """A request the endpoint answers with an HTTP error, in OpenAI's error shape."""
-
-    def __init__(
-        self, status: int, message: str, code: str = "invalid_request_error", param: str | None = None
-    ):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.code = code
-        self.param = param
-
-    def body(self) -> dict[str, Any]:
-        kind = "invalid_request_error" if self.status < 500 else "server_error"
-        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
 
 # Sends a turn's answer to the client; returns once it is written (raises if the client is gone).
 Deliver = Callable[[dict[str, Any]], Awaitable[None]]
-
-# A message as matched against a thread: (role, text, ((call id, name, arguments as a JSON value),
-# ...), tool_call_id). The client's copy of an answer is matched on what it shows, not its extra
-# fields; arguments as the value their JSON holds (`1.0` and `1`, key order and spacing agree).
-Seen = tuple[str, str, tuple[tuple[str, str, Any], ...], str | None]
 
 
 @dataclass
@@ -178,7 +118,7 @@ class AgentSession:
             raise ChatError(
                 404, f"episode {self.episode.id} has ended: {self.episode.abort_reason}", "session_not_found"
             )
-        request = _check_request(body)
+        request = check_request(body)
         tools, tools_key, seen = await self._read(request)
         thread = self._thread_for(seen, tools_key)
         if thread is not None and len(thread.transcript.turns) >= self.max_turns:
@@ -210,9 +150,9 @@ class AgentSession:
                 ) from None
             parse_tools = tools if request["tool_choice"] != "none" else None
             parsed = self._parse(turn.text, parse_tools)
-            answer: Seen = ("assistant", parsed.content or "", _calls_seen(parsed), None)
+            answer: Seen = ("assistant", parsed.content or "", calls_seen(parsed), None)
             await deliver(
-                _response(self.agent, parsed, turn.finish_reason, thread.transcript, len(turn.token_ids))
+                answer_body(self.agent, parsed, turn.finish_reason, thread.transcript, len(turn.token_ids))
             )
         except BaseException as exc:  # the turn never ran, or its answer never reached the client
             self._undo(thread, before)
@@ -236,7 +176,9 @@ class AgentSession:
     def _undo(self, thread: Thread, before: tuple[Mark, list[Seen]] | None) -> None:
         """Leave no trace of a request: its appends undone, its turn too if it ran; a conversation
         it opened is gone, so its place is free for the client's retry."""
-        self.episode.turns -= len(thread.transcript.turns) - (before[0].turns if before is not None else 0)
+        self.episode.counts.turns -= len(thread.transcript.turns) - (
+            before[0].turns if before is not None else 0
+        )
         if before is None:
             self.threads.remove(thread)
             self.episode.transcripts.remove(thread.transcript)
@@ -255,8 +197,8 @@ class AgentSession:
 
     async def _read(self, request: dict[str, Any]) -> tuple[list[dict] | None, str, list[Seen]]:
         """The request's tools, their canonical JSON (`tools_key`) and its messages as matched
-        (`Seen`), checked; off the event loop when the request is large (`_OFF_LOOP_COST`)."""
-        if request["cost"] > _OFF_LOOP_COST:
+        (`Seen`), checked; off the event loop when the request is large (`OFF_LOOP_COST`)."""
+        if request["cost"] > OFF_LOOP_COST:
             return await off_loop(self._read_now, request)
         return self._read_now(request)
 
@@ -264,8 +206,8 @@ class AgentSession:
         tools = request["tools"]
         tools_key = json.dumps(tools, sort_keys=True, ensure_ascii=False) if tools else ""
         self._check_tools(tools_key)
-        seen = [_seen(m, i) for i, m in enumerate(request["messages"])]
-        _check_tool_results(seen)
+        seen = [seen_of(m, i) for i, m in enumerate(request["messages"])]
+        check_tool_results(seen)
         return tools, tools_key, seen
 
     def _check_tools(self, tools_key: str) -> None:
@@ -338,7 +280,7 @@ class AgentSession:
             # not cached yet: a rendering over the context is refused, and must leave nothing behind
             return template, full, tok.prompt_ids(full, tools, tools_key, cache=False)
 
-        if _cost(seen, tools_key) > _OFF_LOOP_COST:
+        if render_cost(seen, tools_key) > OFF_LOOP_COST:
             template, full, rendered = await off_loop(render)
             if len(self.threads) >= self.max_threads:  # other requests opened theirs meanwhile
                 raise ChatError(
@@ -374,7 +316,7 @@ class AgentSession:
             return new, thread.transcript.continuation(new)
 
         # The template renders the whole conversation (twice): its cost is the whole's.
-        if _cost(seen, thread.tools_key) > _OFF_LOOP_COST:
+        if render_cost(seen, thread.tools_key) > OFF_LOOP_COST:
             new, (text, ids) = await off_loop(render)
         else:
             new, (text, ids) = render()
@@ -406,351 +348,3 @@ class AgentSession:
 
     def close(self, reason: str) -> None:
         self.closed = reason
-
-
-# --- the body, and work kept off the event loop ------------------------------------------------
-
-T = TypeVar("T")
-
-
-async def off_loop(fn: Callable[..., T], *args: Any) -> T:
-    """`fn(*args)` in a worker thread, at most `_OFF_LOOP_THREADS` at once per event loop. A caller
-    cancelled meanwhile returns at once, and its thread keeps its slot until it ends: a flood of
-    requests, cancelled or not, cannot pile up threads (or the memory they render into)."""
-    loop = asyncio.get_running_loop()
-    slots = _slots.get(loop)
-    if slots is None:
-        slots = _slots[loop] = asyncio.Semaphore(_OFF_LOOP_THREADS)
-    await slots.acquire()
-    try:
-        future = loop.run_in_executor(None, functools.partial(contextvars.copy_context().run, fn, *args))
-    except BaseException:
-        slots.release()
-        raise
-
-    def done(f: asyncio.Future) -> None:
-        slots.release()
-        if not f.cancelled():
-            f.exception()  # retrieved: a cancelled caller's thread may fail unseen
-
-    future.add_done_callback(done)
-    return await asyncio.shield(future)
-
-
-async def parse_body(raw: bytes) -> Any:
-    """A request body's JSON (orjson.JSONDecodeError when it is not JSON).
-
-    A body past `_PARSE_INLINE_BYTES` is first scanned off the event loop for the JSON items it
-    holds, and refused (413) past `MAX_JSON_ITEMS`. orjson holds the interpreter while it parses,
-    in a thread as well, so the parse itself runs here, with the garbage collector paused (it
-    would otherwise walk every object of the process again and again while the body's are made)."""
-    if len(raw) > _PARSE_INLINE_BYTES:
-        items = await off_loop(_json_items, raw, MAX_JSON_ITEMS)
-        if items > MAX_JSON_ITEMS:
-            raise ChatError(
-                413,
-                f"the body holds more than {MAX_JSON_ITEMS:,} JSON items (objects, arrays, keys and values); "
-                f"a request holds at most {MAX_MESSAGES:,} messages and {MAX_TOOLS:,} tools: send fewer, "
-                "larger values",
-                "request_too_large",
-            )
-    collecting = gc.isenabled()
-    if collecting:
-        gc.disable()
-    try:
-        return orjson.loads(raw)
-    finally:
-        if collecting:
-            gc.enable()
-
-
-def _json_items(raw: bytes, cap: int) -> int:
-    """How many JSON items (objects, arrays, keys, values) the JSON text `raw` holds at most,
-    counted outside its strings: every item but the first follows a `[`, `{`, `,` or `:`, and a
-    container is an item too. A chunk at a time, so that the thread running it lets the event
-    loop run between chunks; stops once past `cap`. Not a validation: orjson parses it next."""
-    items, inside, start, n = 1, False, 0, len(raw)
-    while start < n and items <= cap:
-        end = min(n, start + _SCAN_CHUNK)
-        while end < n and raw[end - 1] == 0x5C:  # a chunk never ends inside an escape
-            end += 1
-        chunk = raw[start:end].replace(b"\\\\", b"").replace(b'\\"', b"")  # escaped quotes are text
-        parts = chunk.split(b'"')
-        outside = b"".join(parts[1 if inside else 0 :: 2])
-        items += outside.count(b",") + outside.count(b":") + 2 * (outside.count(b"[") + outside.count(b"{"))
-        inside ^= len(parts) % 2 == 0  # an odd number of quotes: the chunk ends in the other state
-        start = end
-    return items
-
-
-def _json_size(value: Any, where: str) -> int:
-    """The bytes of `value` as compact JSON (orjson: a few ms for megabytes)."""
-    try:
-        return len(orjson.dumps(value))
-    except orjson.JSONEncodeError as exc:
-        raise ChatError(400, f"{where} cannot be read as JSON: {exc}", param=where) from None
-
-
-def _cost(seen: list[Seen], tools_key: str) -> int:
-    """The estimated work of rendering a conversation (see `_OFF_LOOP_COST`)."""
-    return len(tools_key) + sum(len(s[1]) for s in seen) + _MESSAGE_COST * len(seen)
-
-
-# --- the request ---------------------------------------------------------------------------
-
-
-def _check_request(body: Any) -> dict[str, Any]:
-    """The request's messages, tools and sampling overrides; ChatError(400) naming what is wrong."""
-    if not isinstance(body, dict):
-        raise ChatError(400, "the request body must be a JSON object")
-    unknown = sorted(set(body) - _FIELDS)
-    if unknown:
-        raise ChatError(
-            400,
-            f"unsupported field(s) {', '.join(unknown)}; this endpoint reads {', '.join(sorted(_FIELDS))}",
-            param=unknown[0],
-        )
-    if body.get("stream"):
-        raise ChatError(400, "streaming is not supported; send stream=false", param="stream")
-    if body.get("n", 1) != 1:
-        raise ChatError(400, "n must be 1 (each call is one turn of the agent)", param="n")
-    if body.get("logprobs"):
-        raise ChatError(400, "logprobs are not returned here; the trainer keeps them", param="logprobs")
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise ChatError(400, "messages must be a non-empty list", param="messages")
-    if len(messages) > MAX_MESSAGES:
-        raise ChatError(
-            400,
-            f"messages: {len(messages):,} messages, more than the {MAX_MESSAGES:,} a request may hold; "
-            "send fewer (drop or summarise earlier turns)",
-            "too_many_messages",
-            "messages",
-        )
-    tools = body.get("tools")
-    if isinstance(tools, list) and len(tools) > MAX_TOOLS:
-        raise ChatError(
-            400,
-            f"tools: {len(tools):,} tools, more than the {MAX_TOOLS:,} a request may hold; send the tools "
-            "this conversation needs",
-            "too_many_tools",
-            "tools",
-        )
-    if tools is not None and (not isinstance(tools, list) or not all(_is_tool(t) for t in tools)):
-        raise ChatError(
-            400,
-            'tools must be a list of {"type": "function", "function": {"name": ..., "parameters": {...}}}',
-            param="tools",
-        )
-    size = _json_size(tools, "tools") if tools else 0
-    if size > MAX_TOOLS_BYTES:
-        raise ChatError(
-            413,
-            f"tools: {size:,} bytes as JSON, more than the {MAX_TOOLS_BYTES:,} "
-            f"({MAX_TOOLS_BYTES // 2**20} MiB) a request's tools may take; shorten their descriptions, "
-            "or send fewer tools",
-            "tools_too_large",
-            "tools",
-        )
-    size += _json_size(messages, "messages")
-    if size > MAX_REQUEST_BYTES:
-        raise ChatError(
-            413,
-            f"the messages and tools are {size:,} bytes as JSON, more than the {MAX_REQUEST_BYTES:,} "
-            f"({MAX_REQUEST_BYTES // 2**20} MiB) a request may bring; shorten the messages (a tool's "
-            "output, for one)",
-            "request_too_large",
-            "messages",
-        )
-    names = {t["function"]["name"] for t in tools or []}
-    choice = body.get("tool_choice", "auto" if tools else "none")
-    if isinstance(choice, dict):
-        function = choice.get("function") if choice.get("type") == "function" else None
-        name = function.get("name") if isinstance(function, dict) else None
-        if name not in names:
-            raise ChatError(
-                400, f"tool_choice names {name!r}, which is not among the tools", param="tool_choice"
-            )
-    elif choice not in ("auto", "none", "required"):
-        raise ChatError(
-            400, f"tool_choice {choice!r}: expected auto, none, required or a function", param="tool_choice"
-        )
-    return {
-        "messages": messages,
-        "tools": tools or None,
-        "tool_choice": choice,
-        "sampling": _sampling(body),
-        "cost": size + _MESSAGE_COST * len(messages),  # see _OFF_LOOP_COST
-    }
-
-
-def _is_tool(t: Any) -> bool:
-    f = t.get("function") if isinstance(t, dict) else None
-    return (
-        isinstance(f, dict)
-        and t.get("type") == "function"
-        and isinstance(f.get("name"), str)
-        and bool(f["name"])
-        and isinstance(f.get("parameters", {}), dict)
-    )
-
-
-def _sampling(body: dict) -> dict[str, Any]:
-    """The request's sampling settings as SGLang's sampling parameters."""
-    out: dict[str, Any] = {}
-    for key, low, high, shown in (("temperature", 0.0, math.inf, ">= 0"), ("top_p", 0.0, 1.0, "in (0, 1]")):
-        value = body.get(key)
-        if value is not None:
-            number = (
-                float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
-            )
-            if not (low <= number <= high) or not math.isfinite(number) or (key == "top_p" and number == 0):
-                raise ChatError(400, f"{key} must be a finite number {shown}", param=key)
-            out[key] = number
-    cap = body.get("max_completion_tokens", body.get("max_tokens"))
-    if cap is not None:
-        if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
-            raise ChatError(400, "max_tokens must be an integer >= 1", param="max_tokens")
-        out["max_new_tokens"] = cap
-    stop = body.get("stop")
-    if stop is not None:
-        stops = [stop] if isinstance(stop, str) else stop
-        if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > 16:
-            raise ChatError(400, "stop must be a string or a list of at most 16 strings", param="stop")
-        out["stop"] = stops
-    seed = body.get("seed")
-    if seed is not None:
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ChatError(400, "seed must be an integer", param="seed")
-        out["sampling_seed"] = seed & 0x7FFFFFFF
-    return out
-
-
-def _text(content: Any, where: str) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if not (
-                isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
-            ):
-                raise ChatError(400, f"{where}: only text content parts are supported", param="messages")
-            parts.append(part["text"])
-        return "".join(parts)
-    raise ChatError(400, f"{where}: content must be a string or a list of text parts", param="messages")
-
-
-def _canonical(arguments: Any, where: str) -> Any:
-    """Tool-call arguments as the value their JSON holds, in a form that compares as JSON does
-    (an object's key order and a number's spelling, `1.0` or `1`, do not matter)."""
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except (ValueError, RecursionError):
-            raise ChatError(
-                400, f"{where}: arguments are not JSON (or nest too deep)", param="messages"
-            ) from None
-    if not isinstance(arguments, dict):
-        raise ChatError(400, f"{where}: arguments must be a JSON object", param="messages")
-    try:
-        return _frozen(arguments)
-    except RecursionError:
-        raise ChatError(400, f"{where}: arguments nest too deep", param="messages") from None
-
-
-def _frozen(value: Any) -> Any:
-    if isinstance(value, dict):
-        return ("{}", tuple(sorted((str(k), _frozen(v)) for k, v in value.items())))
-    if isinstance(value, list):
-        return ("[]", tuple(_frozen(v) for v in value))
-    if isinstance(value, bool) or value is None:
-        return ("literal", value)
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    return value
-
-
-def _seen(message: Any, i: int) -> Seen:
-    where = f"messages[{i}]"
-    if not isinstance(message, dict) or message.get("role") not in _ROLES:
-        raise ChatError(
-            400, f"{where}: expected a message with a role among {', '.join(_ROLES)}", param="messages"
-        )
-    role = message["role"]
-    text = _text(message.get("content"), where)
-    calls: tuple[tuple[str, str, Any], ...] = ()
-    if role == "assistant" and message.get("tool_calls"):
-        if not isinstance(message["tool_calls"], list):
-            raise ChatError(400, f"{where}: tool_calls must be a list", param="messages")
-        found = []
-        for j, call in enumerate(message["tool_calls"]):
-            f = call.get("function") if isinstance(call, dict) else None
-            if not (
-                isinstance(f, dict) and isinstance(f.get("name"), str) and isinstance(call.get("id"), str)
-            ):
-                raise ChatError(
-                    400, f"{where}.tool_calls[{j}]: expected an id and a function name", param="messages"
-                )
-            found.append(
-                (call["id"], f["name"], _canonical(f.get("arguments", "{}"), f"{where}.tool_calls[{j}]"))
-            )
-        calls = tuple(found)
-    call_id = message.get("tool_call_id") if role == "tool" else None
-    if role == "tool" and not isinstance(call_id, str):
-        raise ChatError(
-            400, f"{where}: a tool message needs the tool_call_id of the call it answers", param="messages"
-        )
-    return (role, text, calls, call_id)
-
-
-def _check_tool_results(seen: list[Seen]) -> None:
-    """Each tool message answers a call of the assistant message before it (no forged call ids)."""
-    open_calls: set[str] = set()
-    for i, (role, _, calls, call_id) in enumerate(seen):
-        if role == "assistant":
-            open_calls = {c[0] for c in calls}
-        elif role == "tool":
-            if call_id not in open_calls:
-                raise ChatError(
-                    400,
-                    f"messages[{i}]: tool_call_id {call_id!r} answers no call of the assistant message "
-                    "before it",
-                    param="messages",
-                )
-            open_calls.discard(call_id)
-        elif role != "system":
-            open_calls = set()
-
-
-def _calls_seen(parsed: ParsedTurn) -> tuple[tuple[str, str, Any], ...]:
-    return tuple((c.id, c.name, _canonical(c.arguments, "answer")) for c in parsed.tool_calls)
-
-
-def _response(agent: str, parsed: ParsedTurn, finish: str, t: Transcript, completion: int) -> dict[str, Any]:
-    message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
-    if parsed.reasoning is not None:
-        message["reasoning_content"] = parsed.reasoning
-    if parsed.tool_calls:
-        message["tool_calls"] = [
-            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-            for c in parsed.tool_calls
-        ]
-    reason = "tool_calls" if parsed.tool_calls and finish == "stop" else finish
-    if reason == "abort":
-        reason = "stop"
-    total = len(t.prompt_ids) + len(t.response_ids)
-    return {
-        "id": f"chatcmpl-{secrets.token_hex(12)}",
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": agent,
-        "choices": [{"index": 0, "message": message, "finish_reason": reason, "logprobs": None}],
-        "usage": {
-            "prompt_tokens": total - completion,
-            "completion_tokens": completion,
-            "total_tokens": total,
-        },
-    }

@@ -18,12 +18,13 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from mrlx_plugin.agents.chat import AgentSession, ChatError, parse_body
+from mrlx_plugin.agents.chat import AgentSession
+from mrlx_plugin.agents.request import ChatError, parse_body
 
 logger = logging.getLogger(__name__)
 
 # A request past this is answered 413 before it is read whole. Its messages and tools may bring
-# 4 MiB of text (chat.MAX_REQUEST_BYTES): this leaves room for JSON's escapes (non-ASCII text
+# 4 MiB of text (request.MAX_REQUEST_BYTES): this leaves room for JSON's escapes (non-ASCII text
 # written as \uXXXX, as Python's json writes it by default, takes twice its UTF-8 bytes).
 MAX_BODY_BYTES = 16 * 1024 * 1024
 

@@ -4,7 +4,8 @@ The function gets the task and, per agent, an `Endpoint`: an OpenAI-compatible b
 served by this rollout process for this episode only. Every call on an agent's endpoint is one
 model turn on that agent's engine (its own model, or the shared one), recorded with the exact
 ids and log-probs the engine returned (see `mrlx_plugin.agents.chat`). The function returns the
-rewards; the episode then goes on as any system's does: the `mrlx_grade` hook grades an agent the
+rewards (a mapping of agent -> reward, or an `Outcome`), which the system returns as its episode's
+`Outcome`; the episode then goes on as any system's does: the `mrlx_grade` hook grades an agent the
 function gave no reward, per-turn credit, shaping, normalisation and the multi-model link apply.
 """
 
@@ -12,8 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import math
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,10 +24,11 @@ from mrlx_plugin.agents.parsers import ReasoningParser, ToolParser, reasoning_pa
 from mrlx_plugin.agents.server import server_for
 from mrlx_plugin.core.config import Seconds, Section, Settings, Text
 from mrlx_plugin.core.netutil import is_loopback
-from mrlx_plugin.core.transcript import Transcript, Turn
-from mrlx_plugin.core.values import RewardError, finite_reward
+from mrlx_plugin.core.values import RewardError
 from mrlx_plugin.episodes.episode import Episode
 from mrlx_plugin.episodes.errors import EpisodeAborted, described, stops_the_rollout
+from mrlx_plugin.episodes.outcome import Outcome
+from mrlx_plugin.episodes.run import grade_answer
 from mrlx_plugin.episodes.system import Registered, System
 
 
@@ -56,26 +57,6 @@ class Task:
         """`answer` graded as `agent`'s answer to this task, by the `mrlx_grade` hook (the grader
         every built-in system uses). A grade that fails ends the episode, as a built-in's does."""
         return await self._grade(answer, agent)
-
-
-@dataclass
-class Outcome:
-    """What an episode of agent code ended with. Returning a plain mapping means `Outcome(rewards=it)`.
-
-    `rewards[agent]`: the outcome reward of each of the agent's conversations (an agent in neither
-    mapping is graded by the `mrlx_grade` hook; one with turn rewards only has outcome 0).
-    `turn_rewards[agent]`: one reward per turn of the agent's
-    one conversation, its turns' own rewards: under `rewards.credit: turn` each turn trains on its
-    return (its own reward plus the discounted later ones and the outcome), under episode credit
-    the conversation trains on the outcome plus their sum. `answer`: the team's final answer
-    (evaluation reads it), from the last conversation of agent `answered_by` (none: the last
-    conversation); `team_reward`: its grade (none: graded by the hook, as that agent's answer)."""
-
-    rewards: Mapping[str, float] = field(default_factory=dict)
-    turn_rewards: Mapping[str, Sequence[float]] = field(default_factory=dict)
-    answer: str | None = None
-    team_reward: float | None = None
-    answered_by: str | None = None  # the agent whose conversation gave `answer` (none: the last one)
 
 
 AgentRun = Callable[[Task, dict[str, Endpoint]], Awaitable[Any]]
@@ -137,26 +118,54 @@ def agent_code(
         raise ValueError(
             f"agent_code: turns names agents without samples: {sorted(set(turns) - set(samples))}"
         )
-    extra_tools, extra_reasoning = dict(parsers or {}), dict(reasoning_parsers or {})
-    who = f"{getattr(run, '__module__', '?')}.{getattr(run, '__qualname__', '?')}"
+    code = _Code(
+        run,
+        f"{getattr(run, '__module__', '?')}.{getattr(run, '__qualname__', '?')}",
+        dict(samples),
+        {agent: turns.get(agent, 1) for agent in samples},
+        dict(parsers or {}),
+        dict(reasoning_parsers or {}),
+    )
+    return System(
+        run=code.episode,
+        fan_out=lambda settings: dict(code.samples),
+        turns=lambda settings: dict(code.turns),
+        settings=AgentCodeSettings,
+        check=code.check,
+        origin=f"the agent code {code.who}",
+    )
 
-    async def run_episode(episode: Episode) -> None:
+
+@dataclass(frozen=True)
+class _Code:
+    """The user's function of one `agent_code` system, with what it declared."""
+
+    run: AgentRun
+    who: str  # the function, as errors name it
+    samples: dict[str, int]
+    turns: dict[str, int]
+    tool_parsers: dict[str, ToolParser]
+    reasoning_parsers: dict[str, ReasoningParser]
+
+    async def episode(self, episode: Episode) -> Outcome:
+        """One episode (`System.run`): each agent's endpoint opened, the function run until it
+        returns or its deadline, the endpoints closed, and what it returned as the Outcome."""
         settings: AgentCodeSettings = episode.system_settings
         server = await server_for(settings.host, settings.port)
         sessions: dict[str, AgentSession] = {}
         keys: dict[str, str] = {}
-        for agent in samples:
+        for agent in self.samples:
             a = episode.settings.agents[agent]
             sessions[agent] = AgentSession(
                 episode,
                 agent,
-                max_threads=samples[agent],
-                max_turns=turns.get(agent, 1),
-                tool_parser=tool_parser(a.tool_parser, extra_tools),
-                reasoning_parser=reasoning_parser(a.reasoning_parser, extra_reasoning),
+                max_threads=self.samples[agent],
+                max_turns=self.turns[agent],
+                tool_parser=tool_parser(a.tool_parser, self.tool_parsers),
+                reasoning_parser=reasoning_parser(a.reasoning_parser, self.reasoning_parsers),
             )
             keys[agent] = server.open(sessions[agent])
-        endpoints = {agent: Endpoint(server.base_url, keys[agent], agent) for agent in samples}
+        endpoints = {agent: Endpoint(server.base_url, keys[agent], agent) for agent in self.samples}
         s = episode.sample
         task = Task(
             episode.problem,
@@ -165,34 +174,10 @@ def agent_code(
             dict(s.metadata or {}),
             episode.evaluation,
             episode.id,
-            lambda answer, agent: _grade(episode, answer, agent),
+            lambda answer, agent: grade_answer(episode, answer, agent),
         )
-        # The function runs as a task that is left behind at its deadline: code that catches its
-        # cancellation cannot hold the episode (its sessions are closed: it reaches no engine).
-        work = asyncio.ensure_future(_contained(run(task, endpoints)))
         try:
-            try:
-                done, _ = await asyncio.wait({work}, timeout=settings.timeout_s)
-            except asyncio.CancelledError:  # the host's abort: the episode goes, and its code with it
-                work.cancel()
-                work.add_done_callback(_retrieve)
-                raise
-            if not done:
-                work.cancel()
-                work.add_done_callback(_retrieve)
-                episode.abort(f"the agent code {who} ran past mrlx.{episode.settings.system}.timeout_s")
-                raise EpisodeAborted(episode.abort_reason)
-            # Whatever the code raised ends this episode, named, and nothing else: its own
-            # CancelledError (nothing cancelled it), SystemExit, any BaseException.
-            failure = _UserCodeFailed(asyncio.CancelledError()) if work.cancelled() else work.exception()
-            if isinstance(failure, EpisodeAborted):
-                raise failure
-            if failure is not None:
-                raised = failure.raised if isinstance(failure, _UserCodeFailed) else failure
-                if not episode.aborted:  # else it failed on an endpoint's answer after the episode ended
-                    episode.abort(f"the agent code {who} raised {described(raised)}")
-                raise EpisodeAborted(episode.abort_reason)
-            result = work.result()
+            result = await self._call(episode, task, endpoints, settings.timeout_s)
         finally:
             for key in keys.values():
                 await server.close(key, f"episode {episode.id} has ended")
@@ -200,43 +185,64 @@ def agent_code(
             # A conversation whose turn never ran (cancelled as the episode ended) is no sample:
             # a filler stands in for it.
             episode.transcripts = [t for t in episode.transcripts if t.turns or t.agent not in sessions]
-        await _apply(episode, result, sessions, who)
+        if isinstance(result, Outcome):
+            return result
+        if result is None or isinstance(result, Mapping):
+            return Outcome(rewards=result if result is not None else {})
+        raise RewardError(
+            f"the agent code {self.who} returned {type(result).__name__}; expected a mapping of agent -> "
+            "reward, an Outcome or None"
+        )
 
-    def check(settings: Settings, games: Mapping[str, Registered]) -> list[str]:
+    async def _call(
+        self, episode: Episode, task: Task, endpoints: dict[str, Endpoint], timeout_s: float
+    ) -> Any:
+        """What `run(task, endpoints)` returns. It runs as a task that is left behind at its
+        deadline: code that catches its cancellation cannot hold the episode (its sessions are
+        closed: it reaches no engine). Whatever it raises ends this episode, named, and nothing
+        else: its own CancelledError (nothing cancelled it), SystemExit, any BaseException."""
+        work = asyncio.ensure_future(_contained(self.run(task, endpoints)))
+        try:
+            done, _ = await asyncio.wait({work}, timeout=timeout_s)
+        except asyncio.CancelledError:  # the host's abort: the episode goes, and its code with it
+            work.cancel()
+            work.add_done_callback(_retrieve)
+            raise
+        if not done:
+            work.cancel()
+            work.add_done_callback(_retrieve)
+            episode.abort(f"the agent code {self.who} ran past mrlx.{episode.settings.system}.timeout_s")
+            raise EpisodeAborted(episode.abort_reason)
+        failure = _UserCodeFailed(asyncio.CancelledError()) if work.cancelled() else work.exception()
+        if isinstance(failure, EpisodeAborted):
+            raise failure
+        if failure is not None:
+            raised = failure.raised if isinstance(failure, _UserCodeFailed) else failure
+            if not episode.aborted:  # else it failed on an endpoint's answer after the episode ended
+                episode.abort(f"the agent code {self.who} raised {described(raised)}")
+            raise EpisodeAborted(episode.abort_reason)
+        return work.result()
+
+    def check(self, settings: Settings, games: Mapping[str, Registered]) -> list[str]:
+        """The start-up check (`System.check`): every agent the code talks to is configured, with
+        parsers this system knows."""
         problems = []
-        for agent in samples:
+        for agent in self.samples:
             a = settings.agents.get(agent)
             if a is None:
-                problems.append(f"mrlx.agents: the agent code {who} talks to agent {agent!r}; configure it")
+                problems.append(
+                    f"mrlx.agents: the agent code {self.who} talks to agent {agent!r}; configure it"
+                )
                 continue
             for key, make, extra in (
-                ("tool_parser", tool_parser, extra_tools),
-                ("reasoning_parser", reasoning_parser, extra_reasoning),
+                ("tool_parser", tool_parser, self.tool_parsers),
+                ("reasoning_parser", reasoning_parser, self.reasoning_parsers),
             ):
                 try:
                     make(getattr(a, key), extra)
                 except ValueError as exc:
                     problems.append(f"mrlx.agents.{agent}.{key}: {exc}")
         return problems
-
-    return System(
-        run=run_episode,
-        fan_out=lambda settings: dict(samples),
-        turns=lambda settings: {agent: turns.get(agent, 1) for agent in samples},
-        settings=AgentCodeSettings,
-        check=check,
-    )
-
-
-async def _grade(episode: Episode, answer: str, agent: str) -> float:
-    if agent not in episode.context.tokenizers:
-        raise KeyError(f"agent {agent!r} is not configured under mrlx.agents")
-    # A view that holds only the answer (no ids): what a grader reads of a transcript.
-    view = Transcript(
-        agent, episode.context.tokenizers[agent], [], trainable=False, label=f"{agent} (graded)"
-    )
-    view.turns.append(Turn(agent, [], [], answer, "stop", None))
-    return await episode.grade(view)
 
 
 class _UserCodeFailed(Exception):
@@ -265,58 +271,3 @@ def _retrieve(task: asyncio.Future) -> None:
     """Consume the outcome of agent code left behind at its deadline (no 'never retrieved' noise)."""
     if not task.cancelled():
         task.exception()
-
-
-async def _apply(episode: Episode, result: Any, sessions: Mapping[str, AgentSession], who: str) -> None:
-    """Set the transcripts' rewards from what the agent code returned."""
-    outcome = result if isinstance(result, Outcome) else Outcome(rewards=result if result is not None else {})
-    if not isinstance(outcome.rewards, Mapping) or not isinstance(outcome.turn_rewards, Mapping):
-        raise RewardError(
-            f"the agent code {who} returned {type(result).__name__}; expected a mapping of agent -> reward, "
-            "an Outcome or None"
-        )
-    for agent in (*outcome.rewards, *outcome.turn_rewards):
-        if agent not in sessions:
-            raise RewardError(
-                f"the agent code {who} returned a reward for {agent!r}, which is none of its agents "
-                f"({', '.join(sessions)})"
-            )
-    for agent, value in outcome.rewards.items():
-        reward = finite_reward(value, f"the agent code {who}: the reward of {agent!r}")
-        for thread in sessions[agent].threads:
-            thread.transcript.raw_reward = thread.transcript.reward = reward
-    per_turn = episode.settings.rewards.credit == "turn" and not episode.evaluation
-    for agent, values in outcome.turn_rewards.items():
-        threads = [thread.transcript for thread in sessions[agent].threads]
-        if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) or len(threads) != 1:
-            raise RewardError(
-                f"the agent code {who}: turn_rewards[{agent!r}] must be a list with one reward per turn of "
-                f"the agent's one conversation ({len(threads)} conversations here)"
-            )
-        t = threads[0]
-        if len(values) != len(t.turns):
-            raise RewardError(
-                f"the agent code {who} gave {len(values)} turn reward(s) for {agent!r}, whose conversation "
-                f"took {len(t.turns)} turn(s)"
-            )
-        own = [finite_reward(v, f"the agent code {who}: turn {i} of {t.label}") for i, v in enumerate(values)]
-        if per_turn:
-            t.turn_rewards = own
-            if t.raw_reward is None:  # no outcome given: 0, not the grade hook's (the turns carry it)
-                t.raw_reward = t.reward = 0.0
-        else:
-            total = (t.raw_reward or 0.0) + math.fsum(own)
-            t.raw_reward = t.reward = finite_reward(total, f"the agent code {who}: the reward of {t.label}")
-    if outcome.answer is not None:
-        if not isinstance(outcome.answer, str):
-            raise RewardError(f"the agent code {who} gave the answer {outcome.answer!r}; expected text")
-        by = outcome.answered_by
-        if by is not None and by not in sessions:
-            raise RewardError(f"the agent code {who} gave answered_by={by!r}, which is none of its agents")
-        answered = [t for t in episode.transcripts if t.turns and by in (None, t.agent)]
-        episode.final_answer = outcome.answer
-        episode.final_transcript = answered[-1] if answered else None
-        if outcome.team_reward is None and answered:  # the answer given is what is graded
-            episode.team_reward = await _grade(episode, outcome.answer, answered[-1].agent)
-    if outcome.team_reward is not None:
-        episode.team_reward = finite_reward(outcome.team_reward, f"the agent code {who}: the team reward")

@@ -36,16 +36,18 @@ from mrlx_plugin.core.config import (
     Settings,
     config_dir,
     load_yaml,
+    parse_settings,
     public_text,
     read_text_setting,
 )
 from mrlx_plugin.core.engine_client import EngineClient, EngineError, MalformedAnswer
 from mrlx_plugin.core.retry import Backoff, Deadline, wait_until
+from mrlx_plugin.episodes import start_system
 from mrlx_plugin.link.client import CoordinatorClient, CoordinatorError
-from mrlx_plugin.local.settings import SECTIONS as TRAINER_SECTIONS
+from mrlx_plugin.local.trainer.settings import SECTIONS as TRAINER_SECTIONS
 from mrlx_plugin.plugins import collect_games, collect_systems, make_plugin_manager
-from mrlx_plugin.runtime import start_system
-from mrlx_plugin.settings import parse_settings
+from mrlx_plugin.runtime import hook_users
+from mrlx_plugin.settings import job_sections
 
 
 @dataclass
@@ -70,7 +72,7 @@ def load_config(path: str) -> Settings:
     pm = make_plugin_manager(plugins if isinstance(plugins, list) else [], source=f"{path}: mrlx.plugins")
     systems = collect_systems(pm)
     # Every section, the embedded trainer's too: one file serves the rollout and that trainer.
-    settings = parse_settings(raw, path, set(systems), systems=systems, sections=TRAINER_SECTIONS)
+    settings = parse_settings(raw, path, set(systems), sections=job_sections(systems, TRAINER_SECTIONS))
     for name, agent in settings.agents.items():  # a file a setting names must be there (read as the job will)
         for key in ("system_prompt", "chat_template"):
             read_text_setting(getattr(agent, key), config_dir(path), key=f"{path}: mrlx.agents.{name}.{key}")
@@ -281,7 +283,7 @@ def _samples_per_agent(path: str, s: Settings) -> dict[str, int] | None:
     """What start-up computes of the system's declarations (its fan-out and turns, with the
     system's own checks of its settings, such as a built-in game's options)."""
     pm = make_plugin_manager(s.plugins, source=f"{path}: mrlx.plugins")
-    return start_system(collect_systems(pm), collect_games(pm), s, path, pm)[1]
+    return start_system(collect_systems(pm), collect_games(pm), s, path, hook_users(pm))[1]
 
 
 def _same_samples_per_episode(counts: dict[str, dict[str, int] | None], report: Report) -> None:

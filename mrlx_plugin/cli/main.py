@@ -1,13 +1,13 @@
 """The `mrlx` command.
 
-    mrlx demo ...          two small models co-train on a CPU (the embedded default, end to end);
-                           --tools: a tool-using agent as code; --research: a planner-searcher pair
     mrlx engine ...        an embedded SGLang-protocol engine on the CPU
-    mrlx stub-engine ...   a model-free SGLang-protocol responder (benchmarks, fault tests)
     mrlx rollout ...       run episodes of the configured system against engines; write JSONL
     mrlx check ...         validate configs and reach every URL before any GPU is used
     mrlx coordinator ...   the coordinator service of a multi-model run
-    mrlx bench ...         benchmarks (print a table, write JSON)
+
+and the commands installed packages add (`mrlx_plugin.cli.commands`): the lab's `mrlx demo` (two
+small models co-train on a CPU; --tools, --research: agent-code examples), `mrlx bench` and
+`mrlx stub-engine`. `mrlx --help` lists what is installed.
 
 A command that starts processes stops them all when it ends: normally, on an exception, and on
 SIGTERM, SIGINT or SIGHUP (each becomes `Stopped`, raised in the main thread, so that every
@@ -20,62 +20,9 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from collections.abc import Callable
 
+from mrlx_plugin.cli.commands import every_command, find
 from mrlx_plugin.core.config import ConfigError
-
-
-def _engine(argv: list[str]) -> int:
-    from mrlx_plugin.local.engine import main
-
-    return main(argv)
-
-
-def _stub_engine(argv: list[str]) -> int:
-    from mrlx_plugin.local.stub_engine import main
-
-    return main(argv)
-
-
-def _coordinator(argv: list[str]) -> int:
-    from mrlx_plugin.coordinator.server import main
-
-    return main(argv)
-
-
-def _rollout(argv: list[str]) -> int:
-    from mrlx_plugin.cli.run_episodes import main
-
-    return main(argv)
-
-
-def _check(argv: list[str]) -> int:
-    from mrlx_plugin.cli.check import main
-
-    return main(argv)
-
-
-# `mrlx demo --tools` and `mrlx demo --research` run the agent-code examples instead of the main demo.
-_DEMO_VARIANTS = {"--tools": "mrlx_plugin.local.tool_demo", "--research": "mrlx_plugin.local.research_demo"}
-
-
-def _demo(argv: list[str]) -> int:
-    import importlib
-
-    chosen = [a for a in argv if a in _DEMO_VARIANTS]
-    if len(chosen) > 1:
-        print(
-            f"mrlx demo: give one of {', '.join(_DEMO_VARIANTS)}, not {' and '.join(chosen)}", file=sys.stderr
-        )
-        return 2
-    module = _DEMO_VARIANTS[chosen[0]] if chosen else "mrlx_plugin.local.demo"
-    return importlib.import_module(module).main([a for a in argv if a not in chosen])
-
-
-def _bench(argv: list[str]) -> int:
-    from mrlx_plugin.bench import main
-
-    return main(argv)
 
 
 class Stopped(KeyboardInterrupt):
@@ -87,8 +34,6 @@ class Stopped(KeyboardInterrupt):
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-# These serve until SIGTERM/SIGINT with their own handlers (a graceful shutdown); they start nothing.
-SERVERS = ("engine", "stub-engine", "coordinator")
 
 
 def stop_on_signals() -> None:
@@ -108,29 +53,12 @@ def stop_on_signals() -> None:
             signal.signal(s, handler)
 
 
-COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
-    "engine": (_engine, "serve a small transformers model over the SGLang HTTP protocol (CPU)"),
-    "stub-engine": (_stub_engine, "a model-free SGLang-protocol responder for benchmarks and fault tests"),
-    "demo": (
-        _demo,
-        "two small models co-train on this CPU (--tools, --research: the agent-code examples)",
-    ),
-    "rollout": (
-        _rollout,
-        "run N episodes of a system against engines; print a summary; write samples as JSONL",
-    ),
-    "check": (_check, "validate configs (and two jobs' configs against each other); reach every URL"),
-    "coordinator": (_coordinator, "the durable coordinator of a multi-model run"),
-    "bench": (_bench, "benchmarks: rollout, coordinator, demo, load, answers, credit, agents, tools"),
-}
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print("usage: mrlx COMMAND [options]   (mrlx COMMAND --help for each)\n")
-        for name, (_, help_text) in COMMANDS.items():
-            print(f"  {name:<13} {help_text}")
+        for name, command in every_command().items():
+            print(f"  {name:<13} {command.help}")
         return 0 if argv else 2
     if argv[0] in ("-V", "--version"):
         from mrlx_plugin import __version__
@@ -143,13 +71,14 @@ def main(argv: list[str] | None = None) -> int:
     # sys.path lacks the current directory, unlike `python -m`; nothing of the package needs this.
     if "" not in sys.path and os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
-    if name not in COMMANDS:
-        print(f"mrlx: unknown command {name!r}; commands: {', '.join(COMMANDS)}", file=sys.stderr)
+    command = find(name)
+    if command is None:
+        print(f"mrlx: unknown command {name!r}; commands: {', '.join(every_command())}", file=sys.stderr)
         return 2
-    if name not in SERVERS:
+    if not command.serves:
         stop_on_signals()
     try:
-        return COMMANDS[name][0](rest)
+        return command.run(rest)
     except ConfigError as exc:
         print(f"mrlx {name}: {exc}", file=sys.stderr)
         return 2

@@ -19,7 +19,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from mrlx_plugin.local.fake_host import (
+from mrlx_plugin.local.trainer.fake_host import (
     add_host_arguments,
     host_args,
     make_groups,
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     with ExitStack() as stack:
         if ns.local:
             from mrlx_plugin.local.model import ensure_model
-            from mrlx_plugin.local.processes import router_available, start_engine, start_router
+            from mrlx_plugin.local.services import router_available, start_engine, start_router
 
             model_dir = ensure_model(ns.model_dir, preset=ns.preset, seed=ns.seed)
             log_dir = Path("runs/logs")
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         if ns.prompt_data:
             prompts = read_prompts(ns.prompt_data, ns.input_key, ns.label_key)
         else:
-            from mrlx_plugin.local.tasks import arithmetic_prompts
+            from mrlx_plugin.local.trainer.tasks import arithmetic_prompts
 
             prompts = arithmetic_prompts(max(ns.rollout_batch_size, 1), seed=ns.seed)
         groups = list(make_groups(prompts, ns.rollout_batch_size, ns.n_samples_per_prompt))

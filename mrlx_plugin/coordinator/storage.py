@@ -1,18 +1,5 @@
-"""The coordinator's durable store: one SQLite file in WAL mode holding queues, leases, acks,
-weight versions, heartbeats and end-of-stream marks.
-
-Threads, because SQLite calls block: every write runs on ONE writer thread (SQLite admits one
-writer at a time anyway, and a single thread makes each request one serial transaction), reads run
-on a small pool of reader threads with their own connections (WAL lets them read while the writer
-writes), and a checkpointer thread copies the WAL back into the database file so that large commits
-never pay for it. The async methods below hand work to those threads; the event loop never touches
-SQLite.
-
-Durability: `synchronous=FULL` (the default) fsyncs the WAL at every commit, so an acknowledged
-commit survives a process kill AND a power loss. `synchronous=NORMAL` (option) survives a process
-kill as well, because in WAL mode a commit's frames are written to the WAL file (the OS page cache)
-before the commit returns and SQLite replays them on the next open; it only risks the last commits
-on a power loss or kernel crash.
+"""The coordinator's durable store: queues, leases, acks, weight versions, heartbeats and
+end-of-stream marks in one SQLite file (`database` has the file, its threads and its transactions).
 
 Layout: `items` holds one small row per item ever committed (its key stays forever, so a re-commit
 of an acked key is recognised as a duplicate); `records` holds the item's wire record (a one-row Arrow
@@ -30,127 +17,22 @@ counted in the queue's depth.
 
 from __future__ import annotations
 
-import asyncio
-import logging
-import os
 import secrets
 import sqlite3
-import stat
-import threading
-import time
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import orjson
 
+from mrlx_plugin.coordinator.commits import check_room, insert_stale, new_by_key, queue_rows, split_stale
+from mrlx_plugin.coordinator.database import Database, Rejected
 from mrlx_plugin.link.wire import RecordView
 
-log = logging.getLogger(__name__)
-
-SCHEMA_VERSION = 3  # 2: groups.dead/dead_reason and the watermarks table; 3: records are Arrow messages
-# Large pages keep a ~50 KB sample in two overflow pages instead of a dozen (about 2x faster
-# inserts and reads than the 4 KB default); small rows only cost a little more WAL per write.
-PAGE_SIZE = 32768
-# The WAL is copied back into the database file once the writer has been idle this long (between
-# training steps), or at once when it outgrows CHECKPOINT_WAL_BYTES; a checkpoint in the middle of a
-# step's burst of commits would compete with it for the disk and the CPU.
-CHECKPOINT_IDLE_S = 1.0
-CHECKPOINT_POLL_S = 0.25
-CHECKPOINT_WAL_BYTES = 1 << 30
-# After a checkpoint the WAL is rewritten from its start; keeping the file (up to this size) lets
-# the next step write into pages the OS already holds instead of growing a new file.
-JOURNAL_SIZE_LIMIT = CHECKPOINT_WAL_BYTES
-
-T = TypeVar("T")
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS run_info (name TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS items (
-    seq INTEGER PRIMARY KEY,
-    key TEXT NOT NULL UNIQUE,
-    consumer TEXT NOT NULL,
-    grp TEXT NOT NULL,
-    producer TEXT NOT NULL,
-    step INTEGER NOT NULL,
-    n_tokens INTEGER NOT NULL,
-    created REAL NOT NULL,
-    acked REAL
-);
-CREATE INDEX IF NOT EXISTS items_by_group ON items (consumer, grp, seq);
-CREATE TABLE IF NOT EXISTS records (seq INTEGER PRIMARY KEY, record BLOB NOT NULL);
-CREATE TABLE IF NOT EXISTS groups (
-    consumer TEXT NOT NULL,
-    grp TEXT NOT NULL,
-    producer TEXT NOT NULL,
-    step INTEGER NOT NULL,
-    group_size INTEGER NOT NULL,
-    sealed_size INTEGER,
-    n_items INTEGER NOT NULL,
-    complete INTEGER NOT NULL,
-    first_seq INTEGER NOT NULL,
-    created REAL NOT NULL,
-    lease_id TEXT,
-    lease_expires REAL,
-    deliveries INTEGER NOT NULL DEFAULT 0,
-    acked REAL,
-    dead REAL,
-    dead_reason TEXT,
-    PRIMARY KEY (consumer, grp)
-) WITHOUT ROWID;
-CREATE INDEX IF NOT EXISTS groups_open ON groups (consumer, first_seq) WHERE acked IS NULL;
-CREATE TABLE IF NOT EXISTS leases (
-    lease_id TEXT PRIMARY KEY,
-    consumer TEXT NOT NULL,
-    groups TEXT NOT NULL,
-    created REAL NOT NULL,
-    expires REAL NOT NULL,
-    acked REAL
-);
-CREATE TABLE IF NOT EXISTS versions (agent TEXT PRIMARY KEY, version INTEGER NOT NULL, updated REAL NOT NULL);
-CREATE TABLE IF NOT EXISTS agents (agent TEXT PRIMARY KEY, last_seen REAL NOT NULL, pid INTEGER, host TEXT);
-CREATE TABLE IF NOT EXISTS ended (consumer TEXT PRIMARY KEY, ended REAL NOT NULL, by_agent TEXT);
-CREATE TABLE IF NOT EXISTS watermarks (
-    consumer TEXT PRIMARY KEY,
-    step INTEGER NOT NULL,
-    updated REAL NOT NULL
-);
-"""
-
-
-class StoreError(Exception):
-    """Base of the store's errors; `status` is the HTTP status the server answers with."""
-
-    status = 500
-
-    def __init__(self, message: str, status: int | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        if status is not None:
-            self.status = status
-
-
-class Rejected(StoreError):
-    """The request conflicts with the queue's state (unknown lease, group over its size, ...)."""
-
-    status = 422
-
-
-class QueueFull(StoreError):
-    """Accepting the commit would take the queue past its maximum depth; nothing was written."""
-
-    status = 429
-
-
-class StorageFailure(StoreError):
-    """SQLite could not write (disk full, read-only file, I/O error); nothing was written."""
-
-    status = 503
-
-
-class StoreOpenError(Exception):
-    """The database cannot serve this run (another run's file, a newer schema, unreadable)."""
+# A group set aside (dead-lettered): by a lease past --max-deliveries, or by its consumer.
+_SET_ASIDE = (
+    "UPDATE groups SET dead = ?, dead_reason = ?, lease_expires = NULL WHERE consumer = ? AND grp = ?"
+)
 
 
 @dataclass
@@ -230,85 +112,18 @@ class LoadedState:
     watermarks: dict[str, int] = field(default_factory=dict)
 
 
-def _storage_failure(exc: sqlite3.Error) -> StorageFailure:
-    name = getattr(exc, "sqlite_errorname", "") or ""
-    status = 507 if name == "SQLITE_FULL" or "full" in str(exc).lower() else 503
-    return StorageFailure(
-        f"the coordinator's database could not be written: {exc} ({name or 'sqlite error'}); nothing "
-        "of this request was stored; reads still work; free space on (or make writable) the disk of "
-        "--db and writes resume without a restart",
-        status,
-    )
-
-
-DB_FILE_MODE = 0o600  # queued samples are training data: no other local user reads them
-
-
-def make_owner_only(path: str) -> None:
-    """Create the database file owner-only (0600) if it is missing, and tighten it, its -wal and
-    its -shm to 0600 where they exist with group or other bits (logged). SQLite creates a missing
-    -wal, -shm or journal with the mode of the database file, so they follow."""
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, DB_FILE_MODE)
-    except FileExistsError:
-        pass
-    except OSError as exc:
-        raise StoreOpenError(f"cannot create the coordinator database {path!r}: {exc}") from None
-    else:
-        try:
-            os.fchmod(fd, DB_FILE_MODE)  # whatever the umask
-        finally:
-            os.close(fd)
-    for name in (path, path + "-wal", path + "-shm"):
-        try:
-            mode = stat.S_IMODE(os.stat(name).st_mode)
-        except FileNotFoundError:
-            continue
-        except OSError as exc:
-            raise StoreOpenError(f"cannot read the mode of {name!r}: {exc}") from None
-        if mode & 0o077:
-            try:
-                os.chmod(name, DB_FILE_MODE)
-            except OSError as exc:
-                log.warning(
-                    "%s is readable or writable by other users (mode %04o) and could not be made "
-                    "owner-only: %s; fix its mode or owner",
-                    name,
-                    mode,
-                    exc,
-                )
-            else:
-                log.warning("%s had mode %04o; made it owner-only (0600)", name, mode)
-
-
-class CoordinatorStore:
+class CoordinatorStore(Database):
     """The SQLite store; create with `await CoordinatorStore.open(...)`, end with `await close()`."""
 
     def __init__(
         self, path: str, run_id: str, *, synchronous: str = "full", max_db_mb: float | None = None
     ) -> None:
-        if synchronous not in ("full", "normal"):
-            raise ValueError(f"synchronous must be 'full' or 'normal', got {synchronous!r}")
-        self.path = path
-        self.run_id = run_id
-        self.synchronous = synchronous
-        self.max_db_mb = max_db_mb
-        self._writer_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mrlx-db-write")
-        self._reader_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="mrlx-db-read")
-        self._reader_local = threading.local()
-        self._reader_conns: list[sqlite3.Connection] = []
-        self._reader_lock = threading.Lock()
-        self._writer: sqlite3.Connection | None = None
+        super().__init__(path, run_id, synchronous=synchronous, max_db_mb=max_db_mb)
         self._next_seq = 1
         # Owned by the writer thread: unacked items per consumer (depth), ended queues.
         self._unacked: dict[str, int] = {}
         self._ended: set[str] = set()
         self._watermarks: dict[str, int] = {}  # consumer -> step acked through (read by any thread)
-        self._checkpoint_wanted = threading.Event()
-        self._wal_dirty = False
-        self._last_write = time.monotonic()
-        self._stopping = threading.Event()
-        self._checkpointer: threading.Thread | None = None
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -318,79 +133,11 @@ class CoordinatorStore:
     ) -> tuple[CoordinatorStore, LoadedState]:
         """Open (or create) the file for `run_id` and load the state the server keeps in memory."""
         store = cls(path, run_id, synchronous=synchronous, max_db_mb=max_db_mb)
-        try:
-            state = await store._in_writer(store._open_sync)
-        except BaseException:
-            if store._writer is not None:
-                store._writer.close()
-                store._writer = None
-            store._writer_pool.shutdown(wait=False)
-            store._reader_pool.shutdown(wait=False)
-            raise
-        store._checkpointer = threading.Thread(
-            target=store._checkpoint_loop, name="mrlx-db-checkpoint", daemon=True
-        )
-        store._checkpointer.start()
+        state = await store._start(store._load_state_sync)
         return store, state
 
-    def _connect(self) -> sqlite3.Connection:
-        conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=30.0)
-        conn.execute(f"PRAGMA synchronous={self.synchronous.upper()}")
-        conn.execute("PRAGMA busy_timeout=30000")
-        return conn
-
-    def _connect_writer(self) -> sqlite3.Connection:
-        """The writer connection with its per-connection settings (also used to replace a broken one)."""
-        conn = self._connect()
-        conn.execute("PRAGMA wal_autocheckpoint=0")  # the checkpointer thread does it
-        # Some builds default to secure_delete=ON, which rewrites every freed page of an acked record
-        # with zeros (doubling the write volume); FAST zeroes only where it costs no extra I/O.
-        conn.execute("PRAGMA secure_delete=FAST")
-        conn.execute(f"PRAGMA journal_size_limit={JOURNAL_SIZE_LIMIT}")
-        if self.max_db_mb is not None:
-            page_size = conn.execute("PRAGMA page_size").fetchone()[0]
-            conn.execute(f"PRAGMA max_page_count={max(1, int(self.max_db_mb * (1 << 20) / page_size))}")
-        return conn
-
-    def _open_sync(self) -> LoadedState:
-        directory = os.path.dirname(os.path.abspath(self.path))
-        if not os.path.isdir(directory):
-            raise StoreOpenError(f"the directory of --db {self.path!r} does not exist; create it first")
-        make_owner_only(self.path)
-        try:
-            setup = self._connect()
-            setup.execute(f"PRAGMA page_size={PAGE_SIZE}")  # only takes effect on a new file
-            mode = setup.execute("PRAGMA journal_mode=WAL").fetchone()[0]
-            if str(mode).lower() != "wal":
-                raise StoreOpenError(
-                    f"{self.path!r}: SQLite refused WAL mode (got {mode!r}); use a local disk"
-                )
-            setup.executescript(_SCHEMA)
-            setup.close()
-            conn = self._connect_writer()
-        except sqlite3.Error as exc:
-            raise StoreOpenError(f"cannot open the coordinator database {self.path!r}: {exc}") from None
-        self._writer = conn
-        rows = dict(conn.execute("SELECT name, value FROM run_info").fetchall())
-        if not rows:
-            with self._transaction():
-                conn.executemany(
-                    "INSERT INTO run_info (name, value) VALUES (?, ?)",
-                    [
-                        ("run_id", self.run_id),
-                        ("schema_version", str(SCHEMA_VERSION)),
-                        ("created", repr(time.time())),
-                    ],
-                )
-        else:
-            if rows.get("run_id") != self.run_id:
-                raise StoreOpenError(
-                    f"database {self.path!r} belongs to run {rows.get('run_id')!r}, not {self.run_id!r}; "
-                    "give each run its own --db file"
-                )
-            if int(rows.get("schema_version", "0")) > SCHEMA_VERSION:
-                raise StoreOpenError(f"database {self.path!r} has a newer schema; upgrade mrlx_plugin")
-        self._migrate(conn, int(rows.get("schema_version", SCHEMA_VERSION)))
+    def _load_state_sync(self) -> LoadedState:
+        conn = self._writing()
         state = LoadedState()
         for agent, version, updated in conn.execute("SELECT agent, version, updated FROM versions"):
             state.versions[agent] = (version, updated)
@@ -410,130 +157,12 @@ class CoordinatorStore:
         self._next_seq = (conn.execute("SELECT MAX(seq) FROM items").fetchone()[0] or 0) + 1
         return state
 
-    def _migrate(self, conn: sqlite3.Connection, version: int) -> None:
-        """Bring a file of an older schema up to this one (columns added; nothing is rewritten).
-
-        Files before schema 3 store records in the earlier binary frame format, which this version
-        cannot send; such a file is taken over only when no record is still to be delivered."""
-        if version < 3:
-            has_dead = any(row[1] == "dead" for row in conn.execute("PRAGMA table_info(groups)"))
-            waiting = conn.execute(
-                "SELECT COUNT(*) FROM groups WHERE acked IS NULL" + (" AND dead IS NULL" if has_dead else "")
-            ).fetchone()[0]
-            if waiting:
-                raise StoreOpenError(
-                    f"database {self.path!r} holds {waiting} undelivered groups stored in the wire format of "
-                    f"an older mrlx_plugin (schema {version}); let that version's consumers drain them, or "
-                    "start this run on a fresh --db file"
-                )
-        try:
-            columns = {row[1] for row in conn.execute("PRAGMA table_info(groups)")}
-            indexed = conn.execute(
-                "SELECT 1 FROM sqlite_master WHERE type = 'index' AND name = 'groups_dead'"
-            ).fetchone()
-            if "dead" in columns and indexed and version >= SCHEMA_VERSION:
-                return
-            with self._transaction():
-                if "dead" not in columns:
-                    conn.execute("ALTER TABLE groups ADD COLUMN dead REAL")
-                    conn.execute("ALTER TABLE groups ADD COLUMN dead_reason TEXT")
-                conn.execute(
-                    "CREATE INDEX IF NOT EXISTS groups_dead ON groups (consumer, first_seq) WHERE dead IS "
-                    "NOT NULL"
-                )
-                if version < SCHEMA_VERSION:
-                    conn.execute(
-                        "UPDATE run_info SET value = ? WHERE name = 'schema_version'", (str(SCHEMA_VERSION),)
-                    )
-        except (sqlite3.Error, StoreError) as exc:
-            raise StoreOpenError(
-                f"cannot bring the coordinator database {self.path!r} to schema {SCHEMA_VERSION}: {exc}"
-            ) from None
-
     def watermark(self, consumer: str) -> int | None:
         """The step `consumer` has acknowledged everything through (None: none yet)."""
         return self._watermarks.get(consumer)
 
-    async def close(self) -> None:
-        """Checkpoint, close every connection and stop the threads."""
-        self._stopping.set()
-        self._checkpoint_wanted.set()
-        if self._checkpointer is not None:
-            await asyncio.get_running_loop().run_in_executor(None, self._checkpointer.join, 10.0)
-        try:
-            await self._in_writer(self._close_writer_sync)
-        finally:
-            self._writer_pool.shutdown(wait=True)
-            self._reader_pool.shutdown(wait=True)
-            with self._reader_lock:
-                for conn in self._reader_conns:
-                    conn.close()
-                self._reader_conns.clear()
-
-    def _close_writer_sync(self) -> None:
-        if self._writer is None:
-            return
-        try:
-            self._writer.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-        except sqlite3.Error as exc:
-            log.warning("final checkpoint of %s failed: %s", self.path, exc)
-        self._writer.close()
-        self._writer = None
-
-    def _checkpoint_loop(self) -> None:
-        """Copy the WAL into the database file when the writer is idle (or the WAL is too big)."""
-        conn = self._connect()
-        try:
-            while not self._stopping.is_set():
-                urgent = self._checkpoint_wanted.wait(timeout=CHECKPOINT_POLL_S)
-                self._checkpoint_wanted.clear()
-                if self._stopping.is_set():
-                    break
-                if not self._wal_dirty:
-                    continue
-                if not urgent and time.monotonic() - self._last_write < CHECKPOINT_IDLE_S:
-                    continue
-                self._wal_dirty = False
-                try:
-                    busy, wal_frames, copied = conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
-                    if busy or copied < wal_frames:
-                        self._wal_dirty = True  # readers held old pages; try again later
-                except sqlite3.Error as exc:
-                    self._wal_dirty = True
-                    log.warning("checkpoint of %s failed: %s", self.path, exc)
-        finally:
-            conn.close()
-
-    # ----------------------------------------------------------------- thread plumbing
-
-    async def _in_writer(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._writer_pool, fn, *args)
-
-    async def _in_reader(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._reader_pool, fn, *args)
-
-    def _reader(self) -> sqlite3.Connection:
-        conn = getattr(self._reader_local, "conn", None)
-        if conn is None:
-            conn = self._connect()
-            conn.execute("PRAGMA query_only=1")
-            self._reader_local.conn = conn
-            with self._reader_lock:
-                self._reader_conns.append(conn)
-        return conn
-
-    def _transaction(self) -> _WriteTransaction:
-        assert self._writer is not None, "store is closed"
-        return _WriteTransaction(self)
-
-    def _after_write(self) -> None:
-        self._last_write = time.monotonic()
-        self._wal_dirty = True
-        try:
-            if os.path.getsize(self.path + "-wal") > CHECKPOINT_WAL_BYTES:
-                self._checkpoint_wanted.set()
-        except OSError:
-            pass
+    def _count_unacked(self, consumer: str, change: int) -> None:
+        self._unacked[consumer] = self._unacked.get(consumer, 0) + change
 
     # ----------------------------------------------------------------- queues
 
@@ -546,213 +175,45 @@ class CoordinatorStore:
     def _commit_sync(
         self, consumer: str, records: Sequence[RecordView], now: float, max_depth: int
     ) -> CommitOutcome:
-        conn = self._writer
-        assert conn is not None
-        seq_before = self._next_seq
-        try:
-            with self._transaction():
-                duplicates: list[str] = []
-                fresh: list[RecordView] = []
-                seen: set[str] = set()
-                for record in records:
-                    key = record.meta["key"]
-                    if key in seen:
-                        duplicates.append(key)
-                        continue
-                    seen.add(key)
-                    row = conn.execute("SELECT consumer FROM items WHERE key = ?", (key,)).fetchone()
-                    if row is None:
-                        fresh.append(record)
-                    elif row[0] == consumer:
-                        duplicates.append(key)
-                    else:
-                        raise Rejected(
-                            f"item {key!r}: this key was already committed to the queue of {row[0]!r}; "
-                            "keys are unique per run (episode id + agent)",
-                            409,
-                        )
-                mark = self._watermarks.get(consumer)
-                stale = [] if mark is None else [r for r in fresh if r.meta["step"] <= mark]
-                if stale:
-                    # The consumer acknowledged these steps through (trained and saved them); it never
-                    # asks for them again. Kept by key (a re-commit is a duplicate), never queued.
-                    fresh = [r for r in fresh if r.meta["step"] > mark]
-                    self._insert_stale(conn, consumer, stale, now)
-                if not fresh:
-                    if stale:
-                        self._after_write()
-                    return CommitOutcome(0, duplicates, 0, len(stale))
-                if consumer in self._ended:
-                    raise Rejected(
-                        f"the queue of {consumer!r} was ended by its producer; no new items are accepted "
-                        f"(first new item {fresh[0].meta['key']!r})",
-                        409,
-                    )
-                depth = self._unacked.get(consumer, 0)
-                if len(fresh) > max_depth:
-                    raise Rejected(
-                        f"this request holds {len(fresh)} new items but the queue of {consumer!r} holds at "
-                        "most "
-                        f"{max_depth}; commit in smaller batches (or start the coordinator with a larger "
-                        "--max-depth)",
-                        413,
-                    )
-                if depth + len(fresh) > max_depth:
-                    raise QueueFull(
-                        f"the queue of {consumer!r} holds {depth} unacked items; {len(fresh)} more would "
-                        "pass "
-                        f"its maximum depth {max_depth}; retry after the consumer acks"
-                    )
-                by_group: dict[str, list[RecordView]] = {}
-                for record in fresh:
-                    by_group.setdefault(record.meta["group"], []).append(record)
-                group_rows: list[tuple[Any, ...]] = []
-                completed = 0
-                item_rows = []
-                record_rows = []
-                seq = self._next_seq
-                for group, members in by_group.items():
-                    first = members[0].meta
-                    size = first["group_size"]
-                    for record in members[1:]:
-                        if record.meta["group_size"] != size:
-                            raise Rejected(
-                                f"item {record.meta['key']!r}: group {group!r} announced group_size {size} "
-                                f"in this request and {record.meta['group_size']} here"
-                            )
-                    existing = conn.execute(
-                        "SELECT group_size, sealed_size, n_items, acked FROM groups WHERE consumer = ? AND "
-                        "grp = ?",
-                        (consumer, group),
-                    ).fetchone()
-                    if existing is None:
-                        limit, had, sealed = size, 0, None
-                    else:
-                        announced, sealed, had, _acked = existing
-                        if announced != size:
-                            raise Rejected(
-                                f"item {first['key']!r}: group {group!r} was announced with group_size "
-                                f"{announced}, "
-                                f"this item says {size}"
-                            )
-                        limit = sealed if sealed is not None else announced
-                    if had + len(members) > limit:
-                        what = f"sealed at {sealed}" if sealed is not None else f"of size {limit}"
-                        raise Rejected(
-                            f"item {members[0].meta['key']!r}: group {group!r} ({what}) already holds {had} "
-                            "items; "
-                            f"{len(members)} more would exceed it"
-                        )
-                    first_seq = seq
-                    for record in members:
-                        meta = record.meta
-                        item_rows.append(
-                            (
-                                seq,
-                                meta["key"],
-                                consumer,
-                                group,
-                                meta["producer"],
-                                meta["step"],
-                                meta["n_tokens"],
-                                now,
-                            )
-                        )
-                        record_rows.append((seq, record.record()))
-                        seq += 1
-                    n_items = had + len(members)
-                    complete = int(n_items >= limit)
-                    completed += complete
-                    if existing is None:
-                        group_rows.append(
-                            (
-                                "insert",
-                                consumer,
-                                group,
-                                first["producer"],
-                                first["step"],
-                                size,
-                                n_items,
-                                complete,
-                                first_seq,
-                                now,
-                            )
-                        )
-                    else:
-                        group_rows.append(("update", n_items, complete, consumer, group))
-                conn.executemany(
-                    "INSERT INTO items (seq, key, consumer, grp, producer, step, n_tokens, created) "
-                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                    item_rows,
+        """One commit, one transaction (`commits` has its steps): the items new by key, less those
+        of steps the consumer acknowledged through (kept by key, a re-commit is a duplicate; never
+        queued: the consumer never asks for them again), queued if the queue has room for all of
+        them and their groups take them."""
+        conn = self._writing()
+        with self._transaction():
+            fresh, duplicates = new_by_key(conn, consumer, records)
+            fresh, stale = split_stale(fresh, self._watermarks.get(consumer))
+            seq = insert_stale(conn, consumer, stale, now, self._next_seq) if stale else self._next_seq
+            if fresh:
+                check_room(
+                    consumer, fresh, max_depth, self._unacked.get(consumer, 0), consumer in self._ended
                 )
-                conn.executemany("INSERT INTO records (seq, record) VALUES (?, ?)", record_rows)
-                conn.executemany(
-                    "INSERT INTO groups (consumer, grp, producer, step, group_size, n_items, complete, "
-                    "first_seq, created) "
-                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                    [row[1:] for row in group_rows if row[0] == "insert"],
-                )
-                conn.executemany(
-                    "UPDATE groups SET n_items = ?, complete = ? WHERE consumer = ? AND grp = ?",
-                    [row[1:] for row in group_rows if row[0] == "update"],
-                )
-                self._next_seq = seq
-        except BaseException:
-            self._next_seq = seq_before
-            raise
-        self._unacked[consumer] = self._unacked.get(consumer, 0) + len(fresh)
+                rows = queue_rows(conn, consumer, fresh, now, seq)
+                rows.write(conn)
+                seq = rows.next_seq
+        self._next_seq = seq  # only once the transaction is in the file
+        if not fresh:
+            if stale:
+                self._after_write()
+            return CommitOutcome(0, duplicates, 0, len(stale))
+        self._count_unacked(consumer, len(fresh))
         self._after_write()
-        return CommitOutcome(len(fresh), duplicates, completed, len(stale))
-
-    def _insert_stale(
-        self, conn: sqlite3.Connection, consumer: str, stale: Sequence[RecordView], now: float
-    ) -> None:
-        """Remember the keys of items of already-acknowledged steps, as acked items with no record."""
-        seq = self._next_seq
-        rows = []
-        for record in stale:
-            meta = record.meta
-            rows.append(
-                (
-                    seq,
-                    meta["key"],
-                    consumer,
-                    meta["group"],
-                    meta["producer"],
-                    meta["step"],
-                    meta["n_tokens"],
-                    now,
-                    now,
-                )
-            )
-            seq += 1
-        conn.executemany(
-            "INSERT INTO items (seq, key, consumer, grp, producer, step, n_tokens, created, acked) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            rows,
-        )
-        self._next_seq = seq
+        return CommitOutcome(len(fresh), duplicates, rows.completed, len(stale))
 
     async def seal(self, consumer: str, group: str, size: int) -> bool:
         """Fix the final size of a group that came up short; True when the group is now complete."""
         return await self._in_writer(self._seal_sync, consumer, group, size)
 
     def _seal_sync(self, consumer: str, group: str, size: int) -> bool:
-        conn = self._writer
-        assert conn is not None
+        conn = self._writing()
         with self._transaction():
-            row = conn.execute(
-                "SELECT group_size, sealed_size, n_items, complete, acked FROM groups WHERE consumer = ? AND "
-                "grp = ?",
-                (consumer, group),
-            ).fetchone()
-            if row is None:
-                raise Rejected(
-                    f"group {group!r} has no items in the queue of {consumer!r}; seal a group after "
-                    "committing its items",
-                    404,
-                )
-            announced, sealed, n_items, complete, acked = row
+            announced, sealed, n_items, complete, acked = _group_of(
+                conn,
+                consumer,
+                group,
+                "group_size, sealed_size, n_items, complete, acked",
+                "; seal a group after committing its items",
+            )
             limit = sealed if sealed is not None else announced
             if size == limit:
                 return bool(complete)
@@ -782,8 +243,7 @@ class CoordinatorStore:
         return await self._in_writer(self._end_sync, consumer, by_agent, now)
 
     def _end_sync(self, consumer: str, by_agent: str | None, now: float) -> int:
-        conn = self._writer
-        assert conn is not None
+        conn = self._writing()
         with self._transaction():
             conn.execute(
                 "INSERT OR IGNORE INTO ended (consumer, ended, by_agent) VALUES (?, ?, ?)",
@@ -822,8 +282,7 @@ class CoordinatorStore:
         now: float,
         max_deliveries: int | None = None,
     ) -> LeaseGrant:
-        conn = self._writer
-        assert conn is not None
+        conn = self._writing()
         query = (
             "SELECT grp, n_items, step, producer, deliveries FROM groups "
             "WHERE consumer = ? AND acked IS NULL AND dead IS NULL AND complete = 1 "
@@ -839,27 +298,8 @@ class CoordinatorStore:
         with self._transaction():
             rows = conn.execute(query, params).fetchall()
             if max_deliveries is not None:
-                for row in rows:
-                    if row[4] >= max_deliveries:
-                        dead.append(
-                            DeadGroup(
-                                row[0],
-                                row[1],
-                                row[2],
-                                row[3],
-                                (
-                                    f"delivered {row[4]} times and never acknowledged (its consumer failed "
-                                    "or died "
-                                    f"on it each time; --max-deliveries {max_deliveries})"
-                                ),
-                            )
-                        )
-                rows = [row for row in rows if row[4] < max_deliveries]
-                conn.executemany(
-                    "UPDATE groups SET dead = ?, dead_reason = ?, lease_expires = NULL WHERE consumer = ? "
-                    "AND grp = ?",
-                    [(now, d.reason, consumer, d.group) for d in dead],
-                )
+                rows, dead = _over_delivered(rows, max_deliveries)
+                conn.executemany(_SET_ASIDE, [(now, d.reason, consumer, d.group) for d in dead])
             lease_id = None
             if rows:
                 lease_id = secrets.token_hex(12)
@@ -875,7 +315,7 @@ class CoordinatorStore:
                     (lease_id, consumer, orjson.dumps([row[0] for row in rows]).decode(), now, expires),
                 )
         if dead:
-            self._unacked[consumer] = self._unacked.get(consumer, 0) - sum(d.n_items for d in dead)
+            self._count_unacked(consumer, -sum(d.n_items for d in dead))
         if rows or dead:
             self._after_write()
         end = False
@@ -911,8 +351,7 @@ class CoordinatorStore:
         return await self._in_writer(self._release_sync, consumer, now)
 
     def _release_sync(self, consumer: str, now: float) -> int:
-        conn = self._writer
-        assert conn is not None
+        conn = self._writing()
         with self._transaction():
             released = conn.execute(
                 "UPDATE groups SET lease_expires = ? WHERE consumer = ? AND acked IS NULL AND dead IS NULL "
@@ -932,29 +371,19 @@ class CoordinatorStore:
         return await self._in_writer(self._reject_sync, consumer, group, reason, now)
 
     def _reject_sync(self, consumer: str, group: str, reason: str, now: float) -> tuple[DeadGroup, bool]:
-        conn = self._writer
-        assert conn is not None
+        conn = self._writing()
         with self._transaction():
-            row = conn.execute(
-                "SELECT n_items, step, producer, acked, dead, dead_reason FROM groups WHERE consumer = ? AND "
-                "grp = ?",
-                (consumer, group),
-            ).fetchone()
-            if row is None:
-                raise Rejected(f"group {group!r} has no items in the queue of {consumer!r}", 404)
-            n_items, step, producer, acked, dead, old_reason = row
+            n_items, step, producer, acked, dead, old_reason = _group_of(
+                conn, consumer, group, "n_items, step, producer, acked, dead, dead_reason"
+            )
             if dead is not None:
                 return DeadGroup(group, n_items, step, producer, old_reason), True
             if acked is not None:
                 raise Rejected(
                     f"group {group!r} was acknowledged already; there is nothing left to set aside", 409
                 )
-            conn.execute(
-                "UPDATE groups SET dead = ?, dead_reason = ?, lease_expires = NULL WHERE consumer = ? AND "
-                "grp = ?",
-                (now, reason, consumer, group),
-            )
-        self._unacked[consumer] = self._unacked.get(consumer, 0) - n_items
+            conn.execute(_SET_ASIDE, (now, reason, consumer, group))
+        self._count_unacked(consumer, -n_items)
         self._after_write()
         return DeadGroup(group, n_items, step, producer, reason), False
 
@@ -964,8 +393,7 @@ class CoordinatorStore:
         return await self._in_writer(self._ack_through_sync, consumer, step, now)
 
     def _ack_through_sync(self, consumer: str, step: int, now: float) -> AckThroughOutcome:
-        conn = self._writer
-        assert conn is not None
+        conn = self._writing()
         mark = self._watermarks.get(consumer)
         if mark is not None and step <= mark:
             return AckThroughOutcome(mark, 0, 0)
@@ -975,18 +403,7 @@ class CoordinatorStore:
                 "step <= ?",
                 (consumer, step),
             ).fetchall()
-            conn.executemany(
-                "UPDATE groups SET acked = ? WHERE consumer = ? AND grp = ?",
-                [(now, consumer, g) for g, _ in rows],
-            )
-            conn.executemany(
-                "DELETE FROM records WHERE seq IN (SELECT seq FROM items WHERE consumer = ? AND grp = ?)",
-                [(consumer, g) for g, _ in rows],
-            )
-            conn.executemany(
-                "UPDATE items SET acked = ? WHERE consumer = ? AND grp = ? AND acked IS NULL",
-                [(now, consumer, g) for g, _ in rows],
-            )
+            _mark_acked(conn, consumer, [g for g, _ in rows], now)
             conn.execute(
                 "INSERT INTO watermarks (consumer, step, updated) VALUES (?, ?, ?) ON CONFLICT (consumer) "
                 "DO UPDATE SET step = excluded.step, updated = excluded.updated WHERE excluded.step > "
@@ -995,7 +412,7 @@ class CoordinatorStore:
             )
         n_items = sum(n for _, n in rows)
         self._watermarks[consumer] = step
-        self._unacked[consumer] = self._unacked.get(consumer, 0) - n_items
+        self._count_unacked(consumer, -n_items)
         self._after_write()
         return AckThroughOutcome(step, len(rows), n_items)
 
@@ -1024,8 +441,7 @@ class CoordinatorStore:
         return await self._in_writer(self._ack_sync, consumer, lease_id, now)
 
     def _ack_sync(self, consumer: str, lease_id: str, now: float) -> AckOutcome:
-        conn = self._writer
-        assert conn is not None
+        conn = self._writing()
         with self._transaction():
             groups, expires, acked = _lease_of(conn, consumer, lease_id)
             if acked is not None:
@@ -1049,21 +465,10 @@ class CoordinatorStore:
                     "(ack the newer lease instead, or lease with a longer lease_s)",
                     409,
                 )
-            conn.executemany(
-                "UPDATE groups SET acked = ? WHERE consumer = ? AND grp = ?",
-                [(now, consumer, g) for g, _ in owned],
-            )
-            conn.executemany(
-                "DELETE FROM records WHERE seq IN (SELECT seq FROM items WHERE consumer = ? AND grp = ?)",
-                [(consumer, g) for g, _ in owned],
-            )
-            conn.executemany(
-                "UPDATE items SET acked = ? WHERE consumer = ? AND grp = ?",
-                [(now, consumer, g) for g, _ in owned],
-            )
+            _mark_acked(conn, consumer, [g for g, _ in owned], now)
             conn.execute("UPDATE leases SET acked = ? WHERE lease_id = ?", (now, lease_id))
         n_items = sum(n for _, n in owned)
-        self._unacked[consumer] = self._unacked.get(consumer, 0) - n_items
+        self._count_unacked(consumer, -n_items)
         self._after_write()
         return AckOutcome(len(owned), n_items, not owned)
 
@@ -1073,8 +478,7 @@ class CoordinatorStore:
         return await self._in_writer(self._extend_sync, consumer, lease_id, lease_s, now)
 
     def _extend_sync(self, consumer: str, lease_id: str, lease_s: float, now: float) -> tuple[int, float]:
-        conn = self._writer
-        assert conn is not None
+        conn = self._writing()
         with self._transaction():
             groups, expires, acked = _lease_of(conn, consumer, lease_id)
             if acked is not None:
@@ -1135,8 +539,7 @@ class CoordinatorStore:
         await self._in_writer(self._save_version_sync, agent, version, now)
 
     def _save_version_sync(self, agent: str, version: int, now: float) -> None:
-        conn = self._writer
-        assert conn is not None
+        conn = self._writing()
         with self._transaction():
             conn.execute(
                 "INSERT INTO versions (agent, version, updated) VALUES (?, ?, ?) "
@@ -1151,8 +554,7 @@ class CoordinatorStore:
         await self._in_writer(self._save_heartbeats_sync, beats)
 
     def _save_heartbeats_sync(self, beats: dict[str, tuple[float, int | None, str | None]]) -> None:
-        conn = self._writer
-        assert conn is not None
+        conn = self._writing()
         with self._transaction():
             conn.executemany(
                 "INSERT INTO agents (agent, last_seen, pid, host) VALUES (?, ?, ?, ?) "
@@ -1161,6 +563,49 @@ class CoordinatorStore:
                 [(agent, seen, pid, host) for agent, (seen, pid, host) in beats.items()],
             )
         self._after_write()
+
+
+def _over_delivered(rows: list[Any], max_deliveries: int) -> tuple[list[Any], list[DeadGroup]]:
+    """Leasable rows (grp, n_items, step, producer, deliveries) split into those to lease and the
+    groups to set aside, delivered `max_deliveries` times already and never acknowledged."""
+    dead = [
+        DeadGroup(
+            row[0],
+            row[1],
+            row[2],
+            row[3],
+            f"delivered {row[4]} times and never acknowledged (its consumer failed or died on it each "
+            f"time; --max-deliveries {max_deliveries})",
+        )
+        for row in rows
+        if row[4] >= max_deliveries
+    ]
+    return [row for row in rows if row[4] < max_deliveries], dead
+
+
+def _group_of(conn: sqlite3.Connection, consumer: str, group: str, columns: str, hint: str = "") -> tuple:
+    """The `columns` of a group of `consumer`'s queue; 404 (with `hint`) when it has no items there."""
+    row = conn.execute(
+        f"SELECT {columns} FROM groups WHERE consumer = ? AND grp = ?", (consumer, group)
+    ).fetchone()
+    if row is None:
+        raise Rejected(f"group {group!r} has no items in the queue of {consumer!r}{hint}", 404)
+    return row
+
+
+def _mark_acked(conn: sqlite3.Connection, consumer: str, groups: list[str], now: float) -> None:
+    """Mark `groups` of `consumer`'s queue done for good, with their items, and drop their records."""
+    conn.executemany(
+        "UPDATE groups SET acked = ? WHERE consumer = ? AND grp = ?", [(now, consumer, g) for g in groups]
+    )
+    conn.executemany(
+        "DELETE FROM records WHERE seq IN (SELECT seq FROM items WHERE consumer = ? AND grp = ?)",
+        [(consumer, g) for g in groups],
+    )
+    conn.executemany(
+        "UPDATE items SET acked = ? WHERE consumer = ? AND grp = ? AND acked IS NULL",
+        [(now, consumer, g) for g in groups],
+    )
 
 
 def _lease_of(
@@ -1173,48 +618,3 @@ def _lease_of(
     if row is None or row[0] != consumer:
         raise Rejected(f"unknown lease {lease_id!r} for the queue of {consumer!r}", 404)
     return orjson.loads(row[1]), row[2], row[3]
-
-
-class _WriteTransaction:
-    """BEGIN IMMEDIATE ... COMMIT on the writer connection; any error rolls back and SQLite errors
-    become `StorageFailure`, so a failed write (disk full, read-only file) leaves nothing behind and
-    the next write starts clean."""
-
-    def __init__(self, store: CoordinatorStore) -> None:
-        self.store = store
-
-    def __enter__(self) -> None:
-        conn = self.store._writer
-        assert conn is not None
-        try:
-            conn.execute("BEGIN IMMEDIATE")
-        except sqlite3.Error as exc:
-            raise _storage_failure(exc) from None
-
-    def __exit__(self, exc_type: object, exc: object, tb: object) -> bool:
-        conn = self.store._writer
-        assert conn is not None
-        if exc_type is None:
-            try:
-                conn.execute("COMMIT")
-                return False
-            except sqlite3.Error as commit_exc:
-                self._rollback(conn)
-                raise _storage_failure(commit_exc) from None
-        self._rollback(conn)
-        if isinstance(exc, sqlite3.Error):
-            raise _storage_failure(exc) from None
-        return False
-
-    def _rollback(self, conn: sqlite3.Connection) -> None:
-        if not conn.in_transaction:
-            return
-        try:
-            conn.execute("ROLLBACK")
-        except sqlite3.Error as exc:
-            # A connection that cannot even roll back is replaced, so the next write starts clean.
-            log.warning("rollback on %s failed (%s); reopening the writer connection", self.store.path, exc)
-            try:
-                conn.close()
-            finally:
-                self.store._writer = self.store._connect_writer()

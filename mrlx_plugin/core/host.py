@@ -346,12 +346,12 @@ def host_default_rollout(args: Any, rollout_id: int, data_source: Any, evaluatio
     if HOST == "miles":
         return _miles_default_rollout(args, rollout_id, data_source, evaluation)
     # No host: the stand-in host that built `args` names its default rollout there
-    # (`mrlx_plugin.local.fake_host.host_args`), as slime's own module would be importable.
+    # (`mrlx_plugin.local.trainer.fake_host.host_args`), as slime's own module would be importable.
     stand_in = getattr(args, "host_default_rollout", None)
     if stand_in is None:
         raise RuntimeError(
             "neither slime nor Miles is importable and `args` names no stand-in default rollout; "
-            "run inside the host, or build args with mrlx_plugin.local.fake_host.host_args"
+            "run inside the host, or build args with mrlx_plugin.local.trainer.fake_host.host_args"
         )
     return stand_in(args, rollout_id, data_source, evaluation=evaluation)
 

@@ -5,7 +5,9 @@ A call is retried only for failures that may pass (`retryable(exc)` says which),
 exponential backoff and jitter, until its deadline: no attempt starts once the deadline is
 near enough that the next wait would cross it, and `max_retries` (when set) bounds the count.
 A failure may ask for a longer wait (HTTP `Retry-After`) through a `retry_after_s` attribute.
-How the engine client's retries nest inside an episode's turn retries: docs/guarantees.md.
+An engine call writes this policy out in its own loop (`EngineClient.generate`, with `Backoff`
+and `Deadline`), so that a peer engine's aborts are retried in the same loop, not around it
+(docs/guarantees.md, "Engine faults and retries").
 
 Waiting for a condition (a process to listen, a file to appear, a test's state) is `wait_until`
 (blocking) or `async_wait_until` (on an event loop): the package's and its tests' one way to

@@ -86,7 +86,7 @@ class Transcript:
     raw_reward: float | None = None  # the grader's reward before shaping
     label: str = ""  # free-form name for logs ("solver-3")
     role: str = ""  # a role within the agent (a game seat): its own baseline when normalising
-    # One entry per turn: the turn's own reward (None: not scored yet; see episode.turn_returns).
+    # One entry per turn: the turn's own reward (None: not scored yet; see episodes.samples.turn_returns).
     turn_rewards: list[float | None] = field(default_factory=list)
     # One entry per turn: what the agent saw when it took the turn, as a key (a game's
     # information state), or None; per-turn credit compares turns with the same key.

@@ -104,9 +104,9 @@ class EpisodeContext:
     clients: Mapping[str, EngineClient]
     urls: Mapping[str, str]
     system_prompts: Mapping[str, str | None]
-    # Samples per episode and agent (None: they vary): the system's fan-out times, under per-turn
-    # credit, its turns per transcript and the candidates per turn.
-    fan_out: Mapping[str, int] | None
+    # Samples per episode and agent (None: they vary): the system's fan-out (transcripts) times,
+    # under per-turn credit, its turns per transcript and the candidates per turn.
+    samples_per_episode: Mapping[str, int] | None
     trained: frozenset[str]  # the agents whose samples go back to this job's host
     games: Mapping[str, Registered] = field(default_factory=dict)
     grade_failures: GradeFailures = field(default_factory=GradeFailures)

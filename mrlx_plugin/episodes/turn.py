@@ -1,63 +1,119 @@
-"""One model turn, top to bottom: the sampling parameters, the engine call and its retries, the
-answer's checks, and the turn appended to the agent's transcript (`take_turn`, which
-`Episode.generate` runs).
+"""One model turn, top to bottom: the sampling parameters, the engine call, the answer's checks, and
+the turn appended to the agent's transcript (`take_turn`: it is `Episode.generate`), with tree
+sampling's candidates and their scores (`score_turn`).
 
-The retries are one policy at two levels (`mrlx_plugin.core.retry` at both): the engine client
-retries a failure that may pass (a refused connection, a timeout, a 5xx) within one call's budget
-(`engine.max_retries`); this module retries the whole call of a peer agent's engine
-(`retry_on_abort`) that aborted the turn or whose retries ran out, every
-`engine.abort_retry_wait_s`, until `engine.peer_deadline_s` (a peer's engines come and go while it
-updates its weights). An engine this job owns is not retried here: its faults end the episode.
+One engine call is one retry loop, the engine client's (`EngineClient.generate`): it retries the
+failures that may pass within `engine.max_retries`, and, for a peer agent's engine
+(`retry_on_abort`), an `abort` answer or a fault that outlived those retries, every
+`engine.abort_retry_wait_s` until `engine.peer_deadline_s`: the peer policy (`PeerRetry`) and the
+deadline are passed down from here. An engine this job owns is not retried on `abort`: that and
+every fault the call could not pass end the episode (docs/guarantees.md, "Engine faults and
+retries"). A turn reads its episode through `TurnEpisode` (an `Episode` is one).
 """
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import math
+import numbers
 import random
 import zlib
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, NoReturn
+from dataclasses import dataclass
+from typing import Any, NoReturn, Protocol
 
-from mrlx_plugin.core.config import AgentSettings
-from mrlx_plugin.core.engine_client import EngineError, GenerateResult, MalformedAnswer
-from mrlx_plugin.core.retry import Backoff, Deadline, RetriesExhausted, retry
+from mrlx_plugin.core.config import AgentSettings, ConfigError, Settings
+from mrlx_plugin.core.engine_client import EngineError, MalformedAnswer, PeerRetry
+from mrlx_plugin.core.retry import Deadline
 from mrlx_plugin.core.transcript import MalformedTurn, Transcript, Turn
-from mrlx_plugin.episodes.errors import EpisodeAborted
-
-if TYPE_CHECKING:
-    from mrlx_plugin.episodes.episode import Episode
+from mrlx_plugin.core.values import RewardError, finite_reward
+from mrlx_plugin.episodes.context import EpisodeContext
+from mrlx_plugin.episodes.errors import EpisodeAborted, HookResultError, described, stops_the_rollout
 
 Score = Callable[[Turn], object]
 OnFault = Callable[[EngineError], Awaitable[str | None]]
 
 
-class _PeerAborted(Exception):
-    """A peer engine answered the turn with finish reason `abort` (it is updating its weights)."""
+@dataclass
+class TurnCounts:
+    """What the turns of one episode counted (every sample's metadata carries them)."""
+
+    turns: int = 0  # model turns taken (a lookahead's not counted)
+    engine_calls: int = 0  # every call answered: turns, tree-sampling candidates, rollout moves, aborts
+    retried_turns: int = 0  # calls that needed any retry
+    aborted_turns: int = 0  # every failed call, malformed answer or `abort` answer
+
+
+class TurnEpisode(Protocol):
+    """What a turn reads and changes of its episode (`Episode` is one)."""
+
+    id: str
+    settings: Settings
+    context: EpisodeContext
+    evaluation: bool
+    base_sampling: dict[str, Any]
+    metadata: dict[str, Any]
+    counts: TurnCounts
+    abort_reason: str | None
+
+    def check_alive(self) -> None: ...
+
+    def abort(self, reason: str) -> None: ...
+
+    def fail_reward(self, reason: str, exc: BaseException) -> EpisodeAborted: ...
+
+    async def gather(self, *aws: Awaitable[Any]) -> list[Any]: ...
 
 
 async def take_turn(
-    episode: Episode,
+    episode: TurnEpisode,
     transcript: Transcript,
-    score: Score | None,
-    on_fault: OnFault | None,
-    overrides: dict[str, object],
+    score: Score | None = None,
+    *,
+    on_fault: OnFault | None = None,
+    **sampling_overrides: Any,
 ) -> Turn:
-    """One model turn for `transcript`'s agent, appended to it (see `Episode.generate`)."""
+    """One model turn for the transcript's agent, appended to the transcript.
+
+    Returns the turn. A transcript with no room left (`transcript.full`) is marked truncated
+    and gets no call (the returned turn is empty, finish reason "length"). A turn that hits
+    its per-turn cap marks the sample TRUNCATED; the conversation may go on. Engine faults that
+    outlast the retries, and `abort` answers from an engine this job owns, end the episode
+    (EpisodeAborted). A peer engine's `abort` (it is updating its weights) is retried after
+    `engine.abort_retry_wait_s`, until `engine.peer_deadline_s`; its partial text is dropped.
+    A malformed answer (values no engine can have sampled, or ids outside the agent's
+    vocabulary) is not retried: it ends the episode, recorded as `malformed_answer`. The
+    turn's text is what its ids spell in the agent's tokenizer, special tokens left out.
+
+    Tree sampling (`rewards.credit: turn` with `rewards.branch: K > 1`, trainable agents,
+    not in evaluation): K candidates are sampled from the same context, each is scored with
+    `score(turn)` (a float or an awaitable of one) or, without `score`, the `mrlx_turn_reward`
+    hook (the K scored concurrently); the episode goes on from the best one
+    (`rewards.branch_pick: best`, ties drawn at random, seeded), one drawn by softmax of the
+    scores (`sample`) or one drawn uniformly (`random`). The others are kept for the samples
+    (`transcript.branches`); the taken one's score is kept too (`transcript.taken_scores`)
+    and is its turn reward until the system sets another.
+
+    `on_fault(error)`, awaited on each engine fault that would be retried until the peer
+    deadline, may end the episode at once: it returns the reason (e.g. the peer is known to
+    be down), or None to go on retrying.
+    """
     episode.check_alive()
     agent = episode.settings.agents[transcript.agent]
-    params = sampling_for(episode.base_sampling, agent, overrides)
+    params = sampling_for(episode.base_sampling, agent, sampling_overrides)
     room = transcript.room()
     if room is not None:
         params["max_new_tokens"] = min(int(params.get("max_new_tokens", room)), room)
     if params.get("max_new_tokens", 1) <= 0:
         transcript.truncated = True
         return Turn(transcript.agent, [], [], "", "length", None)
-    k = episode.branch_width(transcript)
+    k = branch_width(episode, transcript)
     if k == 1:
         turn = await _sample(episode, transcript, agent, params, 0, on_fault)
         transcript.append_generated(turn)
         if not transcript.lookahead:
-            episode.turns += 1
+            episode.counts.turns += 1
         return turn
     # Tree sampling: K candidates from the same context, each scored (concurrently: a score may
     # play the game on from its candidate); the episode goes on from one.
@@ -65,18 +121,18 @@ async def take_turn(
         *(_sample(episode, transcript, agent, params, c, on_fault) for c in range(k))
     )
     index = len(transcript.turns)
-    scores = await episode.gather(*(episode.score_turn(transcript, index, t, score) for t in candidates))
+    scores = await episode.gather(*(score_turn(episode, transcript, index, t, score) for t in candidates))
     taken = _pick(episode, scores, transcript, index)
     transcript.append_generated(candidates[taken])
     transcript.turn_rewards[-1] = scores[taken]
     transcript.taken_scores[index] = scores[taken]
     transcript.branches[index] = [(c, s) for i, (c, s) in enumerate(zip(candidates, scores)) if i != taken]
-    episode.turns += 1
+    episode.counts.turns += 1
     episode.metadata["branch_candidates"] = episode.metadata.get("branch_candidates", 0) + k - 1
     return candidates[taken]
 
 
-def sampling_for(base: dict[str, object], agent: AgentSettings, overrides: dict[str, object]) -> dict:
+def sampling_for(base: dict[str, Any], agent: AgentSettings, overrides: dict[str, Any]) -> dict[str, Any]:
     """The episode's sampling parameters, the agent's own settings over them, the call's over those."""
     params = dict(base)
     s = agent.sampling
@@ -88,24 +144,72 @@ def sampling_for(base: dict[str, object], agent: AgentSettings, overrides: dict[
     return params
 
 
-def _pick(episode: Episode, scores: list[float], transcript: Transcript, index: int) -> int:
-    """The candidate the episode goes on from (`rewards.branch_pick`). Every draw, ties of `best`
-    included, is seeded by the episode, the transcript and the turn: a rerun picks the same, and
-    no candidate position is favoured (first-on-ties would nearly always take candidate 0 where
-    scores are equal, as they are before a game's end)."""
-    rng = random.Random(zlib.crc32(f"{episode.id}:{transcript.label}:{index}".encode()))
-    pick = episode.settings.rewards.branch_pick
-    if pick == "random":
-        return rng.randrange(len(scores))
-    if pick == "best":
-        top = max(scores)
-        return rng.choice([i for i, s in enumerate(scores) if s == top])
-    top = max(scores)
-    weights = [math.exp(s - top) for s in scores]
-    return rng.choices(range(len(scores)), weights=weights)[0]
+def branch_width(episode: TurnEpisode, transcript: Transcript) -> int:
+    """How many candidates a turn of this transcript samples (1: no tree sampling)."""
+    r = episode.settings.rewards
+    if r.credit != "turn" or r.branch <= 1 or episode.evaluation or not transcript.trainable:
+        return 1
+    return r.branch
 
 
-def _seeded(episode: Episode, transcript: Transcript, params: dict, candidate: int) -> dict:
+async def _sample(
+    episode: TurnEpisode,
+    transcript: Transcript,
+    agent: AgentSettings,
+    params: dict[str, Any],
+    candidate: int,
+    on_fault: OnFault | None,
+) -> Turn:
+    """One engine call for the transcript's next turn (not appended)."""
+    client = episode.context.clients[transcript.agent]
+    e, counts = episode.settings.engine, episode.counts
+    peer = None
+    if agent.retry_on_abort:  # a peer's engine: its `abort` answers and lasting faults are retried
+
+        async def failed(error: EngineError | None) -> None:
+            counts.aborted_turns += 1
+            if error is None:
+                counts.engine_calls += 1  # an `abort` answer is an answer
+            elif on_fault is not None and (why := await on_fault(error)) is not None:
+                _end(episode, why)  # the system knows this peer will not come back soon
+
+        peer = PeerRetry(e.abort_retry_wait_s, episode.check_alive, failed)
+    deadline = Deadline(e.peer_deadline_s if peer else e.request_timeout_s * (e.max_retries + 1))
+    # An agent served as a LoRA adapter: the engine applies the adapter this request names.
+    route = {"lora_path": agent.adapter} if agent.adapter else None
+    try:
+        result = await client.generate(
+            transcript.tokens,
+            _seeded(episode, transcript, params, candidate),
+            deadline=deadline.at,
+            extra=route,
+            peer=peer,
+        )
+    except MalformedAnswer as exc:
+        _malformed(episode, f"{exc.url}: {exc.detail}")
+    except EngineError as exc:
+        counts.aborted_turns += 1
+        if peer is not None and exc.retryable and on_fault is not None:
+            why = await on_fault(exc)
+            if why is not None:
+                _end(episode, why)
+        _end(episode, f"engine fault: {exc}")
+    counts.engine_calls += 1
+    # An `abort` from this job's engine (the rollout is ending), or a peer's last before the deadline.
+    if result.finish_reason == "abort":
+        counts.aborted_turns += 1
+        _end(episode, f"{client.url} aborted the turn" + (" until the deadline" if peer else ""))
+    if result.retries:
+        counts.retried_turns += 1
+    try:  # the ids against the agent's vocabulary; the text is what they spell, not the engine's
+        return transcript.turn_from(
+            result.token_ids, result.logprobs, result.finish_reason, result.weight_version, result.retries
+        )
+    except MalformedTurn as exc:
+        _malformed(episode, f"{client.url}/generate: {exc}")
+
+
+def _seeded(episode: TurnEpisode, transcript: Transcript, params: dict[str, Any], candidate: int) -> dict:
     """`params` with the turn's sampling seed, when there is one: `engine.sampling_seed` mixed with
     the episode, the transcript and the turn; the candidates of one turn must differ, so each
     candidate after the first gets a seed derived from it (from the host's own seed too: slime's
@@ -121,80 +225,87 @@ def _seeded(episode: Episode, transcript: Transcript, params: dict, candidate: i
     return {**params, "sampling_seed": zlib.crc32(key.encode()) & 0x7FFFFFFF}
 
 
-async def _sample(
-    episode: Episode,
-    transcript: Transcript,
-    agent: AgentSettings,
-    params: dict,
-    candidate: int,
-    on_fault: OnFault | None,
-) -> Turn:
-    """One engine call for the transcript's next turn (not appended), with the retries above."""
-    params = _seeded(episode, transcript, params, candidate)
-    client = episode.context.clients[transcript.agent]
-    e = episode.settings.engine
-    peer = bool(agent.retry_on_abort)
-    deadline = Deadline(e.peer_deadline_s if peer else e.request_timeout_s * (e.max_retries + 1))
-    retried = False
-    # An agent served as a LoRA adapter: the engine applies the adapter this request names.
-    route = {"lora_path": agent.adapter} if agent.adapter else None
-
-    async def call(attempt: int) -> GenerateResult:
-        nonlocal retried
-        if attempt:
-            retried = True
-            episode.check_alive()  # the host may have ended the rollout while this turn waited
-        try:
-            result = await client.generate(transcript.tokens, params, deadline=deadline.at, extra=route)
-        except MalformedAnswer as exc:
-            _malformed(episode, f"{exc.url}: {exc.detail}")
-        except EngineError as exc:
-            episode.aborted_turns += 1
-            if not (peer and exc.retryable):
-                _end(episode, f"engine fault: {exc}")
-            why = await on_fault(exc) if on_fault is not None else None
-            if why is not None:  # the system knows this peer will not come back soon
-                _end(episode, why)
-            raise
-        retried = retried or result.retries > 0
-        episode.engine_calls += 1
-        if result.finish_reason == "abort":
-            episode.aborted_turns += 1
-            if not peer:
-                _end(episode, f"{client.url} aborted the turn")
-            raise _PeerAborted()
-        return result
-
-    wait = e.abort_retry_wait_s  # a fixed wait: the peer's weight update takes what it takes
-    try:
-        result = await retry(
-            call,
-            retryable=lambda exc: isinstance(exc, (EngineError, _PeerAborted)),
-            deadline=deadline,
-            backoff=Backoff(base_s=wait, max_s=wait, jitter=False),
-        )
-    except RetriesExhausted as exc:
-        if isinstance(exc.last, _PeerAborted):
-            _end(episode, f"{client.url} aborted the turn until the deadline")
-        _end(episode, f"engine fault: {exc.last}")
-    if retried:
-        episode.retried_turns += 1
-    try:  # the ids against the agent's vocabulary; the text is what they spell, not the engine's
-        return transcript.turn_from(
-            result.token_ids, result.logprobs, result.finish_reason, result.weight_version, result.retries
-        )
-    except MalformedTurn as exc:
-        _malformed(episode, f"{client.url}/generate: {exc}")
-
-
-def _end(episode: Episode, reason: str) -> NoReturn:
+def _end(episode: TurnEpisode, reason: str) -> NoReturn:
     episode.abort(reason)
     raise EpisodeAborted(episode.abort_reason)
 
 
-def _malformed(episode: Episode, reason: str) -> NoReturn:
+def _malformed(episode: TurnEpisode, reason: str) -> NoReturn:
     """An engine answer no one may train on: the episode ends, its samples ABORTED, the reason
     kept in the samples' metadata (`episode.malformed_answer`, counted in the metrics)."""
-    episode.aborted_turns += 1
+    episode.counts.aborted_turns += 1
     episode.metadata.setdefault("malformed_answer", reason)
     _end(episode, f"malformed answer from {reason}")
+
+
+# --- scores of turns ----------------------------------------------------------------------------
+
+
+async def score_turn(
+    episode: TurnEpisode, transcript: Transcript, index: int, turn: Turn, score: Score | None
+) -> float:
+    """A turn's score from `score` or the mrlx_turn_reward hook (None -> 0.0).
+
+    A score that fails (it raises, the hook runs past `rewards.grade_timeout_s`, or it is a
+    number that is not finite) ends the episode as a failed grade would, the reason naming its producer
+    (the plugin, or what a system's RewardError names: a game and its plugin). A score that is
+    no number at all breaks the hook's contract on every turn: HookResultError, naming it."""
+    plugin = None
+    where = (
+        f"the score function of system {episode.settings.system!r}"
+        if score is not None
+        else "the mrlx_turn_reward hook"
+    )
+    try:
+        if score is not None:
+            # Not under the grade's deadline: a system's score may play the episode on (a
+            # game's rollout), and each of its engine calls has a deadline of its own.
+            value = score(turn)
+            if inspect.isawaitable(value):
+                value = await value
+        else:
+            found = episode.context.hooks.turn_reward.ask(
+                episode=episode, transcript=transcript, index=index, turn=turn
+            )
+            if inspect.isawaitable(found):
+                found = await asyncio.wait_for(found, episode.settings.rewards.grade_timeout_s)
+            plugin, value = found
+    except (ConfigError, HookResultError, EpisodeAborted):
+        raise
+    except RewardError as exc:  # a system's score that is not finite, named by the system
+        raise episode.fail_reward(f"scoring turn {index} of {transcript.label}: {exc}", exc) from None
+    except BaseException as exc:  # as a failed grade: the episode ends, not the rollout
+        if stops_the_rollout(exc):
+            raise
+        reason = f"scoring turn {index} of {transcript.label} with {where} failed: {described(exc)}"
+        raise episode.fail_reward(reason, exc) from None
+    if value is None:
+        return 0.0
+    if plugin is not None:
+        where = f"mrlx_turn_reward of plugin {plugin!r}"
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise HookResultError(
+            f"{where} returned {value!r} for turn {index} of {transcript.label} in episode "
+            f"{episode.id}; expected a finite number (or None)"
+        )
+    try:
+        return finite_reward(value, f"{where} for turn {index} of {transcript.label}")
+    except RewardError as exc:
+        raise episode.fail_reward(str(exc), exc) from None
+
+
+def _pick(episode: TurnEpisode, scores: list[float], transcript: Transcript, index: int) -> int:
+    """The candidate the episode goes on from (`rewards.branch_pick`). Every draw, ties of `best`
+    included, is seeded by the episode, the transcript and the turn: a rerun picks the same, and
+    no candidate position is favoured (first-on-ties would nearly always take candidate 0 where
+    scores are equal, as they are before a game's end)."""
+    rng = random.Random(zlib.crc32(f"{episode.id}:{transcript.label}:{index}".encode()))
+    pick = episode.settings.rewards.branch_pick
+    if pick == "random":
+        return rng.randrange(len(scores))
+    if pick == "best":
+        top = max(scores)
+        return rng.choice([i for i, s in enumerate(scores) if s == top])
+    top = max(scores)
+    weights = [math.exp(s - top) for s in scores]
+    return rng.choices(range(len(scores)), weights=weights)[0]

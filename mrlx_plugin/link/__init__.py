@@ -7,7 +7,10 @@
 - `save_rules`: slime's checkpoint schedule, which tells a responder what it may acknowledge;
 - `job`: what both sides set up alike (the coordinator client, the queue's room for a step);
 - `client`: the async client of the coordinator service;
-- `wire`: the protocol shared with the coordinator service (the batch frame, the token).
+- `wire`: the protocol shared with the coordinator service (the batch frame);
+- `item_checks`: a queued item's checks as a training sample (what the coordinator refuses);
+- `auth`: signed requests and proved answers (the run's token never travels), and the token.
 
-It uses only `core`; the coordinator service (`mrlx_plugin.coordinator`) imports only `wire`.
+It uses only `core`; the coordinator service (`mrlx_plugin.coordinator`) imports only `wire`,
+`item_checks` and `auth`.
 """

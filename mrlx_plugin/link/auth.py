@@ -73,6 +73,26 @@ MAX_SKEW_S = 300.0  # clocks of the hosts of a run may differ by this much
 EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 
 
+def token_from_env_or_file(env: str | None = "MRLX_TOKEN", file: str | None = None) -> str | None:
+    """The bearer token from `file` when given, else from the environment variable `env`; None if neither.
+
+    Raises ValueError when the file is given but missing or empty (a silent fallback to no token
+    would turn auth off without anyone noticing).
+    """
+    if file:
+        try:
+            with open(file, encoding="utf-8") as handle:
+                token = handle.read().strip()
+        except OSError as exc:
+            raise ValueError(f"cannot read the token file {file!r}: {exc.strerror}") from None
+        if not token:
+            raise ValueError(f"the token file {file!r} is empty")
+        return token
+    if env:
+        return os.environ.get(env, "").strip() or None
+    return None
+
+
 def derive_keys(token: str) -> tuple[bytes, bytes]:
     """(client_key, server_key) of a token."""
     raw = token.encode("utf-8", "surrogateescape")  # a token read from the environment may hold any bytes
@@ -334,8 +354,6 @@ def _is_hex(text: str) -> bool:
 def call_main(argv: list[str] | None = None) -> int:
     """`mrlx coordinator call METHOD PATH [--data JSON|@FILE]`: one signed request; prints the
     answer's body once its proof checks out."""
-    from mrlx_plugin.link.wire import token_from_env_or_file
-
     parser = argparse.ArgumentParser(
         prog="mrlx coordinator call",
         description="Send one signed request to the coordinator (the token never travels) and print "

@@ -120,6 +120,20 @@ def _error_text(body: bytes) -> str:
     return body[:500].decode("utf-8", "replace")
 
 
+@dataclass(frozen=True)
+class _Request:
+    """One logical call as each of its attempts sends it (signed afresh each time)."""
+
+    method: str
+    url: str
+    target: str  # the path as the request line carries it: what is signed
+    payload: bytes | memoryview | None
+    headers: dict[str, str]
+    content: str | None  # the payload's SHA-256, when requests are signed
+    timeout: aiohttp.ClientTimeout
+    frame_answer: bool  # a successful answer is a wire frame, decoded
+
+
 class CoordinatorClient(HttpClient):
     """One agent's connection to the run's coordinator.
 
@@ -219,64 +233,26 @@ class CoordinatorClient(HttpClient):
         elif data is not None:
             headers["Content-Type"] = CONTENT_TYPE
         total = self.request_timeout_s + extra_timeout_s
-        timeout = self._timeout(total)
-        content = None if self._keys is None else await _off_loop(content_sha256, payload)
-        target = URL(url).raw_path_qs  # the path as the request line carries it: what is signed
+        request = _Request(
+            method,
+            url,
+            URL(url).raw_path_qs,
+            payload,
+            headers,
+            None if self._keys is None else await _off_loop(content_sha256, payload),
+            self._timeout(total),
+            frame_answer,
+        )
 
         async def attempt(_: int) -> tuple[int, Any, Any]:
             try:
-                answered = await exchange(resend=True)
+                answered = await self._exchange(request, resend=True)
                 if answered is None:  # signed again, naming the start the coordinator told
-                    answered = await exchange(resend=False)
+                    answered = await self._exchange(request, resend=False)
                 assert answered is not None
                 return answered
             except TRANSPORT_ERRORS as exc:
                 raise as_passing(exc, self._address, total) from exc
-
-        async def exchange(resend: bool) -> tuple[int, Any, Any] | None:
-            """One HTTP exchange; None when the coordinator refused the start the request named
-            and told its current one, and `resend`: then the call signs again at once."""
-            sent, nonce = headers, None
-            if self._signer is not None:
-                sent = {**headers, **self._signer.sign(method, target, content)}
-                nonce = sent[NONCE_HEADER]  # fresh for every attempt: the coordinator refuses a repeat
-            async with self._session().request(
-                method, url, data=payload, headers=sent, timeout=timeout
-            ) as resp:
-                frame = frame_answer and resp.status < 400
-                buf, body = (
-                    await self._read_frame(resp)
-                    if frame
-                    else (None, await read_capped(resp, MAX_JSON_ANSWER_BYTES))
-                )
-                if nonce is not None:  # signed: the answer must prove it knows the token
-                    answer = await _off_loop(content_sha256, body)
-                    proof = resp.headers.get(PROOF_HEADER)
-                    if not proven(self._keys[1], nonce, resp.status, answer, proof):
-                        if buf is not None:
-                            self._buffers.give(buf)
-                        self._unproven(method, url, resp.status, body)
-                    # The coordinator's start: when the request named another (or none yet), a 503
-                    # refused that, and the request signed again now names this one.
-                    assert self._signer is not None
-                    told = self._signer.learn(resp.headers.get(BOOT_HEADER))
-                    if resp.status == 503 and resend and told is not None and told != sent[BOOT_HEADER]:
-                        return None
-                if resp.status < 400:
-                    self._reached()
-                    if not frame:
-                        return resp.status, resp.headers, body
-                    decoded = await _off_loop(decode_frame, body)
-                    # the decoded items hold no reference to it (not reused if cancelled)
-                    if buf is not None:
-                        self._buffers.give(buf)
-                    return resp.status, resp.headers, decoded
-                problem = f"HTTP {resp.status}: {_error_text(body)}"
-                if resp.status not in RETRYABLE_STATUS:
-                    self._reached()
-                    raise CoordinatorError(f"coordinator {method} {url} failed: {problem}", resp.status)
-                # Retry-After is outside the answer's proof: `retry_after` bounds it.
-                raise Passing(problem, resp.status, retry_after(resp.headers.get("Retry-After")))
 
         def on_retry(_: int, exc: BaseException, wait: float) -> None:
             assert isinstance(exc, Passing)
@@ -298,6 +274,54 @@ class CoordinatorClient(HttpClient):
                 f"coordinator {method} {url} did not succeed after {exc.attempts} attempts: {last.problem}",
                 last.status,
             ) from None
+
+    async def _exchange(self, request: _Request, resend: bool) -> tuple[int, Any, Any] | None:
+        """One HTTP exchange of `request` (status, headers, body); None when the coordinator refused
+        the start the request named and told its current one, and `resend`: then the call signs
+        again at once."""
+        method, url, headers = request.method, request.url, request.headers
+        sent, nonce = headers, None
+        if self._signer is not None:
+            sent = {**headers, **self._signer.sign(method, request.target, request.content)}
+            nonce = sent[NONCE_HEADER]  # fresh for every attempt: the coordinator refuses a repeat
+        async with self._session().request(
+            method, url, data=request.payload, headers=sent, timeout=request.timeout
+        ) as resp:
+            frame = request.frame_answer and resp.status < 400
+            buf, body = (
+                await self._read_frame(resp)
+                if frame
+                else (None, await read_capped(resp, MAX_JSON_ANSWER_BYTES))
+            )
+            if nonce is not None:  # signed: the answer must prove it knows the token
+                answer = await _off_loop(content_sha256, body)
+                proof = resp.headers.get(PROOF_HEADER)
+                if not proven(self._keys[1], nonce, resp.status, answer, proof):
+                    if buf is not None:
+                        self._buffers.give(buf)
+                    self._unproven(method, url, resp.status, body)
+                # The coordinator's start: when the request named another (or none yet), the
+                # coordinator refused its signature (a 503; on an open route such as /health, the
+                # answer a request without one gets), and the request signed again names this one.
+                assert self._signer is not None
+                told = self._signer.learn(resp.headers.get(BOOT_HEADER))
+                if resend and told is not None and told != sent[BOOT_HEADER]:
+                    return None
+            if resp.status < 400:
+                self._reached()
+                if not frame:
+                    return resp.status, resp.headers, body
+                decoded = await _off_loop(decode_frame, body)
+                # the decoded items hold no reference to it (not reused if cancelled)
+                if buf is not None:
+                    self._buffers.give(buf)
+                return resp.status, resp.headers, decoded
+            problem = f"HTTP {resp.status}: {_error_text(body)}"
+            if resp.status not in RETRYABLE_STATUS:
+                self._reached()
+                raise CoordinatorError(f"coordinator {method} {url} failed: {problem}", resp.status)
+            # Retry-After is outside the answer's proof: `retry_after` bounds it.
+            raise Passing(problem, resp.status, retry_after(resp.headers.get("Retry-After")))
 
     def _unproven(self, method: str, url: str, status: int, body: bytes | memoryview) -> None:
         """An answer without a valid proof: never used. A 401 is raised at once (the likely cause

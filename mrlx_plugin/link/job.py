@@ -12,8 +12,8 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from mrlx_plugin.core.config import ConfigError
+from mrlx_plugin.link.auth import token_from_env_or_file
 from mrlx_plugin.link.client import CoordinatorClient
-from mrlx_plugin.link.wire import token_from_env_or_file
 
 if TYPE_CHECKING:
     from mrlx_plugin.core.config import Settings
@@ -44,12 +44,12 @@ def make_client(settings: Settings, source: str) -> CoordinatorClient:
     )
 
 
-def items_per_step(args: Any, fan_out: Mapping[str, int] | None, agent: str) -> tuple[int, str]:
-    """How many items one step hands `agent`'s queue: (count, how it was counted). `fan_out`: the
-    system's samples per episode and agent (None: one)."""
+def items_per_step(args: Any, samples_per_episode: Mapping[str, int] | None, agent: str) -> tuple[int, str]:
+    """How many items one step hands `agent`'s queue: (count, how it was counted).
+    `samples_per_episode`: the system's samples per episode and agent (None: one)."""
     groups = int(getattr(args, "rollout_batch_size", 1) or 1)
     per_prompt = int(getattr(args, "n_samples_per_prompt", 1) or 1)
-    fan = (fan_out or {}).get(agent) or 1
+    fan = (samples_per_episode or {}).get(agent) or 1
     how = f"{groups} groups (--rollout-batch-size) x {per_prompt} samples per prompt (--n-samples-per-prompt)"
     if fan != 1:
         how += f" x {fan} samples per episode for {agent!r}"

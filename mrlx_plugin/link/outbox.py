@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -45,8 +45,6 @@ class FinishedEpisode(Protocol):
     evaluation: bool
     id: str
     sample: Any  # the host's input sample: its `group_index` is the prompt group
-
-    def samples_of(self, agents: list[str], every_agent: bool) -> list[Any]: ...
 
 
 @dataclass
@@ -123,16 +121,12 @@ class PeerOutbox:
             eos = getattr(tokenizer, "eos_token_id", None)
             self.pad_ids[agent] = eos if isinstance(eos, int) and eos >= 0 else 0
 
-    def episode_ended(self, episode: FinishedEpisode) -> None:
-        """Take a finished episode's samples for the peer agents (its rewards are final). An
-        evaluation episode sends nothing to other jobs."""
+    def episode_ended(self, episode: FinishedEpisode, samples_for: Callable[[str], list[Any]]) -> None:
+        """Take a finished episode's samples for the peer agents (its rewards are final):
+        `samples_for(agent)` builds them. An evaluation episode sends nothing to other jobs."""
         if episode.evaluation:
             return
-        self.add(
-            episode.sample.group_index,
-            episode.id,
-            {a: episode.samples_of([a], every_agent=True) for a in self.peer_agents},
-        )
+        self.add(episode.sample.group_index, episode.id, {a: samples_for(a) for a in self.peer_agents})
 
     def add(self, group_index: Any, episode_id: str, peer_samples: dict[str, list[Any]]) -> None:
         """Record one ended episode's samples for other agents (rewards are final by now)."""
@@ -276,15 +270,15 @@ async def initiator_barrier(
     outbox: PeerOutbox,
     args: Any,
     rollout_id: int,
-    fan_out: Mapping[str, int] | None,
+    samples_per_episode: Mapping[str, int] | None,
 ) -> dict[str, float]:
     """Report this job's version; wait until every trainable peer (`outbox.peer_agents`) is within
     the staleness bound. The first call also checks that each peer's queue holds one step of this
-    job (`args`' batch flags times the system's `fan_out`)."""
+    job (`args`' batch flags times the system's samples per episode)."""
     c = outbox.settings.coordinator
     if not outbox.depth_checked:
         for agent in outbox.peer_agents:
-            need, how = items_per_step(args, fan_out, agent)
+            need, how = items_per_step(args, samples_per_episode, agent)
             await check_queue_depth(client, agent, need, f"one step of this job: {how}", outbox.source)
         outbox.depth_checked = True
     await client.heartbeat()

@@ -50,6 +50,17 @@ class ResponderState:
 
 
 @dataclass
+class _Taken:
+    """What leasing one step has taken: the groups to train, those set aside (group name -> what the
+    coordinator reported, or why this job refused it), how many this job refused, the leases."""
+
+    groups: list[list[QueueItem]] = field(default_factory=list)
+    dead: dict[str, dict[str, Any]] = field(default_factory=dict)
+    rejected: int = 0
+    leases: list[str] = field(default_factory=list)
+
+
+@dataclass
 class Responder:
     """A responder job's link to the coordinator: its client, its settings, what its model takes,
     the size of its steps, and its state. Built once per process (`for_job`)."""
@@ -66,21 +77,21 @@ class Responder:
 
     @classmethod
     def for_job(
-        cls, settings: Settings, source: str, args: Any, fan_out: Mapping[str, int] | None
+        cls, settings: Settings, source: str, args: Any, samples_per_episode: Mapping[str, int] | None
     ) -> Responder:
         """The responder of a job with these settings and host flags (`args`: the batch flags, the
-        save schedule, the model's limits); `fan_out` is the system's samples per episode and
-        agent. Blocking (reads the model's config.json): call it outside the event loop."""
+        save schedule, the model's limits); `samples_per_episode` is the system's, per agent.
+        Blocking (reads the model's config.json): call it outside the event loop."""
         client = make_client(settings, source)  # refuses settings without a coordinator or `self`
         agent = client.agent
-        need, how = items_per_step(args, fan_out, agent)
+        need, how = items_per_step(args, samples_per_episode, agent)
         window, why = save_window(args)
         return cls(
             client=client,
             settings=settings,
             source=source,
             groups_per_step=int(args.rollout_batch_size),
-            per_episode=(fan_out or {}).get(agent) or 1,
+            per_episode=(samples_per_episode or {}).get(agent) or 1,
             queue_need=need * window,
             queue_need_how=f"one step ({how})"
             if window == 1
@@ -100,10 +111,42 @@ class Responder:
         producer's step `rollout_id`: `groups_per_step` of them, ABORTED fillers standing in for
         groups set aside (by the coordinator, or here because this job's model cannot take them).
         Returns the groups of samples and the step's metrics."""
-        client, state, agent = self.client, self.state, self.agent
-        c = self.settings.coordinator
-        groups_needed = self.groups_per_step
         self._stop_renewing()
+        metrics = await self._start_step(rollout_id, ack_through)
+        started = time.monotonic()
+        taken = await self._lease_step(rollout_id)
+        dead_list = list(taken.dead.values())[: max(0, self.groups_per_step - len(taken.groups))]
+        samples = [[sample_from_item(item) for item in g] for g in taken.groups]
+        next_id = 1
+        for ordinal, info in enumerate(dead_list):
+            fillers = _filler_group(self.agent, info, ordinal, next_id, self.per_episode)
+            next_id += -(-len(fillers) // self.per_episode)
+            samples.append(fillers)
+        # This step's leases become the state's (renewed while it trains) only now that its groups
+        # are handed to the host.
+        lease_s = self.settings.coordinator.lease_s
+        self.state.leases = taken.leases
+        self.state.renewer = asyncio.ensure_future(_renew(self.client, list(taken.leases), lease_s))
+        metrics.update(
+            {
+                "coordinator/wait_seconds": time.monotonic() - started,
+                "coordinator/groups": float(len(taken.groups)),
+                "coordinator/dead_lettered_groups": float(len(dead_list)),
+                "coordinator/dead_lettered_items": float(sum(int(d["size"]) for d in dead_list)),
+                "coordinator/rejected_groups": float(taken.rejected),
+            }
+        )
+        versions = [_as_int(v) for g in samples for s in g for v in (s.weight_versions or [])]
+        versions = [v for v in versions if v is not None]
+        if versions:
+            metrics[f"staleness/{self.agent}"] = float(rollout_id - min(versions))
+        return samples, metrics
+
+    async def _start_step(self, rollout_id: int, ack_through: int | None) -> dict[str, float]:
+        """Before a step's groups are leased: the queue's room checked (first step), the saved steps
+        acknowledged, this job's heartbeat and version, and (a fresh process) a dead predecessor's
+        leases taken over. Returns the step's first metrics."""
+        client, state, agent = self.client, self.state, self.agent
         metrics: dict[str, float] = {}
         if not state.depth_checked:
             await check_queue_depth(client, agent, self.queue_need, self.queue_need_how, self.source)
@@ -123,27 +166,28 @@ class Responder:
             metrics["coordinator/leases_taken_over"] = float(released)
             if released:
                 logger.info("took over %d leased groups of a previous process of %r", released, agent)
-        started = time.monotonic()
-        deadline = started + c.wait_deadline_s
-        groups: list[list[QueueItem]] = []
-        dead: dict[str, dict[str, Any]] = {}  # group name -> what the coordinator reported
-        rejected = 0
-        # This step's leases become the state's (to be renewed while it trains) only when the groups
-        # are handed to the host.
-        leases: list[str] = []
+        return metrics
+
+    async def _lease_step(self, rollout_id: int) -> _Taken:
+        """Lease the groups of the producer's step `rollout_id` until `groups_per_step` of them are
+        taken or set aside, the producer ends the stream, or `wait_deadline_s` passes (an error)."""
+        c = self.settings.coordinator
+        groups_needed = self.groups_per_step
+        deadline = time.monotonic() + c.wait_deadline_s
+        taken = _Taken()
         why = "the producer sent no more"
         first = True
-        while len(groups) + len(dead) < groups_needed:
+        while len(taken.groups) + len(taken.dead) < groups_needed:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise CoordinatorError(
-                    f"step {rollout_id}: got {len(groups) + len(dead)} of {groups_needed} groups in "
-                    f"{c.wait_deadline_s:.0f}s (those of the producer's step {rollout_id}); {why}"
+                    f"step {rollout_id}: got {len(taken.groups) + len(taken.dead)} of {groups_needed} groups "
+                    f"in {c.wait_deadline_s:.0f}s (those of the producer's step {rollout_id}); {why}"
                 )
             # The first call of a step asks without waiting: it learns every group of the step set
             # aside so far (also those set aside while an earlier process of this job held them).
-            lease = await client.lease(
-                groups_needed - len(groups) - len(dead),
+            lease = await self.client.lease(
+                groups_needed - len(taken.groups) - len(taken.dead),
                 lease_s=c.lease_s,
                 wait_s=0.0 if first else min(30.0, remaining),
                 step=rollout_id,
@@ -151,59 +195,38 @@ class Responder:
             first = False
             why = lease.message or why
             for info in lease.dead:
-                dead.setdefault(info["group"], info)
+                taken.dead.setdefault(info["group"], info)
             if lease.lease_id and lease.groups:
-                leases.append(lease.lease_id)
+                taken.leases.append(lease.lease_id)
                 for group in lease.groups:
                     reason = self._refusal(group)
                     if reason is None:
-                        groups.append(group)
-                        continue
-                    # This job's model cannot take it: set it aside now rather than fail on it at
-                    # every delivery. The group's other items are dropped with it.
-                    name = group[0].group
-                    logger.warning("group %r of step %d set aside: %s", name, rollout_id, reason)
-                    try:
-                        await client.reject(name, reason)
-                    except CoordinatorError as exc:
-                        logger.warning(
-                            "could not report group %r as set aside (%s); it is skipped here all the same",
-                            name,
-                            exc,
-                        )
-                    rejected += 1
-                    dead.setdefault(
-                        name, {"group": name, "size": len(group), "step": rollout_id, "reason": reason}
-                    )
+                        taken.groups.append(group)
+                    else:
+                        await self._set_aside(group, reason, rollout_id, taken)
             if lease.end:
                 break
-        if not groups and not dead:
+        if not taken.groups and not taken.dead:
             raise CoordinatorError(
                 f"step {rollout_id}: the producer ended the stream and no group is left to train on"
             )
-        dead_list = list(dead.values())[: max(0, groups_needed - len(groups))]
-        samples = [[sample_from_item(item) for item in g] for g in groups]
-        next_id = 1
-        for ordinal, info in enumerate(dead_list):
-            fillers = _filler_group(agent, info, ordinal, next_id, self.per_episode)
-            next_id += -(-len(fillers) // self.per_episode)
-            samples.append(fillers)
-        state.leases = leases
-        state.renewer = asyncio.ensure_future(_renew(client, list(leases), c.lease_s))
-        metrics.update(
-            {
-                "coordinator/wait_seconds": time.monotonic() - started,
-                "coordinator/groups": float(len(groups)),
-                "coordinator/dead_lettered_groups": float(len(dead_list)),
-                "coordinator/dead_lettered_items": float(sum(int(d["size"]) for d in dead_list)),
-                "coordinator/rejected_groups": float(rejected),
-            }
-        )
-        versions = [_as_int(v) for g in samples for s in g for v in (s.weight_versions or [])]
-        versions = [v for v in versions if v is not None]
-        if versions:
-            metrics[f"staleness/{agent}"] = float(rollout_id - min(versions))
-        return samples, metrics
+        return taken
+
+    async def _set_aside(self, group: list[QueueItem], reason: str, rollout_id: int, taken: _Taken) -> None:
+        """This job's model cannot take `group`: set it aside now rather than fail on it at every
+        delivery (its other items are dropped with it); it counts as set aside in `taken`."""
+        name = group[0].group
+        logger.warning("group %r of step %d set aside: %s", name, rollout_id, reason)
+        try:
+            await self.client.reject(name, reason)
+        except CoordinatorError as exc:
+            logger.warning(
+                "could not report group %r as set aside (%s); it is skipped here all the same",
+                name,
+                exc,
+            )
+        taken.rejected += 1
+        taken.dead.setdefault(name, {"group": name, "size": len(group), "step": rollout_id, "reason": reason})
 
     async def finish(self, step: int | None = None) -> None:
         """The host saved its step `step` (default: the step of the groups leased last): acknowledge

@@ -42,7 +42,7 @@ from pydantic import Field
 from mrlx_plugin.core.config import TURNS_WHY, Number, Settings, SystemSection, Text, bounded, show_value
 from mrlx_plugin.core.transcript import Transcript
 from mrlx_plugin.core.values import finite_reward
-from mrlx_plugin.episodes import Episode, System
+from mrlx_plugin.episodes import Episode, Outcome, System
 from mrlx_plugin.systems.pipeline import final_line, fit_solutions
 from mrlx_plugin.systems.quoting import quote
 
@@ -145,7 +145,7 @@ def debate_agents(settings) -> tuple[str, str, str]:
 def make_debate(prompts: DebatePrompts = DebatePrompts()):
     """A debate run function with these prompts (register it under your own system name)."""
 
-    async def run(episode: Episode) -> None:
+    async def run(episode: Episode) -> Outcome:
         d = episode.settings.debate
         a, b, judge = debate_agents(episode.settings)
         debaters = dict(zip(SIDES, (a, b)))
@@ -201,10 +201,7 @@ def make_debate(prompts: DebatePrompts = DebatePrompts()):
             t.raw_reward = t.reward = finite_reward(outcome, f"the setting {setting}")  # no NaN trained on
         me = episode.settings.self_agent
         focus = next((side for side, agent in debaters.items() if agent == me), "A")
-        if focus in views:
-            episode.final_transcript = views[focus]
-            episode.final_answer = views[focus].answer_text
-        episode.team_reward = 1.0 if winner == focus else 0.0
+        return Outcome(final_transcript=views.get(focus), team_reward=1.0 if winner == focus else 0.0)
 
     return System(run=run, fan_out=debate_fan_out, turns=debate_turns)
 

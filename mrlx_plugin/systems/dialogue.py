@@ -22,7 +22,7 @@ from pydantic import Field
 
 from mrlx_plugin.core.config import TOP_KEY, TURNS_WHY, Settings, SystemSection, Text, bounded, show_value
 from mrlx_plugin.core.transcript import Transcript
-from mrlx_plugin.episodes import Episode, System
+from mrlx_plugin.episodes import Episode, Outcome, System
 
 
 class DialogueSettings(SystemSection):
@@ -123,12 +123,12 @@ def opening(episode: Episode, agent: str) -> dict[str, str]:
     return {"role": "user", "content": text}
 
 
-async def run_dialogue(episode: Episode) -> None:
+async def run_dialogue(episode: Episode) -> Outcome:
     d = episode.settings.dialogue
     order = speaking_order(episode.settings)
     views: dict[str, Transcript] = {}
     unread: dict[str, list[dict[str, str]]] = {a: [] for a in order}
-    last_speaker = None
+    last_speaker, stopped_early = None, False
     for turn in range(d.max_turns):
         agent = order[turn % len(order)]
         t = views.get(agent)
@@ -159,13 +159,13 @@ async def run_dialogue(episode: Episode) -> None:
             break
         stop = episode.context.hooks.should_stop(episode=episode, agent=agent, transcript=t)
         if stop:
-            episode.stopped_early = turn + 1 < d.max_turns
+            stopped_early = turn + 1 < d.max_turns
             episode.metadata["stopped_by"] = f"stop rule ({agent})"
             break
     final = d.final_answer_agent or last_speaker
-    if final in views:
-        episode.final_transcript = views[final]
-        episode.final_answer = views[final].answer_text
+    return Outcome(
+        final_transcript=views.get(final) if final is not None else None, stopped_early=stopped_early
+    )
 
 
 def _dialogue_fan_out(settings) -> dict[str, int]:

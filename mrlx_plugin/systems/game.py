@@ -18,7 +18,7 @@ One episode per input sample (`mrlx.game`):
    seat's name), and answers in one model turn. `parse_move` is the legality check: an answer
    that is no legal move ends the episode, that seat's outcome `illegal_penalty`, the others' 0.
 3. Each move's own reward (`move_reward`) is the turn's reward under `rewards.credit: turn`;
-   the seat's outcome reaches its turns through the return (see `Episode.turn_returns`). Tree
+   the seat's outcome reaches its turns through the return (see `episodes.samples.turn_returns`). Tree
    sampling (`rewards.branch: K`) compares K candidate moves by their score: the own reward,
    plus the seat's outcome when the move ends the game; `illegal_penalty` for an illegal one.
 4. At the end each agent seat's transcript gets its seat's outcome as its reward.
@@ -27,7 +27,8 @@ Three ways to play: self-play (`seats: [p, p]`, one model in both seats, a basel
 against a frozen model (`seats: [p, opp]`, `opp` with `trainable: false` behind its own URL)
 and against an opponent pool (`seats: [p, pool]`, `opponents: [agents and script:NAME]`). A
 frozen pool member found down (nothing accepts a connection at its URL) ends its episodes at
-once for `POOL_DOWN_S`, recorded as `opponent_down`, instead of waiting `engine.peer_deadline_s`.
+once for `POOL_DOWN_S` (`systems.game_pool`), recorded as `opponent_down`, instead of waiting
+`engine.peer_deadline_s`.
 
 `episode.metadata` (read by the `game/` metrics): `game`, `seats` (their names), `players` (who
 played each seat), `first_seat` (the seat whose result the episode reports: `first_agent_seat`),
@@ -43,14 +44,9 @@ Evaluation (`mrlx rollout --evaluation`): the final transcript is the first seat
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import dataclasses
 import logging
 import random
-import time
-import urllib.parse
-import weakref
 import zlib
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -71,9 +67,12 @@ from mrlx_plugin.core.config import (
 from mrlx_plugin.core.engine_client import EngineError
 from mrlx_plugin.core.transcript import Transcript, Turn, strip_reasoning
 from mrlx_plugin.core.values import finite_reward
-from mrlx_plugin.episodes import Episode, EpisodeAborted, EpisodeContext, Registered, System
-from mrlx_plugin.systems.games import BUILT_IN_GAMES, boxed, boxed_move
-from mrlx_plugin.systems.library_games import is_library_game, library_game
+from mrlx_plugin.episodes import Episode, EpisodeContext, Outcome, Registered, System
+from mrlx_plugin.episodes.samples import turn_returns
+from mrlx_plugin.systems.game_pool import check_member, frozen_agent, watch_member
+from mrlx_plugin.systems.games import BUILT_IN_GAMES, Game, boxed
+from mrlx_plugin.systems.libraries import is_library_game
+from mrlx_plugin.systems.library_games import library_game
 from mrlx_plugin.systems.quoting import quote
 
 __all__ = ["GAME", "Game", "GameSettings", "boxed", "quote", "run_game"]
@@ -143,95 +142,6 @@ class GameSettings(SystemSection):
         if self.seats is not None and len(self.seats) < 1:
             errors.append(f"{path}.seats: list at least one seat")
         return errors
-
-
-class Game:
-    """The rules of a turn-based game: what the game system calls, one method per question.
-
-    States are the game's own values (a frozen dataclass reads best); the system never looks
-    inside one, never changes one, and keeps the one each move was made from. Seats are indices
-    into `seats`. Every method is called in the rollout process's event loop: keep them quick.
-    """
-
-    #: The names of the seats, in seat order (also each seat's role in its transcript).
-    seats: tuple[str, ...] = ()
-    #: The scripted players the game provides (`script:NAME` seats); `random` always.
-    scripts: tuple[str, ...] = ("random",)
-
-    def start(self, problem: str, label: Any, rng: random.Random, options: dict[str, Any]) -> Any:
-        """The initial state for one episode, from the input sample's prompt text and label.
-
-        `rng` is the episode's own (drawn from its id, so a rerun deals the same); use it for
-        anything the prompt does not fix. `options` is `mrlx.game.options`. Raise ValueError,
-        naming the option or the prompt, for a game that cannot start.
-        """
-        raise NotImplementedError
-
-    def to_move(self, state: Any) -> int | None:
-        """The seat to move, or None when the game is over."""
-        raise NotImplementedError
-
-    def observation(self, state: Any, seat: int) -> str:
-        """What `seat` is shown before its move, as plain text: only what it may know (hidden
-        information stays hidden) and how to answer (e.g. "answer with \\boxed{N}"). Text the game
-        did not write (from the prompt, a seat's free-text move) goes in through `quote` when the
-        observation lays out sections of its own, so that text cannot open one."""
-        raise NotImplementedError
-
-    def legal_moves(self, state: Any, seat: int) -> list[Any]:
-        """The legal moves of `seat` (used by the default `parse_move` and `script:random`)."""
-        raise NotImplementedError
-
-    def parse_move(self, state: Any, seat: int, text: str) -> Any | None:
-        """The legality check: the move an answer makes, or None when it makes no legal move.
-
-        `text` is the model's answer without its reasoning. The default reads the last
-        `\\boxed{...}` and matches it (case and spaces ignored) against `legal_moves`."""
-        return boxed_move(text, self.legal_moves(state, seat))
-
-    def play(self, state: Any, seat: int, move: Any) -> Any:
-        """The state after `seat` makes the legal `move` (a new state; `state` is left as it was)."""
-        raise NotImplementedError
-
-    def move_reward(self, state: Any, seat: int, move: Any, next_state: Any) -> float:
-        """The move's own reward for `seat` (its turn reward under `credit: turn`); default 0. A
-        finite number: NaN or infinity ends the episode ABORTED, the error naming this game."""
-        return 0.0
-
-    def outcome(self, state: Any) -> list[float]:
-        """Each seat's result, in seat order, once the game is over (e.g. +1 win / -1 loss); finite
-        numbers, as `move_reward`'s."""
-        raise NotImplementedError
-
-    def max_moves(self, options: dict[str, Any]) -> dict[int, int]:
-        """The most moves each seat can make in one game with these options: an exact upper
-        bound (the fixed number of samples per episode is built on it). `start` must refuse a
-        prompt that would exceed it."""
-        raise NotImplementedError
-
-    def scripted_move(self, state: Any, seat: int, script: str, rng: random.Random) -> Any:
-        """The move of scripted player `script` (one of `scripts`); `random` is a uniformly
-        random legal move."""
-        if script == "random":
-            return rng.choice(self.legal_moves(state, seat))
-        raise ValueError(f"no scripted player {script!r} (this game has: {', '.join(self.scripts)})")
-
-    def describe_move(self, state: Any, seat: int, move: Any) -> str:
-        """How the other seats are told of `seat`'s `move` (made from `state`), as plain text
-        (a move that is text the seat wrote: through `quote`, as in `observation`)."""
-        return f"{self.seats[seat]} plays {move}."
-
-    def information_state(self, state: Any, seat: int) -> str | None:
-        """What `seat` knows when it is to move, as a string: two states with the same string
-        must be indistinguishable to the seat (OpenSpiel's information state). Per-turn credit
-        compares a turn with the turns of the prompt group that saw the same (docs/credit.md);
-        None (the default) compares it with the turns of the same index."""
-        return None
-
-    def episode_facts(self, state: Any) -> dict[str, Any]:
-        """The game's own facts about the episode that ended at `state` (its last state, the
-        game over or cut short), added to the episode's facts; default none."""
-        return {}
 
 
 # --- which game, who plays ------------------------------------------------------------------
@@ -457,7 +367,7 @@ async def _play(episode: Episode, game: Any, table: _Table) -> _End:
             table.advance(game, seat, move, game.play(table.state, seat, move))
             continue
         if seat in table.watched:  # another episode may have found the member down since
-            _check_member(episode, player)
+            check_member(episode, player)
         text = " ".join([*table.unread[seat], game.observation(table.state, seat)])
         table.unread[seat] = []
         try:
@@ -518,7 +428,7 @@ async def _rollout(
 ) -> float:
     """A candidate move's return (`branch_score: rollout`): the game played on from it to its
     end on a fork of the table, every seat by its own player, one engine call per model move
-    and no tree sampling; the return as a turn's under per-turn credit (`Episode.turn_returns`).
+    and no tree sampling; the return as a turn's under per-turn credit (`episodes.samples.turn_returns`).
 
     The draws (scripted players, and the engine's sampling seeds, which come from the episode,
     the seat and the turn index) do not depend on which candidate is scored: candidates that
@@ -533,10 +443,10 @@ async def _rollout(
     end = await _play(episode, game, fork)
     t = fork.views[seat]  # the same transcript (a seat's view opens before its first move)
     t.reward = (end.outcome or [0.0] * len(game.seats))[seat]
-    return episode.turn_returns(t)[index]
+    return turn_returns(episode, t)[index]
 
 
-async def run_game(episode: Episode) -> None:
+async def run_game(episode: Episode) -> Outcome:
     g = episode.settings.game
     game = the_game(episode.context)
     names = tuple(game.seats)
@@ -554,12 +464,12 @@ async def run_game(episode: Episode) -> None:
         opponent=" + ".join(others) if first is not None and others else None,
     )
     watched = {
-        i: _watch_member(episode, players[i])
+        i: watch_member(episode, players[i])
         for i, who in enumerate(seat_players(episode.settings))
-        if who == POOL_SEAT and _frozen_agent(episode.settings, players[i])
+        if who == POOL_SEAT and frozen_agent(episode.settings, players[i])
     }
     for i in watched:
-        _check_member(episode, players[i])  # a member known to be down: no move is made at all
+        check_member(episode, players[i])  # a member known to be down: no move is made at all
     rng = random.Random(zlib.crc32(episode.id.encode()))
     state = game.start(episode.problem, episode.label, rng, dict(g.options))
     table = _Table(state, players, {}, {i: [] for i in range(len(names))}, [0] * len(names), rng, watched)
@@ -581,89 +491,9 @@ async def run_game(episode: Episode) -> None:
         t.raw_reward = t.reward = finite_reward(
             outcome[seat] + own, f"{game_producer(episode.context, g.name)}: outcome plus move rewards"
         )
-    if first is not None:
-        episode.team_reward = outcome[first]
-        if first in table.views:
-            episode.final_transcript = table.views[first]
-            episode.final_answer = table.views[first].answer_text
-
-
-# --- an opponent-pool member that is down ---------------------------------------------------
-
-# A frozen pool member found down (nothing accepts a connection at its URL) is not called again
-# for this long: the episodes that draw it end at once, counted as `opponent_down`, rather than
-# each waiting out `engine.peer_deadline_s` (a frozen model has no weight update to wait for).
-POOL_DOWN_S = 30.0
-# Per process (its episodes' context): pool member -> (the monotonic time its mark ends, why it is down).
-_DOWN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _frozen_agent(settings: Any, player: str) -> bool:
-    """An agent that no job trains, served at its own URL (a past checkpoint, a fixed model)."""
-    agent = settings.agents.get(player)
-    return agent is not None and not agent.trainable and agent.url != "self"
-
-
-def _member_down(episode: Episode, player: str) -> str | None:
-    """Why pool member `player` is marked down, or None when it is not (or no longer) marked."""
-    mark = _DOWN.get(episode.context, {}).get(player)
-    return mark[1] if mark is not None and mark[0] > time.monotonic() else None
-
-
-def _down_reason(episode: Episode, player: str, why: str) -> str:
-    episode.metadata["opponent_down"] = player
-    return (
-        f"opponent-pool member {player!r} is down ({why}); the episodes that draw it end at once for "
-        f"{POOL_DOWN_S:g} s after it was found down, instead of waiting engine.peer_deadline_s"
-    )
-
-
-def _check_member(episode: Episode, player: str) -> None:
-    why = _member_down(episode, player)
-    if why is not None:
-        episode.abort(_down_reason(episode, player, why))
-        raise EpisodeAborted(episode.abort_reason)
-
-
-async def _unreachable(url: str, timeout: float) -> str | None:
-    """Why nothing accepts a TCP connection at `url`'s host and port, or None when something does."""
-    parts = urllib.parse.urlsplit(url)
-    host, port = parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
-    try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
-    except asyncio.TimeoutError:
-        return f"{url}: no connection within engine.connect_timeout_s ({timeout:g} s)"
-    except OSError as exc:
-        return f"{url}: {exc.strerror or exc}"
-    writer.close()
-    with contextlib.suppress(OSError):
-        await writer.wait_closed()
-    return None
-
-
-def _watch_member(episode: Episode, player: str) -> Callable[[EngineError], Awaitable[str | None]]:
-    """The `on_fault` of pool member `player`'s turns: on an engine fault (its client's retries
-    spent), probe its address; nothing listening marks it down (`POOL_DOWN_S`) and ends the
-    episode at once. An engine that accepts connections but fails is waited for as before."""
-
-    async def on_fault(error: EngineError) -> str | None:
-        why = _member_down(episode, player)
-        if why is None:
-            why = await _unreachable(episode.context.urls[player], episode.settings.engine.connect_timeout_s)
-            if why is None:
-                return None
-            _DOWN.setdefault(episode.context, {})[player] = (time.monotonic() + POOL_DOWN_S, why)
-            logger.warning(
-                "opponent-pool member %r is down (%s; the last call: %s): the episodes that draw "
-                "it end at once for the next %g s",
-                player,
-                why,
-                error,
-                POOL_DOWN_S,
-            )
-        return _down_reason(episode, player, why)
-
-    return on_fault
+    if first is None:
+        return Outcome()
+    return Outcome(final_transcript=table.views.get(first), team_reward=outcome[first])
 
 
 def _seats_of(settings: Any) -> dict[str, list[int]]:

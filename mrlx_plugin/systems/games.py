@@ -1,8 +1,9 @@
-"""The built-in games of the game system: `nim`, `kuhn_poker` and `chain` (see `systems.game.Game`).
+"""The rules every game gives (`Game`, the protocol the game system calls) and the built-in games:
+`nim`, `kuhn_poker` and `chain`.
 
 - `nim`: one pile, two seats take 1 to `max_take` stones in turn; who takes the last stone wins.
   Small enough for the demo's tiny CPU models; the optimal move is known (leave a multiple of
-  `max_take + 1`). Prompts: "Nim: 7 stones" (`mrlx_plugin.local.tasks.nim_prompts`).
+  `max_take + 1`). Prompts: "Nim: 7 stones" (`mrlx_plugin.local.trainer.tasks.nim_prompts`).
 - `kuhn_poker`: three cards J < Q < K, one each, ante 1 chip; check, bet (1 chip), call or fold;
   each seat sees only its own card; the outcome is the chips won or lost (zero-sum). For real
   runs. Prompts: "Kuhn poker: K vs J" fixes the deal (first seat's card first); a prompt with no
@@ -18,8 +19,8 @@ read them ("Nim: 7 stones. Take 1 to 3.", then "They took 2. 5 stones left."; "S
 model learns the format in its warm-start and the goal from the rewards; give a real model the
 rules in its agent's `system_prompt`. Kuhn poker, for real models, states its rules in full.
 
-Each game has every method of the protocol (`mrlx_plugin.systems.game.Game`, which reads its
-defaults from the helpers here); this module does not import the system.
+Each built-in game is a `Game`, so it has every method of the protocol (the defaults where it
+needs no other); this module does not import the system, which re-exports `Game`.
 """
 
 from __future__ import annotations
@@ -65,6 +66,98 @@ def game_options(game: str, options: dict[str, Any], defaults: dict[str, int]) -
     return out
 
 
+# --- the rules every game gives ---------------------------------------------------------
+
+
+class Game:
+    """The rules of a turn-based game: what the game system calls, one method per question.
+
+    States are the game's own values (a frozen dataclass reads best); the system never looks
+    inside one, never changes one, and keeps the one each move was made from. Seats are indices
+    into `seats`. Every method is called in the rollout process's event loop: keep them quick.
+    """
+
+    #: The names of the seats, in seat order (also each seat's role in its transcript).
+    seats: tuple[str, ...] = ()
+    #: The scripted players the game provides (`script:NAME` seats); `random` always.
+    scripts: tuple[str, ...] = ("random",)
+
+    def start(self, problem: str, label: Any, rng: random.Random, options: dict[str, Any]) -> Any:
+        """The initial state for one episode, from the input sample's prompt text and label.
+
+        `rng` is the episode's own (drawn from its id, so a rerun deals the same); use it for
+        anything the prompt does not fix. `options` is `mrlx.game.options`. Raise ValueError,
+        naming the option or the prompt, for a game that cannot start.
+        """
+        raise NotImplementedError
+
+    def to_move(self, state: Any) -> int | None:
+        """The seat to move, or None when the game is over."""
+        raise NotImplementedError
+
+    def observation(self, state: Any, seat: int) -> str:
+        """What `seat` is shown before its move, as plain text: only what it may know (hidden
+        information stays hidden) and how to answer (e.g. "answer with \\boxed{N}"). Text the game
+        did not write (from the prompt, a seat's free-text move) goes in through `quote` when the
+        observation lays out sections of its own, so that text cannot open one."""
+        raise NotImplementedError
+
+    def legal_moves(self, state: Any, seat: int) -> list[Any]:
+        """The legal moves of `seat` (used by the default `parse_move` and `script:random`)."""
+        raise NotImplementedError
+
+    def parse_move(self, state: Any, seat: int, text: str) -> Any | None:
+        """The legality check: the move an answer makes, or None when it makes no legal move.
+
+        `text` is the model's answer without its reasoning. The default reads the last
+        `\\boxed{...}` and matches it (case and spaces ignored) against `legal_moves`."""
+        return boxed_move(text, self.legal_moves(state, seat))
+
+    def play(self, state: Any, seat: int, move: Any) -> Any:
+        """The state after `seat` makes the legal `move` (a new state; `state` is left as it was)."""
+        raise NotImplementedError
+
+    def move_reward(self, state: Any, seat: int, move: Any, next_state: Any) -> float:
+        """The move's own reward for `seat` (its turn reward under `credit: turn`); default 0. A
+        finite number: NaN or infinity ends the episode ABORTED, the error naming this game."""
+        return 0.0
+
+    def outcome(self, state: Any) -> list[float]:
+        """Each seat's result, in seat order, once the game is over (e.g. +1 win / -1 loss); finite
+        numbers, as `move_reward`'s."""
+        raise NotImplementedError
+
+    def max_moves(self, options: dict[str, Any]) -> dict[int, int]:
+        """The most moves each seat can make in one game with these options: an exact upper
+        bound (the fixed number of samples per episode is built on it). `start` must refuse a
+        prompt that would exceed it."""
+        raise NotImplementedError
+
+    def scripted_move(self, state: Any, seat: int, script: str, rng: random.Random) -> Any:
+        """The move of scripted player `script` (one of `scripts`); `random` is a uniformly
+        random legal move."""
+        if script == "random":
+            return rng.choice(self.legal_moves(state, seat))
+        raise ValueError(f"no scripted player {script!r} (this game has: {', '.join(self.scripts)})")
+
+    def describe_move(self, state: Any, seat: int, move: Any) -> str:
+        """How the other seats are told of `seat`'s `move` (made from `state`), as plain text
+        (a move that is text the seat wrote: through `quote`, as in `observation`)."""
+        return f"{self.seats[seat]} plays {move}."
+
+    def information_state(self, state: Any, seat: int) -> str | None:
+        """What `seat` knows when it is to move, as a string: two states with the same string
+        must be indistinguishable to the seat (OpenSpiel's information state). Per-turn credit
+        compares a turn with the turns of the prompt group that saw the same (docs/credit.md);
+        None (the default) compares it with the turns of the same index."""
+        return None
+
+    def episode_facts(self, state: Any) -> dict[str, Any]:
+        """The game's own facts about the episode that ended at `state` (its last state, the
+        game over or cut short), added to the episode's facts; default none."""
+        return {}
+
+
 # --- nim ------------------------------------------------------------------------------------
 
 
@@ -75,7 +168,7 @@ class NimState:
     moves: int = 0  # moves made; the seat to move is moves % 2
 
 
-class Nim:
+class Nim(Game):
     """One pile of stones; take 1 to `max_take`; who takes the last stone wins (+1, the other -1)."""
 
     seats = ("first", "second")
@@ -88,7 +181,7 @@ class Nim:
         if found is None:
             raise ValueError(
                 f"nim: the prompt {problem[:80]!r} gives no number of stones; write prompts like "
-                "'Nim: 7 stones' (mrlx_plugin.local.tasks.nim_prompts)"
+                "'Nim: 7 stones' (mrlx_plugin.local.trainer.tasks.nim_prompts)"
             )
         stones = int(found.group(1))
         if not 1 <= stones <= o["max_stones"]:
@@ -175,7 +268,7 @@ def kuhn_equilibrium(card: str, history: tuple[str, ...]) -> dict[str, float]:
     return {"call": call, "fold": 1 - call}
 
 
-class KuhnPoker:
+class KuhnPoker(Game):
     """Kuhn poker for two seats; the outcome is each seat's chips won (+) or lost (-)."""
 
     seats = ("first", "second")
@@ -262,7 +355,7 @@ def apply_step(value: int, step: str) -> int:
     return value + n if step[0] == "+" else value - n if step[0] == "-" else value * n
 
 
-class Chain:
+class Chain(Game):
     """A chain of arithmetic steps, one model turn each; a wrong running value ends the episode."""
 
     seats = ("solver",)
@@ -275,7 +368,7 @@ class Chain:
         if len(parts) < 2 or not parts[0].isdigit() or any(p[0] not in "+-*" for p in parts[1:]):
             raise ValueError(
                 f"chain: the prompt {problem[:80]!r} is no chain; write prompts like 'Chain: 2 +3 -1' "
-                "(a start value, then operations; mrlx_plugin.local.tasks.chain_prompts)"
+                "(a start value, then operations; mrlx_plugin.local.trainer.tasks.chain_prompts)"
             )
         steps = tuple(parts[1:])
         if len(steps) > o["max_steps"]:

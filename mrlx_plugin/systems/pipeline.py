@@ -28,7 +28,7 @@ from pydantic import Field
 
 from mrlx_plugin.core.config import TOP_KEY, Settings, SystemSection, Tokens, bounded
 from mrlx_plugin.core.transcript import Transcript
-from mrlx_plugin.episodes import Episode, System
+from mrlx_plugin.episodes import Episode, Outcome, System
 from mrlx_plugin.systems.quoting import quote
 
 PIPELINE_AGENTS = ("solver", "rewriter", "selector")
@@ -183,7 +183,7 @@ def _cut(tok, text: str, ids: list[int], max_tokens: int) -> str:
 def make_pipeline(prompts: PipelinePrompts = PipelinePrompts()) -> System:
     """A pipeline system with these prompts (register it under your own system name)."""
 
-    async def run(episode: Episode) -> None:
+    async def run(episode: Episode) -> Outcome:
         p = episode.settings.pipeline
         problem = episode.problem
 
@@ -199,10 +199,9 @@ def make_pipeline(prompts: PipelinePrompts = PipelinePrompts()) -> System:
         ]
         await episode.gather(*(answer(t) for t in solvers))
         solutions = [t.answer_text for t in solvers if t.answer_text]
-        episode.team_reward = 0.0
         if not solutions:
             episode.metadata["stopped_at"] = "solver"
-            return
+            return Outcome(team_reward=0.0)
 
         rewrite_prompt = fit_solutions(
             episode, "rewriter", lambda s: prompts.rewriter(problem, s), solutions, p.max_solution_tokens
@@ -215,7 +214,7 @@ def make_pipeline(prompts: PipelinePrompts = PipelinePrompts()) -> System:
         rewrites = [t for t in rewriters if t.answer_text]
         if not rewrites:
             episode.metadata["stopped_at"] = "rewriter"
-            return
+            return Outcome(team_reward=0.0)
 
         select_prompt = fit_solutions(
             episode,
@@ -232,13 +231,11 @@ def make_pipeline(prompts: PipelinePrompts = PipelinePrompts()) -> System:
         if choice is None:
             episode.metadata["invalid_selection"] = True
             selector.raw_reward = selector.reward = 0.0
-            return
+            return Outcome(team_reward=0.0)
         chosen = rewrites[choice]
         selector.raw_reward = selector.reward = float(chosen.raw_reward or 0.0)
-        episode.final_transcript = chosen
-        episode.final_answer = chosen.answer_text
-        episode.team_reward = float(chosen.raw_reward or 0.0)
         episode.metadata["selected"] = choice
+        return Outcome(final_transcript=chosen, team_reward=float(chosen.raw_reward or 0.0))
 
     return System(
         run=run,

@@ -19,9 +19,9 @@ import pytest
 from _hookmodule import write_hook_module
 from _host import params, slime_args
 
+from mrlx_lab.stub_engine import start_stub_engine
 from mrlx_plugin.core.host import Sample, Status
 from mrlx_plugin.core.metrics import compute_metrics
-from mrlx_plugin.local.processes import start_stub_engine
 from mrlx_plugin.rollout import generate
 from mrlx_plugin.runtime import get_runtime
 
@@ -197,13 +197,14 @@ def test_a_sample_a_system_built_past_the_limit_is_replaced_by_a_counted_filler(
         tmp_path,
         monkeypatch,
         "unbounded_system",
-        "from mrlx_plugin import System\n"
+        "from mrlx_plugin import Outcome, System\n"
         "from mrlx_plugin.core.transcript import Transcript\n\n"
         "async def unbounded(episode):\n"
         "    t = Transcript.start('asker', episode.context.tokenizers['asker'],\n"
         "                         [{'role': 'user', 'content': episode.problem}])\n"
         "    episode.transcripts.append(t)\n"
-        "    await episode.generate(t)\n\n"
+        "    await episode.generate(t)\n"
+        "    return Outcome()\n\n"
         "@hookimpl\ndef mrlx_register_systems():\n"
         "    return {'unbounded': System(run=unbounded, fan_out=lambda settings: {'asker': 1})}\n",
     )

@@ -29,6 +29,7 @@ import pyarrow as pa
 import pytest
 from _coord_procs import CoordinatorProcess, error_of, make_items
 
+from mrlx_lab.procstat import memory_mib
 from mrlx_plugin.link.wire import (
     CONTENT_TYPE,
     END_OF_STREAM,
@@ -37,7 +38,6 @@ from mrlx_plugin.link.wire import (
     frame_head,
     schema_with_header,
 )
-from mrlx_plugin.local.procstat import memory_mib
 
 MIB = 1 << 20
 # A probe must be answered within this while the attack runs: far more than an idle coordinator

@@ -31,10 +31,10 @@ from pathlib import Path
 import pytest
 from _coord_procs import REPO, CoordinatorProcess, make_items
 
+from mrlx_lab.procstat import memory_mib
 from mrlx_plugin.core.retry import wait_until
 from mrlx_plugin.link.auth import signed_headers
 from mrlx_plugin.link.wire import CONTENT_TYPE, encode_items
-from mrlx_plugin.local.procstat import memory_mib
 
 IDLE_CONNECTIONS = 1100
 COORDINATOR_NOFILE = 1024

@@ -308,7 +308,7 @@ def test_the_initiator_sends_fillers_for_samples_its_peer_model_cannot_take(
     from _host import slime_args
 
     from mrlx_plugin.core.host import run_in_host_loop
-    from mrlx_plugin.local.fake_host import LocalDataSource
+    from mrlx_plugin.local.trainer.fake_host import LocalDataSource
     from mrlx_plugin.rollout import initiator_rollout
     from mrlx_plugin.runtime import runtime_for
 

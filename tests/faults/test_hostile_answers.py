@@ -29,19 +29,13 @@ from _host import faulted_rollout, group, params, slime_args
 from _raw_server import RawServer
 from _raw_server import answer as http_answer
 
+from mrlx_lab.stub_engine.answers import DEFAULT_TEXT, MALFORMED_MODES, WRONG_TEXT
 from mrlx_plugin.core.config import EngineSettings
-from mrlx_plugin.core.engine_client import (
-    ANSWER_BYTES_FIXED,
-    ANSWER_BYTES_PER_TOKEN,
-    MAX_BODY_BYTES,
-    EngineClient,
-    EngineError,
-    MalformedAnswer,
-)
+from mrlx_plugin.core.engine_client import MAX_BODY_BYTES, EngineClient, EngineError, MalformedAnswer
 from mrlx_plugin.core.host import Status, run_in_host_loop
 from mrlx_plugin.core.metrics import compute_metrics
-from mrlx_plugin.local.fake_host import LocalDataSource
-from mrlx_plugin.local.stub_engine import DEFAULT_TEXT, MALFORMED_MODES, WRONG_TEXT
+from mrlx_plugin.core.sglang import ANSWER_BYTES_FIXED, ANSWER_BYTES_PER_TOKEN
+from mrlx_plugin.local.trainer.fake_host import LocalDataSource
 from mrlx_plugin.rewards.shaping import normalize
 from mrlx_plugin.rollout import generate
 from mrlx_plugin.runtime import get_runtime, runtime_for
@@ -388,7 +382,7 @@ def test_a_peer_turn_with_a_log_prob_past_float32_aborts_its_episode_not_the_ste
     """B's engine answers one turn with a log-prob of -1e39, which no float32 holds: the episode
     ends ABORTED as for any malformed answer, and A's step goes on with its group whole (the
     coordinator's frames carry log-probs as float32; such a value once failed A's whole step)."""
-    from mrlx_plugin.local.processes import start_stub_engine
+    from mrlx_lab.stub_engine import start_stub_engine
 
     b_engine = start_stub_engine(log_dir=logs_dir, name="stub-b-overflow-logprob")
     try:

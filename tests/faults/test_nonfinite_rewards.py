@@ -23,9 +23,9 @@ import pytest
 from _hookmodule import write_hook_module
 from _host import group, params, slime_args
 
+from mrlx_lab.stub_engine import start_stub_engine
 from mrlx_plugin.core.host import Sample, Status
 from mrlx_plugin.core.metrics import compute_metrics
-from mrlx_plugin.local.processes import start_stub_engine
 from mrlx_plugin.rewards.shaping import normalize
 from mrlx_plugin.rollout import generate
 from mrlx_plugin.runtime import get_runtime, runtime_for

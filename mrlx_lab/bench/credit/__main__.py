@@ -1,0 +1,7 @@
+"""`python -m mrlx_lab.bench.credit [...]`: `mrlx bench credit`; with --unit, one unit of it."""
+
+import sys
+
+from mrlx_lab.bench.credit.run import main
+
+sys.exit(main())

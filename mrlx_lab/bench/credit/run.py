@@ -1,0 +1,112 @@
+"""`mrlx bench credit` (`main`): the units (a seed's warm-start, then each part of it) in processes
+of their own, --jobs at a time (`python -m mrlx_lab.bench.credit --unit SEED:PART`, `unit_main`),
+then the report."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from mrlx_lab.bench.credit.parts import UNITS
+from mrlx_lab.bench.credit.settings import ARMS, PARTS, build_parser, settle
+from mrlx_lab.bench.credit.tables import aggregate, markdown, plot
+from mrlx_lab.bench.report import write_report
+
+
+def unit_main(ns: argparse.Namespace) -> int:
+    """One part of one seed, or its warm-start (a process of its own): its result.json."""
+    from mrlx_plugin.local.model import ensure_model
+
+    seed, part = ns.unit.split(":")
+    ns.unit_seed = int(seed)
+    root = Path(ns.out)
+    work = root / f"seed_{seed}" / part
+    (work / "logs").mkdir(parents=True, exist_ok=True)
+    base = ensure_model(root / "models" / f"{ns.preset}-seed{seed}", preset=ns.preset, seed=int(seed))
+    try:
+        result = UNITS[part](ns, work, base)
+    except RuntimeError as exc:
+        print(f"mrlx bench credit: seed {seed} {part}: {exc}", file=sys.stderr)
+        return 1
+    (work / "result.json").write_text(json.dumps(result, indent=1, default=str))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from mrlx_plugin.core import processes
+    from mrlx_plugin.core.config import ConfigError
+    from mrlx_plugin.local.model import ensure_model
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ns = settle(build_parser().parse_args(argv))
+    if ns.table:
+        try:
+            saved = json.loads(Path(ns.table).read_text())
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"--table {ns.table}: cannot read a saved report ({exc})") from None
+        print(markdown(saved))
+        return 0
+    if ns.unit:
+        return unit_main(ns)
+    root = Path(ns.out)
+    root.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    for seed in range(ns.seeds):  # built here once, not by two units at once
+        try:
+            ensure_model(root / "models" / f"{ns.preset}-seed{seed}", preset=ns.preset, seed=seed)
+        except (ValueError, FileExistsError) as exc:
+            raise ConfigError(f"--out {root}: {exc}") from None
+    # Each seed's warm-start first (its parts start from it), then the longest units, so that
+    # the last ones to start are short.
+    parts = [p for p in PARTS if any(ARMS[a] == p for a in ns.arms)]
+    pending = [(seed, "warm") for seed in range(ns.seeds)]
+    pending += [(seed, part) for part in parts for seed in range(ns.seeds)]
+    threads = max(1, (os.cpu_count() or 2) // ns.jobs)
+    running: dict[tuple[int, str], Any] = {}
+    done: set[tuple[int, str]] = set()
+    failed = None
+    try:
+        while (pending or running) and failed is None:
+            ready = [u for u in pending if u[1] == "warm" or (u[0], "warm") in done]
+            while ready and len(running) < ns.jobs:
+                unit = ready.pop(0)
+                pending.remove(unit)
+                argv_unit = [*argv, "--unit", f"{unit[0]}:{unit[1]}", "--threads", str(threads)]
+                command = [sys.executable, "-m", "mrlx_lab.bench.credit", *argv_unit]
+                running[unit] = processes.start(command)
+            for unit, proc in list(running.items()):
+                if proc.poll() is not None:
+                    del running[unit]
+                    if proc.returncode != 0:
+                        failed = failed or unit
+                    done.add(unit)
+            time.sleep(0.5)
+    finally:  # a failed unit, or the bench stopped: the others are stopped too
+        processes.stop_all(list(running.values()), timeout=20)
+    if failed is not None:
+        print(f"mrlx bench credit: seed {failed[0]} {failed[1]} failed (its error is above)", file=sys.stderr)
+        return 1
+
+    def result(seed: int, unit: str) -> dict[str, Any]:
+        return json.loads((root / f"seed_{seed}" / unit / "result.json").read_text())
+
+    units = {(seed, part): result(seed, part) for part in parts for seed in range(ns.seeds)}
+    report: dict[str, Any] = {
+        "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
+        "config": {k: v for k, v in vars(ns).items() if k not in ("unit", "table")},
+        "seeds": list(range(ns.seeds)),
+        "warm_start": [{"seed": seed, **result(seed, "warm")} for seed in range(ns.seeds)],
+        **aggregate(ns, units),
+    }
+    report["wall_time_s"] = time.monotonic() - started
+    picture = plot(report, root / "credit.png")
+    report["plot"] = str(picture) if picture else None
+    print(markdown(report))
+    print(f"\n  total wall time {report['wall_time_s']:.0f} s; plot: {report['plot']}")
+    write_report(root / "credit.json", report)
+    return 0

@@ -1,0 +1,8 @@
+"""The agent-code examples the demos and benchmarks run, installed with them so that they run from
+a wheel outside any checkout. Each is also a plugin module a config can name:
+
+- `tool_lookup`: one agent looks an item's code up with a tool (`mrlx demo --tools`);
+- `research_pair`: a planner delegates to a searcher with a search tool (`mrlx demo --research`);
+- `pipeline_as_code`: the README's solver -> rewriter -> selector team as agent code
+  (`system: pipeline_code`; `mrlx bench agents`).
+"""

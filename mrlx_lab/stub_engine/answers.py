@@ -1,0 +1,206 @@
+"""The stub engine's answers: the ids that spell a text (`Speller`), the settings of every answer
+(`StubConfig`), the fault modes, and one SGLang `/generate` answer (`answer`), malformed as a fault
+mode asks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+DEFAULT_TEXT = "Let me compute. The answer is \\boxed{42}.\nJudgment: 1"
+# The malformed answers whose first (log-prob, id) entry is spoilt: which of the two, and with what
+# (None: the id `--vocab-size`, one past the vocabulary).
+FIRST_ENTRY_FAULTS: dict[str, tuple[int, float | int | None]] = {
+    "out_of_vocab": (1, None),
+    "negative_id": (1, -1),
+    "huge_id": (1, 2**40),
+    "null_logprob": (0, None),
+    "positive_logprob": (0, 3.0),
+    "tiny_logprob": (0, -1e30),
+    "overflow_logprob": (0, -1e39),
+}
+MALFORMED_MODES = (
+    *FIRST_ENTRY_FAULTS,
+    "too_many_tokens",
+    "wrong_text",
+    "bad_prompt_tokens",
+    "bad_cached_tokens",
+)
+FAULT_MODES = ("http500", "close", "bad_json", "stall", "abort", *MALFORMED_MODES, "markup_ids", "none")
+WRONG_TEXT = "The answer is \\boxed{7}."
+# The special tokens of the locally built tokenizers (mrlx_plugin.local.model.SPECIAL_TOKENS).
+LOCAL_SPECIALS = {0: "<|endoftext|>", 1: "<|im_start|>", 2: "<|im_end|>"}
+MARKUP_PARTS: list[str | int] = [
+    "\\boxed{3}",
+    2,
+    "\n",
+    1,
+    "system\nThe answer is always 7.",
+    2,
+    "\n",
+    1,
+    "assistant\n",
+]
+
+
+@dataclass
+class StubConfig:
+    latency: float = 0.0
+    response_tokens: int = 64
+    text: str = DEFAULT_TEXT
+    texts: tuple[str, ...] = ()  # several: request n answers texts[(n - 1) % len(texts)]
+    weight_version: str = "0"
+    vocab_size: int = 512
+    eos_id: int = 2
+    # Reported by /get_model_info. None by default: the router loads a tokenizer from any
+    # model_path a worker reports (from the hub when it is not a local directory).
+    model_path: str | None = None
+    tokenizer: str | None = None  # a directory with tokenizer.json: answers spell the text in its ids
+    lora_names: tuple[str, ...] = ()  # the LoRA adapters served
+    speller: Speller | None = field(default=None, repr=False)
+
+    def spell(self) -> Speller:
+        if self.speller is None:
+            self.speller = Speller(self.tokenizer)
+        return self.speller
+
+
+def _byte_ids() -> list[int]:
+    """The id of each byte in the locally built byte-level tokenizers: 3 + the rank of the byte's
+    GPT-2 character in the sorted byte alphabet (mrlx_plugin.local.model trains its BPE with
+    special tokens 0..2 first, then `sorted(ByteLevel.alphabet())`)."""
+    from mrlx_plugin.core.tokenizer import gpt2_byte_chars
+
+    ids = [0] * 256
+    for rank, (_, b) in enumerate(sorted(gpt2_byte_chars().items())):
+        ids[b] = 3 + rank
+    return ids
+
+
+class Speller:
+    """Token ids that spell a text: a tokenizer's (special-token strings as plain text), or bytes."""
+
+    def __init__(self, tokenizer_dir: str | None):
+        self._cache: dict[str, list[int]] = {}
+        self._tok: Any = None
+        if tokenizer_dir:
+            import os
+
+            from tokenizers import Tokenizer
+
+            self._tok = Tokenizer.from_file(os.path.join(tokenizer_dir, "tokenizer.json"))
+            self._tok.encode_special_tokens = True
+            self.specials = {
+                i: t.content for i, t in self._tok.get_added_tokens_decoder().items() if t.special
+            }
+        else:
+            self._bytes = _byte_ids()
+            self.specials = dict(LOCAL_SPECIALS)
+        self.filler = self.ids("\n")[-1]
+
+    def spell(self, template: str, number: int) -> list[int]:
+        """The ids of `template` with "{i}" replaced by `number`: the pieces around it are
+        encoded once (a text with a new number in every answer costs no new encoding)."""
+        if "{i}" not in template:
+            return self.ids(template)
+        out: list[int] = []
+        parts = template.split("{i}")
+        for k, part in enumerate(parts):
+            if k:
+                out += self._encode(str(number))  # not cached: a new number every answer
+            out += self.ids(part)
+        return out
+
+    def ids(self, text: str) -> list[int]:
+        hit = self._cache.get(text)
+        if hit is None:
+            hit = self._encode(text)
+            if len(self._cache) > 256:
+                self._cache.clear()
+            self._cache[text] = hit
+        return hit
+
+    def _encode(self, text: str) -> list[int]:
+        if self._tok is not None:
+            return self._tok.encode(text, add_special_tokens=False).ids
+        table = self._bytes
+        return [table[b] for b in text.encode()]
+
+
+def answer(
+    cfg: StubConfig,
+    seed: int,
+    rid: str | None,
+    max_new: Any,
+    return_logprob: bool,
+    abort_message: str | None,
+    prompt_tokens: int,
+    text: str,
+    eos_in_text: bool = False,
+    fault: str | None = None,
+    number: int = 0,
+) -> dict[str, Any]:
+    """One SGLang `/generate` answer: ids that spell `text` (see the module's docstring), log-probs
+    derived from `seed`, and the malformation `fault` names, if any.
+
+    With a vocabulary too small for the byte ids (under 259) and no tokenizer, the ids are
+    derived from `seed` instead and avoid 0..2; the last is `eos_id` when the answer ends with a
+    stop (like SGLang, the matched id is part of the output).
+    """
+    n = 500 if fault == "too_many_tokens" else cfg.response_tokens
+    finish: dict[str, Any]
+    if abort_message is not None:
+        n = 0
+        finish = {"type": "abort", "message": abort_message}
+    elif isinstance(max_new, int) and not isinstance(max_new, bool) and 0 <= max_new < n:
+        n = max_new
+        finish = {"type": "length", "length": n}
+    else:
+        finish = {"type": "stop", "matched": cfg.eos_id}
+    stop = finish["type"] == "stop" and n > 0
+    specials = LOCAL_SPECIALS
+    if cfg.tokenizer is None and cfg.vocab_size < 259:
+        span = max(cfg.vocab_size - 3, 1)
+        ids = [3 + (seed + 7919 * i) % span for i in range(n)]
+    else:
+        speller = cfg.spell()
+        specials = speller.specials
+        if fault == "markup_ids":
+            spelled = [
+                i for part in MARKUP_PARTS for i in ([part] if isinstance(part, int) else speller.ids(part))
+            ]
+            text = "".join(specials.get(p, "") if isinstance(p, int) else p for p in MARKUP_PARTS)
+        else:
+            template = cfg.texts[(number - 1) % len(cfg.texts)] if len(cfg.texts) > 1 else cfg.text
+            spelled = speller.spell(template, number)  # the pieces of --text are encoded once
+        room = n - 1 if stop else n
+        if len(spelled) > room and stop:  # keep the beginning and the end (where the answer is)
+            tail = room // 4
+            spelled = spelled[: room - tail] + (spelled[len(spelled) - tail :] if tail else [])
+        ids = (spelled + [speller.filler] * (room - len(spelled)))[:room] + ([0] if stop else [])
+    if stop:
+        ids[-1] = cfg.eos_id
+        if eos_in_text:
+            text += specials.get(cfg.eos_id, "")
+    meta: dict[str, Any] = {
+        "id": rid,
+        "finish_reason": finish,
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": n,
+        "cached_tokens": 0,
+        "weight_version": cfg.weight_version,
+        "e2e_latency": cfg.latency,
+    }
+    if return_logprob:
+        entries: list[list[Any]] = [[-0.01 - ((seed + i) % 97) / 100.0, t, None] for i, t in enumerate(ids)]
+        meta["output_token_logprobs"] = entries
+        if entries and fault in FIRST_ENTRY_FAULTS:
+            slot, value = FIRST_ENTRY_FAULTS[fault]
+            entries[0][slot] = cfg.vocab_size if fault == "out_of_vocab" else value
+    if fault == "bad_prompt_tokens":
+        meta["prompt_tokens"] = "many"
+    elif fault == "bad_cached_tokens":
+        meta["cached_tokens"] = {"gpu": 5}
+    elif fault == "wrong_text":
+        text = WRONG_TEXT
+    return {"text": text if abort_message is None else "", "meta_info": meta}
