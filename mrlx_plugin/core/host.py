@@ -15,7 +15,7 @@ import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 HOST: str | None = None
 
@@ -96,6 +96,27 @@ if HOST is None:
 
 
 Status = Sample.Status
+
+
+class HostSample(Protocol):
+    """What the plugin reads and writes of a host's Sample: slime's, Miles', or the stand-in above
+    (the fields both hosts share, docs/host-contract.md section 3). A Miles release older than its
+    `rollout_id` field lacks it: read that one with getattr."""
+
+    group_index: int | None
+    index: int | None
+    prompt: str | list[dict[str, str]]
+    tokens: list[int]
+    response: str
+    response_length: int
+    label: object
+    reward: float | dict[str, object] | None
+    loss_mask: list[int] | None
+    rollout_log_probs: list[float] | None
+    weight_versions: list[str]
+    status: object  # the host's Sample.Status
+    metadata: dict[str, object]
+    remove_sample: bool
 
 
 def copy_sample(sample: Any, **changes: Any) -> Any:

@@ -22,6 +22,10 @@ LOG_PROB_EPSILON = 1e-3
 MIN_LOG_PROB = -1e4
 MAX_TOKEN_ID = 2**31 - 1  # token ids travel as int32 (mrlx_plugin.link.wire)
 
+# A value as JSON holds it (a request body, an answer, a settings file once parsed).
+JSON = dict[str, "JSON"] | list["JSON"] | str | int | float | bool | None
+JSONObject = dict[str, JSON]
+
 
 class RewardError(ValueError):
     """A reward that is not a finite number, its message naming who made it (a plugin, a game, a
