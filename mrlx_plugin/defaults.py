@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
 import math
 import re
+from collections.abc import Awaitable
 from functools import lru_cache
-from typing import Any
 
 from mrlx_plugin.core.config import Settings
 from mrlx_plugin.core.transcript import Transcript
@@ -27,7 +28,7 @@ def mrlx_register_systems() -> dict[str, System]:
 
 
 @hookimpl(trylast=True)
-def mrlx_register_games() -> dict[str, Any]:
+def mrlx_register_games() -> dict[str, object]:
     return dict(BUILT_IN_GAMES)
 
 
@@ -46,7 +47,7 @@ def mrlx_grade(agent: str, transcript: Transcript, episode: Episode) -> object:
     return grade_math(transcript.answer_text, episode.label, math_verifier(episode.context.args))
 
 
-async def _as_float(awaitable: Any, args: Any) -> float:
+async def _as_float(awaitable: Awaitable[object], args: argparse.Namespace) -> float:
     value = await awaitable
     if isinstance(value, dict):
         key = getattr(args, "reward_key", None)

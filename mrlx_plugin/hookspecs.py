@@ -29,7 +29,7 @@ keep implementations quick, and return an awaitable where you must wait on somet
 from __future__ import annotations
 
 from collections.abc import Awaitable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import pluggy
 
@@ -40,6 +40,7 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 
 if TYPE_CHECKING:
     from mrlx_plugin.core.config import Settings
+    from mrlx_plugin.core.host import HostSample
     from mrlx_plugin.core.transcript import Transcript, Turn
     from mrlx_plugin.episodes import Episode, System
 
@@ -151,7 +152,7 @@ def mrlx_turn_reward(episode: Episode, transcript: Transcript, index: int, turn:
 
 
 @hookspec
-def mrlx_register_games() -> dict[str, Any]:
+def mrlx_register_games() -> dict[str, object]:
     """Register turn-based games by name, for the game system (`mrlx.system: game`).
 
     Return a mapping of game names to game objects (see `mrlx_plugin.systems.game` for the
@@ -174,7 +175,7 @@ def mrlx_should_stop(episode: Episode, agent: str, transcript: Transcript) -> bo
 
 
 @hookspec
-def mrlx_episode_end(episode: Episode, samples: list[Any]) -> None:
+def mrlx_episode_end(episode: Episode, samples: list[HostSample]) -> None:
     """Observe a finished episode and the samples it returns to the host.
 
     Called once per episode (aborted ones included, with `episode.aborted` set) after rewards

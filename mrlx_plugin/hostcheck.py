@@ -17,12 +17,12 @@ rollout) unless they are caught when the plugin is first called:
 
 from __future__ import annotations
 
+import argparse
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
-from mrlx_plugin.core.config import ConfigError
+from mrlx_plugin.core.config import ConfigError, Settings
 
 
 @dataclass(frozen=True)
@@ -48,12 +48,12 @@ class HostSplit:
         return math.ceil(samples / self.micro_batch_size) % self.align == 0
 
 
-def _int(args: Any, name: str, default: int | None = None) -> int | None:
+def _int(args: argparse.Namespace, name: str, default: int | None = None) -> int | None:
     value = getattr(args, name, None)
     return default if value is None else int(value)
 
 
-def host_split(args: Any) -> HostSplit | None:
+def host_split(args: argparse.Namespace) -> HostSplit | None:
     """The host's split settings, or None when `args` carries no trainer batch flags (the CLI,
     the embedded trainer: nothing splits there)."""
     dynamic = bool(getattr(args, "use_dynamic_batch_size", False))
@@ -87,7 +87,7 @@ _DP = (
 _DYNAMIC = "--use-dynamic-batch-size --max-tokens-per-gpu N"
 
 
-def check_step_split(args: Any, per_episode: int | None, system: str, source: str) -> None:
+def check_step_split(args: argparse.Namespace, per_episode: int | None, system: str, source: str) -> None:
     """Refuse host batch settings under which a step of this job could not be split.
 
     `per_episode` is how many samples each episode returns to this job (None: it varies)."""
@@ -147,7 +147,7 @@ _PLUGIN_ROLLOUTS = {
 }
 
 
-def check_rollout_mode(args: Any, source: str, peer_agents: Sequence[str]) -> None:
+def check_rollout_mode(args: argparse.Namespace, source: str, peer_agents: Sequence[str]) -> None:
     """Refuse host rollout modes the plugin cannot run under (docs/host-contract.md section 11).
     `source` names the settings in messages; `peer_agents` are the trainable agents other jobs train."""
     from mrlx_plugin.core.host import HOST, load_function
@@ -211,7 +211,9 @@ _NO_ADAPTER_TRAINING = {
 }
 
 
-def check_trained_adapters(args: Any, settings: Any, trained: Sequence[str], source: str) -> None:
+def check_trained_adapters(
+    args: argparse.Namespace, settings: Settings, trained: Sequence[str], source: str
+) -> None:
     """Refuse, at start-up, an agent this job would train as a LoRA adapter on a host that cannot
     train one. A frozen agent served as an adapter works on any host whose SGLang serves adapters
     (the request names it); the embedded trainer trains adapters (it marks its args

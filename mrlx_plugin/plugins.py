@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 import traceback
-from typing import Any
+import types
 
 import pluggy
 
@@ -53,7 +53,7 @@ def make_plugin_manager(modules: list[str], source: str = "mrlx.plugins") -> plu
     return pm
 
 
-def _import(name: str, where: str) -> Any:
+def _import(name: str, where: str) -> types.ModuleType:
     """Import a hook module named in the config; any failure is one ConfigError naming the entry,
     the module and, for an error inside the module, the file and line."""
     try:
@@ -88,7 +88,9 @@ def _place(exc: BaseException) -> str:
     return f" at {frames[-1].filename}, line {frames[-1].lineno}" if frames else ""
 
 
-def plugin_callers(pm: pluggy.PluginManager, hook: str, call_order: bool = True) -> list[tuple[str, Any]]:
+def plugin_callers(
+    pm: pluggy.PluginManager, hook: str, call_order: bool = True
+) -> list[tuple[str, pluggy.HookCaller]]:
     """One caller per plugin that implements `hook`: (plugin name, a hook caller that reaches that
     plugin's implementation alone), through the plugin manager (`subset_hook_caller`).
 
@@ -158,7 +160,7 @@ def collect_registered(pm: pluggy.PluginManager, hook: str, what: str, kind: typ
     return found
 
 
-_MIGRATION = {
+_MIGRATION: dict[type, str] = {
     System: " (wrap an async run function: `System(run=run, fan_out=lambda settings: {agent: n})`; see "
     "mrlx_plugin.episodes.system)"
 }

@@ -21,9 +21,13 @@ Miles' legacy adapter, which drops that state.
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Literal, cast, overload
 
 from mrlx_plugin.core.host import (
+    HostSample,
+    MilesGenerateInput,
+    RolloutFnEvalOutput,
     RolloutFnTrainOutput,
     host_abort_flag,
     host_default_rollout,
@@ -53,9 +57,34 @@ __all__ = [
 ]
 
 
+@overload
 async def generate(
-    input: Any, sample: Any = None, sampling_params: Any = None, evaluation: bool = False
-) -> Any:
+    input: argparse.Namespace,
+    sample: HostSample,
+    sampling_params: Mapping[str, object] | None = None,
+    evaluation: Literal[False] = False,
+) -> list[HostSample]: ...
+
+
+@overload
+async def generate(
+    input: argparse.Namespace,
+    sample: HostSample,
+    sampling_params: Mapping[str, object] | None = None,
+    evaluation: bool = False,
+) -> HostSample | list[HostSample]: ...
+
+
+@overload
+async def generate(input: MilesGenerateInput) -> object: ...  # Miles' GenerateFnOutput
+
+
+async def generate(
+    input: argparse.Namespace | MilesGenerateInput,
+    sample: HostSample | None = None,
+    sampling_params: Mapping[str, object] | None = None,
+    evaluation: bool = False,
+) -> object:
     """Run one episode of the configured agent system on `sample`.
 
     `input` is slime's `args` (then `sample` and `sampling_params` follow), or Miles' one
@@ -96,10 +125,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-generate.add_arguments = add_arguments  # type: ignore[attr-defined]
+# A function attribute Miles looks for (set through `__dict__`, where a function keeps its attributes).
+generate.__dict__["add_arguments"] = add_arguments
 
 
-def initiator_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: bool = False) -> Any:
+@overload
+def initiator_rollout(
+    args: argparse.Namespace, rollout_id: int, data_source: object, evaluation: Literal[False] = False
+) -> RolloutFnTrainOutput: ...
+
+
+@overload
+def initiator_rollout(
+    args: argparse.Namespace, rollout_id: int, data_source: object, evaluation: bool
+) -> RolloutFnTrainOutput | RolloutFnEvalOutput: ...
+
+
+def initiator_rollout(
+    args: argparse.Namespace, rollout_id: int, data_source: object, evaluation: bool = False
+) -> RolloutFnTrainOutput | RolloutFnEvalOutput:
     """`--rollout-function-path` of the job that runs every episode of a multi-model system.
 
     slime calls it right after this job's trainer pushed new weights. It reports this job's
@@ -130,15 +174,29 @@ def initiator_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: 
     return output
 
 
-def _group_index(group: Any) -> Any:
+def _group_index(group: Sequence[object]) -> int | None:
     """The prompt group of one group of the host's rollout output (samples, or lists of them)."""
     first = group[0]
     while isinstance(first, list):
         first = first[0]
-    return first.group_index
+    return cast(HostSample, first).group_index
 
 
-def responder_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: bool = False) -> Any:
+@overload
+def responder_rollout(
+    args: argparse.Namespace, rollout_id: int, data_source: object, evaluation: Literal[False] = False
+) -> RolloutFnTrainOutput: ...
+
+
+@overload
+def responder_rollout(
+    args: argparse.Namespace, rollout_id: int, data_source: object, evaluation: bool
+) -> RolloutFnTrainOutput | RolloutFnEvalOutput: ...
+
+
+def responder_rollout(
+    args: argparse.Namespace, rollout_id: int, data_source: object, evaluation: bool = False
+) -> RolloutFnTrainOutput | RolloutFnEvalOutput:
     """`--rollout-function-path` of a job whose agent's turns another job's episodes produce.
 
     It runs no episodes and never aborts this job's engines (they serve the initiator's turns).
@@ -163,7 +221,7 @@ def responder_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: 
     return RolloutFnTrainOutput(samples=groups, metrics=metrics)
 
 
-def ack_trained_groups(args: Any, step: int) -> None:
+def ack_trained_groups(args: argparse.Namespace, step: int) -> None:
     """Acknowledge every group of the initiator's steps up to `step`, once this job's step `step`
     is saved.
 
@@ -175,5 +233,5 @@ def ack_trained_groups(args: Any, step: int) -> None:
     run_in_host_loop(responder_for(args).finish(step))
 
 
-initiator_rollout.add_arguments = add_arguments  # type: ignore[attr-defined]
-responder_rollout.add_arguments = add_arguments  # type: ignore[attr-defined]
+initiator_rollout.__dict__["add_arguments"] = add_arguments
+responder_rollout.__dict__["add_arguments"] = add_arguments

@@ -9,11 +9,12 @@ process registry (`core.host.HOST_PROCESS`), the one place flat host calls can f
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import gc
 import os
 from pathlib import Path
-from typing import Any
+from typing import cast
 
 import pluggy
 
@@ -62,7 +63,7 @@ class Runtime:
 
     def __init__(
         self,
-        args: Any,
+        args: argparse.Namespace,
         settings: Settings,
         pm: pluggy.PluginManager,
         source: str,
@@ -221,7 +222,7 @@ def _trains_here(settings: Settings, agent: str) -> bool:
 
 
 def read_settings(
-    args: Any,
+    args: argparse.Namespace,
 ) -> tuple[Settings, pluggy.PluginManager, dict[str, Registered], str, Path | None]:
     """The settings of `args` with the plugins they name and the systems those register, where the
     settings came from (for messages) and the folder their relative paths start from (blocking)."""
@@ -237,7 +238,7 @@ def read_settings(
     return settings, pm, systems, source, base
 
 
-def build_runtime(args: Any, tokenizers: bool = True) -> Runtime:
+def build_runtime(args: argparse.Namespace, tokenizers: bool = True) -> Runtime:
     settings, pm, systems, source, base = read_settings(args)
     if getattr(args, "apply_chat_template", False):
         raise ConfigError(
@@ -264,12 +265,12 @@ def hook_users(pm: pluggy.PluginManager) -> HookUsers:
     return lambda hook: {name for name, _ in plugin_callers(pm, hook)} - {DEFAULTS}
 
 
-def cached_runtime(args: Any) -> Runtime | None:
+def cached_runtime(args: argparse.Namespace) -> Runtime | None:
     """The Runtime of `args` if it was built, else None (never blocks)."""
-    return HOST_PROCESS.cached(args, "runtime")
+    return cast("Runtime | None", HOST_PROCESS.cached(args, "runtime"))
 
 
-def runtime_for(args: Any, tokenizers: bool = True) -> Runtime:
+def runtime_for(args: argparse.Namespace, tokenizers: bool = True) -> Runtime:
     """The Runtime of `args`, built on first use (blocking: call from a thread or at start-up).
 
     `tokenizers=False` (a responder job) skips loading the agents' tokenizers."""
@@ -297,7 +298,7 @@ def _settled(runtime: Runtime) -> Runtime:
 _FROZEN: list[bool] = []
 
 
-async def get_runtime(args: Any) -> Runtime:
+async def get_runtime(args: argparse.Namespace) -> Runtime:
     """`runtime_for` from async code: the first build runs in a thread so the loop keeps going."""
     rt = cached_runtime(args)
     if rt is not None:
@@ -327,7 +328,7 @@ class _OutboxObserver:
         self.outbox.episode_ended(episode, lambda agent: samples_of(episode, [agent], every_agent=True))
 
 
-def build_responder(args: Any) -> Responder:
+def build_responder(args: argparse.Namespace) -> Responder:
     """A responder job's link (blocking): its settings, the samples per episode and agent the
     system declares (the size of a step, and of the fillers for a group set aside), its model's
     limits and its coordinator client; no tokenizer, engine client or system prompt (it runs no
@@ -344,11 +345,11 @@ def build_responder(args: Any) -> Responder:
     return responder
 
 
-def cached_responder(args: Any) -> Responder | None:
+def cached_responder(args: argparse.Namespace) -> Responder | None:
     """The Responder of `args` if it was built, else None (never blocks)."""
-    return HOST_PROCESS.cached(args, "responder")
+    return cast("Responder | None", HOST_PROCESS.cached(args, "responder"))
 
 
-def responder_for(args: Any) -> Responder:
+def responder_for(args: argparse.Namespace) -> Responder:
     """The Responder of `args`, built on first use (blocking: call from the rollout function)."""
     return HOST_PROCESS.for_args(args, "responder", lambda: build_responder(args))

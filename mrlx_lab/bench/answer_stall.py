@@ -26,7 +26,7 @@ import random
 import socketserver
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import orjson
 
@@ -34,6 +34,10 @@ from mrlx_lab.bench.report import write_report
 from mrlx_plugin.core.config import EngineSettings
 from mrlx_plugin.core.engine_client import MAX_BODY_BYTES, EngineClient, EngineError
 from mrlx_plugin.core.sglang import answer_limits
+from mrlx_plugin.core.values import JSONObject
+
+if TYPE_CHECKING:
+    from multiprocessing.connection import Connection
 
 HEAD = b'{"text":"","meta_info":{"finish_reason":{"type":"length"},"output_token_logprobs":['
 
@@ -71,7 +75,7 @@ def wellformed_body(tokens: int) -> bytes:
     )
 
 
-def _serve(body: bytes, chunked: bool, ready: Any) -> None:
+def _serve(body: bytes, chunked: bool, ready: Connection) -> None:
     if chunked:  # the body in 64 KiB chunks, no length declared: the client learns its size by reading
         parts = [body[i : i + 65536] for i in range(0, len(body), 65536)]
         head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
@@ -122,7 +126,7 @@ def peak_rss_mib() -> float:
     return float("nan")
 
 
-async def one_round(url: str, concurrent: int, max_new_tokens: int) -> dict[str, Any]:
+async def one_round(url: str, concurrent: int, max_new_tokens: int) -> JSONObject:
     client = EngineClient(url, EngineSettings(max_retries=0, request_timeout_s=600.0))
     worst = 0.0
     stop = asyncio.Event()
@@ -164,7 +168,7 @@ async def one_round(url: str, concurrent: int, max_new_tokens: int) -> dict[str,
     }
 
 
-def run(body: bytes, chunked: bool, concurrent: int, max_new_tokens: int) -> dict[str, Any]:
+def run(body: bytes, chunked: bool, concurrent: int, max_new_tokens: int) -> JSONObject:
     ctx = multiprocessing.get_context("fork")
     parent, child = ctx.Pipe()
     server = ctx.Process(target=_serve, args=(body, chunked, child), daemon=True)

@@ -29,10 +29,14 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from mrlx_lab.bench.report import write_report
 from mrlx_plugin.core import processes
+from mrlx_plugin.core.values import JSONObject
+
+if TYPE_CHECKING:
+    from mrlx_plugin.local.services import ManagedProcess
 
 WORDS = [
     "let",
@@ -184,7 +188,7 @@ def _cpu_seconds() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def worker(ns: argparse.Namespace) -> dict[str, Any]:
+def worker(ns: argparse.Namespace) -> JSONObject:
     if ns.cpu is not None:
         os.sched_setaffinity(0, {ns.cpu})
     problems = json.loads(Path(ns.problems).read_text())
@@ -197,7 +201,7 @@ def worker(ns: argparse.Namespace) -> dict[str, Any]:
         ns.plugins.split(",") if ns.plugins else [],
     )
 
-    async def run() -> dict[str, Any]:
+    async def run() -> JSONObject:
         from mrlx_plugin.runtime import get_runtime
 
         await get_runtime(args)  # load plugins and the tokenizer before the clock starts
@@ -244,7 +248,7 @@ def _run_worker(
     warmup: int,
     system: str = "pipeline",
     plugins: str = "",
-) -> dict[str, Any]:
+) -> JSONObject:
     with tempfile.NamedTemporaryFile("r", suffix=".json", delete=False) as f:
         out = f.name
     argv = [
@@ -287,7 +291,9 @@ def _run_worker(
     return result
 
 
-def start_stubs(workdir: Path, tokenizer: str, response_tokens: int, latency: float) -> tuple[Any, Any]:
+def start_stubs(
+    workdir: Path, tokenizer: str, response_tokens: int, latency: float
+) -> tuple[ManagedProcess, ManagedProcess]:
     """Two stub engines answering ~response_tokens-token texts spelled in the agents' tokenizer (so
     peers read real answers): one at once, one after `latency` seconds. The caller stops them."""
     from mrlx_lab.stub_engine import start_stub_engine
@@ -309,7 +315,7 @@ def start_stubs(workdir: Path, tokenizer: str, response_tokens: int, latency: fl
 @contextmanager
 def pinned_stubs(
     workdir: Path, tokenizer: str, response_tokens: int, latency: float
-) -> Iterator[tuple[Any, Any, int | None]]:
+) -> Iterator[tuple[ManagedProcess, ManagedProcess, int | None]]:
     """The two stub engines of `start_stubs`, stopped when the block ends; on a machine of two
     cores or more they run on the second, and the block is given the first for the rollout
     worker (else None). Yields (instant, slow, the rollout's core)."""
@@ -442,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _table(ns: argparse.Namespace, result: dict[str, Any]) -> str:
+def _table(ns: argparse.Namespace, result: JSONObject) -> str:
     """The measures against their goals."""
     throughput, path, memory = result["throughput"], result["critical_path"], result["memory"]
     critical = path["critical_path_s"]

@@ -6,14 +6,14 @@ from __future__ import annotations
 import json
 import math
 import statistics
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 # Two-sided 95% quantiles of Student's t by degrees of freedom (n - 1); 1.96 past the table.
 _T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
 
 
-def write_report(path: str | Path, report: dict[str, Any]) -> Path:
+def write_report(path: str | Path, report: Mapping[str, object]) -> Path:
     """Write a benchmark's report as JSON (creating its directory) and say where."""
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -43,12 +43,18 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict
 
 import orjson
 
 from mrlx_lab.bench.report import write_report
 from mrlx_plugin import hookimpl
+from mrlx_plugin.core.values import JSONObject
+
+if TYPE_CHECKING:
+    import aiohttp
+
+    from mrlx_plugin.agents import Endpoint, Task
 
 LOOKUP = {
     "type": "function",
@@ -62,7 +68,7 @@ USER = {"role": "user", "content": "What is stored under x7?"}
 CONTEXT = 32768
 
 
-def _tool(i: int, tag: int) -> dict[str, Any]:
+def _tool(i: int, tag: int) -> JSONObject:
     """A tool spec of ~12 KB: a long description and 50 described parameters."""
     words = " ".join(f"word{(i * 7 + j) % 997}" for j in range(300))
     props = {
@@ -151,7 +157,15 @@ CASES: dict[str, tuple[Callable[[int], bytes], int | None]] = {
 
 # --- the rollout worker (its own process) ------------------------------------------------------
 
-_PLAN: dict[str, Any] = {}
+
+class _Plan(TypedDict, total=False):
+    """What the rollout worker's episode sends (`bodies`) and where it reports (`result`)."""
+
+    bodies: list[bytes]
+    result: JSONObject
+
+
+_PLAN: _Plan = {}
 
 
 def _proc_status(field: str) -> float:
@@ -161,7 +175,7 @@ def _proc_status(field: str) -> float:
     return float("nan")
 
 
-async def _post(session: Any, ep: Any, data: bytes) -> tuple[int, str, float]:
+async def _post(session: aiohttp.ClientSession, ep: Endpoint, data: bytes) -> tuple[int, str, float]:
     headers = {"Authorization": f"Bearer {ep.api_key}", "Content-Type": "application/json"}
     start = time.perf_counter()
     async with session.post(ep.base_url + "/chat/completions", data=data, headers=headers) as resp:
@@ -174,12 +188,12 @@ async def _post(session: Any, ep: Any, data: bytes) -> tuple[int, str, float]:
     return resp.status, str(error.get("code") or ""), elapsed
 
 
-async def _episode(task: Any, endpoints: dict) -> dict[str, float]:
+async def _episode(task: Task, endpoints: dict[str, Endpoint]) -> dict[str, float]:
     import aiohttp
 
     ep = endpoints["solver"]
     bodies: list[bytes] = _PLAN["bodies"]
-    out: dict[str, Any] = _PLAN["result"]
+    out: JSONObject = _PLAN["result"]
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         await _post(session, ep, orjson.dumps({"messages": [{"role": "user", "content": "warm up"}]}))
         gc.collect()
@@ -225,7 +239,7 @@ def mrlx_register_systems():
     return {"request_stall": agent_code(_episode, samples={"solver": 8}, turns={"solver": 1})}
 
 
-def worker(ns: argparse.Namespace) -> dict[str, Any]:
+def worker(ns: argparse.Namespace) -> JSONObject:
     # The system is registered from the module as imported (this file may run as __main__).
     from mrlx_lab.bench import request_stall as module
     from mrlx_plugin.core.host import Sample
@@ -268,7 +282,7 @@ def worker(ns: argparse.Namespace) -> dict[str, Any]:
 # --- the driver ----------------------------------------------------------------------------------
 
 
-def _run_case(case: str, url: str, tokenizer: str, repeat: int) -> dict[str, Any]:
+def _run_case(case: str, url: str, tokenizer: str, repeat: int) -> JSONObject:
     from mrlx_plugin.core import processes
 
     with tempfile.NamedTemporaryFile("r", suffix=".json", delete=False) as f:
@@ -286,7 +300,7 @@ def _run_case(case: str, url: str, tokenizer: str, repeat: int) -> dict[str, Any
     return result
 
 
-def _outcome(answers: list[dict[str, Any]]) -> str:
+def _outcome(answers: list[JSONObject]) -> str:
     counts = Counter(f"{a['status']} {a['code']}".strip() for a in answers)
     return "; ".join(f"{k} x{n}" for k, n in counts.items())
 

@@ -19,12 +19,12 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any
 
 from mrlx_lab.bench.report import interval, write_report
+from mrlx_plugin.core.values import JSONObject
 
 
-def measures(s: dict[str, Any]) -> dict[str, float | None]:
+def measures(s: JSONObject) -> dict[str, float | None]:
     """The values one seed's summary contributes to the table."""
     before, after = s["held_out"]["before"] or {}, s["held_out"]["after"] or {}
 

@@ -29,7 +29,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from mrlx_lab.demos.kit import (
     Running,
@@ -46,7 +46,11 @@ from mrlx_lab.demos.kit import (
     trainer_flags,
     write_report,
 )
+from mrlx_plugin.core.values import JSONObject
 from mrlx_plugin.local.trainer.records import read_rows
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
 
 A, B = "proposer", "decider"
 # What a run leaves in --out (the models, built from --preset and --seed, come back identical).
@@ -95,7 +99,7 @@ def _yaml(
     urls: dict[str, str],
     models: dict[str, Path],
     coordinator: str,
-    ns: Any,
+    ns: argparse.Namespace,
     adapters: bool = False,
 ) -> Path:
     def agent(name: str) -> str:
@@ -181,12 +185,12 @@ def _warm_base(path: str, init: str, examples: list[str], steps: int, seed: int)
     os.replace(tmp, final)  # the base is complete or absent
 
 
-def _lr(ns: Any) -> float:
+def _lr(ns: argparse.Namespace) -> float:
     # An adapter's few parameters take larger steps than a whole model's to move it as far.
     return ns.lr if ns.lr is not None else 3e-3 if getattr(ns, "adapters", False) else 2e-3
 
 
-def run_demo(ns: argparse.Namespace) -> dict[str, Any]:
+def run_demo(ns: argparse.Namespace) -> JSONObject:
     freeze = {"A": A, "B": B}.get(ns.freeze, ns.freeze)
     out = Path(ns.out)
     refuse_previous_run(out, ns, RUN_STATE)
@@ -327,8 +331,8 @@ def _follow(ns: argparse.Namespace, out: Path, run: Running) -> None:
 
 
 def _report(
-    ns: Any, out: Path, wall: float, peak_mib: float, freeze: str | None, router: bool
-) -> dict[str, Any]:
+    ns: argparse.Namespace, out: Path, wall: float, peak_mib: float, freeze: str | None, router: bool
+) -> JSONObject:
     rows = {name: [r for r in read_rows(out / name / "metrics.jsonl")] for name in (A, B)}
     steps = {name: [r for r in rows[name] if r.get("step", -1) >= 0] for name in (A, B)}
     a_rows = steps[A]
@@ -337,7 +341,7 @@ def _report(
         values = [r[key] for r in a_rows if r.get(key) is not None]
         return (values[0], values[-1]) if values else (None, None)
 
-    summary: dict[str, Any] = {
+    summary: JSONObject = {
         "wall_time_s": wall,
         "peak_memory_mib": peak_mib,
         "frozen": freeze,
@@ -369,8 +373,8 @@ def _report(
     return write_report(out, summary, rows)
 
 
-def _plot(out: Path, a_rows: list[dict[str, Any]], freeze: str | None, adapters: bool = False) -> Path:
-    def draw(ax: Any) -> None:
+def _plot(out: Path, a_rows: list[JSONObject], freeze: str | None, adapters: bool = False) -> Path:
+    def draw(ax: Axes) -> None:
         steps = [r["step"] for r in a_rows]
         for key, label in (
             (f"reward/{A}/mean", f"{A} (A): own answer"),
@@ -390,7 +394,7 @@ def _plot(out: Path, a_rows: list[dict[str, Any]], freeze: str | None, adapters:
     )
 
 
-def print_summary(s: dict[str, Any]) -> None:
+def print_summary(s: JSONObject) -> None:
     print(
         f"\nmrlx demo finished in {s['wall_time_s']:.0f} s ({s['steps']} steps; peak memory "
         f"{s['peak_memory_mib']:.0f} MiB{'; frozen: ' + s['frozen'] if s['frozen'] else ''}"

@@ -18,11 +18,14 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from mrlx_lab.procstat import memory_mib
+from mrlx_plugin.core.values import JSONObject
 
 if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+
     from mrlx_plugin.local.services import ManagedProcess
 
 # ----------------------------------------------------------------------------------------------
@@ -105,8 +108,8 @@ def add_run_options(p: argparse.ArgumentParser, *, resume: bool = False, router:
 def run_main(
     prog: str,
     parser: argparse.ArgumentParser,
-    run: Callable[[argparse.Namespace], dict[str, Any]],
-    show: Callable[[dict[str, Any]], None],
+    run: Callable[[argparse.Namespace], JSONObject],
+    show: Callable[[JSONObject], None],
     argv: list[str] | None,
 ) -> int:
     """A demo's command: parse, run, print the summary. A run that fails is one line on stderr
@@ -163,7 +166,7 @@ def start_services(
     seed: int,
     router: bool = True,
     base: Path | None = None,
-) -> tuple[Any, dict[str, str], dict[str, str], bool]:
+) -> tuple[ManagedProcess, dict[str, str], dict[str, str], bool]:
     """The coordinator of the agents of `models`, and one engine per agent serving its model, behind
     its own sglang-router when that is installed and `router` is set; with `base`, `models` are
     LoRA adapters of `base`, and one engine (and router) serves them all, each under its agent's
@@ -234,7 +237,7 @@ def tools_system_text(model_dir: Path, tools: list[dict]) -> str:
     return text
 
 
-def rl_settings(lr: float) -> dict[str, Any]:
+def rl_settings(lr: float) -> dict[str, float | str]:
     """The agent-code demos' `mrlx.trainer` RL settings (docs/local.md), which a small model learns
     with: a short warm-up of the rate, then cosine to a tenth of it, a KL term, two PPO epochs."""
     return {
@@ -378,12 +381,12 @@ class Running:
 # ----------------------------------------------------------------------------------------------
 
 
-def fmt(v: Any) -> str:
+def fmt(v: object) -> str:
     """A measure in a progress line or table: three decimals, or "-" when there is none."""
     return f"{v:.3f}" if isinstance(v, float) else "-"
 
 
-def write_report(out: Path, summary: dict[str, Any], rows: Any) -> dict[str, Any]:
+def write_report(out: Path, summary: JSONObject, rows: object) -> JSONObject:
     """`summary` and every metrics row in OUT/metrics.json; the summary names the file."""
     (out / "metrics.json").write_text(
         json.dumps({"summary": summary, "metrics": rows}, indent=1, default=str)
@@ -394,13 +397,13 @@ def write_report(out: Path, summary: dict[str, Any], rows: Any) -> dict[str, Any
 
 def save_plot(
     out: Path,
-    draw: Callable[[Any], None],
+    draw: Callable[[Axes], None],
     *,
     title: str,
     xlabel: str,
     ylabel: str,
     ylim: tuple[float, float],
-    legend: dict[str, Any],
+    legend: dict[str, object],
 ) -> Path:
     """OUT/rewards.png: `draw(ax)` plots the lines; the frame is every demo's."""
     import matplotlib
@@ -423,7 +426,7 @@ def save_plot(
     return path
 
 
-def held_out_summary(prompts: int, evals: list[dict[str, Any]]) -> dict[str, Any]:
+def held_out_summary(prompts: int, evals: list[JSONObject]) -> JSONObject:
     """A summary's held-out evaluations: before RL (the first), after it (the last), the curve."""
     return {
         "prompts": prompts,
@@ -433,7 +436,7 @@ def held_out_summary(prompts: int, evals: list[dict[str, Any]]) -> dict[str, Any
     }
 
 
-def print_measures(s: dict[str, Any], columns: list[tuple[str, str, int]], label_width: int) -> None:
+def print_measures(s: JSONObject, columns: list[tuple[str, str, int]], label_width: int) -> None:
     """A demo summary's table of measures: held-out before and after RL, the first and the last
     training step; `columns` are (measure, header, width)."""
     print(f"  {'':<{label_width}} " + " ".join(f"{head:>{w}}" for _, head, w in columns))
@@ -448,6 +451,6 @@ def print_measures(s: dict[str, Any], columns: list[tuple[str, str, int]], label
         print(f"  {label:<{label_width}} " + " ".join(f"{fmt(m.get(k)):>{w}}" for k, _, w in columns))
 
 
-def print_files(s: dict[str, Any], checkpoints: list[str]) -> None:
+def print_files(s: JSONObject, checkpoints: list[str]) -> None:
     """Where a demo left its plot, its metrics and its checkpoints."""
     print(f"  plot: {s['plot']}\n  metrics: {s['metrics']}\n  checkpoints: {', '.join(checkpoints)}")

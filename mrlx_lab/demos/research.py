@@ -25,7 +25,7 @@ import secrets
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from mrlx_lab.demos.kit import (
     Running,
@@ -47,7 +47,11 @@ from mrlx_lab.demos.kit import (
     trainer_flags,
     write_report,
 )
+from mrlx_plugin.core.values import JSONObject
 from mrlx_plugin.local.trainer.records import read_rows
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
 
 PLANNER, SEARCHER = "planner", "searcher"
 HOOKS = "mrlx_lab.examples.research_pair.hooks"
@@ -86,13 +90,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _job_yaml(
-    path: Path, me: str, urls: dict[str, str], models: dict[str, Path], coordinator: str, ns: Any
+    path: Path,
+    me: str,
+    urls: dict[str, str],
+    models: dict[str, Path],
+    coordinator: str,
+    ns: argparse.Namespace,
 ) -> Path:
     import yaml
 
     from mrlx_lab.examples.research_pair import hooks
 
-    def agent(name: str, max_new_tokens: int) -> dict[str, Any]:
+    def agent(name: str, max_new_tokens: int) -> JSONObject:
         return {
             "url": "self" if name == me else urls[name],
             "tokenizer": str(models[name]),
@@ -138,7 +147,7 @@ def _job_yaml(
     return path
 
 
-def warm_start_models(out: Path, models: dict[str, Path], ns: Any) -> dict[str, Path]:
+def warm_start_models(out: Path, models: dict[str, Path], ns: argparse.Namespace) -> dict[str, Path]:
     """Each agent's warm-start, before any engine serves it: the held-out evaluation
     before the first RL step then sees both agents warm-started (were each trainer to warm-start
     its own, the planner's job, whose warm-start is the shorter, would evaluate before the searcher's
@@ -175,7 +184,7 @@ def warm_start_models(out: Path, models: dict[str, Path], ns: Any) -> dict[str, 
     return {name: out / name / "warm_start" for name in models}
 
 
-def _warm_start_one(out: Path, name: str, model_dir: Path, ns: Any, seed: int) -> dict[str, Any]:
+def _warm_start_one(out: Path, name: str, model_dir: Path, ns: argparse.Namespace, seed: int) -> JSONObject:
     from mrlx_lab.examples.research_pair import corpus
     from mrlx_plugin.local.model import load_model, load_tokenizer
     from mrlx_plugin.local.trainer.warm_start import warm_start
@@ -198,7 +207,7 @@ def _warm_start_one(out: Path, name: str, model_dir: Path, ns: Any, seed: int) -
     }
 
 
-def run_research_demo(ns: argparse.Namespace) -> dict[str, Any]:
+def run_research_demo(ns: argparse.Namespace) -> JSONObject:
     from mrlx_lab.examples.research_pair import corpus
     from mrlx_plugin.core.config import ConfigError
     from mrlx_plugin.local.model import ensure_model
@@ -254,7 +263,7 @@ def run_research_demo(ns: argparse.Namespace) -> dict[str, Any]:
 # ----------------------------------------------------------------------------------------------
 
 
-def well_formed(row: dict[str, Any], prefix: str = "") -> float | None:
+def well_formed(row: JSONObject, prefix: str = "") -> float | None:
     """The rate of well-formed search calls of a planner's metrics row (`prefix` "eval/eval/": of its
     held-out evaluation). The searcher takes a second turn exactly when its first was a well-formed
     call (the task's code), so the rate is the model turns per episode less `MODEL_TURNS`."""
@@ -262,7 +271,7 @@ def well_formed(row: dict[str, Any], prefix: str = "") -> float | None:
     return None if turns is None else max(0.0, min(1.0, turns - MODEL_TURNS))
 
 
-def held_out_point(row: dict[str, Any]) -> dict[str, Any]:
+def held_out_point(row: JSONObject) -> JSONObject:
     """A held-out evaluation of the planner's metrics: each agent's reward and the well-formed call
     rate. The planner's reward is the final answer's grade (`eval/eval/reward_mean`); the
     searcher's is the same grade."""
@@ -271,11 +280,11 @@ def held_out_point(row: dict[str, Any]) -> dict[str, Any]:
     return {"step": step, PLANNER: right, SEARCHER: right, "well_formed": well_formed(row, "eval/eval/")}
 
 
-def _steps(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _steps(rows: list[JSONObject]) -> list[JSONObject]:
     return [r for r in rows if r.get("step", -1) >= 0]
 
 
-def _train_point(p_row: dict[str, Any], s_row: dict[str, Any] | None) -> dict[str, Any]:
+def _train_point(p_row: JSONObject, s_row: JSONObject | None) -> JSONObject:
     return {
         "step": p_row["step"],
         PLANNER: p_row.get(f"reward/{PLANNER}/mean"),
@@ -323,13 +332,13 @@ def _follow(ns: argparse.Namespace, out: Path, run: Running) -> None:
     run.follow(show)
 
 
-def _report(ns: argparse.Namespace, out: Path, wall: float, peak_mib: float, router: bool) -> dict[str, Any]:
+def _report(ns: argparse.Namespace, out: Path, wall: float, peak_mib: float, router: bool) -> JSONObject:
     rows = {name: read_rows(out / name / "metrics.jsonl") for name in (PLANNER, SEARCHER)}
     s_steps = {r["step"]: r for r in _steps(rows[SEARCHER])}
     train = [_train_point(r, s_steps.get(r["step"])) for r in _steps(rows[PLANNER])]
     evals = [held_out_point(r) for r in rows[PLANNER] if "eval/eval/reward_mean" in r]
     warm = {name: next((r for r in rows[name] if "warm_start/steps" in r), {}) for name in rows}
-    summary: dict[str, Any] = {
+    summary: JSONObject = {
         "wall_time_s": wall,
         "peak_memory_mib": peak_mib,
         "router": router,
@@ -353,8 +362,8 @@ def _report(ns: argparse.Namespace, out: Path, wall: float, peak_mib: float, rou
     return write_report(out, summary, rows)
 
 
-def _plot(out: Path, train: list[dict[str, Any]], evals: list[dict[str, Any]]) -> Path:
-    def draw(ax: Any) -> None:
+def _plot(out: Path, train: list[JSONObject], evals: list[JSONObject]) -> Path:
+    def draw(ax: Axes) -> None:
         x = [t["step"] + 1 for t in train]  # the step's rollout used the weights of `step` updates
         for key, color, label in (
             (PLANNER, "C0", f"{PLANNER}: final answer"),
@@ -376,7 +385,7 @@ def _plot(out: Path, train: list[dict[str, Any]], evals: list[dict[str, Any]]) -
     )
 
 
-def print_summary(s: dict[str, Any]) -> None:
+def print_summary(s: JSONObject) -> None:
     print(
         f"\nmrlx demo --research finished in {s['wall_time_s']:.0f} s ({s['steps']} RL steps of "
         f"{s['episodes_per_step']} episodes; peak memory {s['peak_memory_mib']:.0f} MiB)"

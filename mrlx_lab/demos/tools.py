@@ -23,7 +23,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from mrlx_lab.demos.kit import (
     Running,
@@ -44,7 +44,11 @@ from mrlx_lab.demos.kit import (
     trainer_flags,
     write_report,
 )
+from mrlx_plugin.core.values import JSONObject
 from mrlx_plugin.local.trainer.records import read_rows
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
 
 AGENT = "solver"
 SYSTEM = "tool_lookup"
@@ -117,7 +121,7 @@ def _job_yaml(path: Path, model: Path, ns: argparse.Namespace) -> Path:
     return path
 
 
-def run_tool_demo(ns: argparse.Namespace) -> dict[str, Any]:
+def run_tool_demo(ns: argparse.Namespace) -> JSONObject:
     from mrlx_lab.examples.tool_lookup import data
     from mrlx_plugin.core.config import ConfigError
     from mrlx_plugin.local.model import ensure_model
@@ -177,7 +181,7 @@ def run_tool_demo(ns: argparse.Namespace) -> dict[str, Any]:
 # ----------------------------------------------------------------------------------------------
 
 
-def measures(row: dict[str, Any], prefix: str = "") -> dict[str, float | None]:
+def measures(row: JSONObject, prefix: str = "") -> dict[str, float | None]:
     """Reward, accuracy and tool calls of a metrics row (`prefix` "eval/eval/": its held-out
     evaluation). The reward and the team reward are both the final answer's grade. An episode
     takes a second turn exactly when its first turn made a well-formed call (the task's code), so
@@ -192,7 +196,7 @@ def measures(row: dict[str, Any], prefix: str = "") -> dict[str, float | None]:
     }
 
 
-def _evals(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _evals(rows: list[JSONObject]) -> list[JSONObject]:
     """The held-out evaluations in order: the one before training (step 0), then after each step."""
     points = []
     for r in rows:
@@ -234,12 +238,12 @@ def _follow(ns: argparse.Namespace, out: Path, run: Running) -> None:
     run.follow(show)
 
 
-def _report(ns: argparse.Namespace, out: Path, wall: float, peak_mib: float) -> dict[str, Any]:
+def _report(ns: argparse.Namespace, out: Path, wall: float, peak_mib: float) -> JSONObject:
     rows = read_rows(out / AGENT / "metrics.jsonl")
     steps = [r for r in rows if r.get("step", -1) >= 0]
     warm = [r for r in rows if "warm_start/steps" in r]
     evals = _evals(rows)
-    summary: dict[str, Any] = {
+    summary: JSONObject = {
         "wall_time_s": wall,
         "peak_memory_mib": peak_mib,
         "steps": len(steps),
@@ -257,8 +261,8 @@ def _report(ns: argparse.Namespace, out: Path, wall: float, peak_mib: float) -> 
     return write_report(out, summary, rows)
 
 
-def _plot(out: Path, steps: list[dict[str, Any]], evals: list[dict[str, Any]]) -> Path:
-    def draw(ax: Any) -> None:
+def _plot(out: Path, steps: list[JSONObject], evals: list[JSONObject]) -> Path:
+    def draw(ax: Axes) -> None:
         x = [r["step"] + 1 for r in steps]  # the step's rollout used the weights of `step` updates
         train = [measures(r) for r in steps]
         ax.plot(x, [m["accuracy"] for m in train], color="C0", alpha=0.5, label="training: right answer")
@@ -279,7 +283,7 @@ def _plot(out: Path, steps: list[dict[str, Any]], evals: list[dict[str, Any]]) -
     )
 
 
-def print_summary(s: dict[str, Any]) -> None:
+def print_summary(s: JSONObject) -> None:
     print(
         f"\nmrlx demo --tools finished in {s['wall_time_s']:.0f} s ({s['steps']} RL steps of "
         f"{s['episodes_per_step']} episodes after {s['warm_start_steps']} warm-start steps; "

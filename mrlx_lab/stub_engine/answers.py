@@ -5,7 +5,12 @@ mode asks."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
+
+from mrlx_plugin.core.values import JSON, JSONObject
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 DEFAULT_TEXT = "Let me compute. The answer is \\boxed{42}.\nJudgment: 1"
 # The malformed answers whose first (log-prob, id) entry is spoilt: which of the two, and with what
@@ -82,7 +87,7 @@ class Speller:
 
     def __init__(self, tokenizer_dir: str | None):
         self._cache: dict[str, list[int]] = {}
-        self._tok: Any = None
+        self._tok: Tokenizer | None = None
         if tokenizer_dir:
             import os
 
@@ -131,7 +136,7 @@ def answer(
     cfg: StubConfig,
     seed: int,
     rid: str | None,
-    max_new: Any,
+    max_new: object,
     return_logprob: bool,
     abort_message: str | None,
     prompt_tokens: int,
@@ -139,7 +144,7 @@ def answer(
     eos_in_text: bool = False,
     fault: str | None = None,
     number: int = 0,
-) -> dict[str, Any]:
+) -> JSONObject:
     """One SGLang `/generate` answer: ids that spell `text` (see the module's docstring), log-probs
     derived from `seed`, and the malformation `fault` names, if any.
 
@@ -148,7 +153,7 @@ def answer(
     stop (like SGLang, the matched id is part of the output).
     """
     n = 500 if fault == "too_many_tokens" else cfg.response_tokens
-    finish: dict[str, Any]
+    finish: JSONObject
     if abort_message is not None:
         n = 0
         finish = {"type": "abort", "message": abort_message}
@@ -182,7 +187,7 @@ def answer(
         ids[-1] = cfg.eos_id
         if eos_in_text:
             text += specials.get(cfg.eos_id, "")
-    meta: dict[str, Any] = {
+    meta: JSONObject = {
         "id": rid,
         "finish_reason": finish,
         "prompt_tokens": prompt_tokens,
@@ -192,7 +197,7 @@ def answer(
         "e2e_latency": cfg.latency,
     }
     if return_logprob:
-        entries: list[list[Any]] = [[-0.01 - ((seed + i) % 97) / 100.0, t, None] for i, t in enumerate(ids)]
+        entries: list[list[JSON]] = [[-0.01 - ((seed + i) % 97) / 100.0, t, None] for i, t in enumerate(ids)]
         meta["output_token_logprobs"] = entries
         if entries and fault in FIRST_ENTRY_FAULTS:
             slot, value = FIRST_ENTRY_FAULTS[fault]

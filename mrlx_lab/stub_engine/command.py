@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import logging
 import signal
 
@@ -123,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:  # a faster event loop where available; the stock one is fine too
-        import uvloop  # type: ignore[import-not-found]
+        uvloop = importlib.import_module("uvloop")  # optional: not a dependency
     except ImportError:
         return asyncio.run(_serve(args))
     return uvloop.run(_serve(args))

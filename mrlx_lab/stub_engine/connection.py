@@ -5,7 +5,7 @@ bodies, and the bytes of an answer."""
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, cast
 
 import orjson
 
@@ -41,7 +41,7 @@ def response(
     return head + b"\r\n" + body
 
 
-def json_response(data: Any, status: int = 200) -> bytes:
+def json_response(data: object, status: int = 200) -> bytes:
     return response(status, orjson.dumps(data))
 
 
@@ -61,7 +61,7 @@ class Connection(asyncio.Protocol):
         self.closed = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        self.transport = cast(asyncio.Transport, transport)  # a TCP server's connection
         self.server.state.stats["connections"] += 1
 
     def connection_lost(self, exc: Exception | None) -> None:

@@ -9,12 +9,12 @@ import time
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import orjson
 
 from mrlx_lab.stub_engine.answers import FAULT_MODES, StubConfig, answer
 from mrlx_lab.stub_engine.connection import Connection, error, json_response, response
+from mrlx_plugin.core.values import JSONObject
 
 
 @dataclass
@@ -48,7 +48,7 @@ class StubState:
     )
     fault_mode: str = "none"
     fault_count: int = 0
-    last_generate: Any = None
+    last_generate: JSONObject | None = None
     paused: str | None = None
     last_update_path: str | None = None
     lora_paths: dict[str, int] = field(default_factory=dict)  # requests per lora_path ("" the base)
@@ -148,7 +148,7 @@ class StubServer:
         else:
             pending.due = True  # only the pause holds it
 
-    def _admit(self, conn: Connection, body: bytes, close: bool) -> tuple[dict[str, Any], str | None] | None:
+    def _admit(self, conn: Connection, body: bytes, close: bool) -> tuple[JSONObject, str | None] | None:
         """The request and the fault it draws (if any); None once it is answered: refused (not a
         JSON object, an adapter not served), or failed at once by its fault."""
         st = self.state
@@ -182,7 +182,7 @@ class StubServer:
         return None
 
     def _answers(
-        self, req: dict[str, Any], body: bytes, fault: str | None
+        self, req: JSONObject, body: bytes, fault: str | None
     ) -> tuple[list[str], Callable[[str | None], bytes]]:
         """The request ids of `req` (one per prompt) and the builder of its answer body: one answer
         per prompt (a list when the request is batched), given an abort message or None."""
@@ -413,7 +413,7 @@ class _BadRequest(ValueError):
     pass
 
 
-def _parse_object(body: bytes) -> dict[str, Any]:
+def _parse_object(body: bytes) -> JSONObject:
     if not body.strip():
         return {}
     try:

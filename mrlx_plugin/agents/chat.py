@@ -26,7 +26,7 @@ import json
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import cast
 
 from mrlx_plugin.agents.parsers import (
     ParsedTurn,
@@ -38,6 +38,7 @@ from mrlx_plugin.agents.parsers import (
 from mrlx_plugin.agents.request import (
     OFF_LOOP_COST,
     ChatError,
+    ChatRequest,
     Seen,
     answer_body,
     calls_seen,
@@ -49,6 +50,7 @@ from mrlx_plugin.agents.request import (
 )
 from mrlx_plugin.core.tokenizer import TemplateError
 from mrlx_plugin.core.transcript import Mark, Transcript
+from mrlx_plugin.core.values import JSON, JSONObject
 from mrlx_plugin.episodes.episode import Episode
 from mrlx_plugin.episodes.errors import EpisodeAborted
 
@@ -56,7 +58,7 @@ logger = logging.getLogger(__name__)
 
 
 # Sends a turn's answer to the client; returns once it is written (raises if the client is gone).
-Deliver = Callable[[dict[str, Any]], Awaitable[None]]
+Deliver = Callable[[JSONObject], Awaitable[None]]
 
 
 @dataclass
@@ -98,7 +100,7 @@ class AgentSession:
     # quotes one shows the model what it wrote, not a re-rendering of it.
     _written: dict[Seen, str] = field(default_factory=dict)
 
-    async def complete(self, body: Any, deliver: Deliver) -> None:
+    async def complete(self, body: JSON, deliver: Deliver) -> None:
         """Answer one chat-completions request body (parsed JSON) by awaiting `deliver(answer)`;
         ChatError for what is refused. The turn is kept only once `deliver` has returned: a turn
         whose answer did not reach its client (it left, or the episode ended first) is undone as if
@@ -111,7 +113,7 @@ class AgentSession:
                 self.stats.refused += 1
             raise
 
-    async def _complete(self, body: Any, deliver: Deliver) -> None:
+    async def _complete(self, body: JSON, deliver: Deliver) -> None:
         if self.closed is not None:
             raise ChatError(404, self.closed, "session_not_found")
         if self.episode.aborted:
@@ -186,7 +188,7 @@ class AgentSession:
             thread.transcript.rollback(before[0])
             thread.seen = before[1]
 
-    def _parse(self, text: str, tools: list[dict] | None) -> ParsedTurn:
+    def _parse(self, text: str, tools: list[JSONObject] | None) -> ParsedTurn:
         """The turn's content, reasoning and calls. A parser that fails leaves the text as content
         (counted as one malformed call): the turn is recorded, so its answer must reach the client."""
         try:
@@ -195,14 +197,14 @@ class AgentSession:
             logger.warning("agent %r: a parser failed on a turn: %s: %s", self.agent, type(exc).__name__, exc)
             return ParsedTurn(text.strip() or None, None, (), 1)
 
-    async def _read(self, request: dict[str, Any]) -> tuple[list[dict] | None, str, list[Seen]]:
+    async def _read(self, request: ChatRequest) -> tuple[list[JSONObject] | None, str, list[Seen]]:
         """The request's tools, their canonical JSON (`tools_key`) and its messages as matched
         (`Seen`), checked; off the event loop when the request is large (`OFF_LOOP_COST`)."""
         if request["cost"] > OFF_LOOP_COST:
             return await off_loop(self._read_now, request)
         return self._read_now(request)
 
-    def _read_now(self, request: dict[str, Any]) -> tuple[list[dict] | None, str, list[Seen]]:
+    def _read_now(self, request: ChatRequest) -> tuple[list[JSONObject] | None, str, list[Seen]]:
         tools = request["tools"]
         tools_key = json.dumps(tools, sort_keys=True, ensure_ascii=False) if tools else ""
         self._check_tools(tools_key)
@@ -260,7 +262,7 @@ class AgentSession:
         return best
 
     async def _open(
-        self, seen: list[Seen], messages: list[dict], tools: list[dict] | None, tools_key: str
+        self, seen: list[Seen], messages: list[JSON], tools: list[JSONObject] | None, tools_key: str
     ) -> Thread:
         if len(self.threads) >= self.max_threads:
             raise ChatError(
@@ -306,7 +308,7 @@ class AgentSession:
         self.threads.append(thread)
         return thread
 
-    async def _extend(self, thread: Thread, seen: list[Seen], messages: list[dict]) -> None:
+    async def _extend(self, thread: Thread, seen: list[Seen], messages: list[JSON]) -> None:
         n = len(thread.seen)
         room = thread.transcript.room()
 
@@ -332,7 +334,7 @@ class AgentSession:
         thread.transcript.append_continuation(new, text, ids)
         thread.seen = list(seen)
 
-    def _template_message(self, s: Seen, message: dict) -> dict[str, str]:
+    def _template_message(self, s: Seen, message: JSON) -> dict[str, str]:
         """What the chat template renders for a request's message: its text as content (an earlier
         answer as the model wrote it, when this session gave it, else its text and calls)."""
         role, text, calls, _ = s
@@ -343,7 +345,9 @@ class AgentSession:
             if written is not None:
                 return {"role": "assistant", "content": written}
             if calls:  # shown in the Hermes form, whatever the agent's parser: it is context only
-                text = (text + "\n" if text else "") + render_calls_hermes(message["tool_calls"])
+                # `seen_of` checked them: a list of calls, each an object
+                shown = cast("list[JSONObject]", cast(JSONObject, message)["tool_calls"])
+                text = (text + "\n" if text else "") + render_calls_hermes(shown)
         return {"role": role, "content": text}
 
     def close(self, reason: str) -> None:

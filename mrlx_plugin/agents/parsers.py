@@ -32,7 +32,9 @@ import secrets
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any
+from typing import Any, TypeVar, cast
+
+from mrlx_plugin.core.values import JSON, JSONObject
 
 
 @dataclass(frozen=True)
@@ -50,32 +52,38 @@ class ParsedTurn:
     malformed: int  # tool-call blocks that could not be parsed: left in `content` as text
 
 
-# (text, tools) -> (content text, [(name, arguments JSON text)], malformed count)
-ToolParser = Callable[[str, list[dict] | None], tuple[str, list[tuple[str, str]], int]]
+# (text, tools) -> (content text, [(name, arguments JSON text)], malformed count); the tools are the
+# request's, in OpenAI's format ({"type": "function", "function": {"name": ..., "parameters": ...}}).
+ToolParser = Callable[[str, list[JSONObject] | None], tuple[str, list[tuple[str, str]], int]]
 # text -> (reasoning or None, the rest)
 ReasoningParser = Callable[[str], tuple[str | None, str]]
 
-_NO_EXTRA: Mapping[str, Any] = MappingProxyType({})
+P = TypeVar("P")  # a parser's type
+
+_NO_TOOL_PARSERS: Mapping[str, ToolParser] = MappingProxyType({})
+_NO_REASONING_PARSERS: Mapping[str, ReasoningParser] = MappingProxyType({})
 _BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 _THINK, _END_THINK = "<think>", "</think>"
 
 
-def _tool_specs(tools: Iterable[Any] | None) -> list[dict]:
-    """The function specs of OpenAI-format tools ({"type": "function", "function": {"name": ...}})."""
+def _tool_specs(tools: Iterable[JSON] | None) -> list[JSONObject]:
+    """The function specs of OpenAI-format tools ({"type": "function", "function": {"name": ...}}),
+    each with a string `name`."""
     specs = []
     for tool in tools or ():
         if isinstance(tool, dict):
-            spec = tool.get("function") if isinstance(tool.get("function"), dict) else tool
+            function = tool.get("function")
+            spec = function if isinstance(function, dict) else tool
             if isinstance(spec.get("name"), str):
                 specs.append(spec)
     return specs
 
 
-def _tool_names(tools: Iterable[Any] | None) -> set[str]:
-    return {spec["name"] for spec in _tool_specs(tools)}
+def _tool_names(tools: Iterable[JSON] | None) -> set[str]:
+    return {cast(str, spec["name"]) for spec in _tool_specs(tools)}
 
 
-def _arguments(value: Any) -> str | None:
+def _arguments(value: object) -> str | None:
     """The JSON text of an arguments object, or None. A string is read as JSON text, and JSON text
     of a string holding an object counts too (some models quote the arguments)."""
     for _ in range(2):
@@ -88,20 +96,23 @@ def _arguments(value: Any) -> str | None:
     return json.dumps(value, ensure_ascii=False) if isinstance(value, dict) else None
 
 
-def _call_text(name: Any, arguments: Any) -> str:
+def _call_text(name: object, arguments: object) -> str:
     return f'{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": {arguments}}}'
 
 
-def _screen(content: str, found: Iterable[tuple[Any, Any]], names: set[str]) -> tuple[str, list, int]:
+def _screen(
+    content: str, found: Iterable[tuple[object, object]], names: set[str]
+) -> tuple[str, list[tuple[str, str]], int]:
     """Keep the calls of known tools whose arguments are a JSON object. The others are shown in the
     content as text (parsers other than hermes do not hand back a call's source text)."""
-    kept, dropped = [], []
+    kept: list[tuple[str, str]] = []
+    dropped: list[str] = []
     for name, raw in found:
         arguments = _arguments(raw) if name in names else None
         if arguments is None:
             dropped.append(_call_text(name, raw))
         else:
-            kept.append((name, arguments))
+            kept.append((cast(str, name), arguments))  # one of `names`
     return "\n".join([content.strip(), *dropped]).strip(), kept, len(dropped)
 
 
@@ -124,12 +135,14 @@ def _hermes_call(body: str, names: set[str]) -> tuple[str, str] | None:
     return None if arguments is None else (obj["name"], arguments)
 
 
-def hermes(text: str, tools: list[dict] | None) -> tuple[str, list[tuple[str, str]], int]:
+def hermes(text: str, tools: list[JSONObject] | None) -> tuple[str, list[tuple[str, str]], int]:
     """Qwen2.5 / Qwen3 / NousHermes `<tool_call>{json}</tool_call>` blocks, anywhere in the text."""
     names = _tool_names(tools)
     if not names:
         return text, [], 0
-    calls, malformed, kept, pos, end = [], 0, [], 0, 0
+    calls: list[tuple[str, str]] = []
+    kept: list[str] = []
+    malformed, pos, end = 0, 0, 0
     for match in _BLOCK.finditer(text):
         end = match.end()
         call = _hermes_call(match.group(1), names)
@@ -144,7 +157,7 @@ def hermes(text: str, tools: list[dict] | None) -> tuple[str, list[tuple[str, st
     return functools.reduce(_join, [*kept, text[pos:]]).strip(), calls, malformed
 
 
-def no_tools(text: str, tools: list[dict] | None) -> tuple[str, list[tuple[str, str]], int]:
+def no_tools(text: str, tools: list[JSONObject] | None) -> tuple[str, list[tuple[str, str]], int]:
     return text, [], 0
 
 
@@ -173,7 +186,8 @@ REASONING_PARSERS: dict[str, ReasoningParser] = {"think": think, "none": no_reas
 
 def _sglang(kind: str, name: str, fallback: str, paths: tuple[str, ...], cls: str, table: str = "") -> Any:
     """SGLang's parser class `cls` from the first of `paths` that imports (SGLang has moved them),
-    after checking that `name` is one of its parsers (the table `table` of the class)."""
+    after checking that `name` is one of its parsers (the table `table` of the class). Any: SGLang's
+    class, found by name (no SGLang here to check its use against)."""
     errors = []
     for path in paths:
         try:
@@ -202,7 +216,7 @@ def _sglang_tool_parser(name: str) -> ToolParser:
     tool_class = _sglang("tool", name, "hermes", paths, "Tool")
     function_class = _sglang("tool", name, "hermes", paths, "Function")
 
-    def parse(text: str, tools: list[dict] | None) -> tuple[str, list[tuple[str, str]], int]:
+    def parse(text: str, tools: list[JSONObject] | None) -> tuple[str, list[tuple[str, str]], int]:
         specs = _tool_specs(tools)
         if not specs:
             return text, [], 0
@@ -234,7 +248,7 @@ def _sglang_reasoning_parser(name: str) -> ReasoningParser:
     return parse
 
 
-def _lookup(kind: str, name: str, extra: Mapping[str, Any], builtin: Mapping[str, Any]) -> Any:
+def _lookup(kind: str, name: str, extra: Mapping[str, P], builtin: Mapping[str, P]) -> P:
     if name in extra:
         return extra[name]
     if name in builtin:
@@ -245,7 +259,7 @@ def _lookup(kind: str, name: str, extra: Mapping[str, Any], builtin: Mapping[str
     )
 
 
-def tool_parser(name: str, extra: Mapping[str, ToolParser] = _NO_EXTRA) -> ToolParser:
+def tool_parser(name: str, extra: Mapping[str, ToolParser] = _NO_TOOL_PARSERS) -> ToolParser:
     """The tool parser called `name`: 'sglang:<name>', one of `extra` (a system's own) or built in."""
     if name.startswith("sglang:") and name not in extra:
         return _sglang_tool_parser(name.removeprefix("sglang:"))
@@ -253,7 +267,7 @@ def tool_parser(name: str, extra: Mapping[str, ToolParser] = _NO_EXTRA) -> ToolP
 
 
 def reasoning_parser(
-    name: str | None, extra: Mapping[str, ReasoningParser] = _NO_EXTRA
+    name: str | None, extra: Mapping[str, ReasoningParser] = _NO_REASONING_PARSERS
 ) -> ReasoningParser | None:
     """The reasoning parser called `name` (None: reasoning is not split off), looked up as tool_parser."""
     if name is None:
@@ -264,12 +278,16 @@ def reasoning_parser(
 
 
 def parse_turn(
-    text: str, tools: list[dict] | None, tools_parser: ToolParser | None, reasoning: ReasoningParser | None
+    text: str,
+    tools: list[JSONObject] | None,
+    tools_parser: ToolParser | None,
+    reasoning: ReasoningParser | None,
 ) -> ParsedTurn:
     """Split one completion: reasoning first, then tool calls in the rest. A call that names no tool
     of `tools` or whose arguments are not a JSON object is malformed and shown in `content`."""
     thought, rest = reasoning(text) if reasoning is not None else (None, text)
-    found, malformed, names = [], 0, _tool_names(tools)
+    found: list[tuple[str, str]] = []
+    malformed, names = 0, _tool_names(tools)
     if names and tools_parser is not None:
         rest, found, malformed = tools_parser(rest, tools)
         rest, found, rejected = _screen(rest, found, names)  # a system's own parser may let them through
@@ -278,13 +296,13 @@ def parse_turn(
     return ParsedTurn(rest.strip() or None, thought or None, calls, malformed)
 
 
-def render_calls_hermes(calls: Iterable[Any]) -> str:
+def render_calls_hermes(calls: Iterable[ToolCall | JSONObject]) -> str:
     """The text a hermes-format model writes for these calls (ToolCall or OpenAI `tool_calls` items)."""
     blocks = []
     for call in calls:
         if isinstance(call, dict):
-            call = call.get("function", call)
-            name, arguments = call.get("name"), call.get("arguments", {})
+            function = cast(JSONObject, call.get("function", call))
+            name, arguments = function.get("name"), function.get("arguments", {})
         else:
             name, arguments = call.name, call.arguments
         text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)

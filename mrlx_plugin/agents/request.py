@@ -15,13 +15,14 @@ import math
 import secrets
 import time
 import weakref
-from collections.abc import Callable
-from typing import Any, TypeVar
+from collections.abc import Callable, Hashable
+from typing import TypedDict, TypeVar, cast
 
 import orjson
 
 from mrlx_plugin.agents.parsers import ParsedTurn
 from mrlx_plugin.core.transcript import Transcript
+from mrlx_plugin.core.values import JSON, JSONObject
 
 # Request fields read here; any other is refused (a setting the endpoint would not honour).
 _FIELDS = {
@@ -78,22 +79,45 @@ class ChatError(Exception):
         self.code = code
         self.param = param
 
-    def body(self) -> dict[str, Any]:
+    def body(self) -> JSONObject:
         kind = "invalid_request_error" if self.status < 500 else "server_error"
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
 
 # A message as matched against a thread: (role, text, ((call id, name, arguments as a JSON value),
 # ...), tool_call_id). The client's copy of an answer is matched on what it shows, not its extra
-# fields; arguments as the value their JSON holds (`1.0` and `1`, key order and spacing agree).
-Seen = tuple[str, str, tuple[tuple[str, str, Any], ...], str | None]
+# fields; arguments as the value their JSON holds (`1.0` and `1`, key order and spacing agree:
+# `_canonical`).
+SeenCall = tuple[str, str, Hashable]
+Seen = tuple[str, str, tuple[SeenCall, ...], str | None]
+
+
+class Sampling(TypedDict, total=False):
+    """A request's sampling settings as SGLang's sampling parameters (`_sampling`)."""
+
+    temperature: float
+    top_p: float
+    max_new_tokens: int
+    stop: list[str]
+    sampling_seed: int
+
+
+class ChatRequest(TypedDict):
+    """A request's body once checked (`check_request`)."""
+
+    messages: list[JSON]  # each checked as it is read (`seen_of`)
+    tools: list[JSONObject] | None  # OpenAI function tools, checked
+    tool_choice: JSON  # "auto", "none", "required" or {"type": "function", "function": {"name": ...}}
+    sampling: Sampling
+    cost: int  # see OFF_LOOP_COST
+
 
 # --- the body, and work kept off the event loop ------------------------------------------------
 
 T = TypeVar("T")
 
 
-async def off_loop(fn: Callable[..., T], *args: Any) -> T:
+async def off_loop(fn: Callable[..., T], *args: object) -> T:
     """`fn(*args)` in a worker thread, at most `_OFF_LOOP_THREADS` at once per event loop. A caller
     cancelled meanwhile returns at once, and its thread keeps its slot until it ends: a flood of
     requests, cancelled or not, cannot pile up threads (or the memory they render into)."""
@@ -117,7 +141,7 @@ async def off_loop(fn: Callable[..., T], *args: Any) -> T:
     return await asyncio.shield(future)
 
 
-async def parse_body(raw: bytes) -> Any:
+async def parse_body(raw: bytes) -> JSON:
     """A request body's JSON (orjson.JSONDecodeError when it is not JSON).
 
     A body past `_PARSE_INLINE_BYTES` is first scanned off the event loop for the JSON items it
@@ -163,7 +187,7 @@ def _json_items(raw: bytes, cap: int) -> int:
     return items
 
 
-def _json_size(value: Any, where: str) -> int:
+def _json_size(value: JSON, where: str) -> int:
     """The bytes of `value` as compact JSON (orjson: a few ms for megabytes)."""
     try:
         return len(orjson.dumps(value))
@@ -179,7 +203,7 @@ def render_cost(seen: list[Seen], tools_key: str) -> int:
 # --- the request ---------------------------------------------------------------------------
 
 
-def check_request(body: Any) -> dict[str, Any]:
+def check_request(body: JSON) -> ChatRequest:
     """The request's messages, tools and sampling overrides; ChatError(400) naming what is wrong."""
     if not isinstance(body, dict):
         raise ChatError(400, "the request body must be a JSON object")
@@ -242,7 +266,8 @@ def check_request(body: Any) -> dict[str, Any]:
             "request_too_large",
             "messages",
         )
-    names = {t["function"]["name"] for t in tools or []}
+    specs = cast("list[JSONObject]", tools or [])  # each one checked above (`_is_tool`)
+    names = {cast(JSONObject, t["function"])["name"] for t in specs}
     choice = body.get("tool_choice", "auto" if tools else "none")
     if isinstance(choice, dict):
         function = choice.get("function") if choice.get("type") == "function" else None
@@ -257,15 +282,17 @@ def check_request(body: Any) -> dict[str, Any]:
         )
     return {
         "messages": messages,
-        "tools": tools or None,
+        "tools": specs or None,
         "tool_choice": choice,
         "sampling": _sampling(body),
         "cost": size + _MESSAGE_COST * len(messages),  # see OFF_LOOP_COST
     }
 
 
-def _is_tool(t: Any) -> bool:
-    f = t.get("function") if isinstance(t, dict) else None
+def _is_tool(t: JSON) -> bool:
+    if not isinstance(t, dict):
+        return False
+    f = t.get("function")
     return (
         isinstance(f, dict)
         and t.get("type") == "function"
@@ -275,9 +302,9 @@ def _is_tool(t: Any) -> bool:
     )
 
 
-def _sampling(body: dict) -> dict[str, Any]:
+def _sampling(body: JSONObject) -> Sampling:
     """The request's sampling settings as SGLang's sampling parameters."""
-    out: dict[str, Any] = {}
+    out: dict[str, float | int | list[str]] = {}
     for key, low, high, shown in (("temperature", 0.0, math.inf, ">= 0"), ("top_p", 0.0, 1.0, "in (0, 1]")):
         value = body.get(key)
         if value is not None:
@@ -297,16 +324,16 @@ def _sampling(body: dict) -> dict[str, Any]:
         stops = [stop] if isinstance(stop, str) else stop
         if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > 16:
             raise ChatError(400, "stop must be a string or a list of at most 16 strings", param="stop")
-        out["stop"] = stops
+        out["stop"] = cast("list[str]", stops)  # checked just above
     seed = body.get("seed")
     if seed is not None:
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ChatError(400, "seed must be an integer", param="seed")
         out["sampling_seed"] = seed & 0x7FFFFFFF
-    return out
+    return cast(Sampling, out)  # its keys are Sampling's
 
 
-def _text(content: Any, where: str) -> str:
+def _text(content: JSON, where: str) -> str:
     if content is None:
         return ""
     if isinstance(content, str):
@@ -314,16 +341,15 @@ def _text(content: Any, where: str) -> str:
     if isinstance(content, list):
         parts = []
         for part in content:
-            if not (
-                isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
-            ):
+            text = part.get("text") if isinstance(part, dict) and part.get("type") == "text" else None
+            if not isinstance(text, str):
                 raise ChatError(400, f"{where}: only text content parts are supported", param="messages")
-            parts.append(part["text"])
+            parts.append(text)
         return "".join(parts)
     raise ChatError(400, f"{where}: content must be a string or a list of text parts", param="messages")
 
 
-def _canonical(arguments: Any, where: str) -> Any:
+def _canonical(arguments: JSON, where: str) -> Hashable:
     """Tool-call arguments as the value their JSON holds, in a form that compares as JSON does
     (an object's key order and a number's spelling, `1.0` or `1`, do not matter)."""
     if isinstance(arguments, str):
@@ -341,7 +367,7 @@ def _canonical(arguments: Any, where: str) -> Any:
         raise ChatError(400, f"{where}: arguments nest too deep", param="messages") from None
 
 
-def _frozen(value: Any) -> Any:
+def _frozen(value: JSON) -> Hashable:
     if isinstance(value, dict):
         return ("{}", tuple(sorted((str(k), _frozen(v)) for k, v in value.items())))
     if isinstance(value, list):
@@ -353,37 +379,35 @@ def _frozen(value: Any) -> Any:
     return value
 
 
-def seen_of(message: Any, i: int) -> Seen:
+def seen_of(message: JSON, i: int) -> Seen:
     where = f"messages[{i}]"
     if not isinstance(message, dict) or message.get("role") not in _ROLES:
         raise ChatError(
             400, f"{where}: expected a message with a role among {', '.join(_ROLES)}", param="messages"
         )
-    role = message["role"]
+    role = cast(str, message["role"])  # one of _ROLES
     text = _text(message.get("content"), where)
-    calls: tuple[tuple[str, str, Any], ...] = ()
+    calls: tuple[SeenCall, ...] = ()
     if role == "assistant" and message.get("tool_calls"):
         if not isinstance(message["tool_calls"], list):
             raise ChatError(400, f"{where}: tool_calls must be a list", param="messages")
-        found = []
+        found: list[SeenCall] = []
         for j, call in enumerate(message["tool_calls"]):
-            f = call.get("function") if isinstance(call, dict) else None
+            f, ident = (call.get("function"), call.get("id")) if isinstance(call, dict) else (None, None)
             if not (
-                isinstance(f, dict) and isinstance(f.get("name"), str) and isinstance(call.get("id"), str)
+                isinstance(f, dict) and isinstance(name := f.get("name"), str) and isinstance(ident, str)
             ):
                 raise ChatError(
                     400, f"{where}.tool_calls[{j}]: expected an id and a function name", param="messages"
                 )
-            found.append(
-                (call["id"], f["name"], _canonical(f.get("arguments", "{}"), f"{where}.tool_calls[{j}]"))
-            )
+            found.append((ident, name, _canonical(f.get("arguments", "{}"), f"{where}.tool_calls[{j}]")))
         calls = tuple(found)
     call_id = message.get("tool_call_id") if role == "tool" else None
     if role == "tool" and not isinstance(call_id, str):
         raise ChatError(
             400, f"{where}: a tool message needs the tool_call_id of the call it answers", param="messages"
         )
-    return (role, text, calls, call_id)
+    return (role, text, calls, cast("str | None", call_id))  # a string for a tool message
 
 
 def check_tool_results(seen: list[Seen]) -> None:
@@ -405,14 +429,12 @@ def check_tool_results(seen: list[Seen]) -> None:
             open_calls = set()
 
 
-def calls_seen(parsed: ParsedTurn) -> tuple[tuple[str, str, Any], ...]:
+def calls_seen(parsed: ParsedTurn) -> tuple[SeenCall, ...]:
     return tuple((c.id, c.name, _canonical(c.arguments, "answer")) for c in parsed.tool_calls)
 
 
-def answer_body(
-    agent: str, parsed: ParsedTurn, finish: str, t: Transcript, completion: int
-) -> dict[str, Any]:
-    message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+def answer_body(agent: str, parsed: ParsedTurn, finish: str, t: Transcript, completion: int) -> JSONObject:
+    message: JSONObject = {"role": "assistant", "content": parsed.content}
     if parsed.reasoning is not None:
         message["reasoning_content"] = parsed.reasoning
     if parsed.tool_calls:

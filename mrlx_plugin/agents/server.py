@@ -13,13 +13,13 @@ import asyncio
 import logging
 import secrets
 import weakref
-from typing import Any
 
 import orjson
 from aiohttp import web
 
 from mrlx_plugin.agents.chat import AgentSession
 from mrlx_plugin.agents.request import ChatError, parse_body
+from mrlx_plugin.core.values import JSON, JSONObject
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ class AgentServer:
             if inflight is not None and task is not None:
                 inflight.add(task)
 
-            async def deliver(answer: dict[str, Any]) -> None:
+            async def deliver(answer: JSONObject) -> None:
                 # Written here, not after the handler returns: the session keeps the turn only
                 # once its answer is on the client's connection (a client that left gets none,
                 # and the handler is cancelled, so the turn is undone).
@@ -147,11 +147,11 @@ class AgentServer:
             _, session = self._session(request)
         except ChatError as exc:
             return _json(exc.body(), exc.status)
-        model = {"id": session.agent, "object": "model", "created": 0, "owned_by": "mrlx"}
+        model: JSONObject = {"id": session.agent, "object": "model", "created": 0, "owned_by": "mrlx"}
         return _json({"object": "list", "data": [model]}, 200)
 
 
-def _json(data: Any, status: int) -> web.Response:
+def _json(data: JSON, status: int) -> web.Response:
     return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")
 
 

@@ -15,7 +15,7 @@ import asyncio
 import inspect
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TypeVar
 
 from pydantic import Field, ValidationInfo, field_validator
 
@@ -46,9 +46,9 @@ class Task:
     """The episode's input, from the host's sample."""
 
     problem: str  # the prompt's text (the last user message of a chat prompt)
-    label: Any
-    prompt: Any  # the host sample's prompt as it came
-    metadata: Mapping[str, Any]
+    label: object  # the host sample's label, as it came
+    prompt: str | list[dict[str, str]]  # the host sample's prompt as it came
+    metadata: Mapping[str, object]
     evaluation: bool
     episode_id: str
     _grade: Callable[[str, str], Awaitable[float]] = field(repr=False, compare=False)
@@ -59,7 +59,10 @@ class Task:
         return await self._grade(answer, agent)
 
 
-AgentRun = Callable[[Task, dict[str, Endpoint]], Awaitable[Any]]
+# Returns a mapping of agent -> reward, an Outcome or None (anything else ends the episode, named).
+AgentRun = Callable[[Task, dict[str, Endpoint]], Awaitable[object]]
+
+T = TypeVar("T")
 
 
 class AgentCodeSettings(Section):
@@ -196,7 +199,7 @@ class _Code:
 
     async def _call(
         self, episode: Episode, task: Task, endpoints: dict[str, Endpoint], timeout_s: float
-    ) -> Any:
+    ) -> object:
         """What `run(task, endpoints)` returns. It runs as a task that is left behind at its
         deadline: code that catches its cancellation cannot hold the episode (its sessions are
         closed: it reaches no engine). Whatever it raises ends this episode, named, and nothing
@@ -254,7 +257,7 @@ class _UserCodeFailed(Exception):
         self.raised = raised
 
 
-async def _contained(work: Awaitable[Any]) -> Any:
+async def _contained(work: Awaitable[T]) -> T:
     """`await work`, with anything it raises that is not an Exception (SystemExit, a CancelledError
     of its own, ...) held as a `_UserCodeFailed`, short of what `stops_the_rollout`."""
     try:

@@ -26,13 +26,14 @@ import math
 import os
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from mrlx_plugin.core.config import (
     DAY_S,
     ConfigError,
+    CoordinatorSettings,
     Settings,
     config_dir,
     load_yaml,
@@ -197,7 +198,7 @@ async def check_coordinator(path: str, settings: Settings, timeout: float, repor
     )
 
 
-def _token(c: Any) -> str | None:
+def _token(c: CoordinatorSettings) -> str | None:
     if c.token_file:
         try:
             return Path(c.token_file).read_text().strip()
@@ -308,7 +309,7 @@ def _same_agent(
     """One agent's settings in every config: whether it trains, where it is served, its tokenizer."""
     key = f"mrlx.agents.{name}"
 
-    def differ(what: str, values: dict[str, Any], fix: str) -> None:
+    def differ(what: str, values: Mapping[str, object], fix: str) -> None:
         """`values`: config -> the setting there (compared as text, a URL without its last '/')."""
         if len({str(v).rstrip("/") for v in values.values()}) > 1:
             shown = ", ".join(f"{public_text(v)} in {p}" for p, v in values.items())

@@ -17,8 +17,8 @@ import sys
 import time
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
 
+from mrlx_plugin.core.host import Sample
 from mrlx_plugin.local.trainer.fake_host import (
     add_host_arguments,
     host_args,
@@ -51,20 +51,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 async def run_episodes(
-    args: Any, groups: list[list[Any]], concurrency: int, evaluation: bool = False
-) -> list[Any]:
+    args: argparse.Namespace, groups: list[list[Sample]], concurrency: int, evaluation: bool = False
+) -> list[Sample]:
     """Call the plugin's generate function on every sample, `concurrency` at a time."""
     from mrlx_plugin.rollout import generate
 
     semaphore = asyncio.Semaphore(concurrency)
     params = sampling_params(args)
 
-    async def one(sample: Any) -> Any:
+    async def one(sample: Sample) -> Sample | list[Sample]:
         async with semaphore:
             return await generate(args, sample, dict(params), evaluation=evaluation)
 
     results = await asyncio.gather(*(one(s) for group in groups for s in group))
-    flat: list[Any] = []
+    flat: list[Sample] = []
     for r in results:
         flat.extend(r if isinstance(r, list) else [r])
     return flat
@@ -137,7 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-async def _run_and_close(args: Any, groups: list[list[Any]], concurrency: int, evaluation: bool) -> list[Any]:
+async def _run_and_close(
+    args: argparse.Namespace, groups: list[list[Sample]], concurrency: int, evaluation: bool
+) -> list[Sample]:
     from mrlx_plugin.runtime import get_runtime
 
     try:

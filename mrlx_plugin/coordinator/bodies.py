@@ -3,9 +3,10 @@ numbers, 64-bit integers), and their errors as one 422 message naming the field 
 
 from __future__ import annotations
 
-from typing import Annotated, Any, TypeVar, get_args
+from typing import Annotated, TypeVar, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic_core import ErrorDetails
 
 from mrlx_plugin.link.wire import MAX_GROUP_SIZE, MAX_KEY_CHARS
 
@@ -93,7 +94,7 @@ class HttpProblem(Exception):
 _KINDS = {int: "an integer", float: "a number", str: "a string"}
 
 
-def _problem_text(model: type[Body], error: Any) -> str:
+def _problem_text(model: type[Body], error: ErrorDetails) -> str:
     """One validation error of `model` as a sentence naming the field."""
     name = str(error["loc"][0]) if error["loc"] else ""
     value, kind, ctx = error.get("input"), error["type"], error.get("ctx") or {}

@@ -8,12 +8,17 @@ from __future__ import annotations
 import sqlite3
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+
+import pyarrow as pa
 
 from mrlx_plugin.coordinator.database import QueueFull, Rejected
 from mrlx_plugin.link.wire import RecordView
 
 _ITEM_COLUMNS = "seq, key, consumer, grp, producer, step, n_tokens, created"
+# A row of `items` (`_ITEM_COLUMNS`), of `groups` as a commit starts one, and as it adds to one.
+ItemRow = tuple[int, str, str, str, str, int, int, float]
+NewGroupRow = tuple[str, str, str, int, int, int, int, int, float]
+GrownGroupRow = tuple[int, int, str, str]
 
 
 @dataclass
@@ -22,10 +27,10 @@ class CommitRows:
     groups it adds to; how many groups it completes, and the next item number after its own."""
 
     next_seq: int
-    items: list[tuple[Any, ...]] = field(default_factory=list)
-    records: list[tuple[int, Any]] = field(default_factory=list)
-    new_groups: list[tuple[Any, ...]] = field(default_factory=list)
-    grown_groups: list[tuple[Any, ...]] = field(default_factory=list)
+    items: list[ItemRow] = field(default_factory=list)
+    records: list[tuple[int, pa.Buffer]] = field(default_factory=list)
+    new_groups: list[NewGroupRow] = field(default_factory=list)
+    grown_groups: list[GrownGroupRow] = field(default_factory=list)
     completed: int = 0
 
     def write(self, conn: sqlite3.Connection) -> None:
@@ -42,7 +47,7 @@ class CommitRows:
         )
 
 
-def _item_row(seq: int, record: RecordView, consumer: str, now: float) -> tuple[Any, ...]:
+def _item_row(seq: int, record: RecordView, consumer: str, now: float) -> ItemRow:
     """An item's row of `items` (the columns `_ITEM_COLUMNS`)."""
     meta = record.meta
     return (seq, meta["key"], consumer, meta["group"], meta["producer"], meta["step"], meta["n_tokens"], now)

@@ -8,9 +8,13 @@ import asyncio
 import logging
 import resource
 import time
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Protocol, cast
 
 from aiohttp import web
+
+if TYPE_CHECKING:
+    from aiohttp.web_protocol import RequestHandler
 
 log = logging.getLogger("mrlx.coordinator")
 
@@ -50,6 +54,14 @@ def connection_cap(wanted: int) -> int:
     return cap
 
 
+class _ServerHooks(Protocol):
+    """The calls an aiohttp `web.Server`'s connections make to it, as attributes a guard replaces."""
+
+    connection_made: Callable[[RequestHandler, asyncio.Transport], None]
+    connection_lost: Callable[[RequestHandler, BaseException | None], None]
+    request_handler: Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
+
+
 class ConnectionGuard:
     """Bounds what connections that send nothing can hold (file descriptors above all):
 
@@ -72,21 +84,22 @@ class ConnectionGuard:
         self._loop = asyncio.get_running_loop()
         # Open connections, least recently active first -> the timer of their first header (None
         # once a request has started); and the requests in progress per connection.
-        self._conns: dict[Any, asyncio.TimerHandle | None] = {}
-        self._busy: dict[Any, int] = {}
+        self._conns: dict[RequestHandler, asyncio.TimerHandle | None] = {}
+        self._busy: dict[RequestHandler, int] = {}
         self._closed = {"cap": 0, "header": 0}
         self._reported = 0.0
-        made, lost, handle = server.connection_made, server.connection_lost, server.request_handler
+        hooks = cast(_ServerHooks, server)
+        made, lost, handle = hooks.connection_made, hooks.connection_lost, hooks.request_handler
 
-        def connection_made(protocol: Any, transport: asyncio.Transport) -> None:
+        def connection_made(protocol: RequestHandler, transport: asyncio.Transport) -> None:
             made(protocol, transport)
             self._opened(protocol)
 
-        def connection_lost(protocol: Any, exc: BaseException | None = None) -> None:
+        def connection_lost(protocol: RequestHandler, exc: BaseException | None = None) -> None:
             self._forget(protocol)
             lost(protocol, exc)
 
-        async def request_handler(request: Any) -> web.StreamResponse:
+        async def request_handler(request: web.BaseRequest) -> web.StreamResponse:
             protocol = request.protocol
             self._started(protocol)
             try:
@@ -94,26 +107,26 @@ class ConnectionGuard:
             finally:
                 self._finished(protocol)
 
-        server.connection_made = connection_made  # type: ignore[method-assign]
-        server.connection_lost = connection_lost  # type: ignore[method-assign]
-        server.request_handler = request_handler
+        hooks.connection_made = connection_made
+        hooks.connection_lost = connection_lost
+        hooks.request_handler = request_handler
         log.info(
             "at most %d connections; one without a complete request header for %g s is closed",
             cap,
             header_timeout_s,
         )
 
-    def _opened(self, protocol: Any) -> None:
+    def _opened(self, protocol: RequestHandler) -> None:
         self._conns[protocol] = self._loop.call_later(self.header_timeout_s, self._header_due, protocol)
         if len(self._conns) > self.cap:
             # The oldest idle one; the new one (last, never busy yet) when all others are busy.
             self._close(next(p for p in self._conns if p not in self._busy), "cap")
 
-    def _header_due(self, protocol: Any) -> None:
+    def _header_due(self, protocol: RequestHandler) -> None:
         if self._conns.get(protocol) is not None and protocol not in self._busy:
             self._close(protocol, "header")
 
-    def _started(self, protocol: Any) -> None:
+    def _started(self, protocol: RequestHandler) -> None:
         if protocol in self._conns:
             timer = self._conns.pop(protocol)
             if timer is not None:
@@ -121,19 +134,19 @@ class ConnectionGuard:
             self._conns[protocol] = None  # now the most recently active
         self._busy[protocol] = self._busy.get(protocol, 0) + 1
 
-    def _finished(self, protocol: Any) -> None:
+    def _finished(self, protocol: RequestHandler) -> None:
         count = self._busy.pop(protocol, 0) - 1
         if count > 0:
             self._busy[protocol] = count
         if protocol in self._conns:
             self._conns[protocol] = self._conns.pop(protocol)
 
-    def _forget(self, protocol: Any) -> None:
+    def _forget(self, protocol: RequestHandler) -> None:
         timer = self._conns.pop(protocol, None)
         if timer is not None:
             timer.cancel()
 
-    def _close(self, protocol: Any, reason: str) -> None:
+    def _close(self, protocol: RequestHandler, reason: str) -> None:
         self._forget(protocol)
         protocol.force_close()
         self._closed[reason] += 1

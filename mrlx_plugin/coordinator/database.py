@@ -27,7 +27,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import TypeVar
 
 log = logging.getLogger("mrlx_plugin.coordinator.storage")  # one log for the whole store
 
@@ -388,10 +388,10 @@ class Database:
 
     # ----------------------------------------------------------------- thread plumbing
 
-    async def _in_writer(self, fn: Callable[..., T], *args: Any) -> T:
+    async def _in_writer(self, fn: Callable[..., T], *args: object) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._writer_pool, fn, *args)
 
-    async def _in_reader(self, fn: Callable[..., T], *args: Any) -> T:
+    async def _in_reader(self, fn: Callable[..., T], *args: object) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._reader_pool, fn, *args)
 
     def _reader(self) -> sqlite3.Connection:

@@ -4,7 +4,7 @@ body from its model, its answers, and the signed-request scheme in words."""
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import cast
 
 from mrlx_plugin.coordinator.bodies import Body
 from mrlx_plugin.coordinator.routes import ROUTES
@@ -12,7 +12,7 @@ from mrlx_plugin.link.auth import MAX_SKEW_S, SCHEME
 from mrlx_plugin.link.wire import CONTENT_TYPE
 
 
-def _openapi30(schema: Any) -> Any:
+def _openapi30(schema: object) -> object:
     """A pydantic (JSON Schema 2020-12) schema in OpenAPI 3.0's dialect: `X | None` as `nullable`,
     no titles, no null defaults."""
     if isinstance(schema, list):
@@ -20,7 +20,7 @@ def _openapi30(schema: Any) -> Any:
     if not isinstance(schema, dict):
         return schema
     out = {key: _openapi30(value) for key, value in schema.items() if key != "title"}
-    options = out.get("anyOf")
+    options = cast("list[dict[str, object]] | None", out.get("anyOf"))
     if options is not None and {"type": "null"} in options:
         rest = [option for option in options if option != {"type": "null"}]
         del out["anyOf"]
@@ -31,9 +31,9 @@ def _openapi30(schema: Any) -> Any:
     return out
 
 
-def body_schema(model: type[Body]) -> dict[str, Any]:
+def body_schema(model: type[Body]) -> dict[str, object]:
     """The published JSON schema of a request body model."""
-    return _openapi30(model.model_json_schema())
+    return cast("dict[str, object]", _openapi30(model.model_json_schema()))
 
 
 SIGNATURE_SCHEME_TEXT = (
@@ -51,7 +51,7 @@ SIGNATURE_SCHEME_TEXT = (
 )
 
 
-def openapi_document(run_id: str | None = None, agents: list[str] | None = None) -> dict[str, Any]:
+def openapi_document(run_id: str | None = None, agents: list[str] | None = None) -> dict[str, object]:
     """The OpenAPI 3.0 description of every route in `ROUTES` (served auth-free at /openapi.json),
     request bodies from their models.
 
@@ -61,18 +61,24 @@ def openapi_document(run_id: str | None = None, agents: list[str] | None = None)
         "description": "error",
         "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
     }
-    json_ok = {"description": "ok", "content": {"application/json": {"schema": {"type": "object"}}}}
+    json_ok = {
+        "description": "ok",
+        "content": {"application/json": {"schema": {"type": "object"}}},
+    }
     binary = {"schema": {"type": "string", "format": "binary"}}
     frame_ok = {
         "description": "a wire frame: an Arrow IPC stream (see mrlx_plugin.link.wire); the JSON header in "
         "its schema metadata holds lease_id, end, groups, message, dead (groups set aside)",
         "content": {CONTENT_TYPE: binary},
     }
-    metrics_ok = {"description": "metrics", "content": {"text/plain": {"schema": {"type": "string"}}}}
+    metrics_ok = {
+        "description": "metrics",
+        "content": {"text/plain": {"schema": {"type": "string"}}},
+    }
     names = {"run": [run_id] if run_id else None, "consumer": agents, "agent": agents}
-    paths: dict[str, Any] = {}
+    paths: dict[str, dict[str, object]] = {}
     for route in ROUTES:
-        op: dict[str, Any] = {"summary": route.summary}
+        op: dict[str, object] = {"summary": route.summary}
         if route.open:
             op["security"] = []
         params = re.findall(r"{(\w+)}", route.path)

@@ -8,7 +8,7 @@ import asyncio
 import hashlib
 import logging
 import time
-from typing import Any
+from collections.abc import Mapping
 
 from aiohttp import web
 
@@ -31,12 +31,13 @@ from mrlx_plugin.coordinator.config import (
     MAX_FRAME_MESSAGE_BYTES,
 )
 from mrlx_plugin.coordinator.state import AGENT_HEADER, CoordinatorState, pulse, seen_phrase
-from mrlx_plugin.coordinator.storage import QueueStats
+from mrlx_plugin.coordinator.storage import DeadGroup, LeaseGrant, QueueStats
 from mrlx_plugin.core.netutil import BodyLengthError, read_declared
 from mrlx_plugin.link.item_checks import validate_frame
 from mrlx_plugin.link.wire import (
     CONTENT_TYPE,
     END_OF_STREAM,
+    DeadLetter,
     FrameLimits,
     FrameTooLarge,
     FrameView,
@@ -207,7 +208,9 @@ class QueueHandlers(CoordinatorState):
             if waiting:
                 self._wait_ended("lease", False)
 
-    async def _lease_response(self, consumer: str, grant: Any, request: web.Request) -> web.StreamResponse:
+    async def _lease_response(
+        self, consumer: str, grant: LeaseGrant, request: web.Request
+    ) -> web.StreamResponse:
         records = await self.store.read_groups(consumer, [g.group for g in grant.groups])
         groups = []
         flat: list[bytes] = []
@@ -259,10 +262,10 @@ class QueueHandlers(CoordinatorState):
         return response
 
     @staticmethod
-    def _dead_json(grant: Any) -> list[dict[str, Any]]:
+    def _dead_json(grant: LeaseGrant) -> list[DeadLetter]:
         """The groups set aside that a lease answer reports: those of the step asked for (every one,
         so that a consumer restarted after an earlier report learns them too), else this attempt's."""
-        seen: dict[str, Any] = {}
+        seen: dict[str, DeadGroup] = {}
         for dead in [*grant.step_dead, *grant.dead]:
             seen.setdefault(dead.group, dead)
         return [
@@ -270,7 +273,7 @@ class QueueHandlers(CoordinatorState):
             for d in seen.values()
         ]
 
-    def _count_dead(self, consumer: str, dead: list[Any], reason: str) -> None:
+    def _count_dead(self, consumer: str, dead: list[DeadGroup], reason: str) -> None:
         if not dead:
             return
         items = sum(d.n_items for d in dead)
@@ -288,7 +291,7 @@ class QueueHandlers(CoordinatorState):
             )
         pulse(self._queue_events, consumer)  # room for blocked producers
 
-    def _frame_response(self, header: dict[str, Any]) -> web.Response:
+    def _frame_response(self, header: Mapping[str, object]) -> web.Response:
         return web.Response(body=encode_frame([], header), content_type=CONTENT_TYPE)
 
     async def _no_groups_message(self, consumer: str, waited: float) -> str:
@@ -384,7 +387,7 @@ class QueueHandlers(CoordinatorState):
         stats = (await self.store.queue_stats(time.time())).get(consumer, QueueStats())
         return self._json(self._queue_json(consumer, stats))
 
-    def _queue_json(self, consumer: str, stats: QueueStats) -> dict[str, Any]:
+    def _queue_json(self, consumer: str, stats: QueueStats) -> dict[str, object]:
         now = time.time()
         return {
             "consumer": consumer,

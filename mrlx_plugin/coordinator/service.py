@@ -8,7 +8,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import cast
 
 import orjson
 from aiohttp import web
@@ -95,7 +95,8 @@ class Coordinator(QueueHandlers):
             response = self._error_response(500, f"internal error: {type(exc).__name__}: {exc}", None)
         self.metrics.inc("mrlx_coordinator_requests_total", endpoint=endpoint, status=str(response.status))
         if isinstance(response, web.Response) and not response.prepared:
-            self.signing.prove(request, response, content_sha256(response.body))  # type: ignore[arg-type]
+            # the handlers' answers hold bytes (never a streamed payload)
+            self.signing.prove(request, response, content_sha256(cast("bytes | None", response.body)))
         return response
 
     @staticmethod
@@ -171,7 +172,7 @@ class Coordinator(QueueHandlers):
             return self._json(openapi_document())
         return self._json(openapi_document(self.config.run_id, self.agents))
 
-    def _agent_json(self, agent: str) -> dict[str, Any]:
+    def _agent_json(self, agent: str) -> dict[str, object]:
         now = time.time()
         version = self.versions.get(agent)
         beat = self.heartbeats.get(agent)

@@ -8,7 +8,6 @@ import asyncio
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import orjson
 from aiohttp import web
@@ -141,7 +140,7 @@ class CoordinatorState:
         return parse_body(raw, model, f"{request.method} {request.path}")
 
     @staticmethod
-    def _json(data: Any, status: int = 200) -> web.Response:
+    def _json(data: object, status: int = 200) -> web.Response:
         return web.Response(status=status, body=orjson.dumps(data), content_type="application/json")
 
     def _wait_started(self, kind: str) -> None:

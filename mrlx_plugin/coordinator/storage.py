@@ -21,7 +21,6 @@ import secrets
 import sqlite3
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import orjson
 
@@ -288,7 +287,7 @@ class CoordinatorStore(Database):
             "WHERE consumer = ? AND acked IS NULL AND dead IS NULL AND complete = 1 "
             "AND (lease_expires IS NULL OR lease_expires <= ?)"
         )
-        params: list[Any] = [consumer, now]
+        params: list[str | float] = [consumer, now]
         if step is not None:
             query += " AND step = ?"
             params.append(step)
@@ -565,7 +564,13 @@ class CoordinatorStore(Database):
         self._after_write()
 
 
-def _over_delivered(rows: list[Any], max_deliveries: int) -> tuple[list[Any], list[DeadGroup]]:
+# A leasable group's row: grp, n_items, step, producer, deliveries.
+_LeasableRow = tuple[str, int, int, str, int]
+
+
+def _over_delivered(
+    rows: list[_LeasableRow], max_deliveries: int
+) -> tuple[list[_LeasableRow], list[DeadGroup]]:
     """Leasable rows (grp, n_items, step, producer, deliveries) split into those to lease and the
     groups to set aside, delivered `max_deliveries` times already and never acknowledged."""
     dead = [

@@ -20,9 +20,8 @@ retries, after a fixed wait, until its deadline: the peer updates its weights me
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import orjson
 from yarl import URL
@@ -48,6 +47,7 @@ from mrlx_plugin.core.sglang import (
     requested_max,
     too_many_bytes,
 )
+from mrlx_plugin.core.values import JSON
 
 MAX_BODY_BYTES = 32 * 1024 * 1024  # a 32k-token answer with its log-probs is about 1.4 MB
 # Idle connections are dropped before SGLang's HTTP server (uvicorn, 5 s keep-alive) drops them,
@@ -123,10 +123,10 @@ class EngineClient(HttpClient):
     async def generate(
         self,
         input_ids: list[int],
-        sampling_params: dict[str, Any],
+        sampling_params: Mapping[str, object],
         *,
         deadline: float | None = None,
-        extra: dict[str, Any] | None = None,
+        extra: Mapping[str, object] | None = None,
         peer: PeerRetry | None = None,
     ) -> GenerateResult:
         """POST `/generate` with `input_ids` and return what the engine sampled.
@@ -216,7 +216,7 @@ class EngineClient(HttpClient):
         except TRANSPORT_ERRORS as exc:
             raise as_passing(exc, self._address, timeout) from None
 
-    async def get_json(self, path: str, timeout: float | None = None) -> Any:
+    async def get_json(self, path: str, timeout: float | None = None) -> JSON:
         """GET an endpoint and decode its JSON (health checks, model info, weight version)."""
         try:
             status, raw = await self._request(

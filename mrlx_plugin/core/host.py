@@ -13,30 +13,36 @@ import enum
 import os
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypedDict, TypeVar, cast
+
+if TYPE_CHECKING:
+    from mrlx_plugin.core.sglang import SamplingParams
 
 HOST: str | None = None
 
-try:  # slime
-    from slime.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput  # type: ignore[no-redef]
-    from slime.utils.types import Sample  # type: ignore[no-redef]
+# Type checkers read the stand-ins below as the host's types: they have the fields both hosts
+# share (`HostSample`), and neither host need be installed where the plugin is checked.
+if not TYPE_CHECKING:
+    try:  # slime
+        from slime.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput
+        from slime.utils.types import Sample
 
-    HOST = "slime"
-except ImportError:
-    try:  # Miles
-        from miles.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput  # type: ignore[no-redef]
-        from miles.utils.types import Sample  # type: ignore[no-redef]
-
-        HOST = "miles"
+        HOST = "slime"
     except ImportError:
-        HOST = None
+        try:  # Miles
+            from miles.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput
+            from miles.utils.types import Sample
 
-if HOST is None:
+            HOST = "miles"
+        except ImportError:
+            HOST = None
+
+if TYPE_CHECKING or HOST is None:
 
     @dataclass
-    class Sample:  # type: ignore[no-redef]
+    class Sample:
         """The host's Sample, field for field where a plugin touches it (docs/host-contract.md section 3)."""
 
         group_index: int | None = None
@@ -44,11 +50,11 @@ if HOST is None:
         rollout_id: int | None = None
         prompt: str | list[dict[str, str]] = ""
         tokens: list[int] = field(default_factory=list)
-        multimodal_inputs: dict[str, Any] | None = None
+        multimodal_inputs: dict[str, object] | None = None
         response: str = ""
         response_length: int = 0
-        label: str | None = None
-        reward: float | dict[str, Any] | None = None
+        label: object = None  # the hosts declare `str | None`; a data set's ground truth may be any value
+        reward: float | dict[str, object] | None = None
         loss_mask: list[int] | None = None
         weight_versions: list[str] = field(default_factory=list)
         rollout_log_probs: list[float] | None = None
@@ -68,31 +74,32 @@ if HOST is None:
         train_metadata: dict | None = None
         session_id: str | None = None
 
-        def to_dict(self) -> dict[str, Any]:
+        def to_dict(self) -> dict[str, object]:
             value = self.__dict__.copy()
             value["status"] = self.status.value
             return value
 
         @staticmethod
-        def from_dict(data: dict[str, Any]) -> Sample:
-            data = dict(data)
-            data["status"] = Sample.Status(data.get("status", "pending"))
+        def from_dict(data: Mapping[str, object]) -> Sample:
+            values = dict(data)
+            values["status"] = Sample.Status(values.get("status", "pending"))
             names = set(Sample.__dataclass_fields__)
-            sample = Sample(**{k: v for k, v in data.items() if k in names})
-            for key, value in data.items():
+            build: Callable[..., Sample] = Sample  # its fields, as `data` holds them
+            sample = build(**{k: v for k, v in values.items() if k in names})
+            for key, value in values.items():
                 if key not in names:
                     setattr(sample, key, value)
             return sample
 
     @dataclass
-    class RolloutFnTrainOutput:  # type: ignore[no-redef]
-        samples: list[list[Any]]
-        metrics: dict[str, Any] | None = None
+    class RolloutFnTrainOutput:
+        samples: list[list[HostSample]]
+        metrics: dict[str, float] | None = None
 
     @dataclass
-    class RolloutFnEvalOutput:  # type: ignore[no-redef]
-        data: dict[str, dict[str, Any]]
-        metrics: dict[str, Any] | None = None
+    class RolloutFnEvalOutput:
+        data: dict[str, EvalEntry]
+        metrics: dict[str, float] | None = None
 
 
 Status = Sample.Status
@@ -114,12 +121,30 @@ class HostSample(Protocol):
     loss_mask: list[int] | None
     rollout_log_probs: list[float] | None
     weight_versions: list[str]
-    status: object  # the host's Sample.Status
+    status: Status  # the host's Sample.Status
     metadata: dict[str, object]
     remove_sample: bool
 
+    def to_dict(self) -> dict[str, object]: ...
 
-def copy_sample(sample: Any, **changes: Any) -> Any:
+
+class EvalEntry(TypedDict, total=False):
+    """One evaluation data set's part of a `RolloutFnEvalOutput` (`data[name]`), as the hosts fill it."""
+
+    rewards: list[float]
+    truncated: list[bool]
+    samples: list[HostSample]
+
+
+class MilesGenerateInput(Protocol):
+    """What the plugin reads of Miles' `GenerateFnInput` (a new-form generate function's one argument)."""
+
+    args: argparse.Namespace
+    sample: HostSample
+    sampling_params: Mapping[str, object] | None
+
+
+def copy_sample(sample: HostSample, **changes: object) -> HostSample:
     """A new Sample of the host's class with the identity fields of `sample` and `changes` applied.
 
     Only the fields a plugin owns are carried over; tokens, masks and log-probs start empty so that
@@ -135,15 +160,17 @@ def copy_sample(sample: Any, **changes: Any) -> Any:
         metadata=dict(sample.metadata or {}),
     )
     new.rollout_id = getattr(sample, "rollout_id", None)
-    if getattr(sample, "session_id", None) is not None and hasattr(new, "session_id"):
-        new.session_id = sample.session_id
+    session_id = getattr(sample, "session_id", None)
+    if session_id is not None and hasattr(new, "session_id"):
+        new.session_id = session_id
     for key, value in changes.items():
         setattr(new, key, value)
     return new
 
 
 def load_function(path: str) -> Any:
-    """The object a `--*-path` flag names (`package.module.attr`), loaded as the host loads it."""
+    """The object a `--*-path` flag names (`package.module.attr`), loaded as the host loads it
+    (an attribute of a module named at run time: whatever the flag names, called as it is)."""
     import importlib
 
     module, _, attr = str(path).rpartition(".")
@@ -160,7 +187,7 @@ def router_url(args: argparse.Namespace) -> str | None:
     return f"http://{host}:{port}"
 
 
-def host_abort_flag(miles_input: Any = None) -> Callable[[], bool]:
+def host_abort_flag(miles_input: object = None) -> Callable[[], bool]:
     """A function that tells whether the host has marked the current rollout aborted.
 
     slime keeps one `GenerateState` singleton whose `aborted` its default rollout sets before it
@@ -192,21 +219,25 @@ def _never() -> bool:
     return False
 
 
-async def host_reward(args: argparse.Namespace, sample: Any) -> Any:
-    """The host's own grader for one sample (`--rm-type`, `--custom-rm-path`), when a host is installed."""
+async def host_reward(args: object, sample: HostSample) -> object:
+    """The host's own grader for one sample (`--rm-type`, `--custom-rm-path`), when a host is
+    installed. `args`: the host's args, or a view of them; what it returns is the host's (a
+    number, or a dict of them that `--reward-key` picks from)."""
     if HOST == "slime":
-        from slime.rollout.rm_hub import async_rm
-    elif HOST == "miles":
-        from miles.rollout.rm_hub import async_rm  # type: ignore[no-redef]
-    else:
-        raise RuntimeError(
-            "grader 'host' needs slime or Miles installed in this environment; "
-            "set mrlx.rewards.grader to 'math' or name your own grader hook"
-        )
-    return await async_rm(args, sample)
+        from slime.rollout.rm_hub import async_rm as slime_rm
+
+        return await slime_rm(args, sample)
+    if HOST == "miles":
+        from miles.rollout.rm_hub import async_rm as miles_rm
+
+        return await miles_rm(args, sample)
+    raise RuntimeError(
+        "grader 'host' needs slime or Miles installed in this environment; "
+        "set mrlx.rewards.grader to 'math' or name your own grader hook"
+    )
 
 
-def wrap_generate_output(samples: Any, miles_input: Any) -> Any:
+def wrap_generate_output(samples: HostSample | list[HostSample], miles_input: object) -> object:
     """Return `samples` in the form the caller used: Miles' GenerateFnOutput for an `input` call."""
     if miles_input is None:
         return samples
@@ -218,14 +249,17 @@ def wrap_generate_output(samples: Any, miles_input: Any) -> Any:
 
 
 def unpack_generate_call(
-    args: Any, sample: Any, sampling_params: Any, evaluation: bool
-) -> tuple[Any, Any, dict[str, Any], bool, Any]:
+    args: argparse.Namespace | MilesGenerateInput,
+    sample: HostSample | None,
+    sampling_params: Mapping[str, object] | None,
+    evaluation: bool,
+) -> tuple[argparse.Namespace, HostSample, dict[str, object], bool, MilesGenerateInput | None]:
     """Accept slime's `(args, sample, sampling_params, evaluation)` and Miles' `(input)` forms.
 
     Returns (args, sample, sampling_params, evaluation, miles_input_or_None).
     """
     if sample is None and hasattr(args, "sample") and hasattr(args, "sampling_params"):
-        miles_input = args
+        miles_input = cast(MilesGenerateInput, args)
         return (
             miles_input.args,
             miles_input.sample,
@@ -238,7 +272,10 @@ def unpack_generate_call(
             "generate() takes (args, sample, sampling_params, evaluation=False) as slime calls it, "
             "or one Miles GenerateFnInput"
         )
-    return args, sample, dict(sampling_params or {}), bool(evaluation), None
+    return cast(argparse.Namespace, args), sample, dict(sampling_params or {}), bool(evaluation), None
+
+
+T = TypeVar("T")
 
 
 class _LoopThread:
@@ -249,11 +286,8 @@ class _LoopThread:
         self.thread = threading.Thread(target=self.loop.run_forever, name="mrlx-rollout-loop", daemon=True)
         self.thread.start()
 
-    def run(self, coro: Any) -> Any:
+    def run(self, coro: Coroutine[object, object, T]) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
-
-
-T = TypeVar("T")
 
 
 class HostProcess:
@@ -275,40 +309,40 @@ class HostProcess:
     def __init__(self) -> None:
         # `argparse.Namespace` is unhashable: objects are keyed by id(args), guarded by a weak
         # reference against the id's reuse by a later args object.
-        self._per_args: dict[tuple[int, str], tuple[Callable[[], Any], Any]] = {}
+        self._per_args: dict[tuple[int, str], tuple[Callable[[], object], object]] = {}
         # Re-entrant: building one per-args object (the Runtime) may ask for another (its verifier).
         self._lock = threading.RLock()
         self._own_loop: _LoopThread | None = None
         self._loop_lock = threading.Lock()  # not the build lock: a long build must not hold up the loop
-        self._miles_rollouts: dict[int, tuple[Any, Any]] = {}
+        self._miles_rollouts: dict[int, tuple[object, object]] = {}
 
-    def cached(self, args: Any, kind: str) -> Any | None:
+    def cached(self, args: object, kind: str) -> object | None:
         """The `kind` object of `args` if it was built, else None (never blocks)."""
         entry = self._per_args.get((id(args), kind))
         if entry is not None and entry[0]() is args:
             return entry[1]
         return None
 
-    def for_args(self, args: Any, kind: str, build: Callable[[], T]) -> T:
+    def for_args(self, args: object, kind: str, build: Callable[[], T]) -> T:
         """The `kind` object of `args`, built by `build()` on first use (one build at a time)."""
         value = self.cached(args, kind)
         if value is not None:
-            return value
+            return cast(T, value)  # what `build` made for this kind
         with self._lock:
             value = self.cached(args, kind)
             if value is None:
                 value = build()
                 try:
-                    ref: Callable[[], Any] = weakref.ref(args)
+                    ref: Callable[[], object] = weakref.ref(args)
                 except TypeError:  # an args object without weakref support: keep it alive instead
                     ref = (lambda a: lambda: a)(args)
                 # Forget objects of args that are gone, so that ids can be reused safely.
                 for key in [k for k, (r, _) in self._per_args.items() if r() is None]:
                     del self._per_args[key]
                 self._per_args[(id(args), kind)] = (ref, value)
-            return value
+            return cast(T, value)
 
-    def run(self, coro: Any) -> Any:
+    def run(self, coro: Coroutine[object, object, T]) -> T:
         """Run `coro` to completion on the host's rollout event loop and return its result.
 
         slime and Miles run every rollout coroutine (the generate function included) on one
@@ -321,14 +355,14 @@ class HostProcess:
                     run = __import__(module, fromlist=["run"]).run
                 except ImportError:
                     break
-                return run(coro)
+                return cast(T, run(coro))
         if self._own_loop is None:
             with self._loop_lock:
                 if self._own_loop is None:
                     self._own_loop = _LoopThread()
         return self._own_loop.run(coro)
 
-    def miles_rollout(self, args: Any, data_source: Any) -> Any:
+    def miles_rollout(self, args: argparse.Namespace, data_source: object) -> object:
         """Miles' class-based rollout for `data_source`: built once and kept (it keeps state across
         calls: its GenerateState, eval datasets), like the one Miles' rollout manager would build."""
         from miles.rollout.base_types import RolloutFnConstructorInput
@@ -346,14 +380,17 @@ class HostProcess:
 HOST_PROCESS = HostProcess()
 
 
-def run_in_host_loop(coro: Any) -> Any:
+def run_in_host_loop(coro: Coroutine[object, object, T]) -> T:
     """Run `coro` to completion on the host's rollout event loop (see `HostProcess.run`)."""
     return HOST_PROCESS.run(coro)
 
 
-def host_default_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: bool = False) -> Any:
+def host_default_rollout(
+    args: argparse.Namespace, rollout_id: int, data_source: object, evaluation: bool = False
+) -> Any:
     """The host's own default rollout, or the embedded stand-in without a host. It calls the
-    `--custom-generate-function-path` function per sample.
+    `--custom-generate-function-path` function per sample. What it returns is the host's rollout
+    output (a `RolloutFnTrainOutput`, or the evaluation's), as that host's version makes it.
 
     slime: `slime.rollout.sglang_rollout.generate_rollout`. Miles: the class-based
     `InferenceRolloutFn` (built once per data source and kept, as Miles' rollout manager does),
@@ -386,7 +423,9 @@ def miles_uses_legacy_rollout() -> bool:
     return bool(use_legacy_rollout_v1())
 
 
-def _miles_default_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: bool) -> Any:
+def _miles_default_rollout(
+    args: argparse.Namespace, rollout_id: int, data_source: object, evaluation: bool
+) -> Any:
     from miles.rollout.base_types import call_rollout_fn
 
     if miles_uses_legacy_rollout():
@@ -404,6 +443,13 @@ def _miles_default_rollout(args: Any, rollout_id: int, data_source: Any, evaluat
     return call_rollout_function(HOST_PROCESS.miles_rollout(args, data_source), rollout_input)
 
 
+class ModelMax(Protocol):
+    """The host model's position limit, as read by `mrlx_plugin.link.limits.read_model_limits`."""
+
+    @property
+    def max_length(self) -> int | None: ...
+
+
 @dataclass
 class HostLimits:
     """The host's generation limits, as read from `args` (slime's flag names)."""
@@ -411,13 +457,13 @@ class HostLimits:
     max_context: int | None  # rollout_max_context_len (eval_max_context_len in evaluation)
     max_context_eval: int | None
     max_response: int | None  # rollout_max_response_len
-    default_sampling: dict[str, Any]  # used when the host passes no sampling_params (CLI)
+    default_sampling: SamplingParams  # used when the host passes no sampling_params (CLI)
     # The host model's own position limit (`--max-position-embeddings`, else the checkpoint's
     # config.json): a longer sample has positions the trainer's model has no embedding for.
     model_max: int | None = None
 
     @classmethod
-    def from_args(cls, args: Any, model: Any) -> HostLimits:
+    def from_args(cls, args: argparse.Namespace, model: ModelMax) -> HostLimits:
         """The limits of `args`; `model` holds the host model's limits (`max_length`), as read
         (blocking) from the flags or the checkpoint's config.json when the Runtime is built."""
         ctx = getattr(args, "rollout_max_context_len", None)

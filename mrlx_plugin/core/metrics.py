@@ -39,25 +39,35 @@ token counts, aborted/retried turns, ...), so the metrics are computed from the 
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import logging
 from collections import defaultdict
-from typing import Any
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from mrlx_plugin.core.host import HostSample
 
 logger = logging.getLogger(__name__)
 
+# A sample's `metadata["mrlx"]` record (`episodes.samples.sample_meta` writes it) as read back
+# here: free-form values of the kinds that writer (and each system, under "episode") gives them,
+# summed and compared as such: `Any`.
+Record = dict[str, Any]
 
-def _meta(sample: Any) -> dict[str, Any]:
+
+def _meta(sample: object) -> Record:
     return (getattr(sample, "metadata", None) or {}).get("mrlx") or {}
 
 
-def compute_metrics(samples: list[Any]) -> dict[str, float]:
+def compute_metrics(samples: Iterable[HostSample]) -> dict[str, float]:
     """The table above, for a flat list of samples (samples without mrlx metadata are ignored)."""
     out: dict[str, float] = {}
     rewards: dict[str, list[float]] = defaultdict(list)
     shaped: dict[str, list[float]] = defaultdict(list)
     trained_tokens: dict[str, int] = defaultdict(int)
-    episodes: dict[str, dict[str, Any]] = {}
+    episodes: dict[str, Record] = {}
     turn_samples = 0
     over_context = 0
     for s in samples:
@@ -120,7 +130,7 @@ def compute_metrics(samples: list[Any]) -> dict[str, float]:
     return out
 
 
-def _agent_code_metrics(eps: list[dict[str, Any]]) -> dict[str, float]:
+def _agent_code_metrics(eps: list[Record]) -> dict[str, float]:
     """The `agents/` metrics of episodes of agent code (their facts: `mrlx_plugin.agents.chat`)."""
     stats = [s for e in eps for s in ((e.get("episode") or {}).get("agent_code") or {}).values()]
     if not stats:
@@ -140,7 +150,7 @@ def _agent_code_metrics(eps: list[dict[str, Any]]) -> dict[str, float]:
     return out
 
 
-def _debate_metrics(finished: list[dict[str, Any]]) -> dict[str, float]:
+def _debate_metrics(finished: list[Record]) -> dict[str, float]:
     """The `debate/` metrics of the finished debate episodes (their facts: `systems.debate`)."""
     debates = [e["episode"] for e in finished if "invalid_verdict" in (e.get("episode") or {})]
     if not debates:
@@ -152,7 +162,7 @@ def _debate_metrics(finished: list[dict[str, Any]]) -> dict[str, float]:
     return out
 
 
-def _game_metrics(eps: list[dict[str, Any]]) -> dict[str, float]:
+def _game_metrics(eps: list[Record]) -> dict[str, float]:
     """The `game/` metrics of the game episodes among `eps` (their facts: `systems.game`)."""
     games = [e for e in eps if "game" in (e.get("episode") or {})]
     finished = [e["episode"] for e in games if not e.get("aborted") and "outcome" in e["episode"]]
@@ -185,7 +195,11 @@ def _game_metrics(eps: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def log_rollout(
-    rollout_id: int, args: Any, samples: list[Any], rollout_extra_metrics: dict | None, rollout_time: float
+    rollout_id: int,
+    args: argparse.Namespace,
+    samples: list[HostSample],
+    rollout_extra_metrics: dict | None,
+    rollout_time: float,
 ) -> bool:
     """`--custom-rollout-log-function-path`: add the multi-agent metrics to the host's log.
 
@@ -202,7 +216,9 @@ def log_rollout(
     return False
 
 
-def log_eval_rollout(rollout_id: int, args: Any, data: dict, extra_metrics: dict | None) -> bool:
+def log_eval_rollout(
+    rollout_id: int, args: argparse.Namespace, data: dict, extra_metrics: dict | None
+) -> bool:
     """`--custom-eval-rollout-log-function-path`: per-dataset multi-agent metrics under `eval/<name>/`.
 
     Both hosts log the eval output's `metrics` after this returns, and their own rollouts leave
@@ -227,7 +243,9 @@ _HOST_LOGGING = {
 }
 
 
-def log_through_host(args: Any, metrics: dict[str, float], rollout_id: int, evaluation: bool) -> None:
+def log_through_host(
+    args: argparse.Namespace, metrics: dict[str, float], rollout_id: int, evaluation: bool
+) -> None:
     """Log `metrics` with the host's own logger, on the step axis the host uses for that kind of
     rollout (`rollout/step` or `eval/step`), so they line up with the host's metrics."""
     from mrlx_plugin.core.host import HOST

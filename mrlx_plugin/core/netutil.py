@@ -8,7 +8,10 @@ from __future__ import annotations
 import ipaddress
 import os
 import socket
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import aiohttp
 
 
 def is_loopback(host: str) -> bool:
@@ -60,7 +63,7 @@ class BodyLengthError(ValueError):
         self.received, self.length = received, length
 
 
-async def read_declared(content: Any, length: int, buf: bytearray) -> memoryview:
+async def read_declared(content: aiohttp.StreamReader, length: int, buf: bytearray) -> memoryview:
     """Read a body of `length` declared bytes from `content` (an aiohttp stream: a request's or an
     answer's) into `buf`, and return the view of its bytes there.
 

@@ -23,7 +23,7 @@ import random
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TypeVar, cast
 
 T = TypeVar("T")
 _DEADLINE_PASSED = "deadline passed"
@@ -156,7 +156,7 @@ async def async_wait_until(
         if inspect.isawaitable(value):
             value = await value
         if value:
-            return value  # type: ignore[return-value]
+            return cast(T, value)  # awaited if it was an awaitable
         if deadline.expired():
             raise _not_ready(what, ready, started, details)
         polls += 1

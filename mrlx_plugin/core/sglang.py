@@ -17,6 +17,7 @@ cannot hold the event loop or the process's memory for long.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +42,10 @@ ANSWER_BYTES_FIXED = 64 * 1024
 ANSWER_VALUES_PER_TOKEN = 32
 ANSWER_VALUES_FIXED = 4096
 
+# A request's `sampling_params` (the host's, the agent's settings over them, a call's over those):
+# JSON values by name, read as SGLang reads them (`int(params["max_new_tokens"])`), hence `Any`.
+SamplingParams = dict[str, Any]
+
 
 class NotTheProtocol(Exception):
     """An answer that is not the protocol's shape (retried: it may pass)."""
@@ -63,10 +68,10 @@ class GenerateResult:
 
 
 def generate_body(
-    input_ids: list[int], sampling_params: dict[str, Any], extra: dict[str, Any] | None
+    input_ids: list[int], sampling_params: Mapping[str, object], extra: Mapping[str, object] | None
 ) -> bytes:
     """The JSON body of a `/generate` request; `extra` adds fields (an adapter's `lora_path`)."""
-    body: dict[str, Any] = {
+    body: dict[str, object] = {
         "input_ids": input_ids,
         "sampling_params": sampling_params,
         "return_logprob": True,
@@ -78,7 +83,7 @@ def generate_body(
     return bytes(memoryview(orjson.dumps(body)))
 
 
-def requested_max(sampling_params: dict[str, Any]) -> int | None:
+def requested_max(sampling_params: Mapping[str, object]) -> int | None:
     """The request's `max_new_tokens`, when it is a count (what bounds its answer)."""
     value = sampling_params.get("max_new_tokens") if isinstance(sampling_params, dict) else None
     return value if type(value) is int and value >= 0 else None
@@ -163,8 +168,9 @@ def parse_generate_response(
 
 
 def _ids_and_logprobs(entries: list[Any]) -> tuple[list[int], list[float]]:
-    """The ids and log-probs of `output_token_logprobs` entries, checked. The checks are C-level
-    passes: they run over every generated token of every call."""
+    """The ids and log-probs of `output_token_logprobs` entries (parsed JSON, of any shape until
+    checked here), checked. The checks are C-level passes: they run over every generated token of
+    every call."""
     try:
         columns = list(zip(*entries))  # [(logprob, ...), (token_id, ...), ...] in one C-level pass
     except TypeError:

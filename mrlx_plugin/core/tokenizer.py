@@ -22,10 +22,13 @@ import re
 import secrets
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Hashable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from mrlx_plugin.core.config import ConfigError
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 # Paragraph breaks: after a blank line, before the next non-space character. Byte-level BPE
 # tokenizers (GPT-2, Llama 3, Qwen) never merge across such a point, so encoding the paragraphs
@@ -68,7 +71,11 @@ PIECE_CACHE_BUDGET = 4_000_000  # each of the two piece caches (markup, content)
 _LARGEST_ENTRY = 8  # the budget's share one entry may take: 1/8
 
 
-class _SizedCache:
+K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
+
+
+class _SizedCache(Generic[K, V]):
     """A map bounded by the total size of its entries (and by their count), evicting the oldest
     first (`get(touch=True)` makes an entry the newest). Writers hold the tokenizer's lock."""
 
@@ -77,21 +84,21 @@ class _SizedCache:
         self.largest = budget // _LARGEST_ENTRY
         self.max_entries = max_entries
         self.size = 0
-        self._items: OrderedDict[Any, tuple[Any, int]] = OrderedDict()
+        self._items: OrderedDict[K, tuple[V, int]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._items)
 
-    def __contains__(self, key: Any) -> bool:
+    def __contains__(self, key: object) -> bool:
         return key in self._items
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[K]:
         return iter(list(self._items))
 
-    def keys(self) -> list[Any]:
+    def keys(self) -> list[K]:
         return list(self._items)
 
-    def get(self, key: Any, touch: bool = False) -> Any:
+    def get(self, key: K, touch: bool = False) -> V | None:
         hit = self._items.get(key)
         if hit is None:
             return None
@@ -99,7 +106,7 @@ class _SizedCache:
             self._items.move_to_end(key)
         return hit[0]
 
-    def put(self, key: Any, value: Any, size: int) -> bool:
+    def put(self, key: K, value: V, size: int) -> bool:
         """Cache `value` as `size` (characters + ids); False when it is too large to cache."""
         if size > self.largest:
             return False
@@ -113,7 +120,7 @@ class _SizedCache:
         return True
 
 
-def _plain_backend(backend: Any) -> Any:
+def _plain_backend(backend: Any) -> Tokenizer | None:
     """A copy of a Rust tokenizer that encodes special-token strings as ordinary text."""
     if backend is None or not hasattr(backend, "encode_special_tokens"):
         return None
@@ -133,7 +140,7 @@ class AgentTokenizer:
     # 3k-token prompt holds ~100 KB of Python ints.
     def __init__(
         self,
-        hf_tokenizer: Any,
+        hf_tokenizer: Any,  # a transformers tokenizer, used as one (transformers is not imported here)
         name: str,
         cache_size: int = 512,
         piece_cache_size: int = 4096,
@@ -142,12 +149,13 @@ class AgentTokenizer:
     ):
         self.hf = hf_tokenizer
         self.name = name
-        self._cache = _SizedCache(cache_budget, cache_size)  # (tools_key, messages) -> (text, ids)
+        # (tools_key, messages) -> (text, ids)
+        self._cache: _SizedCache[tuple, tuple[str, tuple[int, ...]]] = _SizedCache(cache_budget, cache_size)
         # Pieces' ids are tuples: the garbage collector stops tracking a tuple of ints once it has
         # seen it, so thousands of cached pieces add nothing to its passes (lists would).
         # Markup pieces (special tokens live) and content pieces (special tokens as text).
-        self._pieces = _SizedCache(piece_budget, piece_cache_size)
-        self._text_pieces = _SizedCache(piece_budget, piece_cache_size)
+        self._pieces: _SizedCache[str, tuple[int, ...]] = _SizedCache(piece_budget, piece_cache_size)
+        self._text_pieces: _SizedCache[str, tuple[int, ...]] = _SizedCache(piece_budget, piece_cache_size)
         # Renderings lent to a synchronous open (`lend`), and whether this thread's encodes may
         # fill the piece caches (not while rendering what may yet be refused: `prompt_ids(cache=False)`).
         self._lent: dict[tuple, tuple[str, tuple[int, ...]]] = {}
@@ -273,9 +281,9 @@ class AgentTokenizer:
         table = self._text_table
         if table is False:
             table = self._text_table = _byte_table(self)
-        if table is None or not ids:
+        if not isinstance(table, list) or not ids:  # None: no byte table for this tokenizer
             return self.decode(ids, skip_special_tokens=True)
-        return b"".join(map(table.__getitem__, ids)).decode("utf-8", "replace")  # type: ignore[union-attr]
+        return b"".join(map(table.__getitem__, ids)).decode("utf-8", "replace")
 
     # --- rendering -----------------------------------------------------------------------
 

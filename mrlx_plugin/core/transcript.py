@@ -22,10 +22,11 @@ turn's own ids its response.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from mrlx_plugin.core.host import Status, copy_sample
+from mrlx_plugin.core.host import HostSample, Status, copy_sample
 from mrlx_plugin.core.tokenizer import AgentTokenizer
 
 THINK_END = "</think>"
@@ -112,7 +113,7 @@ class Transcript:
         messages: list[dict[str, str]],
         tools: list[dict] | None = None,
         tools_key: str = "",
-        **kw: Any,
+        **kw: Any,  # the other fields, as the constructor takes them
     ) -> Transcript:
         text, ids = tokenizer.prompt_ids(messages, tools, tools_key)
         t = cls(agent=agent, tokenizer=tokenizer, messages=list(messages), tools=tools, **kw)
@@ -278,13 +279,15 @@ class Transcript:
 
     def held_text(self) -> str:
         """What the transcript's tokens spell (special tokens included)."""
-        if len(self._held) != 1 or not isinstance(self._held[0], str):
-            text = "".join(
-                p if isinstance(p, str) else self.tokenizer.decode(p, skip_special_tokens=False)
-                for p in self._held
-            )
-            self._held = [text]
-        return self._held[0]  # type: ignore[return-value]
+        held = self._held[0] if len(self._held) == 1 else None
+        if isinstance(held, str):
+            return held
+        text = "".join(
+            p if isinstance(p, str) else self.tokenizer.decode(p, skip_special_tokens=False)
+            for p in self._held
+        )
+        self._held = [text]
+        return text
 
     # --- reading -------------------------------------------------------------------------
 
@@ -303,7 +306,9 @@ class Transcript:
 
     # --- to the host ---------------------------------------------------------------------
 
-    def to_sample(self, template: Any, rollout_id: int | None, *, aborted: bool, meta: dict[str, Any]) -> Any:
+    def to_sample(
+        self, template: HostSample, rollout_id: int | None, *, aborted: bool, meta: Mapping[str, object]
+    ) -> HostSample:
         """The host Sample for this transcript.
 
         Aborted (and untrainable) samples follow the host's failed-sample pattern: reward 0.0,
@@ -347,14 +352,14 @@ class Transcript:
 
     def turn_sample(
         self,
-        template: Any,
+        template: HostSample,
         rollout_id: int | None,
         index: int,
         turn: Turn,
         reward: float,
         *,
-        meta: dict[str, Any],
-    ) -> Any:
+        meta: Mapping[str, object],
+    ) -> HostSample:
         """The host Sample of one model turn (`turns[index]`, or a candidate sampled beside it):
         prompt = the transcript's tokens before the turn (the context the turn was sampled from),
         response = the turn's ids, every one trained (loss mask 1), with its log-probs and weight

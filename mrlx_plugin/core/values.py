@@ -7,7 +7,7 @@ from __future__ import annotations
 import decimal
 import math
 import numbers
-from typing import Any
+from typing import cast
 
 # Log-probs must be <= 0; a sampler's float arithmetic can land a hair above zero for a token of
 # probability ~1, so values up to this epsilon are accepted as they are (not clamped).
@@ -32,7 +32,7 @@ class RewardError(ValueError):
     setting). It ends the episode like a failed grade: ABORTED samples, never a 0.0 in its place."""
 
 
-def finite_reward(value: Any, producer: str) -> float:
+def finite_reward(value: object, producer: str) -> float:
     """`value` as a float when it is a finite number; else RewardError naming `producer`, e.g.
     "game 'nim' (registered by plugin 'my_games'): move_reward of seat first's move 2"."""
     # A number is a real number: not text that float() would parse ("0.5"), not a truth value
@@ -43,13 +43,13 @@ def finite_reward(value: Any, producer: str) -> float:
         and type(value).__name__ != "bool_"
     )
     try:
-        number = float(value) if is_number else math.nan
+        number = float(cast("numbers.Real | decimal.Decimal", value)) if is_number else math.nan
     except (TypeError, ValueError, OverflowError):
         number = math.nan
     if not math.isfinite(number):
         try:
             shown = repr(value)
         except ValueError:  # an int of more digits than Python will print
-            shown = f"an int of {value.bit_length()} bits"
+            shown = f"an int of {cast(int, value).bit_length()} bits"
         raise RewardError(f"{producer} gave {shown[:200]}; expected a finite number")
     return number

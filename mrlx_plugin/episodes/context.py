@@ -22,6 +22,8 @@ logger = logging.getLogger(__name__)
 
 # A hook implementation as the plugin manager reaches it, one plugin at a time.
 Caller = Callable[..., object]
+# (the plugin that answered, its answer), or (None, None) when every plugin deferred.
+Answer = tuple[str | None, object]
 
 
 @dataclass(frozen=True)
@@ -38,7 +40,7 @@ class FirstAnswer:
     hook: str
     callers: tuple[tuple[str, Caller], ...]
 
-    def ask(self, **kwargs: object) -> object:
+    def ask(self, **kwargs: object) -> Answer | Awaitable[Answer]:
         """(the plugin that answered, its answer), or (None, None) when every plugin deferred: a
         plain pair while the plugins asked answer with plain values (no coroutine, no task: most
         grades are settled that way), else an awaitable of the pair."""
@@ -53,7 +55,7 @@ class FirstAnswer:
 
     async def _finish(
         self, plugin: str, pending: Awaitable[object], rest: int, kwargs: dict[str, object]
-    ) -> tuple[str | None, object]:
+    ) -> Answer:
         answer = await pending
         for other, call in self.callers[rest:]:
             if answer is not None:

@@ -18,18 +18,22 @@ from __future__ import annotations
 import asyncio
 import inspect
 import uuid
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, TypeVar
 
 from mrlx_plugin.core.config import ConfigError
+from mrlx_plugin.core.host import HostSample
+from mrlx_plugin.core.sglang import SamplingParams
 from mrlx_plugin.core.transcript import Transcript
 from mrlx_plugin.core.values import RewardError, finite_reward
 from mrlx_plugin.episodes.context import EpisodeContext
 from mrlx_plugin.episodes.errors import EpisodeAborted, described, stops_the_rollout
 from mrlx_plugin.episodes.turn import TurnCounts, take_turn
 
+T = TypeVar("T")
 
-def problem_text(prompt: Any) -> str:
+
+def problem_text(prompt: object) -> str:
     """The task text of a host sample: the prompt string, or the last user message of a chat."""
     if isinstance(prompt, str):
         return prompt
@@ -49,8 +53,8 @@ class Episode:
     def __init__(
         self,
         context: EpisodeContext,
-        sample: Any,
-        sampling_params: dict[str, Any] | None,
+        sample: HostSample,
+        sampling_params: Mapping[str, object] | None,
         evaluation: bool,
         host_aborted: Callable[[], bool] | None = None,
     ):
@@ -63,9 +67,8 @@ class Episode:
         self.label = sample.label
         self.key = str(sample.index) if sample.index is not None else uuid.uuid4().hex
         self.id = f"{self.settings.run_id}:{self.key}"
-        self.rollout_id = (
-            sample.rollout_id if getattr(sample, "rollout_id", None) is not None else sample.index
-        )
+        rollout_id = getattr(sample, "rollout_id", None)  # a Miles release before the field has none
+        self.rollout_id: int | None = rollout_id if rollout_id is not None else sample.index
         # The system's section: its typed model when it declares one (`System.settings`), else the
         # mapping as written, for the system to read and check itself.
         self.system_settings = (
@@ -73,11 +76,12 @@ class Episode:
             if context.system.settings is not None
             else self.settings.extra.get(self.settings.system, {})
         )
-        self.base_sampling = (
+        self.base_sampling: SamplingParams = (
             dict(sampling_params) if sampling_params else dict(context.limits.default_sampling)
         )
         self.transcripts: list[Transcript] = []  # the views opened (`new_transcript`), in order
-        self.metadata: dict[str, Any] = {}  # the episode's facts, free-form (every sample carries them)
+        # the episode's facts, free-form: each system writes and reads its own (every sample carries them)
+        self.metadata: dict[str, Any] = {}
         self.counts = TurnCounts()
         self.aborted = False
         self.abort_reason: str | None = None
@@ -239,7 +243,7 @@ class Episode:
         transcript.raw_reward = transcript.reward = value
         return value
 
-    async def gather(self, *aws: Awaitable[Any]) -> list[Any]:
+    async def gather(self, *aws: Awaitable[T]) -> list[T]:
         """asyncio.gather that cancels the other calls as soon as one ends the episode."""
         tasks = [asyncio.ensure_future(a) for a in aws]
         try:

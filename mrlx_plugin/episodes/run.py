@@ -12,8 +12,8 @@ import logging
 import math
 import numbers
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
 
+from mrlx_plugin.core.host import HostSample
 from mrlx_plugin.core.transcript import Transcript, Turn
 from mrlx_plugin.core.values import RewardError, finite_reward
 from mrlx_plugin.episodes.context import EpisodeContext
@@ -28,11 +28,11 @@ logger = logging.getLogger(__name__)
 
 async def run_episode(
     context: EpisodeContext,
-    sample: Any,
-    sampling_params: dict[str, Any] | None,
+    sample: HostSample,
+    sampling_params: Mapping[str, object] | None,
     evaluation: bool,
     host_aborted: Callable[[], bool] | None = None,
-) -> tuple[Episode, Any]:
+) -> tuple[Episode, HostSample | list[HostSample]]:
     """Run the configured system on one input sample; return the episode and the host's sample(s).
 
     Training: a list of samples for the agents this job trains, sharing the input's rollout id.
@@ -149,7 +149,9 @@ async def _finish(episode: Episode, outcome: Outcome) -> None:
     episode.stopped_early = bool(outcome.stopped_early)
 
 
-def _apply_turn_rewards(episode: Episode, who: str, agent: str, values: Any, views: list[Transcript]) -> None:
+def _apply_turn_rewards(
+    episode: Episode, who: str, agent: str, values: object, views: list[Transcript]
+) -> None:
     """An `Outcome`'s turn rewards of `agent`: one per turn of its one conversation, each the
     turn's own; per-turn credit trains each turn on its return, episode credit the conversation
     on the outcome plus their sum."""
@@ -186,7 +188,7 @@ async def grade_answer(episode: Episode, answer: str, agent: str) -> float:
     return await episode.grade(view)
 
 
-def shaped_rewards(episode: Episode, rewards: Any, plugin: str | None) -> dict[int, float]:
+def shaped_rewards(episode: Episode, rewards: object, plugin: str | None) -> dict[int, float]:
     """The rewards an `mrlx_shape_rewards` implementation decided, checked against its contract:
     a dict of position in `episode.transcripts` -> finite float, one entry per graded transcript.
     Raises one HookResultError naming the plugin and everything wrong with the answer; an answer
@@ -237,7 +239,7 @@ def shaped_rewards(episode: Episode, rewards: Any, plugin: str | None) -> dict[i
     return {positions[k]: float(v) for k, v in rewards.items()}
 
 
-def _finite_number(value: Any) -> bool:
+def _finite_number(value: object) -> bool:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         return False
     try:
@@ -246,7 +248,7 @@ def _finite_number(value: Any) -> bool:
         return False
 
 
-def _real_number(value: Any) -> bool:
+def _real_number(value: object) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 

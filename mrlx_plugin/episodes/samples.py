@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any
 
+from mrlx_plugin.core.host import HostSample
 from mrlx_plugin.core.transcript import Transcript
 from mrlx_plugin.core.values import RewardError, finite_reward
 from mrlx_plugin.episodes.episode import Episode
@@ -21,7 +21,7 @@ from mrlx_plugin.episodes.episode import Episode
 logger = logging.getLogger(__name__)
 
 
-def samples_of(episode: Episode, agents: list[str], every_agent: bool) -> list[Any]:
+def samples_of(episode: Episode, agents: list[str], every_agent: bool) -> list[HostSample]:
     """Host samples of the transcripts of `agents`, agent by agent.
 
     When the system declares its fan-out (`context.samples_per_episode`), each agent gets exactly
@@ -38,9 +38,9 @@ def samples_of(episode: Episode, agents: list[str], every_agent: bool) -> list[A
     """
     wanted = episode.context.samples_per_episode
     per_turn = episode.settings.rewards.credit == "turn" and not episode.evaluation
-    out: list[Any] = []
+    out: list[HostSample] = []
     for agent in agents:
-        own: list[Any] = []
+        own: list[HostSample] = []
         for t in episode.transcripts:
             if t.agent != agent:
                 continue
@@ -75,7 +75,7 @@ def samples_of(episode: Episode, agents: list[str], every_agent: bool) -> list[A
     return out
 
 
-def evaluation_sample(episode: Episode) -> Any:
+def evaluation_sample(episode: Episode) -> HostSample:
     """The team's final answer as one sample; its reward is the final answer's grade (0.0 if none)."""
     if episode.aborted or not episode.transcripts:
         return fallback_sample(episode)
@@ -88,7 +88,7 @@ def evaluation_sample(episode: Episode) -> Any:
     return s
 
 
-def within_context(episode: Episode, agent: str, samples: list[Any]) -> list[Any]:
+def within_context(episode: Episode, agent: str, samples: list[HostSample]) -> list[HostSample]:
     """`samples` with any one longer than the agent's context limit replaced by an ABORTED
     filler, counted as over the context. The transcripts of `new_transcript` never grow past
     it; this keeps a system that builds its own from sending the host a sample it cannot pad."""
@@ -136,7 +136,7 @@ def turn_returns(episode: Episode, t: Transcript) -> list[float]:
     return returns
 
 
-def turn_samples(episode: Episode, t: Transcript) -> list[Any]:
+def turn_samples(episode: Episode, t: Transcript) -> list[HostSample]:
     """One sample per model turn of `t`; with tree sampling, after each turn the candidates
     sampled beside it and not taken.
 
@@ -181,7 +181,7 @@ def credit_group(episode: Episode, t: Transcript | None, turn: int | None) -> st
 
 def sample_meta(
     episode: Episode, t: Transcript | None, turn: int | None = None, candidate: bool = False
-) -> dict[str, Any]:
+) -> dict[str, object]:
     """What every sample of the episode carries in `metadata["mrlx"]`."""
     counts = episode.counts
     return {
@@ -212,7 +212,7 @@ def sample_meta(
     }
 
 
-def fallback_sample(episode: Episode, agent: str | None = None) -> Any:
+def fallback_sample(episode: Episode, agent: str | None = None) -> HostSample:
     """A failed sample (in `agent`'s token space) for an agent that has no transcript."""
     agent = agent or next(iter(episode.settings.agents))
     messages = episode.with_system_prompt(agent, [{"role": "user", "content": episode.problem}])

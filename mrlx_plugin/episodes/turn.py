@@ -19,18 +19,20 @@ import math
 import numbers
 import random
 import zlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, NoReturn, Protocol
+from typing import Any, NoReturn, Protocol, TypeVar
 
 from mrlx_plugin.core.config import AgentSettings, ConfigError, Settings
 from mrlx_plugin.core.engine_client import EngineError, MalformedAnswer, PeerRetry
 from mrlx_plugin.core.retry import Deadline
+from mrlx_plugin.core.sglang import SamplingParams
 from mrlx_plugin.core.transcript import MalformedTurn, Transcript, Turn
 from mrlx_plugin.core.values import RewardError, finite_reward
 from mrlx_plugin.episodes.context import EpisodeContext
 from mrlx_plugin.episodes.errors import EpisodeAborted, HookResultError, described, stops_the_rollout
 
+T = TypeVar("T")
 Score = Callable[[Turn], object]
 OnFault = Callable[[EngineError], Awaitable[str | None]]
 
@@ -52,8 +54,8 @@ class TurnEpisode(Protocol):
     settings: Settings
     context: EpisodeContext
     evaluation: bool
-    base_sampling: dict[str, Any]
-    metadata: dict[str, Any]
+    base_sampling: SamplingParams
+    metadata: dict[str, Any]  # the episode's free-form facts (`Episode.metadata`)
     counts: TurnCounts
     abort_reason: str | None
 
@@ -63,7 +65,7 @@ class TurnEpisode(Protocol):
 
     def fail_reward(self, reason: str, exc: BaseException) -> EpisodeAborted: ...
 
-    async def gather(self, *aws: Awaitable[Any]) -> list[Any]: ...
+    async def gather(self, *aws: Awaitable[T]) -> list[T]: ...
 
 
 async def take_turn(
@@ -72,7 +74,7 @@ async def take_turn(
     score: Score | None = None,
     *,
     on_fault: OnFault | None = None,
-    **sampling_overrides: Any,
+    **sampling_overrides: object,
 ) -> Turn:
     """One model turn for the transcript's agent, appended to the transcript.
 
@@ -132,9 +134,11 @@ async def take_turn(
     return candidates[taken]
 
 
-def sampling_for(base: dict[str, Any], agent: AgentSettings, overrides: dict[str, Any]) -> dict[str, Any]:
+def sampling_for(
+    base: Mapping[str, object], agent: AgentSettings, overrides: Mapping[str, object]
+) -> SamplingParams:
     """The episode's sampling parameters, the agent's own settings over them, the call's over those."""
-    params = dict(base)
+    params: SamplingParams = dict(base)
     s = agent.sampling
     for key in ("temperature", "top_p", "top_k", "max_new_tokens", "stop", "stop_token_ids"):
         value = getattr(s, key)
@@ -156,7 +160,7 @@ async def _sample(
     episode: TurnEpisode,
     transcript: Transcript,
     agent: AgentSettings,
-    params: dict[str, Any],
+    params: SamplingParams,
     candidate: int,
     on_fault: OnFault | None,
 ) -> Turn:
@@ -209,7 +213,9 @@ async def _sample(
         _malformed(episode, f"{client.url}/generate: {exc}")
 
 
-def _seeded(episode: TurnEpisode, transcript: Transcript, params: dict[str, Any], candidate: int) -> dict:
+def _seeded(
+    episode: TurnEpisode, transcript: Transcript, params: SamplingParams, candidate: int
+) -> SamplingParams:
     """`params` with the turn's sampling seed, when there is one: `engine.sampling_seed` mixed with
     the episode, the transcript and the turn; the candidates of one turn must differ, so each
     candidate after the first gets a seed derived from it (from the host's own seed too: slime's

@@ -28,9 +28,9 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence, Sized
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TypeVar, cast
 
 import aiohttp
 import orjson
@@ -48,6 +48,7 @@ from mrlx_plugin.core.http import (
 )
 from mrlx_plugin.core.netutil import BodyLengthError, read_declared
 from mrlx_plugin.core.retry import Backoff, Deadline, RetriesExhausted, retry
+from mrlx_plugin.core.values import JSON, JSONObject
 from mrlx_plugin.link.auth import (
     BOOT_HEADER,
     NONCE_HEADER,
@@ -57,7 +58,15 @@ from mrlx_plugin.link.auth import (
     derive_keys,
     proven,
 )
-from mrlx_plugin.link.wire import CONTENT_TYPE, BufferPool, QueueItem, decode_frame, encode_items_into
+from mrlx_plugin.link.wire import (
+    CONTENT_TYPE,
+    BufferPool,
+    DeadLetter,
+    LeasedGroup,
+    QueueItem,
+    decode_frame,
+    encode_items_into,
+)
 
 log = logging.getLogger("mrlx.coordinator.client")
 
@@ -69,6 +78,13 @@ THREAD_FRAME_BYTES = 256 << 10
 # checked: the coordinator's JSON answers are a few KiB; an impostor's endless body is cut here.
 MAX_JSON_ANSWER_BYTES = 16 << 20
 MAX_CONNECTIONS = 32
+
+# A decoded frame: its header and its items.
+Frame = tuple[JSONObject, list[QueueItem]]
+# (status, headers, body) of an exchange: the body as bytes, or a successful frame answer decoded.
+_Answered = tuple[int, Mapping[str, str], "bytes | memoryview | Frame"]
+D = TypeVar("D", bound="Sized | None")
+R = TypeVar("R")
 
 
 class CoordinatorError(RuntimeError):
@@ -104,10 +120,10 @@ class Lease:
     groups: list[list[QueueItem]]
     end: bool
     message: str | None = None
-    group_info: list[dict[str, Any]] = field(default_factory=list)
+    group_info: list[LeasedGroup] = field(default_factory=list)
     # Groups set aside (never delivered again): {"group", "size", "step", "producer", "reason"};
     # with `step`, every one of that step, else those this call set aside.
-    dead: list[dict[str, Any]] = field(default_factory=list)
+    dead: list[DeadLetter] = field(default_factory=list)
 
 
 def _error_text(body: bytes) -> str:
@@ -211,13 +227,13 @@ class CoordinatorClient(HttpClient):
         method: str,
         url: str,
         *,
-        json: Any = None,
+        json: JSON = None,
         data: bytes | memoryview | None = None,
         deadline_s: float | None = None,
         max_retries: int | None = None,
         extra_timeout_s: float = 0.0,
         frame_answer: bool = False,
-    ) -> tuple[int, Any, Any]:
+    ) -> _Answered:
         """One logical call: retried for passing failures until `deadline_s` (seconds from now;
         default `outage_deadline_s`) and at most `max_retries` retries (default the client's; None:
         until the deadline). Returns (status, headers, body): the body as bytes, or with
@@ -244,7 +260,7 @@ class CoordinatorClient(HttpClient):
             frame_answer,
         )
 
-        async def attempt(_: int) -> tuple[int, Any, Any]:
+        async def attempt(_: int) -> _Answered:
             try:
                 answered = await self._exchange(request, resend=True)
                 if answered is None:  # signed again, naming the start the coordinator told
@@ -275,14 +291,14 @@ class CoordinatorClient(HttpClient):
                 last.status,
             ) from None
 
-    async def _exchange(self, request: _Request, resend: bool) -> tuple[int, Any, Any] | None:
+    async def _exchange(self, request: _Request, resend: bool) -> _Answered | None:
         """One HTTP exchange of `request` (status, headers, body); None when the coordinator refused
         the start the request named and told its current one, and `resend`: then the call signs
         again at once."""
         method, url, headers = request.method, request.url, request.headers
         sent, nonce = headers, None
         if self._signer is not None:
-            sent = {**headers, **self._signer.sign(method, request.target, request.content)}
+            sent = {**headers, **self._signer.sign(method, request.target, cast(str, request.content))}
             nonce = sent[NONCE_HEADER]  # fresh for every attempt: the coordinator refuses a repeat
         async with self._session().request(
             method, url, data=request.payload, headers=sent, timeout=request.timeout
@@ -296,7 +312,7 @@ class CoordinatorClient(HttpClient):
             if nonce is not None:  # signed: the answer must prove it knows the token
                 answer = await _off_loop(content_sha256, body)
                 proof = resp.headers.get(PROOF_HEADER)
-                if not proven(self._keys[1], nonce, resp.status, answer, proof):
+                if not proven(cast("tuple[bytes, bytes]", self._keys)[1], nonce, resp.status, answer, proof):
                     if buf is not None:
                         self._buffers.give(buf)
                     self._unproven(method, url, resp.status, body)
@@ -316,7 +332,7 @@ class CoordinatorClient(HttpClient):
                 if buf is not None:
                     self._buffers.give(buf)
                 return resp.status, resp.headers, decoded
-            problem = f"HTTP {resp.status}: {_error_text(body)}"
+            problem = f"HTTP {resp.status}: {_error_text(cast(bytes, body))}"  # not a frame
             if resp.status not in RETRYABLE_STATUS:
                 self._reached()
                 raise CoordinatorError(f"coordinator {method} {url} failed: {problem}", resp.status)
@@ -370,22 +386,32 @@ class CoordinatorClient(HttpClient):
             log.warning("coordinator reachable again after %.1f s", time.monotonic() - self._down_since)
             self._down_since = None
 
-    async def _json_call(self, method: str, url: str, body: Any = None, **kwargs: Any) -> Any:
-        _, _, raw = await self._call(method, url, json=body, **kwargs)
-        return orjson.loads(raw)
+    async def _json_call(
+        self,
+        method: str,
+        url: str,
+        body: JSON = None,
+        *,
+        deadline_s: float | None = None,
+        extra_timeout_s: float = 0.0,
+    ) -> JSONObject:
+        _, _, raw = await self._call(
+            method, url, json=body, deadline_s=deadline_s, extra_timeout_s=extra_timeout_s
+        )
+        return orjson.loads(cast("bytes | memoryview", raw))
 
     # ----------------------------------------------------------------- agents
 
-    async def health(self) -> dict[str, Any]:
+    async def health(self) -> JSONObject:
         """GET /health: signed, so the answer has the run id, uptime and database path (a request
         without the token gets only {"ok": true})."""
         return await self._json_call("GET", f"{self.url}/health")
 
-    async def run_info(self) -> dict[str, Any]:
+    async def run_info(self) -> JSONObject:
         """Every agent's version and last seen, and every queue's depth."""
         return await self._json_call("GET", self._path(""))
 
-    async def heartbeat(self) -> dict[str, Any]:
+    async def heartbeat(self) -> JSONObject:
         """Tell the coordinator this agent is alive (any call does; this one does nothing else)."""
         return await self._json_call(
             "POST",
@@ -398,12 +424,12 @@ class CoordinatorClient(HttpClient):
         data = await self._json_call(
             "POST", self._path(f"/agents/{agent or self.agent}/version"), {"version": int(version)}
         )
-        return int(data["version"])
+        return int(cast(int, data["version"]))
 
     async def get_version(self, agent: str) -> int | None:
         """The agent's last reported version, None if it has reported none."""
         data = await self._json_call("GET", self._path(f"/agents/{agent}/version"))
-        return data["version"]
+        return cast("int | None", data["version"])
 
     async def wait_version(
         self, agent: str, min_version: int, deadline_s: float, *, poll_s: float = 30.0
@@ -433,8 +459,8 @@ class CoordinatorClient(HttpClient):
                     f"{message}; the coordinator was unreachable: {exc}", exc.status
                 ) from None
             if data["reached"]:
-                return int(data["version"])
-            message = data.get("message") or message
+                return int(cast(int, data["version"]))
+            message = cast(str, data.get("message") or message)
             if deadline - loop.time() <= 0:
                 raise CoordinatorWaitTimeout(f"waited {deadline_s:.1f} s: {message}")
 
@@ -487,7 +513,7 @@ class CoordinatorClient(HttpClient):
                 self._buffers.give(buf)
             finally:
                 slots.release()
-            data = orjson.loads(raw)
+            data = orjson.loads(cast("bytes | memoryview", raw))
             result.accepted += data["accepted"]
             result.duplicates += data["duplicates"]
             result.stale += data.get("stale", 0)
@@ -525,9 +551,9 @@ class CoordinatorClient(HttpClient):
     async def end_stream(self, consumer: str) -> int:
         """No more items for `consumer`; incomplete groups are sealed as they are. Returns how many were."""
         data = await self._json_call("POST", self._path(f"/queues/{consumer}/end"), {})
-        return int(data["sealed_groups"])
+        return int(cast(int, data["sealed_groups"]))
 
-    async def queue_info(self, consumer: str | None = None) -> dict[str, Any]:
+    async def queue_info(self, consumer: str | None = None) -> JSONObject:
         """Depth, ready and incomplete groups, and the end mark of a queue."""
         return await self._json_call("GET", self._path(f"/queues/{consumer or self.agent}"))
 
@@ -544,14 +570,14 @@ class CoordinatorClient(HttpClient):
         `lease_s` seconds, waiting up to `wait_s` for the first one. Ack the lease after training on
         it; an unacked lease's groups are delivered again after it expires."""
         consumer = consumer or self.agent
-        body: dict[str, Any] = {
+        body: JSONObject = {
             "max_groups": int(max_groups),
             "lease_s": float(lease_s),
             "wait_s": float(wait_s),
         }
         if step is not None:
             body["step"] = int(step)
-        _, _, (header, items) = await self._call(
+        _, _, answer = await self._call(
             "POST",
             self._path(f"/queues/{consumer}/lease"),
             json=body,
@@ -559,18 +585,19 @@ class CoordinatorClient(HttpClient):
             extra_timeout_s=wait_s,
             frame_answer=True,
         )
+        header, items = cast(Frame, answer)
         groups: list[list[QueueItem]] = []
         start = 0
-        for info in header.get("groups", []):
+        for info in cast("list[LeasedGroup]", header.get("groups", [])):
             groups.append(items[start : start + info["size"]])
             start += info["size"]
         return Lease(
-            header.get("lease_id"),
+            cast("str | None", header.get("lease_id")),
             groups,
             bool(header.get("end")),
-            header.get("message"),
-            header.get("groups", []),
-            header.get("dead", []),
+            cast("str | None", header.get("message")),
+            cast("list[LeasedGroup]", header.get("groups", [])),
+            cast("list[DeadLetter]", header.get("dead", [])),
         )
 
     async def extend(self, lease_id: str, lease_s: float, consumer: str | None = None) -> float:
@@ -581,16 +608,16 @@ class CoordinatorClient(HttpClient):
             self._path(f"/queues/{consumer or self.agent}/extend"),
             {"lease_id": lease_id, "lease_s": float(lease_s)},
         )
-        return float(data["expires_in_s"])
+        return float(cast(float, data["expires_in_s"]))
 
-    async def ack(self, lease_id: str, consumer: str | None = None) -> dict[str, Any]:
+    async def ack(self, lease_id: str, consumer: str | None = None) -> JSONObject:
         """Mark a lease's groups done for good (idempotent). Raises `CoordinatorError` (409) when the
         lease expired and its groups were already delivered again."""
         return await self._json_call(
             "POST", self._path(f"/queues/{consumer or self.agent}/ack"), {"lease_id": lease_id}
         )
 
-    async def ack_through(self, step: int, consumer: str | None = None) -> dict[str, Any]:
+    async def ack_through(self, step: int, consumer: str | None = None) -> JSONObject:
         """Mark every group of producer step <= `step` done for good, leased or not (idempotent; a
         lower step than one acked before changes nothing). Returns {"through_step", "acked_groups",
         "acked_items"}. Items of those steps committed later are dropped (never delivered)."""
@@ -602,9 +629,9 @@ class CoordinatorClient(HttpClient):
         """Hand back every lease of the queue now (a restarted consumer takes over the leases of its
         dead predecessor instead of waiting them out); returns how many groups."""
         data = await self._json_call("POST", self._path(f"/queues/{consumer or self.agent}/release"), {})
-        return int(data["released_groups"])
+        return int(cast(int, data["released_groups"]))
 
-    async def reject(self, group: str, reason: str, consumer: str | None = None) -> dict[str, Any]:
+    async def reject(self, group: str, reason: str, consumer: str | None = None) -> JSONObject:
         """Set a group aside now, with the reason (its consumer cannot train it): never delivered
         again, counted. Returns {"group", "items", "step", "already"}."""
         return await self._json_call(
@@ -631,7 +658,7 @@ class CoordinatorClient(HttpClient):
             raise
 
 
-async def _off_loop(function: Callable[[Any], Any], data: Any) -> Any:
+async def _off_loop(function: Callable[[D], R], data: D) -> R:
     """`function(data)` on a worker thread when `data` is large (hashing or decoding megabytes would
     hold up the event loop's other calls), inline otherwise."""
     if data is not None and len(data) > THREAD_FRAME_BYTES:

@@ -8,21 +8,23 @@ side, for one that cannot be trained, so that a group and a step keep their samp
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from typing import cast
 
-from mrlx_plugin.core.host import Sample, Status
+from mrlx_plugin.core.host import HostSample, Sample, Status
+from mrlx_plugin.core.values import JSONObject
 from mrlx_plugin.link.wire import SAMPLE_FIELDS, QueueItem, as_list
 
 
 def item_from_sample(
-    sample: Any, *, key: str, group: str, group_size: int, producer: str, step: int
+    sample: HostSample, *, key: str, group: str, group_size: int, producer: str, step: int
 ) -> QueueItem:
     """A `QueueItem` carrying `sample` (the host's Sample or ours) to the consumer's queue.
 
     The arrays are taken as they are (no copy); the scalar and JSON attributes named in
     `SAMPLE_FIELDS` go into `fields` (status as its string value).
     """
-    fields: dict[str, Any] = {}
+    fields: JSONObject = {}
     for name in SAMPLE_FIELDS:
         value = getattr(sample, name, None)
         if value is None:
@@ -44,18 +46,19 @@ def item_from_sample(
     )
 
 
-def sample_from_item(item: QueueItem) -> Any:
+def sample_from_item(item: QueueItem) -> HostSample:
     """The host's Sample (or our stand-in) for a decoded item, ready for the consumer's trainer.
 
     Fields the Sample class does not declare are set as attributes, so nothing the producer sent
     is dropped. Lists are handed over without a copy.
     """
     sample = Sample()
+    value: object  # a field's JSON value, or what the Sample holds for it
     for name, value in item.fields.items():
         if name == "status":
             value = Sample.Status(value)
         elif name == "metadata":
-            value = dict(value)
+            value = dict(cast(JSONObject, value))
         setattr(sample, name, value)
     sample.tokens = as_list(item.tokens)
     sample.response_length = item.response_length
@@ -67,13 +70,13 @@ def sample_from_item(item: QueueItem) -> Any:
 def filler_sample(
     agent: str,
     *,
-    group_index: Any,
-    index: Any,
-    rollout_id: Any,
+    group_index: int | str | None,
+    index: int | str | None,
+    rollout_id: int | str | None,
     reason: str,
-    metadata: dict[str, Any] | None = None,
+    metadata: Mapping[str, object] | None = None,
     pad_id: int = 0,
-) -> Any:
+) -> HostSample:
     """An ABORTED sample that trains nothing and that any model can take: reward 0.0, zero loss
     mask, `remove_sample`, two token ids (`pad_id`), no weight version. It stands in for a sample
     that cannot be trained, so that a step keeps its sample count."""
@@ -95,7 +98,7 @@ def filler_sample(
     sample.reward = 0.0
     sample.status = Status.ABORTED
     sample.remove_sample = True
-    meta = dict((metadata or {}).get("mrlx") or {})
+    meta = dict(cast("dict[str, object]", (metadata or {}).get("mrlx") or {}))
     meta.update(agent=agent, aborted=True)
     meta.setdefault("filler", reason)
     sample.metadata = {**(metadata or {}), "mrlx": meta}

@@ -5,13 +5,12 @@ checked in place (views of the frame), a batch's arrays at once."""
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
-from mrlx_plugin.core.values import LOG_PROB_EPSILON, MIN_LOG_PROB
-from mrlx_plugin.link.wire import SAMPLE_STATUSES, FrameView, RecordView, WireError
+from mrlx_plugin.core.values import LOG_PROB_EPSILON, MIN_LOG_PROB, JSONObject
+from mrlx_plugin.link.wire import SAMPLE_STATUSES, FrameView, RecordMeta, RecordView, WireError
 
 
 def validate_record(record: RecordView) -> None:
@@ -66,7 +65,7 @@ def _row_values(column: pa.ListArray, row: int) -> np.ndarray:
     return column.values.to_numpy()[offsets[row] : offsets[row + 1]]
 
 
-def _check_lengths(meta: dict[str, Any], where: str) -> None:
+def _check_lengths(meta: RecordMeta, where: str) -> None:
     n_tokens = meta["n_tokens"]
     response_length = meta["response_length"]
     if not 0 < response_length <= n_tokens:
@@ -104,7 +103,7 @@ def _check_mask(mask: np.ndarray, where: str) -> None:
         raise WireError(f"{where}: loss_mask holds {int(mask.max())}; only 0 and 1 are allowed")
 
 
-def _check_fields(fields: dict[str, Any], where: str) -> None:
+def _check_fields(fields: JSONObject, where: str) -> None:
     if "reward" not in fields:
         raise WireError(f"{where}: fields.reward is missing; samples are queued once their reward is known")
     reward = fields["reward"]
@@ -141,5 +140,5 @@ def _check_fields(fields: dict[str, Any], where: str) -> None:
         raise WireError(f"{where}: fields.remove_sample must be true or false")
 
 
-def _is_int(value: Any) -> bool:
+def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)

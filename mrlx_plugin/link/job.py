@@ -8,8 +8,9 @@ waiting for room that the consumer frees only once it has its whole step.
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from mrlx_plugin.core.config import ConfigError
 from mrlx_plugin.link.auth import token_from_env_or_file
@@ -44,7 +45,9 @@ def make_client(settings: Settings, source: str) -> CoordinatorClient:
     )
 
 
-def items_per_step(args: Any, samples_per_episode: Mapping[str, int] | None, agent: str) -> tuple[int, str]:
+def items_per_step(
+    args: argparse.Namespace, samples_per_episode: Mapping[str, int] | None, agent: str
+) -> tuple[int, str]:
     """How many items one step hands `agent`'s queue: (count, how it was counted).
     `samples_per_episode`: the system's samples per episode and agent (None: one)."""
     groups = int(getattr(args, "rollout_batch_size", 1) or 1)

@@ -8,10 +8,21 @@ the agents it serves.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol
+
+from mrlx_plugin.core.values import JSONObject
+
+
+class HasTokens(Protocol):
+    """A queued item or a sample: whatever carries the token ids of a sequence."""
+
+    @property
+    def tokens(self) -> Sequence[int] | None: ...
 
 
 @dataclass(frozen=True)
@@ -22,7 +33,7 @@ class ModelLimits:
     max_length: int | None
     source: str  # where they were read, for messages
 
-    def problem(self, item_or_sample: Any, agent: str) -> str | None:
+    def problem(self, item_or_sample: HasTokens, agent: str) -> str | None:
         """Why this item (or sample) cannot be trained by `agent`'s model, or None."""
         tokens = item_or_sample.tokens
         if tokens is None or not len(tokens):
@@ -44,7 +55,7 @@ class ModelLimits:
 
 
 def read_model_limits(
-    args: Any | None, model_dir: str | None, fallback_vocab: int | None = None
+    args: argparse.Namespace | None, model_dir: str | None, fallback_vocab: int | None = None
 ) -> ModelLimits:
     """An agent's limits: from the host's own flags where it has them (`--vocab-size`/the padded
     vocabulary, `--max-position-embeddings`), else from the model's `config.json` in `model_dir`
@@ -57,19 +68,21 @@ def read_model_limits(
         max_len = getattr(args, "max_position_embeddings", None)
         if vocab or max_len:
             where.append("the host's flags")
-    config: dict[str, Any] = {}
+    config: JSONObject = {}
     if model_dir:
         try:
             with open(os.path.join(str(model_dir), "config.json"), encoding="utf-8") as handle:
                 config = json.load(handle)
         except (OSError, ValueError):
             config = {}
-        config = config.get("text_config", config) if isinstance(config.get("text_config"), dict) else config
-    if vocab is None and isinstance(config.get("vocab_size"), int):
-        vocab = config["vocab_size"]
+        text_config = config.get("text_config")
+        config = text_config if isinstance(text_config, dict) else config
+    vocab_size, positions = config.get("vocab_size"), config.get("max_position_embeddings")
+    if vocab is None and isinstance(vocab_size, int):
+        vocab = vocab_size
         where.append(f"{model_dir}/config.json")
-    if max_len is None and isinstance(config.get("max_position_embeddings"), int):
-        max_len = config["max_position_embeddings"]
+    if max_len is None and isinstance(positions, int):
+        max_len = positions
         scaling = config.get("rope_scaling") or {}
         factor = scaling.get("factor") if isinstance(scaling, dict) else None
         if isinstance(factor, (int, float)) and factor > 1:

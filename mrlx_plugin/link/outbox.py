@@ -17,14 +17,16 @@ back, and hands every other trainable agent's samples to the coordinator:
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol, cast
 
 from mrlx_plugin.core.config import ConfigError
+from mrlx_plugin.core.host import HostSample
 from mrlx_plugin.link.client import CoordinatorClient, CoordinatorError
 from mrlx_plugin.link.codec import filler_sample, item_from_sample
 from mrlx_plugin.link.job import check_queue_depth, items_per_step
@@ -44,13 +46,13 @@ class FinishedEpisode(Protocol):
 
     evaluation: bool
     id: str
-    sample: Any  # the host's input sample: its `group_index` is the prompt group
+    sample: HostSample  # the host's input sample: its `group_index` is the prompt group
 
 
 @dataclass
 class _Group:
     episodes: int = 0
-    samples: dict[str, list[tuple[str, Any]]] = field(default_factory=dict)  # agent -> [(key, sample)]
+    samples: dict[str, list[tuple[str, HostSample]]] = field(default_factory=dict)  # agent -> [(key, sample)]
 
 
 class PeerOutbox:
@@ -73,7 +75,7 @@ class PeerOutbox:
         self.source = source
         self.peer_agents = list(peer_agents)  # trainable agents that other jobs train
         self.step: int | None = None  # the initiator's step its rollout function opened
-        self.groups: dict[Any, _Group] = {}
+        self.groups: dict[int | None, _Group] = {}  # by the prompt group (`group_index`)
         self.stats = self._zero()
         self.limits: dict[str, ModelLimits] = {}  # peer agent -> what its model takes
         self.pad_ids: dict[str, int] = {}
@@ -107,7 +109,7 @@ class PeerOutbox:
                 "mrlx_plugin.rollout.initiator_rollout"
             )
 
-    def load_limits(self, args: Any, tokenizers: Mapping[str, AgentTokenizer]) -> None:
+    def load_limits(self, args: argparse.Namespace, tokenizers: Mapping[str, AgentTokenizer]) -> None:
         """Read each peer's limits (blocking: from the rollout function, before its loop runs):
         its model's config next to its tokenizer (or `args.hf_checkpoint`), else the tokenizer's
         vocabulary."""
@@ -121,14 +123,16 @@ class PeerOutbox:
             eos = getattr(tokenizer, "eos_token_id", None)
             self.pad_ids[agent] = eos if isinstance(eos, int) and eos >= 0 else 0
 
-    def episode_ended(self, episode: FinishedEpisode, samples_for: Callable[[str], list[Any]]) -> None:
+    def episode_ended(self, episode: FinishedEpisode, samples_for: Callable[[str], list[HostSample]]) -> None:
         """Take a finished episode's samples for the peer agents (its rewards are final):
         `samples_for(agent)` builds them. An evaluation episode sends nothing to other jobs."""
         if episode.evaluation:
             return
         self.add(episode.sample.group_index, episode.id, {a: samples_for(a) for a in self.peer_agents})
 
-    def add(self, group_index: Any, episode_id: str, peer_samples: dict[str, list[Any]]) -> None:
+    def add(
+        self, group_index: int | None, episode_id: str, peer_samples: dict[str, list[HostSample]]
+    ) -> None:
         """Record one ended episode's samples for other agents (rewards are final by now)."""
         self.require_step()
         group = self.groups.setdefault(group_index, _Group())
@@ -138,7 +142,7 @@ class PeerOutbox:
             for i, s in enumerate(samples):
                 bucket.append((f"{episode_id}:{agent}:{i}", s))
 
-    def _checked(self, agent: str, sample: Any) -> Any:
+    def _checked(self, agent: str, sample: HostSample) -> HostSample:
         limits = self.limits.get(agent)
         problem = limits.problem(sample, agent) if limits is not None else None
         if problem is None:
@@ -161,7 +165,7 @@ class PeerOutbox:
             pad_id=self.pad_ids.get(agent, 0),
         )
 
-    def _unencodable(self, agent: str, sample: Any, problem: str) -> Any:
+    def _unencodable(self, agent: str, sample: HostSample, problem: str) -> HostSample:
         """An ABORTED filler for a sample the coordinator's frames cannot carry: it keeps the
         sample's place in its group and nothing of its values (one of them is what failed)."""
         self.stats["items_refused"] += 1
@@ -184,7 +188,9 @@ class PeerOutbox:
             pad_id=self.pad_ids.get(agent, 0),
         )
 
-    async def _send(self, client: CoordinatorClient, group_index: Any, group: _Group, step: int) -> list[str]:
+    async def _send(
+        self, client: CoordinatorClient, group_index: int | None, group: _Group, step: int
+    ) -> list[str]:
         producer = self.settings.self_agent
         failures = []
         for agent, keyed in group.samples.items():
@@ -195,7 +201,7 @@ class PeerOutbox:
                 self.stats["groups_all_aborted"] += 1
             name = f"{producer}:{group_index}"
 
-            def item(key: str, sample: Any, name: str = name, keyed: list = keyed) -> QueueItem:
+            def item(key: str, sample: HostSample, name: str = name, keyed: list = keyed) -> QueueItem:
                 return item_from_sample(
                     sample, key=key, group=name, group_size=len(keyed), producer=producer, step=step
                 )
@@ -228,7 +234,9 @@ class PeerOutbox:
             self.stats["stale"] += result.stale
         return failures
 
-    async def drain(self, client: CoordinatorClient, step: int, kept: set[Any] | None) -> dict[str, float]:
+    async def drain(
+        self, client: CoordinatorClient, step: int, kept: set[int | None] | None
+    ) -> dict[str, float]:
         """Commit the groups in `kept` (all when None) through `client`, drop the others; raise if
         a commit failed.
 
@@ -260,15 +268,15 @@ def _encoding_problems(items: Sequence[QueueItem]) -> dict[int, str]:
     return problems
 
 
-def _plain(value: Any) -> Any:
+def _plain(value: object) -> int | str | None:
     """`value` where any frame carries it (an int or a string), else None."""
-    return value if type(value) in (int, str) else None
+    return cast("int | str", value) if type(value) in (int, str) else None
 
 
 async def initiator_barrier(
     client: CoordinatorClient,
     outbox: PeerOutbox,
-    args: Any,
+    args: argparse.Namespace,
     rollout_id: int,
     samples_per_episode: Mapping[str, int] | None,
 ) -> dict[str, float]:

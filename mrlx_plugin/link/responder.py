@@ -18,19 +18,21 @@ lost with the process, so each group is trained once in the model that survives.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, cast
 
+from mrlx_plugin.core.host import HostSample
 from mrlx_plugin.link.client import CoordinatorClient, CoordinatorError
 from mrlx_plugin.link.codec import filler_sample, sample_from_item
 from mrlx_plugin.link.job import check_queue_depth, items_per_step, make_client
 from mrlx_plugin.link.limits import ModelLimits, read_model_limits
 from mrlx_plugin.link.save_rules import save_window
-from mrlx_plugin.link.wire import QueueItem
+from mrlx_plugin.link.wire import DeadLetter, QueueItem
 
 if TYPE_CHECKING:
     from mrlx_plugin.core.config import Settings
@@ -55,7 +57,7 @@ class _Taken:
     coordinator reported, or why this job refused it), how many this job refused, the leases."""
 
     groups: list[list[QueueItem]] = field(default_factory=list)
-    dead: dict[str, dict[str, Any]] = field(default_factory=dict)
+    dead: dict[str, DeadLetter] = field(default_factory=dict)
     rejected: int = 0
     leases: list[str] = field(default_factory=list)
 
@@ -77,7 +79,11 @@ class Responder:
 
     @classmethod
     def for_job(
-        cls, settings: Settings, source: str, args: Any, samples_per_episode: Mapping[str, int] | None
+        cls,
+        settings: Settings,
+        source: str,
+        args: argparse.Namespace,
+        samples_per_episode: Mapping[str, int] | None,
     ) -> Responder:
         """The responder of a job with these settings and host flags (`args`: the batch flags, the
         save schedule, the model's limits); `samples_per_episode` is the system's, per agent.
@@ -106,7 +112,7 @@ class Responder:
 
     async def take(
         self, rollout_id: int, ack_through: int | None = None
-    ) -> tuple[list[list[Any]], dict[str, float]]:
+    ) -> tuple[list[list[HostSample]], dict[str, float]]:
         """Acknowledge through `ack_through`, report this job's version, and take the groups of the
         producer's step `rollout_id`: `groups_per_step` of them, ABORTED fillers standing in for
         groups set aside (by the coordinator, or here because this job's model cannot take them).
@@ -136,8 +142,8 @@ class Responder:
                 "coordinator/rejected_groups": float(taken.rejected),
             }
         )
-        versions = [_as_int(v) for g in samples for s in g for v in (s.weight_versions or [])]
-        versions = [v for v in versions if v is not None]
+        read = [_as_int(v) for g in samples for s in g for v in (s.weight_versions or [])]
+        versions = [v for v in read if v is not None]
         if versions:
             metrics[f"staleness/{self.agent}"] = float(rollout_id - min(versions))
         return samples, metrics
@@ -278,8 +284,8 @@ class Responder:
 
 
 def _filler_group(
-    agent: str, dead: dict[str, Any], ordinal: int, first_rollout_id: int, per_episode: int
-) -> list[Any]:
+    agent: str, dead: DeadLetter, ordinal: int, first_rollout_id: int, per_episode: int
+) -> list[HostSample]:
     """ABORTED fillers for a group set aside: as many as it had items, with rollout ids of their
     own (one per episode of the producer, negative: never a real episode's), training nothing."""
     reason = str(dead.get("reason") or "set aside")
@@ -317,8 +323,8 @@ async def _renew(client: CoordinatorClient, leases: list[str], lease_s: float) -
                 logger.warning("could not renew lease %s: %s", lease_id, exc)
 
 
-def _as_int(value: Any) -> int | None:
+def _as_int(value: object) -> int | None:
     try:
-        return int(value)
+        return int(cast("str | int", value))
     except (TypeError, ValueError):
         return None

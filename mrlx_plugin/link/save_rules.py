@@ -9,10 +9,10 @@ and how many steps a responder may therefore hold unacknowledged (`save_window`)
 
 from __future__ import annotations
 
-from typing import Any
+import argparse
 
 
-def save_window(args: Any) -> tuple[int, str]:
+def save_window(args: argparse.Namespace) -> tuple[int, str]:
     """How many of the producer's steps a responder may hold unacknowledged at once: the steps
     since the last durable save, plus the one it waits for. (1, ...) without saves to wait for."""
     interval = getattr(args, "save_interval", None)
@@ -24,7 +24,7 @@ def save_window(args: Any) -> tuple[int, str]:
     return interval, f"--save-interval {interval}"
 
 
-def _saves_at(args: Any, rollout_id: int) -> bool:
+def _saves_at(args: argparse.Namespace, rollout_id: int) -> bool:
     """slime's `should_run_periodic_action(rollout_id, args.save_interval, num_rollout_per_epoch,
     args.num_rollout)`: whether its loop saves after training `rollout_id`."""
     interval = getattr(args, "save_interval", None)
@@ -38,7 +38,7 @@ def _saves_at(args: Any, rollout_id: int) -> bool:
     return step % int(interval) == 0 or (per_epoch is not None and step % int(per_epoch) == 0)
 
 
-def durable_step_before(args: Any, rollout_id: int) -> int:
+def durable_step_before(args: argparse.Namespace, rollout_id: int) -> int:
     """The last step whose training a job resumed now would not repeat, seen from the top of its
     step `rollout_id` (-1: none). slime's loop per step is rollout -> train -> save (every
     `--save-interval` steps and the last) -> weight push, and a resumed job continues after the

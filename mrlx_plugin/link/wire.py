@@ -21,13 +21,15 @@ import array
 import struct
 import sys
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Literal, TypedDict, TypeVar
 
 import numpy as np
 import orjson
 import pyarrow as pa
+
+from mrlx_plugin.core.values import JSONObject
 
 WIRE_VERSION = 2
 CONTENT_TYPE = "application/vnd.apache.arrow.stream"
@@ -74,6 +76,14 @@ META_KEYS = frozenset(
     }
 )
 
+# The lengths in a scanned item's metadata, each in [0, MAX_TOKENS_PER_ITEM].
+_LENGTHS: tuple[Literal["n_tokens", "n_log_probs", "n_loss_mask", "response_length"], ...] = (
+    "n_tokens",
+    "n_log_probs",
+    "n_loss_mask",
+    "response_length",
+)
+
 # Sample attributes carried in `QueueItem.fields` (when the sample has them and they are not None).
 SAMPLE_FIELDS = (
     "group_index",
@@ -90,10 +100,49 @@ SAMPLE_FIELDS = (
     "train_metadata",
 )
 
+T = TypeVar("T")
+
 _LITTLE_ENDIAN = sys.byteorder == "little"
 assert array.array("i").itemsize == 4 and array.array("f").itemsize == 4
 # What pyarrow raises on bytes that are not a valid stream (ArrowInvalid, ArrowIOError, ...).
 _ARROW_ERRORS = (pa.ArrowException, OSError, ValueError, EOFError, IndexError, struct.error)
+
+
+class RecordMeta(TypedDict):
+    """A scanned item's metadata (`RecordView.meta`): its scalars and its arrays' lengths."""
+
+    key: str
+    group: str
+    group_size: int
+    producer: str
+    step: int
+    n_tokens: int
+    response_length: int
+    n_log_probs: int
+    n_loss_mask: int
+
+
+class LeasedGroup(TypedDict):
+    """One leased group as a lease answer's frame header lists it (`Lease.group_info`)."""
+
+    group: str
+    size: int
+    step: int
+    producer: str
+    redelivered: bool
+
+
+class _DeadLetterKeys(TypedDict):
+    group: str
+    size: int
+    step: int | None
+    reason: str
+
+
+class DeadLetter(_DeadLetterKeys, total=False):
+    """A group set aside (never delivered again), as a lease answer's frame header reports it."""
+
+    producer: str | None
 
 
 class WireError(ValueError):
@@ -137,14 +186,14 @@ class QueueItem:
     response_length: int
     loss_mask: Sequence[int]
     rollout_log_probs: Sequence[float]
-    fields: dict[str, Any] = field(default_factory=dict)
+    fields: JSONObject = field(default_factory=dict)
 
 
 @dataclass
 class RecordView:
     """One item of a scanned frame: its metadata (see `META_KEYS`; no array decoded) and its row."""
 
-    meta: dict[str, Any]
+    meta: RecordMeta
     batch: pa.RecordBatch
     row: int
     _record: pa.Buffer | None = None
@@ -153,7 +202,7 @@ class RecordView:
     def key(self) -> str:
         return self.meta["key"]
 
-    def fields(self) -> dict[str, Any]:
+    def fields(self) -> JSONObject:
         """The item's `fields`, parsed anew on each call (kept parsed, the fields of a request's
         items could cost many times their text: JSON of small values is many small objects)."""
         column = self.batch.column(9)
@@ -179,7 +228,7 @@ class RecordView:
 
 @dataclass
 class FrameView:
-    header: dict[str, Any]
+    header: JSONObject
     records: list[RecordView]
 
 
@@ -226,7 +275,7 @@ class BufferPool:
 # --------------------------------------------------------------------------- encoding
 
 
-def _pack(values: Any, code: str, dtype: str, out: np.ndarray, offset: int, count: int) -> None:
+def _pack(values: Sequence[float], code: str, dtype: str, out: np.ndarray, offset: int, count: int) -> None:
     """Write `count` int32 (`code` "i") or float32 ("f") values into `out[offset:]`.
 
     Lists go through struct, about twice as fast as numpy at converting Python numbers, and
@@ -247,7 +296,7 @@ def _pack(values: Any, code: str, dtype: str, out: np.ndarray, offset: int, coun
         struct.pack_into(f"<{count}{code}", out, offset * 4, *values)
 
 
-def _mask_bytes(values: Any) -> bytes:
+def _mask_bytes(values: Sequence[int]) -> bytes:
     if isinstance(values, np.ndarray):
         return np.ascontiguousarray(values, dtype=np.uint8).tobytes()
     return bytes(values)
@@ -259,13 +308,13 @@ def _list_array(lengths: list[int], values: np.ndarray) -> pa.ListArray:
     return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values))
 
 
-def schema_with_header(header: dict[str, Any] | None) -> pa.Schema:
+def schema_with_header(header: Mapping[str, object] | None) -> pa.Schema:
     return SCHEMA.with_metadata(
         {VERSION_KEY: str(WIRE_VERSION).encode(), HEADER_KEY: orjson.dumps(header or {})}
     )
 
 
-def items_batch(items: Sequence[QueueItem], header: dict[str, Any] | None = None) -> pa.RecordBatch:
+def items_batch(items: Sequence[QueueItem], header: Mapping[str, object] | None = None) -> pa.RecordBatch:
     """The record batch of `items` (one row each). Does not check the samples' consistency (the
     server does, and names the item); fails only when a value cannot be packed at all (an id
     beyond int32, a mask value beyond a byte, a field that is not JSON)."""
@@ -326,7 +375,7 @@ def items_batch(items: Sequence[QueueItem], header: dict[str, Any] | None = None
 
 
 def encode_items_into(
-    items: Iterable[QueueItem], pool: BufferPool | None = None, header: dict[str, Any] | None = None
+    items: Iterable[QueueItem], pool: BufferPool | None = None, header: Mapping[str, object] | None = None
 ) -> tuple[bytearray, memoryview]:
     """Encode a frame into a buffer (from `pool` when given); returns (buffer, view of the frame).
 
@@ -352,20 +401,20 @@ def encode_items_into(
     return buf, memoryview(buf)[:used]
 
 
-def encode_items(items: Iterable[QueueItem], header: dict[str, Any] | None = None) -> bytes:
+def encode_items(items: Iterable[QueueItem], header: Mapping[str, object] | None = None) -> bytes:
     """A frame holding `items` (see the module docstring)."""
     _, view = encode_items_into(items, None, header)
     return bytes(view)
 
 
-def frame_head(header: dict[str, Any] | None = None) -> bytes:
+def frame_head(header: Mapping[str, object] | None = None) -> bytes:
     """The start of a frame (its schema message, carrying `header`), for stored records after it;
     the frame ends with `END_OF_STREAM`."""
     return schema_with_header(header).serialize().to_pybytes()
 
 
 def encode_frame(
-    records: Sequence[bytes | bytearray | memoryview], header: dict[str, Any] | None = None
+    records: Sequence[bytes | bytearray | memoryview], header: Mapping[str, object] | None = None
 ) -> bytes:
     """A frame around stored item records."""
     return b"".join((frame_head(header), *records, END_OF_STREAM))
@@ -404,7 +453,7 @@ def _body_compressed(metadata: pa.Buffer) -> bool:
     return table_field(header + u32(header), 3) is not None
 
 
-def _check_schema(schema: pa.Schema) -> dict[str, Any]:
+def _check_schema(schema: pa.Schema) -> JSONObject:
     """The frame header of a frame's schema; `WireError` unless its columns are exactly `SCHEMA`'s."""
     names = schema.names
     unknown = [name for name in names if name not in COLUMNS]
@@ -435,7 +484,7 @@ def _check_schema(schema: pa.Schema) -> dict[str, Any]:
 
 def read_frame(
     buf: bytes | bytearray | memoryview, limits: FrameLimits | None = None
-) -> tuple[dict[str, Any], list[pa.RecordBatch]]:
+) -> tuple[JSONObject, list[pa.RecordBatch]]:
     """The header and record batches of a frame, checked as an Arrow stream of `SCHEMA`
     (uncompressed, no dictionaries, ending with the end-of-stream marker and nothing after it,
     every array valid); raises `WireError`, `FrameTooLarge` past `limits` (checked message by
@@ -552,7 +601,7 @@ def scan_frame(buf: bytes | bytearray | memoryview, limits: FrameLimits | None =
                 )
             if steps[row] < 0:
                 raise WireError(f"{where}: 'step' must be a non-negative integer, got {steps[row]!r}")
-            meta = {
+            meta: RecordMeta = {
                 "key": key,
                 "group": groups[row],
                 "group_size": sizes[row],
@@ -563,7 +612,7 @@ def scan_frame(buf: bytes | bytearray | memoryview, limits: FrameLimits | None =
                 "n_log_probs": n_log_probs[row],
                 "n_loss_mask": n_mask[row],
             }
-            for name in ("n_tokens", "n_log_probs", "n_loss_mask", "response_length"):
+            for name in _LENGTHS:
                 if not 0 <= meta[name] <= MAX_TOKENS_PER_ITEM:
                     raise WireError(
                         f"{where}: {name!r} must be an integer in [0, {MAX_TOKENS_PER_ITEM}], got "
@@ -623,7 +672,7 @@ def _int_list(ids: np.ndarray) -> list[int]:
     return table.take(ids).tolist()
 
 
-def decode_frame(buf: bytes | bytearray | memoryview) -> tuple[dict[str, Any], list[QueueItem]]:
+def decode_frame(buf: bytes | bytearray | memoryview) -> tuple[JSONObject, list[QueueItem]]:
     """The frame header and the items of a frame, arrays as Python lists (token ids int,
     log-probs float); the items hold no reference to `buf`."""
     header, batches = read_frame(buf)
@@ -633,7 +682,7 @@ def decode_frame(buf: bytes | bytearray | memoryview) -> tuple[dict[str, Any], l
     return header, items
 
 
-def as_list(values: Sequence[Any]) -> list[Any]:
+def as_list(values: Sequence[T]) -> list[T]:
     if isinstance(values, list):
         return values
     if isinstance(values, np.ndarray):

@@ -23,9 +23,19 @@ import re
 import shutil
 import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, TypedDict
+
+if TYPE_CHECKING:
+    import torch
+    from peft import PeftModel
+    from tokenizers import Tokenizer
+    from transformers import LlamaConfig, PreTrainedModel, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+    # A policy: a whole causal LM, or a peft model of a LoRA adapter on one.
+    Policy = PreTrainedModel | PeftModel
 
 PAD_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -167,7 +177,7 @@ def training_corpus(vocab_size: int, seed: int = 0) -> list[str]:
     return lines
 
 
-def _train_tokenizer_object(vocab_size: int) -> Any:
+def _train_tokenizer_object(vocab_size: int) -> Tokenizer:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
@@ -193,7 +203,7 @@ def _train_tokenizer_object(vocab_size: int) -> Any:
     return tok
 
 
-def build_tokenizer(out_dir: str | os.PathLike[str], vocab_size: int = 512) -> Any:
+def build_tokenizer(out_dir: str | os.PathLike[str], vocab_size: int = 512) -> PreTrainedTokenizerFast:
     """Train a byte-level BPE tokenizer with the ChatML template and save it to `out_dir`.
 
     Returns the `transformers.PreTrainedTokenizerFast`; `AutoTokenizer.from_pretrained(out_dir)`
@@ -231,7 +241,7 @@ def build_tokenizer(out_dir: str | os.PathLike[str], vocab_size: int = 512) -> A
 
 def model_config(
     preset: str = "tiny", vocab_size: int = 512, pad_token_id: int = 0, eos_token_id: int = 2
-) -> Any:
+) -> LlamaConfig:
     """The `transformers.LlamaConfig` of a preset, for a vocabulary of `vocab_size` ids.
 
     Llama rather than Qwen2: transformers 5 loads the tokenizer of a "qwen2" model directory
@@ -293,7 +303,12 @@ def build_model(
 
 
 def _build_once(
-    out: Path, record: str, marker: str, wanted: dict[str, Any], build: Callable[[Path], Any], what: str
+    out: Path,
+    record: str,
+    marker: str,
+    wanted: Mapping[str, object],
+    build: Callable[[Path], object],
+    what: str,
 ) -> Path:
     """Build into `out` once: `build(tmp)` fills a private temporary directory beside `out` (and
     writes `record` there), which is then renamed into place; a loser of a race discards its copy.
@@ -352,7 +367,7 @@ def ensure_model(
     )
 
 
-def _peft() -> Any:
+def _peft() -> ModuleType:
     try:
         import peft
     except ImportError as exc:
@@ -367,7 +382,18 @@ def is_adapter_dir(path: str | os.PathLike[str]) -> bool:
     return (Path(path) / "adapter_config.json").is_file()
 
 
-def _adapter_settings(base_dir: Path, rank: int, alpha: float, seed: int) -> dict[str, Any]:
+class _AdapterInfo(TypedDict):
+    """What an adapter was built with (its build record, `ADAPTER_INFO_FILE`)."""
+
+    format: int
+    rank: int
+    alpha: float
+    seed: int
+    target_modules: list[str]
+    base: dict[str, object]  # the base model's shapes, from its config.json
+
+
+def _adapter_settings(base_dir: Path, rank: int, alpha: float, seed: int) -> _AdapterInfo:
     config = json.loads((base_dir / "config.json").read_text())
     return {
         "format": _BUILD_FORMAT,
@@ -379,7 +405,7 @@ def _adapter_settings(base_dir: Path, rank: int, alpha: float, seed: int) -> dic
     }
 
 
-def _build_adapter(out: Path, base_dir: Path, info: dict[str, Any]) -> None:
+def _build_adapter(out: Path, base_dir: Path, info: _AdapterInfo) -> None:
     import torch
 
     peft = _peft()
@@ -442,7 +468,7 @@ def _quiet() -> None:
     hf_logging.disable_progress_bar()
 
 
-def _float32_kwargs() -> dict[str, Any]:
+def _float32_kwargs() -> dict[str, torch.dtype]:
     """The dtype keyword of `from_pretrained`/`from_config` (renamed `dtype` in transformers 4.56)."""
     import torch
     import transformers
@@ -452,7 +478,7 @@ def _float32_kwargs() -> dict[str, Any]:
     return {"dtype": torch.float32} if (major, minor) >= (4, 56) else {"torch_dtype": torch.float32}
 
 
-def load_model(model_dir: str | os.PathLike[str]) -> Any:
+def load_model(model_dir: str | os.PathLike[str]) -> PreTrainedModel:
     """Load a causal LM from a local directory in float32 on the CPU (never from a hub)."""
     from transformers import AutoModelForCausalLM
 
@@ -461,7 +487,7 @@ def load_model(model_dir: str | os.PathLike[str]) -> Any:
     return model
 
 
-def load_tokenizer(model_dir: str | os.PathLike[str]) -> Any:
+def load_tokenizer(model_dir: str | os.PathLike[str]) -> PreTrainedTokenizerBase:
     """Load the tokenizer saved in a local directory (never from a hub)."""
     from transformers import AutoTokenizer
 
@@ -473,7 +499,7 @@ def load_policy(
     adapter_dir: str | os.PathLike[str] | None = None,
     *,
     trainable: bool = False,
-) -> Any:
+) -> Policy:
     """The model at `model_dir` (as `load_model`), with the LoRA adapter at `adapter_dir` on it
     when given: a peft model whose only trainable parameters, with `trainable`, are the adapter's
     (the base stays frozen); without `trainable` nothing trains."""

@@ -18,6 +18,7 @@ import re
 import sys
 from collections import OrderedDict
 from fractions import Fraction
+from typing import cast
 
 from mrlx_plugin.core.processes import start_async
 from mrlx_plugin.core.retry import Backoff, Deadline, RetriesExhausted, retry
@@ -161,7 +162,7 @@ class MathVerifier:
         if self._loop is not loop:  # a new event loop: the old pipes belong to the old one
             self._proc, self._reader, self._pending, self._start_lock = None, None, {}, asyncio.Lock()
             self._loop = loop
-        async with self._start_lock:  # type: ignore[union-attr]
+        async with cast(asyncio.Lock, self._start_lock):  # set above for this loop
             if self._proc is None or self._proc.returncode is not None:
                 env = dict(os.environ, PYTHONUNBUFFERED="1")
                 # tied: the worker goes with this process however it dies (also by SIGKILL)

@@ -12,14 +12,16 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import math
 from collections import defaultdict
-from typing import Any, Protocol
+from collections.abc import Mapping, Sequence
+from typing import Protocol, SupportsFloat, cast
 
 import numpy as np
 
-from mrlx_plugin.core.host import HOST, HOST_PROCESS, Status, host_reward
+from mrlx_plugin.core.host import HOST, HOST_PROCESS, HostSample, Status, host_reward
 from mrlx_plugin.core.transcript import strip_reasoning
 from mrlx_plugin.core.values import finite_reward
 from mrlx_plugin.rewards.grading import MathVerifier, grade_math
@@ -28,7 +30,7 @@ GRPO_FAMILY = ("grpo", "gspo", "cispo", "reinforce_plus_plus_baseline")
 STD_NORMALIZED = ("grpo", "gspo", "cispo")
 
 
-def math_verifier(args: Any) -> MathVerifier:
+def math_verifier(args: argparse.Namespace | _WithoutCustomRm) -> MathVerifier:
     """The math-verify worker of the host's `args`: one per rollout process, shared by the
     `mrlx_grade` default (through the Runtime) and `reward` (called with `args` alone), and owned
     by the process registry (`HOST_PROCESS`) that keeps what flat host calls share."""
@@ -42,7 +44,7 @@ def math_verifier(args: Any) -> MathVerifier:
 # --------------------------------------------------------------------------------------------
 
 
-async def reward(args: Any, samples: Any, **_: Any) -> Any:
+async def reward(args: argparse.Namespace, samples: HostSample | list[HostSample], **_: object) -> object:
     """Grade one Sample (returns a float) or a list of them (returns a list of floats).
 
     With a host installed and `--rm-type` set (or a sample's `metadata["rm_type"]`), the host's
@@ -54,7 +56,7 @@ async def reward(args: Any, samples: Any, **_: Any) -> Any:
     return await _reward_one(args, samples)
 
 
-async def _reward_one(args: Any, sample: Any) -> Any:
+async def _reward_one(args: argparse.Namespace, sample: HostSample) -> object:
     rm_type = (sample.metadata or {}).get("rm_type") or getattr(args, "rm_type", None)
     if HOST is not None and rm_type:
         value = await host_reward(_WithoutCustomRm(args), sample)
@@ -68,14 +70,14 @@ class _WithoutCustomRm:
     """A read-only view of `args` whose custom_rm_path is None, so the host's grader does not call
     back into this function. The host's `args` itself is never written to."""
 
-    def __init__(self, args: Any):
+    def __init__(self, args: argparse.Namespace):
         self._args = args
 
     @property
     def custom_rm_path(self) -> None:
         return None
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> object:
         return getattr(self._args, name)
 
 
@@ -84,8 +86,8 @@ class _WithoutCustomRm:
 # --------------------------------------------------------------------------------------------
 
 
-def _reward_value(sample: Any, reward_key: str | None) -> float:
-    value = sample.reward
+def _reward_value(sample: HostSample, reward_key: str | None) -> float:
+    value: object = sample.reward
     if isinstance(value, dict):
         if not reward_key:
             raise ValueError(
@@ -94,11 +96,11 @@ def _reward_value(sample: Any, reward_key: str | None) -> float:
         value = value[reward_key]
     if value is None:
         return 0.0
-    number = float(value)
+    number = float(cast("SupportsFloat | str", value))  # what float() takes; it raises on the rest
     if not math.isfinite(number):
         # Every reward mrlx makes is checked where it is made; one that is not finite here came
         # from elsewhere, and a 0.0 in its place would train on a reward nobody computed.
-        meta = (sample.metadata or {}).get("mrlx") or {}
+        meta = _record(sample)
         who = (
             f" (agent {meta.get('agent')!r}, episode {meta.get('episode_id')!r})"
             if meta
@@ -108,17 +110,22 @@ def _reward_value(sample: Any, reward_key: str | None) -> float:
     return number
 
 
-def group_key(sample: Any) -> tuple[Any, Any]:
+def group_key(sample: HostSample) -> tuple[int | None, object]:
     """(prompt group, credit group): the set of samples a sample's advantage is relative to.
 
     The credit group is the agent and its role (a game seat); under `rewards.credit: turn` also
     the turn index, so that a turn is compared with the same turn of the prompt group's other
     episodes; with tree sampling, the K candidates of one turn of one episode."""
-    meta = (sample.metadata or {}).get("mrlx") or {}
+    meta = _record(sample)
     return (sample.group_index, meta.get("credit_group") or meta.get("agent"))
 
 
-def normalize(args: Any, samples: list[Any]) -> tuple[list[float], list[float]]:
+def _record(sample: HostSample) -> Mapping[str, object]:
+    """The sample's `metadata["mrlx"]` (`episodes.samples.sample_meta`); empty for one mrlx did not make."""
+    return cast("Mapping[str, object]", (sample.metadata or {}).get("mrlx") or {})
+
+
+def normalize(args: argparse.Namespace, samples: Sequence[HostSample]) -> tuple[list[float], list[float]]:
     """Return (raw_rewards, normalised_rewards), one per sample, in the order given.
 
     Within each group (`group_key`: the prompt group and the agent, with its role; per turn
@@ -138,7 +145,7 @@ def normalize(args: Any, samples: list[Any]) -> tuple[list[float], list[float]]:
         return raw, list(raw)
     use_std = estimator in STD_NORMALIZED and getattr(args, "grpo_std_normalization", True)
 
-    groups: dict[tuple[Any, Any], list[int]] = defaultdict(list)
+    groups: dict[tuple[int | None, object], list[int]] = defaultdict(list)
     for i, s in enumerate(flat):
         if s.status == Status.ABORTED or getattr(s, "remove_sample", False):
             continue

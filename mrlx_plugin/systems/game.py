@@ -50,7 +50,7 @@ import random
 import zlib
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Generic, Literal, cast
 
 from pydantic import Field
 
@@ -70,7 +70,7 @@ from mrlx_plugin.core.values import finite_reward
 from mrlx_plugin.episodes import Episode, EpisodeContext, Outcome, Registered, System
 from mrlx_plugin.episodes.samples import turn_returns
 from mrlx_plugin.systems.game_pool import check_member, frozen_agent, watch_member
-from mrlx_plugin.systems.games import BUILT_IN_GAMES, Game, boxed
+from mrlx_plugin.systems.games import BUILT_IN_GAMES, Game, M, S, SomeGame, boxed
 from mrlx_plugin.systems.libraries import is_library_game
 from mrlx_plugin.systems.library_games import library_game
 from mrlx_plugin.systems.quoting import quote
@@ -108,6 +108,7 @@ class GameSettings(SystemSection):
     illegal_penalty: Number = Field(
         -1.0, description="outcome of a seat whose move is illegal (the episode ends there; counted)"
     )
+    # Any YAML values, the game checks them (`object` would show as such in docs/reference.md).
     options: dict[str, Any] = Field(default_factory=dict, description="the game's own options (see the game)")
     branch_score: Literal["rollout", "settle"] = Field(
         "rollout",
@@ -158,21 +159,23 @@ def game_producer(context: EpisodeContext, name: str) -> str:
     return f"game {name!r} (registered by plugin {found.plugin if found else 'unknown'!r})"
 
 
-def the_game(context: EpisodeContext) -> Any:
+def the_game(context: EpisodeContext) -> SomeGame:
     """The game `mrlx.game.name` names (checked at start-up: `check_game`): a registered one, else
     a library game's adapter (built once per name and options)."""
     g = context.settings.game
     found = context.games.get(g.name)
-    return found.value if found is not None else library_game(g.name, g.options)
+    # A registered game: any object with the methods of `Game`, of whatever class.
+    return cast(SomeGame, found.value) if found is not None else library_game(g.name, g.options)
 
 
-def check_game(settings: Any, games: Mapping[str, Registered]) -> list[str]:
+def check_game(settings: Settings, games: Mapping[str, Registered]) -> list[str]:
     """The game system's start-up check: `mrlx.game.name` is a registered game (or a library game
     that builds here: its library installed, its name and options valid), and the seats, the
     scripted players and the game's options suit it."""
     g = settings.game
+    game: SomeGame
     if g.name in games:
-        game = games[g.name].value
+        game = cast(SomeGame, games[g.name].value)
     elif is_library_game(g.name):
         try:
             game = library_game(g.name, g.options)
@@ -193,7 +196,7 @@ def check_game(settings: Any, games: Mapping[str, Registered]) -> list[str]:
     return []
 
 
-def check_players(game: Any, settings: Any, source: str) -> None:
+def check_players(game: SomeGame, settings: Settings, source: str) -> None:
     """One player per seat of `game`, and every `script:NAME` a scripted player it has."""
     g, where = settings.game, f"{source}: " if source else ""
     seats = seat_players(settings)
@@ -213,7 +216,7 @@ def check_players(game: Any, settings: Any, source: str) -> None:
             )
 
 
-def seat_players(settings: Any) -> list[str]:
+def seat_players(settings: Settings) -> list[str]:
     """`mrlx.game.seats`, or the agents in the order listed."""
     return list(settings.game.seats or settings.agents)
 
@@ -232,7 +235,7 @@ def pool_draw(key: str, opponents: list[str], seat: int) -> str:
     return opponents[zlib.crc32(f"{key}:pool:{seat}".encode()) % len(opponents)]
 
 
-def first_agent_seat(players: list[str], settings: Any) -> int | None:
+def first_agent_seat(players: list[str], settings: Settings) -> int | None:
     """The seat whose result the episode reports (evaluation, `game/win_rate/vs/`): the seat of
     the agent this job trains (`mrlx.self`), else the first trainable agent's, else the first
     agent's; None when scripts play every seat."""
@@ -256,8 +259,8 @@ def is_script(player: str) -> bool:
 
 
 def judge_move(
-    game: Any, state: Any, seat: int, text: str, penalty: float, producer: str = "the game"
-) -> tuple[Any, Any, float, float]:
+    game: Game[S, M], state: S, seat: int, text: str, penalty: float, producer: str = "the game"
+) -> tuple[M | None, S | None, float, float]:
     """(move, next state, own reward, score) of an answer. The own reward is the move's
     (`move_reward`); the score adds the seat's outcome when the move ends the game. An answer
     that makes no legal move: (None, None, 0.0, penalty), the penalty being its outcome.
@@ -283,7 +286,7 @@ def judge_move(
     )
 
 
-def game_outcome(game: Any, state: Any, producer: str = "the game") -> list[float]:
+def game_outcome(game: Game[S, M], state: S, producer: str = "the game") -> list[float]:
     """`game.outcome(state)` as floats, each a finite number (else RewardError naming `producer`)."""
     return [
         finite_reward(x, f"{producer}: outcome of seat {game.seats[i] if i < len(game.seats) else i}")
@@ -307,11 +310,11 @@ OnFault = Callable[[EngineError], Awaitable[str | None]]
 
 
 @dataclass
-class _Table:
+class _Table(Generic[S]):
     """Where one game stands: what `_play` reads and changes. A candidate's rollout plays on a
     `fork`, which leaves the episode's table as it was."""
 
-    state: Any
+    state: S
     players: list[str]
     views: dict[int, Transcript]  # each agent seat's transcript, once it has moved
     unread: dict[int, list[str]]  # per seat: the other seats' moves it has not been told of
@@ -320,7 +323,7 @@ class _Table:
     watched: dict[int, OnFault]  # the `on_fault` of each seat a frozen pool member plays
     lookahead: bool = False
 
-    def fork(self, rng: random.Random) -> _Table:
+    def fork(self, rng: random.Random) -> _Table[S]:
         return _Table(
             self.state,
             self.players,
@@ -332,7 +335,7 @@ class _Table:
             lookahead=True,
         )
 
-    def advance(self, game: Any, seat: int, move: Any, after: Any) -> None:
+    def advance(self, game: Game[S, M], seat: int, move: M, after: S) -> None:
         """`seat` made the legal `move` (giving `after`): the others are told of it."""
         self.made[seat] += 1
         for other in self.unread:
@@ -348,7 +351,7 @@ class _End:
     illegal: int | None = None  # the seat whose move was illegal
 
 
-async def _play(episode: Episode, game: Any, table: _Table) -> _End:
+async def _play(episode: Episode, game: Game[S, M], table: _Table[S]) -> _End:
     """Play `table` on until the game ends, `max_turns` moves are made, a seat's context is
     full, or a move is illegal."""
     g = episode.settings.game
@@ -371,20 +374,22 @@ async def _play(episode: Episode, game: Any, table: _Table) -> _End:
         text = " ".join([*table.unread[seat], game.observation(table.state, seat)])
         table.unread[seat] = []
         try:
-            move, after = await _agent_move(episode, game, table, seat, text)
+            played = await _agent_move(episode, game, table, seat, text)
         except _Stop as stop:
             return _End(None, stopped_by=str(stop))
-        if move is None:  # illegal: the game ends, this seat penalised
+        if played is None:  # illegal: the game ends, this seat penalised
             table.made[seat] += 1
             outcome = [0.0] * len(names)
             outcome[seat] = finite_reward(g.illegal_penalty, "the setting mrlx.game.illegal_penalty")
             return _End(outcome, illegal=seat)
-        table.advance(game, seat, move, after)
+        table.advance(game, seat, *played)
     return _End(game_outcome(game, table.state, game_producer(episode.context, g.name)))
 
 
-async def _agent_move(episode: Episode, game: Any, table: _Table, seat: int, text: str) -> tuple[Any, Any]:
-    """One model turn of the agent in `seat`, shown `text`: (move, next state), move None if illegal."""
+async def _agent_move(
+    episode: Episode, game: Game[S, M], table: _Table[S], seat: int, text: str
+) -> tuple[M, S] | None:
+    """One model turn of the agent in `seat`, shown `text`: (move, next state), None if illegal."""
     g = episode.settings.game
     name, player, state = game.seats[seat], table.players[seat], table.state
     producer = game_producer(episode.context, g.name)
@@ -404,9 +409,12 @@ async def _agent_move(episode: Episode, game: Any, table: _Table, seat: int, tex
         move, after, own, settled = judge_move(
             game, state, seat, strip_reasoning(turn.text), g.illegal_penalty, producer
         )
-        if move is None or g.branch_score == "settle" or game.to_move(after) is None:
+        if move is None or g.branch_score == "settle":
             return settled
-        return await _rollout(episode, game, table, seat, turn, (move, after, own))
+        reached = cast(S, after)  # a legal move's next state
+        if game.to_move(reached) is None:
+            return settled
+        return await _rollout(episode, game, table, seat, turn, (move, reached, own))
 
     before = len(t.turns)
     await episode.generate(t, score=score, on_fault=table.watched.get(seat))
@@ -420,11 +428,11 @@ async def _agent_move(episode: Episode, game: Any, table: _Table, seat: int, tex
     # What the seat knew, to compare the turn with those that knew the same (an optional method).
     known = getattr(game, "information_state", None)
     t.turn_keys[-1] = None if known is None else known(state, seat)
-    return move, after
+    return None if move is None else (move, cast(S, after))  # a legal move has its next state
 
 
 async def _rollout(
-    episode: Episode, game: Any, table: _Table, seat: int, turn: Turn, judged: tuple[Any, Any, float]
+    episode: Episode, game: Game[S, M], table: _Table[S], seat: int, turn: Turn, judged: tuple[M, S, float]
 ) -> float:
     """A candidate move's return (`branch_score: rollout`): the game played on from it to its
     end on a fork of the table, every seat by its own player, one engine call per model move
@@ -496,9 +504,10 @@ async def run_game(episode: Episode) -> Outcome:
     return Outcome(final_transcript=table.views.get(first), team_reward=outcome[first])
 
 
-def _seats_of(settings: Any) -> dict[str, list[int]]:
+def _seats_of(settings: Settings) -> dict[str, list[int]]:
     """For each agent, the seats it may play (a `pool` seat counts for every agent in the pool)."""
-    g, out = settings.game, {a: [] for a in settings.agents}
+    g = settings.game
+    out: dict[str, list[int]] = {a: [] for a in settings.agents}
     for i, who in enumerate(seat_players(settings)):
         if who in out:
             out[who].append(i)
@@ -509,7 +518,7 @@ def _seats_of(settings: Any) -> dict[str, list[int]]:
     return out
 
 
-def _built_in(settings: Any) -> Any:
+def _built_in(settings: Settings) -> SomeGame | None:
     """The built-in or library game `mrlx.game.name` names (its players and options are checked
     at start-up: `check_game`, which also reports a library game that does not build); None for
     a game a plugin registers."""
@@ -522,13 +531,13 @@ def _built_in(settings: Any) -> Any:
         return None
 
 
-def game_fan_out(settings: Any) -> dict[str, int]:
+def game_fan_out(settings: Settings) -> dict[str, int]:
     """Transcripts per episode and agent: the seats the agent can occupy (a pool seat counts
     once for each agent in the pool, whether or not the draw picks it)."""
     return {agent: len(seats) for agent, seats in _seats_of(settings).items()}
 
 
-def game_turns(settings: Any) -> dict[str, int]:
+def game_turns(settings: Settings) -> dict[str, int]:
     """Model turns per transcript and agent: the most moves of any seat it can occupy, by the
     game's `max_moves`, capped by `max_turns`. A game a plugin registers is not known here
     (this runs before any episode): its bound is `max_turns`."""

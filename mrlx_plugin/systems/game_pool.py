@@ -13,8 +13,8 @@ import time
 import urllib.parse
 import weakref
 from collections.abc import Awaitable, Callable
-from typing import Any
 
+from mrlx_plugin.core.config import Settings
 from mrlx_plugin.core.engine_client import EngineError
 from mrlx_plugin.episodes import Episode, EpisodeAborted
 
@@ -28,7 +28,7 @@ POOL_DOWN_S = 30.0
 _DOWN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def frozen_agent(settings: Any, player: str) -> bool:
+def frozen_agent(settings: Settings, player: str) -> bool:
     """An agent that no job trains, served at its own URL (a past checkpoint, a fixed model)."""
     agent = settings.agents.get(player)
     return agent is not None and not agent.trainable and agent.url != "self"

@@ -27,8 +27,15 @@ from __future__ import annotations
 
 import random
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Generic, TypeVar
+
+S = TypeVar("S")  # a game's states
+M = TypeVar("M")  # a game's moves
+
+# `mrlx.game.options` as a game is given them: the YAML's values, which the game checks.
+GameOptions = Mapping[str, object]
 
 _BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
 
@@ -39,7 +46,7 @@ def boxed(text: str) -> str | None:
     return found[-1] if found else None
 
 
-def boxed_move(text: str, legal: list[Any]) -> Any | None:
+def boxed_move(text: str, legal: list[M]) -> M | None:
     """The legal move the last `\\boxed{...}` of `text` names (case and spaces ignored), or None."""
     answer = boxed(text)
     if answer is None:
@@ -50,7 +57,7 @@ def boxed_move(text: str, legal: list[Any]) -> Any | None:
     return None
 
 
-def game_options(game: str, options: dict[str, Any], defaults: dict[str, int]) -> dict[str, int]:
+def game_options(game: str, options: GameOptions, defaults: dict[str, int]) -> dict[str, int]:
     """`mrlx.game.options` for `game`: known keys only, each a positive integer, defaults filled in."""
     unknown = sorted(set(options) - set(defaults))
     if unknown:
@@ -59,22 +66,24 @@ def game_options(game: str, options: dict[str, Any], defaults: dict[str, int]) -
             f"mrlx.game.options: {', '.join(map(repr, unknown))} is no option of {game} (its options: "
             f"{known})"
         )
-    out = {**defaults, **options}
-    for key, value in out.items():
+    out: dict[str, int] = {}
+    for key, value in {**defaults, **options}.items():
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"mrlx.game.options.{key}: got {value!r}; expected an integer of 1 or more")
+        out[key] = value
     return out
 
 
 # --- the rules every game gives ---------------------------------------------------------
 
 
-class Game:
+class Game(Generic[S, M]):
     """The rules of a turn-based game: what the game system calls, one method per question.
 
-    States are the game's own values (a frozen dataclass reads best); the system never looks
-    inside one, never changes one, and keeps the one each move was made from. Seats are indices
-    into `seats`. Every method is called in the rollout process's event loop: keep them quick.
+    States (`S`) and moves (`M`) are the game's own values (a frozen dataclass reads best for a
+    state); the system never looks inside one, never changes one, and keeps the state each move
+    was made from. Seats are indices into `seats`. Every method is called in the rollout process's
+    event loop: keep them quick.
     """
 
     #: The names of the seats, in seat order (also each seat's role in its transcript).
@@ -82,7 +91,7 @@ class Game:
     #: The scripted players the game provides (`script:NAME` seats); `random` always.
     scripts: tuple[str, ...] = ("random",)
 
-    def start(self, problem: str, label: Any, rng: random.Random, options: dict[str, Any]) -> Any:
+    def start(self, problem: str, label: object, rng: random.Random, options: GameOptions) -> S:
         """The initial state for one episode, from the input sample's prompt text and label.
 
         `rng` is the episode's own (drawn from its id, so a rerun deals the same); use it for
@@ -91,71 +100,76 @@ class Game:
         """
         raise NotImplementedError
 
-    def to_move(self, state: Any) -> int | None:
+    def to_move(self, state: S) -> int | None:
         """The seat to move, or None when the game is over."""
         raise NotImplementedError
 
-    def observation(self, state: Any, seat: int) -> str:
+    def observation(self, state: S, seat: int) -> str:
         """What `seat` is shown before its move, as plain text: only what it may know (hidden
         information stays hidden) and how to answer (e.g. "answer with \\boxed{N}"). Text the game
         did not write (from the prompt, a seat's free-text move) goes in through `quote` when the
         observation lays out sections of its own, so that text cannot open one."""
         raise NotImplementedError
 
-    def legal_moves(self, state: Any, seat: int) -> list[Any]:
+    def legal_moves(self, state: S, seat: int) -> list[M]:
         """The legal moves of `seat` (used by the default `parse_move` and `script:random`)."""
         raise NotImplementedError
 
-    def parse_move(self, state: Any, seat: int, text: str) -> Any | None:
+    def parse_move(self, state: S, seat: int, text: str) -> M | None:
         """The legality check: the move an answer makes, or None when it makes no legal move.
 
         `text` is the model's answer without its reasoning. The default reads the last
         `\\boxed{...}` and matches it (case and spaces ignored) against `legal_moves`."""
         return boxed_move(text, self.legal_moves(state, seat))
 
-    def play(self, state: Any, seat: int, move: Any) -> Any:
+    def play(self, state: S, seat: int, move: M) -> S:
         """The state after `seat` makes the legal `move` (a new state; `state` is left as it was)."""
         raise NotImplementedError
 
-    def move_reward(self, state: Any, seat: int, move: Any, next_state: Any) -> float:
+    def move_reward(self, state: S, seat: int, move: M, next_state: S) -> float:
         """The move's own reward for `seat` (its turn reward under `credit: turn`); default 0. A
         finite number: NaN or infinity ends the episode ABORTED, the error naming this game."""
         return 0.0
 
-    def outcome(self, state: Any) -> list[float]:
+    def outcome(self, state: S) -> list[float]:
         """Each seat's result, in seat order, once the game is over (e.g. +1 win / -1 loss); finite
         numbers, as `move_reward`'s."""
         raise NotImplementedError
 
-    def max_moves(self, options: dict[str, Any]) -> dict[int, int]:
+    def max_moves(self, options: GameOptions) -> dict[int, int]:
         """The most moves each seat can make in one game with these options: an exact upper
         bound (the fixed number of samples per episode is built on it). `start` must refuse a
         prompt that would exceed it."""
         raise NotImplementedError
 
-    def scripted_move(self, state: Any, seat: int, script: str, rng: random.Random) -> Any:
+    def scripted_move(self, state: S, seat: int, script: str, rng: random.Random) -> M:
         """The move of scripted player `script` (one of `scripts`); `random` is a uniformly
         random legal move."""
         if script == "random":
             return rng.choice(self.legal_moves(state, seat))
         raise ValueError(f"no scripted player {script!r} (this game has: {', '.join(self.scripts)})")
 
-    def describe_move(self, state: Any, seat: int, move: Any) -> str:
+    def describe_move(self, state: S, seat: int, move: M) -> str:
         """How the other seats are told of `seat`'s `move` (made from `state`), as plain text
         (a move that is text the seat wrote: through `quote`, as in `observation`)."""
         return f"{self.seats[seat]} plays {move}."
 
-    def information_state(self, state: Any, seat: int) -> str | None:
+    def information_state(self, state: S, seat: int) -> str | None:
         """What `seat` knows when it is to move, as a string: two states with the same string
         must be indistinguishable to the seat (OpenSpiel's information state). Per-turn credit
         compares a turn with the turns of the prompt group that saw the same (docs/credit.md);
         None (the default) compares it with the turns of the same index."""
         return None
 
-    def episode_facts(self, state: Any) -> dict[str, Any]:
+    def episode_facts(self, state: S) -> dict[str, object]:
         """The game's own facts about the episode that ended at `state` (its last state, the
         game over or cut short), added to the episode's facts; default none."""
         return {}
+
+
+# A game of whatever state and move types (a registered game, a library's): the game system holds
+# its states and moves without reading them, and passes them back to it.
+SomeGame = Game[Any, Any]
 
 
 # --- nim ------------------------------------------------------------------------------------
@@ -168,14 +182,14 @@ class NimState:
     moves: int = 0  # moves made; the seat to move is moves % 2
 
 
-class Nim(Game):
+class Nim(Game[NimState, int]):
     """One pile of stones; take 1 to `max_take`; who takes the last stone wins (+1, the other -1)."""
 
     seats = ("first", "second")
     scripts = ("random", "optimal")
     option_defaults: ClassVar[dict[str, int]] = {"max_take": 3, "max_stones": 9}
 
-    def start(self, problem: str, label: Any, rng: random.Random, options: dict[str, Any]) -> NimState:
+    def start(self, problem: str, label: object, rng: random.Random, options: GameOptions) -> NimState:
         o = game_options("nim", options, self.option_defaults)
         found = re.search(r"(\d+)\s+stones?\b", problem)
         if found is None:
@@ -216,7 +230,7 @@ class Nim(Game):
         last = (state.moves - 1) % 2  # who took the last stone
         return [1.0 if seat == last else -1.0 for seat in (0, 1)]
 
-    def max_moves(self, options: dict[str, Any]) -> dict[int, int]:
+    def max_moves(self, options: GameOptions) -> dict[int, int]:
         n = game_options("nim", options, self.option_defaults)["max_stones"]
         return {0: (n + 1) // 2, 1: n // 2}  # one stone per move, first seat first
 
@@ -268,17 +282,18 @@ def kuhn_equilibrium(card: str, history: tuple[str, ...]) -> dict[str, float]:
     return {"call": call, "fold": 1 - call}
 
 
-class KuhnPoker(Game):
+class KuhnPoker(Game[KuhnState, str]):
     """Kuhn poker for two seats; the outcome is each seat's chips won (+) or lost (-)."""
 
     seats = ("first", "second")
     scripts = ("random", "optimal")
 
-    def start(self, problem: str, label: Any, rng: random.Random, options: dict[str, Any]) -> KuhnState:
+    def start(self, problem: str, label: object, rng: random.Random, options: GameOptions) -> KuhnState:
         game_options("kuhn_poker", options, {})
         deal = re.search(r"\b([JQK])\s+vs\.?\s+([JQK])\b", problem)
         if deal is None:
-            return KuhnState(tuple(rng.sample(CARDS, 2)))  # type: ignore[arg-type]
+            first, second = rng.sample(CARDS, 2)
+            return KuhnState((first, second))
         if deal.group(1) == deal.group(2):
             raise ValueError(
                 f"kuhn_poker: the prompt {problem[:80]!r} deals one card twice; the deck has one each "
@@ -321,7 +336,7 @@ class KuhnPoker(Game):
             chips = 2.0 if "bet" in h else 1.0
         return [chips if seat == winner else -chips for seat in (0, 1)]
 
-    def max_moves(self, options: dict[str, Any]) -> dict[int, int]:
+    def max_moves(self, options: GameOptions) -> dict[int, int]:
         return {0: 2, 1: 1}  # check, (bet), call or fold
 
     def scripted_move(self, state: KuhnState, seat: int, script: str, rng: random.Random) -> str:
@@ -355,14 +370,14 @@ def apply_step(value: int, step: str) -> int:
     return value + n if step[0] == "+" else value - n if step[0] == "-" else value * n
 
 
-class Chain(Game):
+class Chain(Game[ChainState, int]):
     """A chain of arithmetic steps, one model turn each; a wrong running value ends the episode."""
 
     seats = ("solver",)
     scripts = ("random", "optimal")
     option_defaults: ClassVar[dict[str, int]] = {"max_steps": 3}
 
-    def start(self, problem: str, label: Any, rng: random.Random, options: dict[str, Any]) -> ChainState:
+    def start(self, problem: str, label: object, rng: random.Random, options: GameOptions) -> ChainState:
         o = game_options("chain", options, self.option_defaults)
         parts = re.findall(r"[-+*]?\d+", problem.partition(":")[2] if ":" in problem else problem)
         if len(parts) < 2 or not parts[0].isdigit() or any(p[0] not in "+-*" for p in parts[1:]):
@@ -415,7 +430,7 @@ class Chain(Game):
     def outcome(self, state: ChainState) -> list[float]:
         return [1.0 if state.done == len(state.steps) else 0.0]
 
-    def max_moves(self, options: dict[str, Any]) -> dict[int, int]:
+    def max_moves(self, options: GameOptions) -> dict[int, int]:
         return {0: game_options("chain", options, self.option_defaults)["max_steps"]}
 
     def scripted_move(self, state: ChainState, seat: int, script: str, rng: random.Random) -> int:
@@ -432,4 +447,4 @@ class Chain(Game):
         return f"step {state.done + 1}: value {state.value}, now {state.steps[state.done]}"
 
 
-BUILT_IN_GAMES: dict[str, Any] = {"nim": Nim(), "kuhn_poker": KuhnPoker(), "chain": Chain()}
+BUILT_IN_GAMES: dict[str, SomeGame] = {"nim": Nim(), "kuhn_poker": KuhnPoker(), "chain": Chain()}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
-from typing import Any
+from types import ModuleType
 
 OPENSPIEL, TEXTARENA = "openspiel:", "textarena:"
 DISTRIBUTION = "mrlx-plugin"
@@ -20,7 +20,7 @@ def is_library_game(name: str) -> bool:
     return name.startswith((OPENSPIEL, TEXTARENA))
 
 
-def import_library(module: str, library: str, extra: str, wanted_by: str) -> Any:
+def import_library(module: str, library: str, extra: str, wanted_by: str) -> ModuleType:
     try:
         return importlib.import_module(module)
     except ImportError as exc:

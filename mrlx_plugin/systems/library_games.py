@@ -35,15 +35,18 @@ from typing import Any
 
 from mrlx_plugin.core import processes
 from mrlx_plugin.core.config import ConfigError
-from mrlx_plugin.systems.games import CARDS, KuhnPoker, KuhnState, boxed_move
+from mrlx_plugin.systems.games import CARDS, Game, GameOptions, KuhnPoker, KuhnState, boxed_move
 from mrlx_plugin.systems.libraries import OPENSPIEL, TEXTARENA, import_library, unknown_game
 from mrlx_plugin.systems.quoting import quote
 from mrlx_plugin.systems.textarena_game import TextArenaGame
 
-_BUILT: dict[tuple[str, str], Any] = {}
+_BUILT: dict[tuple[str, str], OpenSpielGame | TextArenaGame] = {}
+
+# A pyspiel object (a game, a state): OpenSpiel's bindings carry no type hints.
+SpielObject = Any
 
 
-def library_game(name: str, options: Mapping[str, Any]) -> Any:
+def library_game(name: str, options: GameOptions) -> OpenSpielGame | TextArenaGame:
     """The game `name` (`openspiel:NAME` or `textarena:ENV_ID`) with `options`, built once per
     name and options: the adapter holds the loaded game, which every episode shares.
 
@@ -89,7 +92,7 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split())
 
 
-def _refusal(name: str, spec: Mapping[str, Any], params: Mapping[str, Any], cause: str) -> str:
+def _refusal(name: str, spec: Mapping[str, object], params: Mapping[str, object], cause: str) -> str:
     """The start-up error for OpenSpiel's `name` with `params` that cannot be played: the option
     it names (the one given, or the one the cause mentions), every option given, the cause and
     what to do."""
@@ -109,17 +112,18 @@ def _refusal(name: str, spec: Mapping[str, Any], params: Mapping[str, Any], caus
     return f"{where}: OpenSpiel's {name}{f' with {given}' if params else ''} cannot be played: {cause}; {fix}"
 
 
-def _tried(name: str, spec: Mapping[str, Any], params: dict[str, Any]) -> None:
+def _tried(name: str, spec: Mapping[str, object], params: dict[str, object]) -> None:
     """Raise ConfigError when OpenSpiel's `name` with `params` fails its trial (above); the
     verdict is kept for the process, so a valid game is tried once."""
     key = json.dumps([name, params], sort_keys=True, default=repr)
     if key not in _VERDICTS:
         _VERDICTS[key] = _run_trial(name, spec, params)
-    if _VERDICTS[key] is not None:
-        raise ConfigError(_VERDICTS[key])
+    refusal = _VERDICTS[key]
+    if refusal is not None:
+        raise ConfigError(refusal)
 
 
-def _run_trial(name: str, spec: Mapping[str, Any], params: dict[str, Any]) -> str | None:
+def _run_trial(name: str, spec: Mapping[str, object], params: dict[str, object]) -> str | None:
     """The trial in a child process (`_trial_main`): None, or the refusal's message."""
     code = "from mrlx_plugin.systems.library_games import _trial_main; _trial_main()"
     root = str(Path(__file__).resolve().parents[2])  # this package, importable in the child as here
@@ -180,7 +184,7 @@ def _trial_main() -> None:
     name, params, seconds = sys.argv[1], json.loads(sys.argv[2]), float(sys.argv[3])
     pyspiel = importlib.import_module("pyspiel")
     _bound_trial(seconds)
-    verdict: dict[str, Any]
+    verdict: dict[str, str | None]
     try:
         verdict = {"cause": _trial(name, params)}
     except ConfigError as exc:  # the adapter's own checks (a simultaneous-move game, ...)
@@ -196,7 +200,7 @@ def _trial_main() -> None:
     print(json.dumps(verdict), flush=True)
 
 
-def _trial(name: str, params: dict[str, Any]) -> str | None:
+def _trial(name: str, params: dict[str, object]) -> str | None:
     """Why OpenSpiel's `name` with `params` cannot be played, or None: built by the adapter,
     its first position settled and TRIAL_MOVES random moves played, each position within the
     size bounds. Runs in the trial's process; the adapter's own errors propagate."""
@@ -239,10 +243,10 @@ class SpielState:
 
     history: tuple[int, ...]
     seed: int
-    state: Any = field(compare=False, repr=False)
+    state: SpielObject = field(compare=False, repr=False)
 
 
-def _spiel_options(name: str, spec: Mapping[str, Any], options: dict[str, Any]) -> dict[str, Any]:
+def _spiel_options(name: str, spec: Mapping[str, object], options: GameOptions) -> dict[str, object]:
     """`options` as OpenSpiel parameters of `name`: known names only, each of its default's type
     (an integer where a float is expected is taken as that float)."""
     unknown = sorted(set(options) - set(spec))
@@ -252,7 +256,7 @@ def _spiel_options(name: str, spec: Mapping[str, Any], options: dict[str, Any]) 
             f"mrlx.game.options: {', '.join(map(repr, unknown))} is no parameter of OpenSpiel's {name} "
             f"(its parameters: {known})"
         )
-    out = {}
+    out: dict[str, object] = {}
     for key, value in options.items():
         default = spec[key]
         if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
@@ -266,12 +270,12 @@ def _spiel_options(name: str, spec: Mapping[str, Any], options: dict[str, Any]) 
     return out
 
 
-class OpenSpielGame:
+class OpenSpielGame(Game[SpielState, str]):
     """A sequential OpenSpiel game through the game protocol (see the module's docstring)."""
 
     scripts = ("random",)
 
-    def __init__(self, name: str, options: dict[str, Any], *, in_trial: bool = False):
+    def __init__(self, name: str, options: GameOptions, *, in_trial: bool = False):
         """Raises ConfigError for a game or options that cannot be played: the game is tried
         first with these options, in a child process with bounds (`_tried`), unless this is
         that trial (`in_trial`)."""
@@ -309,7 +313,7 @@ class OpenSpielGame:
         self.view = "observation" if kind.provides_observation_string else "information state"
         self.knows = "information state" if kind.provides_information_state_string else "observation"
 
-    def _settle(self, state: Any, seed: int) -> SpielState:
+    def _settle(self, state: SpielObject, seed: int) -> SpielState:
         """`state` (a fresh one, owned here) with its chance nodes resolved, each drawn from the
         seed and the history so far: the same position always draws the same outcome."""
         while state.is_chance_node():
@@ -318,7 +322,7 @@ class OpenSpielGame:
             state.apply_action(draw.choices(actions, weights=weights)[0])
         return SpielState(tuple(state.history()), seed, state)
 
-    def start(self, problem: str, label: Any, rng: random.Random, options: dict[str, Any]) -> SpielState:
+    def start(self, problem: str, label: object, rng: random.Random, options: GameOptions) -> SpielState:
         return self._settle(self.game.new_initial_state(), rng.randrange(2**62))
 
     def to_move(self, state: SpielState) -> int | None:
@@ -375,7 +379,7 @@ class OpenSpielGame:
     def outcome(self, state: SpielState) -> list[float]:
         return list(state.state.returns())
 
-    def max_moves(self, options: dict[str, Any]) -> dict[int, int]:
+    def max_moves(self, options: GameOptions) -> dict[int, int]:
         """OpenSpiel's `max_game_length` for every seat: no seat moves more often than the game is long."""
         return {seat: self.game.max_game_length() for seat in range(len(self.seats))}
 
@@ -393,7 +397,7 @@ class OpenSpielGame:
 # --- Kuhn poker against OpenSpiel -----------------------------------------------------------
 
 
-def kuhn_state_from_openspiel(state: Any) -> tuple[KuhnState, int | None]:
+def kuhn_state_from_openspiel(state: SpielObject) -> tuple[KuhnState, int | None]:
     """The built-in kuhn_poker's state for an OpenSpiel kuhn_poker state (both cards dealt), and
     the seat to move (None at the end). OpenSpiel's Pass is check or fold, its Bet bet or call,
     by whether a bet is open."""
@@ -442,7 +446,7 @@ def kuhn_exploitability(policy: Mapping[str, Mapping[str, float]]) -> float:
         )
 
     class Tabled(spiel_policy.Policy):
-        def action_probabilities(self, state: Any, player_id: int | None = None) -> dict[int, float]:
+        def action_probabilities(self, state: SpielObject, player_id: int | None = None) -> dict[int, float]:
             ours, seat = kuhn_state_from_openspiel(state)
             assert seat is not None
             key, legal = kuhn.information_state(ours, seat), kuhn.legal_moves(ours, seat)

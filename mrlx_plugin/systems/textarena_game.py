@@ -16,12 +16,18 @@ import contextlib
 import importlib
 import random
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
+from mrlx_plugin.systems.games import Game, GameOptions
 from mrlx_plugin.systems.libraries import TEXTARENA, import_library, unknown_game
 from mrlx_plugin.systems.quoting import quote
+
+# A TextArena env, and the process-wide random states (`random`'s and numpy's) an env draws from:
+# the library's own objects, untyped, held here and handed back to it.
+Env = Any
+Randomness = tuple[Any, Any]
 
 
 @dataclass
@@ -44,12 +50,12 @@ class ArenaState:
     inbox: str  # the env's messages to `player` since its last move
     knows: tuple[tuple[tuple[str, str], ...], ...]  # per seat: ("told", messages) and ("moved", action)
     moves: tuple[int, ...]  # moves made per seat, invalid ones included
-    rewards: tuple[Any, ...] | None = None  # TextArena's rewards per seat, once it is done
+    rewards: tuple[object, ...] | None = None  # TextArena's rewards per seat, once it is done (unchecked)
     tally: _Tally = field(default_factory=_Tally, compare=False, repr=False)
 
 
 @contextlib.contextmanager
-def _own_random(saved: tuple[Any, Any] | None, out: list[Any]) -> Iterator[None]:
+def _own_random(saved: Randomness | None, out: list[Randomness]) -> Iterator[None]:
     """Run TextArena code on its own global random state: TextArena envs draw from (and
     `reset` reseeds) the process-wide `random` (a few, numpy's); the caller's states are put
     back afterwards, and the env's own, appended to `out`, is restored before its next step, so
@@ -68,7 +74,7 @@ def _own_random(saved: tuple[Any, Any] | None, out: list[Any]) -> Iterator[None]
         np.random.set_state(outer[1])
 
 
-def _render(messages: Any, roles: Mapping[int, str]) -> str:
+def _render(messages: Iterable[tuple[int, str, object] | tuple[int, str]], roles: Mapping[int, str]) -> str:
     """TextArena's messages as one text, each line led by its sender: `[GAME]` or the player."""
     lines = []
     for sender, text, *_ in messages:
@@ -76,7 +82,7 @@ def _render(messages: Any, roles: Mapping[int, str]) -> str:
     return "\n".join(lines)
 
 
-class TextArenaGame:
+class TextArenaGame(Game[ArenaState, str]):
     """A TextArena env through the game protocol (see the module's docstring)."""
 
     scripts: tuple[str, ...] = ()  # TextArena lists no legal moves to draw a random one from
@@ -88,7 +94,7 @@ class TextArenaGame:
     LIVE = 256
     LIVE_MAX = 65_536
 
-    def __init__(self, env_id: str, options: dict[str, Any]):
+    def __init__(self, env_id: str, options: GameOptions):
         ta = import_library("textarena", "TextArena", "textarena", f"mrlx.game.name {TEXTARENA + env_id!r}")
         registry = importlib.import_module("textarena.envs.registration").ENV_REGISTRY
         if env_id not in registry:
@@ -110,14 +116,16 @@ class TextArenaGame:
                 "makes in a game, invalid ones included (TextArena does not bound a game's length, and "
                 "the samples per episode are built on it); a seat that reaches it ends the game as a draw"
             )
+        counts: dict[str, int] = {}
         for key in ("max_moves", "num_players"):
             value = options.get(key, 2)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"mrlx.game.options.{key}: got {value!r}; expected an integer of 1 or more")
+            counts[key] = value
         self.ta, self.env_id = ta, env_id
-        self.max_moves_per_seat = options["max_moves"]
-        self.seats = tuple(f"player{i}" for i in range(options.get("num_players", 2)))
-        self._live: OrderedDict[tuple[int, tuple[str, ...]], tuple[Any, Any]] = OrderedDict()
+        self.max_moves_per_seat = counts["max_moves"]
+        self.seats = tuple(f"player{i}" for i in range(counts["num_players"]))
+        self._live: OrderedDict[tuple[int, tuple[str, ...]], tuple[Env, Randomness]] = OrderedDict()
         self.live_bound = self.LIVE
         self._evicted: OrderedDict[int, int] = OrderedDict()  # hash of a state's key -> the bound then
         self.replays = 0  # moves that replayed their game from the seed, in this process
@@ -135,7 +143,7 @@ class TextArenaGame:
         (the player to move reads its messages, then acts); the live env is kept for the next move.
         The states share `tally` (a new one: a new game)."""
         tally = _Tally() if tally is None else tally
-        saved: list[Any] = []
+        saved: list[Randomness] = []
         with _own_random(None, saved):
             import numpy as np
 
@@ -152,10 +160,10 @@ class TextArenaGame:
 
     def _told(
         self,
-        env: Any,
+        env: Env,
         seed: int,
         actions: tuple[str, ...],
-        knows: tuple[Any, ...],
+        knows: tuple[tuple[tuple[str, str], ...], ...],
         moves: tuple[int, ...],
         tally: _Tally,
     ) -> ArenaState:
@@ -168,7 +176,7 @@ class TextArenaGame:
         knows = tuple(k + ((("told", inbox),) if i == player else ()) for i, k in enumerate(knows))
         return ArenaState(seed, actions, player, inbox, knows, moves, tally=tally)
 
-    def _step(self, env: Any, state: ArenaState, action: str) -> ArenaState:
+    def _step(self, env: Env, state: ArenaState, action: str) -> ArenaState:
         seat = state.player
         assert seat is not None
         knows = tuple(k + ((("moved", action),) if i == seat else ()) for i, k in enumerate(state.knows))
@@ -189,7 +197,7 @@ class TextArenaGame:
             state.tally,
         )
 
-    def _keep(self, state: ArenaState, env: Any, randomness: Any) -> None:
+    def _keep(self, state: ArenaState, env: Env, randomness: Randomness) -> None:
         self._live[(state.seed, state.actions)] = (env, randomness)
         while len(self._live) > self.live_bound:
             key, _ = self._live.popitem(last=False)
@@ -197,7 +205,7 @@ class TextArenaGame:
             while len(self._evicted) > self.live_bound:
                 self._evicted.popitem(last=False)
 
-    def start(self, problem: str, label: Any, rng: random.Random, options: dict[str, Any]) -> ArenaState:
+    def start(self, problem: str, label: object, rng: random.Random, options: GameOptions) -> ArenaState:
         return self._replay(rng.randrange(2**31), ())
 
     def to_move(self, state: ArenaState) -> int | None:
@@ -240,7 +248,7 @@ class TextArenaGame:
             self._replay(state.seed, state.actions, state.tally)
             live = self._live.pop(key)
         env, randomness = live
-        saved: list[Any] = []
+        saved: list[Randomness] = []
         with _own_random(randomness, saved):
             after = self._step(env, state, move)
         if after.player is not None:
@@ -250,16 +258,18 @@ class TextArenaGame:
     def move_reward(self, state: ArenaState, seat: int, move: str, next_state: ArenaState) -> float:
         return 0.0
 
-    def episode_facts(self, state: ArenaState) -> dict[str, Any]:
+    def episode_facts(self, state: ArenaState) -> dict[str, object]:
         """`replays`: the game's moves that replayed it from the seed (its env no longer kept)."""
         return {"replays": state.tally.replays}
 
-    def outcome(self, state: ArenaState) -> list[Any]:
+    def outcome(self, state: ArenaState) -> list[float]:
         """TextArena's rewards (the system checks each is a finite number); a game cut short at
         `max_moves` is a draw, every seat 0, as one cut short at `max_turns`."""
-        return list(state.rewards) if state.rewards is not None else [0.0] * len(self.seats)
+        if state.rewards is None:
+            return [0.0] * len(self.seats)
+        return cast(list[float], list(state.rewards))  # as TextArena gave them: `game_outcome` checks them
 
-    def max_moves(self, options: dict[str, Any]) -> dict[int, int]:
+    def max_moves(self, options: GameOptions) -> dict[int, int]:
         return {seat: self.max_moves_per_seat for seat in range(len(self.seats))}
 
     def scripted_move(self, state: ArenaState, seat: int, script: str, rng: random.Random) -> str:

@@ -9,14 +9,30 @@ import asyncio
 import os
 import time
 from collections import deque
-from typing import Any
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, cast
 
-from mrlx_lab.bench.coordinator.steps import StepLink, checksum_of, make_samples, run_steps
+from mrlx_lab.bench.coordinator.steps import (
+    ConsumerNumbers,
+    ProducerNumbers,
+    SampleArrays,
+    StepLink,
+    StepResult,
+    checksum_of,
+    make_samples,
+    run_steps,
+)
 from mrlx_plugin.core.retry import Deadline, wait_until
+from mrlx_plugin.core.values import JSONObject
+
+if TYPE_CHECKING:
+    from multiprocessing.context import SpawnContext
+
+    import aiohttp
 
 
 def run_baseline(
-    ctx: Any,
+    ctx: SpawnContext,
     workdir: str,
     samples: int,
     tokens: int,
@@ -24,7 +40,7 @@ def run_baseline(
     steps: int,
     step_gap_s: float,
     timeout_s: float,
-) -> list[dict[str, Any]]:
+) -> list[StepResult]:
     """The baseline queue's server, then its producer and consumer through `steps` steps; each
     step's results."""
     port_file = os.path.join(workdir, "baseline.port")
@@ -82,7 +98,7 @@ def _baseline_server_main(port_file: str) -> None:
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        port = cast("asyncio.Server", site._server).sockets[0].getsockname()[1]  # a TCPSite's server
         await asyncio.to_thread(_write_text_atomically, port_file, str(port))
         await asyncio.Event().wait()
 
@@ -111,7 +127,7 @@ def _baseline_producer_main(
                         for _ in range(producers)
                     )
                 )
-                result = {
+                result: ProducerNumbers = {
                     "t0": t0,
                     "commit_done": time.time(),
                     "checksum": checksum,
@@ -123,7 +139,13 @@ def _baseline_producer_main(
     asyncio.run(run())
 
 
-async def _baseline_push_loop(session: Any, url: str, step: int, response_length: int, todo: Any) -> None:
+async def _baseline_push_loop(
+    session: aiohttp.ClientSession,
+    url: str,
+    step: int,
+    response_length: int,
+    todo: Iterator[tuple[int, SampleArrays]],
+) -> None:
     """One of the baseline's concurrent producers: POST one JSON item per request."""
     for i, d in todo:
         item = {
@@ -141,7 +163,11 @@ async def _baseline_push_loop(session: Any, url: str, step: int, response_length
 
 
 async def _baseline_pop_loop(
-    session: Any, url: str, samples: int, received: list[Any], marks: list[tuple[float, int]]
+    session: aiohttp.ClientSession,
+    url: str,
+    samples: int,
+    received: list[JSONObject],
+    marks: list[tuple[float, int]],
 ) -> None:
     """One of the baseline's concurrent consumers: GET one JSON item per request."""
     while len(received) < samples:
@@ -160,21 +186,21 @@ def _baseline_consumer_main(url: str, samples: int, workers: int, steps: int, li
         async with aiohttp.ClientSession() as session:
             for step in range(steps):
                 await link.start("consumer", step)
-                received: list[dict[str, Any]] = []
+                received: list[JSONObject] = []
                 marks: list[tuple[float, int]] = []
                 cpu0 = time.process_time()
                 await asyncio.gather(
                     *(_baseline_pop_loop(session, url, samples, received, marks) for _ in range(workers))
                 )
                 cpu = time.process_time() - cpu0
-                result = {
+                numbers: ConsumerNumbers = {
                     "t_end": marks[-1][0],
                     "received": len(received),
                     "checksum": checksum_of(received),
                     "cpu_s": cpu,
                     "marks": marks,
                 }
-                link.results.put(("consumer", step, result))
+                link.results.put(("consumer", step, numbers))
                 del received
 
     asyncio.run(run())

@@ -8,16 +8,32 @@ import os
 import secrets
 import sys
 import tempfile
-from typing import Any
+from typing import TypedDict
 
 from mrlx_lab.bench.coordinator.service import (
+    WakeUp,
     consumer_main,
     producer_main,
     start_coordinator,
     wake_up_latency,
 )
-from mrlx_lab.bench.coordinator.steps import run_steps, throughput
+from mrlx_lab.bench.coordinator.steps import Throughput, run_steps, throughput
 from mrlx_plugin.core import processes
+from mrlx_plugin.core.values import JSON
+
+
+class CoordinatorBenchReport(TypedDict, total=False):
+    """The numbers of `mrlx bench coordinator`: its settings, each step of the coordinator and of
+    the baseline (the last one also on its own), the barrier's wake-up latency, the speed-ups."""
+
+    config: dict[str, JSON]
+    coordinator_steps: list[Throughput]
+    coordinator: Throughput
+    wake_up_ms: WakeUp
+    baseline_steps: list[Throughput]
+    baseline: Throughput
+    speedup_vs_baseline: float
+    speedup_vs_baseline_first_step: float
 
 
 def run_coordinator_bench(
@@ -36,7 +52,7 @@ def run_coordinator_bench(
     synchronous: str = "full",
     workdir: str | None = None,
     timeout_s: float = 900.0,
-) -> dict[str, Any]:
+) -> CoordinatorBenchReport:
     """Run the three measurements; return (and write to `out_json`) their numbers.
 
     `report["coordinator"]` and `report["baseline"]` are the last step (steady state);
@@ -46,7 +62,7 @@ def run_coordinator_bench(
         raise ValueError("need steps >= 1, samples >= 1 and tokens >= 2")
     ctx = mp.get_context("spawn")
     token = secrets.token_hex(16)
-    report: dict[str, Any] = {
+    report: CoordinatorBenchReport = {
         "config": {
             "samples": samples,
             "tokens": tokens,
@@ -106,7 +122,7 @@ def run_coordinator_bench(
     return report
 
 
-def format_table(report: dict[str, Any]) -> str:
+def format_table(report: CoordinatorBenchReport) -> str:
     """The report as a plain-text table."""
     cfg = report["config"]
     lines = [
@@ -118,11 +134,11 @@ def format_table(report: dict[str, Any]) -> str:
         f"{'path':<48} {'step':>5} {'seconds':>8} {'Mtok/s':>7} {'samples/s':>9} {'first':>6} "
         f"{'cpu p/s/c':>16} {'ok':>3}",
     ]
-    for name, label in (
-        ("coordinator_steps", "coordinator (Arrow frames, SQLite, lease/ack)"),
-        ("baseline_steps", "baseline (1 JSON item/request, in memory)"),
+    for rows, label in (
+        (report.get("coordinator_steps", []), "coordinator (Arrow frames, SQLite, lease/ack)"),
+        (report.get("baseline_steps", []), "baseline (1 JSON item/request, in memory)"),
     ):
-        for step, row in enumerate(report.get(name, [])):
+        for step, row in enumerate(rows):
             cpu = (
                 f"{row['producer_cpu_s']:.2f}/{row.get('server_cpu_s', float('nan')):.2f}/"
                 f"{row['consumer_cpu_s']:.2f}"

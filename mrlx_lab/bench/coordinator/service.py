@@ -11,11 +11,20 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict
 
-from mrlx_lab.bench.coordinator.steps import StepLink, check_alive, checksum_of, make_samples
+from mrlx_lab.bench.coordinator.steps import ConsumerNumbers, StepLink, check_alive, checksum_of, make_samples
 from mrlx_plugin.core import processes
 from mrlx_plugin.core.retry import Deadline, wait_until
+from mrlx_plugin.core.values import JSONObject
+
+if TYPE_CHECKING:
+    from multiprocessing.connection import Connection
+    from multiprocessing.context import SpawnContext
+    from multiprocessing.queues import Queue
+
+    from mrlx_plugin.link.client import CoordinatorClient
+    from mrlx_plugin.link.wire import QueueItem
 
 AGENTS = ("producer", "consumer")
 RUN_ID = "bench"
@@ -134,8 +143,8 @@ def consumer_main(
         await client.heartbeat()
         for step in range(steps):
             await link.start("consumer", step)
-            received: list[Any] = []
-            acks: list[asyncio.Task[Any]] = []
+            received: list[QueueItem] = []
+            acks: list[asyncio.Task[JSONObject]] = []
             marks: list[tuple[float, int]] = []
             cpu0 = time.process_time()
             await asyncio.gather(
@@ -146,14 +155,14 @@ def consumer_main(
             )
             cpu = time.process_time() - cpu0
             await asyncio.gather(*acks)
-            result = {
+            numbers: ConsumerNumbers = {
                 "t_end": marks[-1][0] if marks else 0.0,
                 "received": len(received),
                 "checksum": checksum_of(received),
                 "cpu_s": cpu,
                 "marks": marks,
             }
-            link.results.put(("consumer", step, result))
+            link.results.put(("consumer", step, numbers))
             del received  # the trainer is done with the step's samples
         await client.close()
 
@@ -161,12 +170,12 @@ def consumer_main(
 
 
 async def _lease_step(
-    client: Any,
+    client: CoordinatorClient,
     step: int,
     samples: int,
     lease_groups: int,
-    received: list[Any],
-    acks: list[asyncio.Task[Any]],
+    received: list[QueueItem],
+    acks: list[asyncio.Task[JSONObject]],
     marks: list[tuple[float, int]],
 ) -> None:
     """One lease loop of the consumer: lease, decode (inside `lease`), ack in the background."""
@@ -181,7 +190,9 @@ async def _lease_step(
             acks.append(asyncio.create_task(client.ack(lease.lease_id)))
 
 
-def _waiter_main(url: str, token: str, trials: int, pipe: Any, results: Any) -> None:
+def _waiter_main(
+    url: str, token: str, trials: int, pipe: Connection, results: Queue[tuple[str, list[float]]]
+) -> None:
     from mrlx_plugin.link.client import CoordinatorClient
 
     async def run() -> list[float]:
@@ -197,7 +208,9 @@ def _waiter_main(url: str, token: str, trials: int, pipe: Any, results: Any) -> 
     results.put(("waiter", asyncio.run(run())))
 
 
-def _reporter_main(url: str, token: str, trials: int, pipe: Any, results: Any) -> None:
+def _reporter_main(
+    url: str, token: str, trials: int, pipe: Connection, results: Queue[tuple[str, list[float]]]
+) -> None:
     from mrlx_plugin.link.client import CoordinatorClient
 
     async def run() -> list[float]:
@@ -216,7 +229,16 @@ def _reporter_main(url: str, token: str, trials: int, pipe: Any, results: Any) -
     results.put(("reporter", asyncio.run(run())))
 
 
-def wake_up_latency(ctx: Any, url: str, token: str, trials: int, timeout_s: float) -> dict[str, Any]:
+class WakeUp(TypedDict):
+    """The barrier's wake-up latency (ms): from a version's report to its waiter's return."""
+
+    trials: int
+    p50: float
+    p99: float
+    max: float
+
+
+def wake_up_latency(ctx: SpawnContext, url: str, token: str, trials: int, timeout_s: float) -> WakeUp:
     results = ctx.Queue()
     waiter_end, reporter_end = ctx.Pipe()
     procs = [

@@ -7,18 +7,84 @@ from __future__ import annotations
 import asyncio
 import queue
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, TypedDict, TypeVar, cast
 
 import numpy as np
 
 from mrlx_lab.procstat import cpu_seconds
+from mrlx_plugin.core.values import JSONObject
+
+if TYPE_CHECKING:
+    from multiprocessing.context import SpawnContext
+    from multiprocessing.process import BaseProcess
+    from multiprocessing.queues import Queue
+
+    from mrlx_plugin.link.wire import QueueItem
+
+T = TypeVar("T")
 
 
-def make_samples(samples: int, tokens: int, response_length: int, seed: int) -> list[dict[str, Any]]:
+# Sums over every token id, log-prob and mask value of a step's samples (`checksum_of`).
+Checksum = tuple[int, float, int]
+
+
+class ProducerNumbers(TypedDict, total=False):
+    """What a producer process reports of one step: when it started and was done committing."""
+
+    t0: float
+    commit_done: float
+    accepted: int  # (the coordinator's producer)
+    checksum: Checksum
+    cpu_s: float
+
+
+class ConsumerNumbers(TypedDict):
+    """What a consumer process reports of one step: when it held every sample, and how many when."""
+
+    t_end: float
+    received: int
+    checksum: Checksum
+    cpu_s: float
+    marks: list[tuple[float, int]]  # (time, samples held by then)
+
+
+class StepResult(TypedDict, total=False):
+    """One step of `run_steps`: each process's numbers, and the server's CPU time over it."""
+
+    producer: ProducerNumbers
+    consumer: ConsumerNumbers
+    server_cpu_s: float
+
+
+class Throughput(TypedDict, total=False):
+    """One step's throughput (`throughput`), a row of the benchmark's report."""
+
+    seconds: float
+    tokens_per_s: float
+    samples_per_s: float
+    producer_commit_s: float
+    received: int
+    checksum_ok: bool
+    producer_cpu_s: float
+    consumer_cpu_s: float
+    consumer_timeline_s: dict[str, float]
+    server_cpu_s: float
+
+
+class SampleArrays(TypedDict):
+    """A sample's arrays as a generate function leaves them (Python lists), and its index."""
+
+    tokens: list[int]
+    loss_mask: list[int]
+    rollout_log_probs: list[float]
+    index: int
+
+
+def make_samples(samples: int, tokens: int, response_length: int, seed: int) -> list[SampleArrays]:
     """Sample-shaped dicts with Python lists, as a generate function leaves them."""
     rng = np.random.default_rng(seed)
-    out = []
+    out: list[SampleArrays] = []
     for index in range(samples):
         out.append(
             {
@@ -34,7 +100,7 @@ def make_samples(samples: int, tokens: int, response_length: int, seed: int) -> 
     return out
 
 
-def checksum_of(samples: list[Any]) -> tuple[int, float, int]:
+def checksum_of(samples: Sequence[SampleArrays | JSONObject | QueueItem]) -> Checksum:
     """Sums over every token id, log-prob (as float32) and mask value."""
     token_sum = 0
     log_prob_sum = 0.0
@@ -54,9 +120,10 @@ class StepLink:
     """How a benchmark process takes part in steps: it says it is ready for a step on `ready`,
     starts when `go[step]` is set, and hands its numbers in on `results`."""
 
-    def __init__(self, ctx: Any, steps: int) -> None:
-        self.ready = ctx.Queue()
-        self.results = ctx.Queue()
+    def __init__(self, ctx: SpawnContext, steps: int) -> None:
+        self.ready: Queue[tuple[str, int]] = ctx.Queue()  # (process, step)
+        # (process, step, its numbers)
+        self.results: Queue[tuple[str, int, ProducerNumbers | ConsumerNumbers]] = ctx.Queue()
         self.go = [ctx.Event() for _ in range(steps)]
 
     async def start(self, name: str, step: int) -> None:
@@ -72,7 +139,7 @@ def server_cpu(pid: int | None) -> float | None:
         return None
 
 
-def check_alive(procs: list[Any], deadline: float) -> None:
+def check_alive(procs: Sequence[BaseProcess], deadline: float) -> None:
     failed = [p for p in procs if p.exitcode not in (None, 0)]
     if failed:
         raise RuntimeError(f"benchmark process {failed[0].name} exited with code {failed[0].exitcode}")
@@ -81,14 +148,14 @@ def check_alive(procs: list[Any], deadline: float) -> None:
 
 
 def run_steps(
-    ctx: Any,
-    producer: tuple[Callable[..., None], tuple[Any, ...]],
-    consumer: tuple[Callable[..., None], tuple[Any, ...]],
+    ctx: SpawnContext,
+    producer: tuple[Callable[..., None], tuple[object, ...]],
+    consumer: tuple[Callable[..., None], tuple[object, ...]],
     steps: int,
     gap_s: float,
     timeout_s: float,
     server_pid: int | None = None,
-) -> list[dict[str, Any]]:
+) -> list[StepResult]:
     """Run producer and consumer processes through `steps` steps, releasing both together for
     each step after `gap_s` of idle time; returns each step's results."""
     link = StepLink(ctx, steps)
@@ -99,10 +166,10 @@ def run_steps(
     for proc in procs:
         proc.start()
     deadline = time.time() + timeout_s
-    out: list[dict[str, Any]] = []
+    out: list[StepResult] = []
 
-    def collect(source: Any, count: int) -> list[Any]:
-        got = []
+    def collect(source: Queue[T], count: int) -> list[T]:
+        got: list[T] = []
         while len(got) < count:
             try:
                 got.append(source.get(timeout=0.2))
@@ -116,7 +183,7 @@ def run_steps(
             time.sleep(gap_s)  # idle, as between training steps (the coordinator checkpoints then)
             server_cpu0 = server_cpu(server_pid)
             link.go[step].set()
-            result = {name: value for name, _, value in collect(link.results, len(procs))}
+            result = cast(StepResult, {name: value for name, _, value in collect(link.results, len(procs))})
             server_cpu1 = server_cpu(server_pid)
             if server_cpu0 is not None and server_cpu1 is not None:
                 result["server_cpu_s"] = server_cpu1 - server_cpu0
@@ -142,10 +209,10 @@ def _timeline(marks: list[tuple[float, int]], t0: float, samples: int) -> dict[s
     return out
 
 
-def throughput(result: dict[str, Any], samples: int, tokens: int) -> dict[str, Any]:
+def throughput(result: StepResult, samples: int, tokens: int) -> Throughput:
     producer, consumer = result["producer"], result["consumer"]
     seconds = consumer["t_end"] - producer["t0"]
-    row = {
+    row: Throughput = {
         "seconds": round(seconds, 4),
         "tokens_per_s": round(samples * tokens / seconds, 1),
         "samples_per_s": round(samples / seconds, 1),

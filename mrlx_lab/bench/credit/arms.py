@@ -11,9 +11,9 @@ import random
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
 
 import yaml
 
@@ -30,15 +30,24 @@ from mrlx_lab.bench.credit.settings import (
     arm_settings,
 )
 from mrlx_lab.bench.credit.tasks import chain_sets, nim_prompt, warmup_data
+from mrlx_plugin.core.values import JSON, JSONObject
 from mrlx_plugin.local.trainer.records import read_rows
+
+# What a part reads of an evaluation row (`value`), the line it prints for a metrics row (`show`),
+# a probe of the policy an engine serves (url, model, options, seed), and what it is told of an
+# arm's finished run (`done`: the arm, the run).
+Value = Callable[[JSONObject], JSONObject]
+Show = Callable[[JSONObject], "str | None"]
+Probe = Callable[[str, Path, argparse.Namespace, int], JSONObject]
+Done = Callable[[str, JSONObject], None]
 
 
 def job_config(
     path: Path,
     run_id: str,
     model: Path,
-    game: dict[str, Any],
-    rewards: dict[str, Any],
+    game: JSONObject,
+    rewards: JSONObject,
     ns: argparse.Namespace,
     seed: int,
     part: str,
@@ -72,8 +81,8 @@ def job_config(
 
 
 def run_trainer(
-    argv: list[str], log_path: Path, out: Path, label: str, ns: argparse.Namespace, show: Any = None
-) -> list[dict[str, Any]]:
+    argv: list[str], log_path: Path, out: Path, label: str, ns: argparse.Namespace, show: Show | None = None
+) -> list[JSONObject]:
     """Run one embedded trainer to its end, printing a line per evaluation; its metrics rows."""
     from mrlx_plugin.core import processes
 
@@ -120,7 +129,7 @@ def train_prompts(part: str, ns: argparse.Namespace, seed: int) -> list[tuple[st
     return kuhn_prompts(256, seed=seed)
 
 
-def warm_unit(ns: argparse.Namespace, work: Path, base: Path) -> dict[str, Any]:
+def warm_unit(ns: argparse.Namespace, work: Path, base: Path) -> JSONObject:
     """The seed's format-only warm-start, once for every part it runs: supervised steps on the
     parts' warm-start conversations, mixed (WARMUP_EXAMPLES of each). Every arm starts from it."""
     import shutil
@@ -179,9 +188,9 @@ def run_arm(
     budget: int,
     episodes_per_step: tuple[int, int],
     ns: argparse.Namespace,
-    show: Any,
-    probe: Any = None,
-) -> dict[str, Any]:
+    show: Show | None,
+    probe: Probe | None = None,
+) -> JSONObject:
     """One arm from `model`: its engine and its trainer, until `budget` engine calls are spent;
     the probe (if any) of the engine before and after training. Its metrics rows and more."""
     import shutil
@@ -194,7 +203,7 @@ def run_arm(
     logs.mkdir(parents=True)
     seed, (per_step, per_prompt) = ns.unit_seed, episodes_per_step
     started = time.monotonic()
-    out: dict[str, Any] = {}
+    out: JSONObject = {}
     with ExitStack() as stack:
         engine = start_engine(
             model,
@@ -243,9 +252,7 @@ def run_arm(
     return out | {"rows": rows}
 
 
-def arm_record(
-    arm: str, run: dict[str, Any], value: Any, ns: argparse.Namespace, **extra: Any
-) -> dict[str, Any]:
+def arm_record(arm: str, run: JSONObject, value: Value, ns: argparse.Namespace, **extra: JSON) -> JSONObject:
     """What one arm of one seed reports: calls, counts, the evaluation curve (`value(row)` per
     evaluation row), probes, times."""
     rows = run.pop("rows")
@@ -306,16 +313,16 @@ def run_arms(
     part: str,
     ns: argparse.Namespace,
     work: Path,
-    game: dict[str, Any],
+    game: JSONObject,
     prompts: Path,
     eval_args: list[str],
     *,
     budget: int,
-    show: Any,
-    value: Any,
-    probe: Any = None,
-    done: Any = None,
-) -> dict[str, Any]:
+    show: Show | None,
+    value: Value,
+    probe: Probe | None = None,
+    done: Done | None = None,
+) -> JSONObject:
     """Every arm of `part`, one after another from the seed's warm-started model: its config (the
     part's game with the arm's settings), its run until `budget` engine calls, its record.
     `done(arm, run)` is told of each finished run."""

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import random
 from pathlib import Path
-from typing import Any
 
 from mrlx_lab.bench.credit.arms import job_config, run_arms, run_id_of, train_prompts, warm_model, warm_unit
 from mrlx_lab.bench.credit.probes import kuhn_positions, kuhn_probe, nim_probe, nim_reference
@@ -20,9 +19,10 @@ from mrlx_lab.bench.credit.settings import (
     SEATS,
 )
 from mrlx_lab.bench.credit.tasks import chain_sets, first_step, game_options, nim_prompt, write_prompts
+from mrlx_plugin.core.values import JSONObject
 
 
-def chain_unit(ns: argparse.Namespace, work: Path, base: Path) -> dict[str, Any]:
+def chain_unit(ns: argparse.Namespace, work: Path, base: Path) -> JSONObject:
     seed = ns.unit_seed
     train, held = chain_sets(ns, seed)
     prompts = write_prompts(work / "prompts.jsonl", train)
@@ -40,8 +40,8 @@ def chain_unit(ns: argparse.Namespace, work: Path, base: Path) -> dict[str, Any]
     }
     length = ns.chain_length
 
-    def value(row: dict[str, Any]) -> dict[str, Any]:
-        out: dict[str, Any] = {}
+    def value(row: JSONObject) -> JSONObject:
+        out: JSONObject = {}
         for name, prefix in (("held-out", ""), ("trained", "seen_")):
             success = row.get(f"eval/eval/{name}/game/win_rate/solver")
             turns = row.get(f"eval/eval/{name}/multi_agent/avg_turns")
@@ -50,7 +50,7 @@ def chain_unit(ns: argparse.Namespace, work: Path, base: Path) -> dict[str, Any]
             out |= {f"{prefix}success": success, f"{prefix}steps_right": right}
         return out
 
-    def show(row: dict[str, Any]) -> str | None:
+    def show(row: JSONObject) -> str | None:
         if "eval/eval/held-out/episodes" not in row:
             return None
         v = {k: x or 0.0 for k, x in value(row).items()}
@@ -82,7 +82,7 @@ def chain_unit(ns: argparse.Namespace, work: Path, base: Path) -> dict[str, Any]
     }
 
 
-def nim_unit(ns: argparse.Namespace, work: Path, base: Path) -> dict[str, Any]:
+def nim_unit(ns: argparse.Namespace, work: Path, base: Path) -> JSONObject:
     seed = ns.unit_seed
     train = train_prompts("nim", ns, seed)
     piles = {
@@ -114,8 +114,8 @@ def nim_unit(ns: argparse.Namespace, work: Path, base: Path) -> dict[str, Any]:
             eval_args += ["--eval-config", f"{opp}-{seat}={path}"]
     eval_args += ["--eval-prompt-data", *(x for name, path in piles.items() for x in (name, str(path)))]
 
-    def value(row: dict[str, Any]) -> dict[str, Any]:
-        out: dict[str, Any] = {}
+    def value(row: JSONObject) -> JSONObject:
+        out: JSONObject = {}
         for opp in OPPONENTS:
             for pos in ("trained", "held-out"):
                 key = f"{opp}_{pos.replace('-', '_')}"
@@ -127,7 +127,7 @@ def nim_unit(ns: argparse.Namespace, work: Path, base: Path) -> dict[str, Any]:
                 out[f"illegal_{key}"] = None if None in bad else sum(bad) / len(bad)
         return out
 
-    def show(row: dict[str, Any]) -> str | None:
+    def show(row: JSONObject) -> str | None:
         if "eval/random-first/trained/episodes" not in row:
             return None
         v = value(row)
@@ -157,7 +157,7 @@ def nim_unit(ns: argparse.Namespace, work: Path, base: Path) -> dict[str, Any]:
     }
 
 
-def kuhn_unit(ns: argparse.Namespace, work: Path, base: Path) -> dict[str, Any]:
+def kuhn_unit(ns: argparse.Namespace, work: Path, base: Path) -> JSONObject:
     seed = ns.unit_seed
     train = train_prompts("kuhn", ns, seed)
     prompts = write_prompts(work / "prompts.jsonl", train)
@@ -168,7 +168,7 @@ def kuhn_unit(ns: argparse.Namespace, work: Path, base: Path) -> dict[str, Any]:
         "illegal_penalty": ILLEGAL_PENALTY["kuhn"],
     }
 
-    def shown(arm: str, run: dict[str, Any]) -> None:  # no evaluation rows: the probes are the result
+    def shown(arm: str, run: JSONObject) -> None:  # no evaluation rows: the probes are the result
         if not ns.quiet:
             before, after = run["probe_before"]["exploitability"], run["probe_after"]["exploitability"]
             print(f"  seed {seed} {arm:<17} exploitability {before:.3f} -> {after:.3f}", flush=True)

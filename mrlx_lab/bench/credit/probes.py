@@ -10,13 +10,21 @@ import json
 import random
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, TypeVar
 
 from mrlx_lab.bench.credit.settings import MAX_NEW_TOKENS, NIM_HELD_OUT, NIM_TAKE, NIM_TRAIN, OPPONENTS
 from mrlx_lab.bench.credit.tasks import conversation
+from mrlx_plugin.core.values import JSONObject
+
+if TYPE_CHECKING:
+    from mrlx_plugin.core.tokenizer import AgentTokenizer
+    from mrlx_plugin.systems.games import Game, KuhnState, NimState
+
+S = TypeVar("S")  # a game's states
+M = TypeVar("M")  # a game's moves
 
 
-def render(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+def render(tokenizer: AgentTokenizer, messages: list[dict[str, str]]) -> list[int]:
     """The token ids the game system would send for `messages` (user turns and own answers,
     ending with a user turn): its transcript, built the same way, own answers as the end-of-turn
     terminated ids of their text."""
@@ -51,7 +59,7 @@ def sample_answers(url: str, prompts: list[list[int]], n: int, max_new: int, see
     return [answers[i * n : (i + 1) * n] for i in range(len(prompts))]
 
 
-def read_moves(game: Any, state: Any, seat: int, answers: list[str]) -> dict[str, int]:
+def read_moves(game: Game[S, M], state: S, seat: int, answers: list[str]) -> dict[str, int]:
     """How often each legal move was answered, and `illegal` for the rest."""
     from mrlx_plugin.core.transcript import strip_reasoning
 
@@ -63,7 +71,7 @@ def read_moves(game: Any, state: Any, seat: int, answers: list[str]) -> dict[str
     return counts
 
 
-def kuhn_positions() -> list[tuple[str, int, Any, list[dict[str, str]]]]:
+def kuhn_positions() -> list[tuple[str, int, KuhnState, list[dict[str, str]]]]:
     """(information state, seat, state, conversation) of each of kuhn poker's 12 information
     states: each card, the first seat to open and facing a bet after its check, the second seat
     after a check and after a bet (the other seat's card never shows: any will do)."""
@@ -79,7 +87,7 @@ def kuhn_positions() -> list[tuple[str, int, Any, list[dict[str, str]]]]:
     return out
 
 
-def kuhn_probe(url: str, model: Path, ns: argparse.Namespace, seed: int) -> dict[str, Any]:
+def kuhn_probe(url: str, model: Path, ns: argparse.Namespace, seed: int) -> JSONObject:
     """The policy the engine plays at kuhn poker's 12 information states, and its exploitability."""
     from mrlx_plugin.core.tokenizer import load_tokenizer
     from mrlx_plugin.systems.games import BUILT_IN_GAMES
@@ -105,7 +113,7 @@ def kuhn_probe(url: str, model: Path, ns: argparse.Namespace, seed: int) -> dict
     }
 
 
-def winning_decisions(game: Any, state: Any) -> list[tuple[int, list[int]]]:
+def winning_decisions(game: Game[NimState, int], state: NimState) -> list[tuple[int, list[int]]]:
     """(seat, moves so far) of every position of a nim game from `state`, any moves made, where
     the seat to move can win (a pile that is no multiple of max_take + 1)."""
     seat = game.to_move(state)
@@ -117,7 +125,7 @@ def winning_decisions(game: Any, state: Any) -> list[tuple[int, list[int]]]:
     return found
 
 
-def nim_positions(ns: argparse.Namespace, seed: int) -> list[tuple[int, int, Any, list[dict[str, str]]]]:
+def nim_positions(ns: argparse.Namespace, seed: int) -> list[tuple[int, int, NimState, list[dict[str, str]]]]:
     """(starting pile, seat, state, conversation): --probe-positions winning positions per
     starting pile, drawn from all of them."""
     from mrlx_plugin.systems.games import BUILT_IN_GAMES, NimState
@@ -131,7 +139,7 @@ def nim_positions(ns: argparse.Namespace, seed: int) -> list[tuple[int, int, Any
     return out
 
 
-def nim_probe(url: str, model: Path, ns: argparse.Namespace, seed: int) -> dict[str, Any]:
+def nim_probe(url: str, model: Path, ns: argparse.Namespace, seed: int) -> JSONObject:
     """The share of optimal answers from winning positions (the pile left a multiple of
     max_take + 1), from the trained and the held-out starting piles apart; and of illegal ones."""
     from mrlx_plugin.core.tokenizer import load_tokenizer
@@ -149,7 +157,7 @@ def nim_probe(url: str, model: Path, ns: argparse.Namespace, seed: int) -> dict[
         t[0] += c[str(state.stones % (NIM_TAKE + 1))]
         t[1] += c["illegal"]
         t[2] += len(got)
-    out: dict[str, Any] = {
+    out: JSONObject = {
         "positions": len(positions),
         "illegal": sum(t[1] for t in tally.values()) / sum(t[2] for t in tally.values()),
     }

@@ -10,12 +10,16 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from mrlx_lab.bench.credit.parts import UNITS
 from mrlx_lab.bench.credit.settings import ARMS, PARTS, build_parser, settle
 from mrlx_lab.bench.credit.tables import aggregate, markdown, plot
 from mrlx_lab.bench.report import write_report
+from mrlx_plugin.core.values import JSONObject
+
+if TYPE_CHECKING:
+    import subprocess
 
 
 def unit_main(ns: argparse.Namespace) -> int:
@@ -67,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     pending = [(seed, "warm") for seed in range(ns.seeds)]
     pending += [(seed, part) for part in parts for seed in range(ns.seeds)]
     threads = max(1, (os.cpu_count() or 2) // ns.jobs)
-    running: dict[tuple[int, str], Any] = {}
+    running: dict[tuple[int, str], subprocess.Popen[bytes]] = {}
     done: set[tuple[int, str]] = set()
     failed = None
     try:
@@ -92,11 +96,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mrlx bench credit: seed {failed[0]} {failed[1]} failed (its error is above)", file=sys.stderr)
         return 1
 
-    def result(seed: int, unit: str) -> dict[str, Any]:
+    def result(seed: int, unit: str) -> JSONObject:
         return json.loads((root / f"seed_{seed}" / unit / "result.json").read_text())
 
     units = {(seed, part): result(seed, part) for part in parts for seed in range(ns.seeds)}
-    report: dict[str, Any] = {
+    report: JSONObject = {
         "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
         "config": {k: v for k, v in vars(ns).items() if k not in ("unit", "table")},
         "seeds": list(range(ns.seeds)),

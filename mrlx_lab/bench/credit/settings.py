@@ -5,7 +5,8 @@ each arm's rewards and game settings (`arm_settings`)."""
 from __future__ import annotations
 
 import argparse
-from typing import Any
+
+from mrlx_plugin.core.values import JSONObject
 
 AGENT = "player"
 PARTS = ("chain", "nim", "kuhn")
@@ -45,7 +46,7 @@ MAX_RESPONSE = 256  # per transcript: every turn of a seat and the messages betw
 
 
 # The options whose default depends on --quick: option -> (default, with --quick, what it is).
-SIZED: dict[str, tuple[Any, Any, str]] = {
+SIZED: dict[str, tuple[int | str, int | str, str]] = {
     "budget": (6000, 24, "engine calls of each chain arm"),
     "nim_budget": (8000, 40, "engine calls of each nim arm"),
     "kuhn_budget": (5000, 32, "engine calls of the kuhn arm"),
@@ -147,7 +148,7 @@ def settle(ns: argparse.Namespace) -> argparse.Namespace:
     return ns
 
 
-def arm_settings(arm: str, ns: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
+def arm_settings(arm: str, ns: argparse.Namespace) -> tuple[JSONObject, JSONObject]:
     """The arm's `mrlx.rewards` and its `mrlx.game` additions."""
     tree = {"credit": "turn", "gamma": ns.gamma if ARMS[arm] == "chain" else 1.0, "branch": ns.branch}
     return {

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 from mrlx_lab.bench.credit.settings import ARMS, OPPONENTS, PARTS
 from mrlx_lab.bench.report import interval
+from mrlx_plugin.core.values import JSONObject
 
 LINES: dict[str, tuple[tuple[str, str, str], ...]] = {
     "chain": (
@@ -77,7 +78,7 @@ PER_SEED = {
 }
 
 
-def measures(part: str, rec: dict[str, Any]) -> dict[str, float | None]:
+def measures(part: str, rec: JSONObject) -> dict[str, float | None]:
     """The values one arm of one seed contributes to the tables."""
     out: dict[str, float | None] = {
         "engine_calls": rec["engine_calls"],
@@ -102,7 +103,16 @@ def measures(part: str, rec: dict[str, Any]) -> dict[str, float | None]:
     return out
 
 
-def summarise(values: list[float | None]) -> dict[str, Any] | None:
+class Interval(TypedDict):
+    """A measure over the seeds: its mean, its 95% interval, and each seed's value."""
+
+    mean: float
+    low: float
+    high: float
+    values: list[float | None]
+
+
+def summarise(values: list[float | None]) -> Interval | None:
     known = [v for v in values if v is not None]
     if not known:
         return None
@@ -124,7 +134,7 @@ def reference(part: str, key: str, ref: dict[str, float]) -> str:
     return ""
 
 
-def _cell(s: dict[str, Any] | None, fmt: str) -> str:
+def _cell(s: Interval | None, fmt: str) -> str:
     if s is None:
         return "-"
     if s["high"] == s["low"]:
@@ -132,7 +142,7 @@ def _cell(s: dict[str, Any] | None, fmt: str) -> str:
     return f"{fmt.format(s['mean'])} [{fmt.format(s['low'])}, {fmt.format(s['high'])}]"
 
 
-def markdown(report: dict[str, Any]) -> str:
+def markdown(report: JSONObject) -> str:
     """The docs' tables: per part, a line per measure, a column per arm (mean [95% interval] over
     the seeds), the reference players' values; then the main measure seed by seed."""
     lines: list[str] = []
@@ -165,15 +175,15 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines[1:])
 
 
-def aggregate(ns: argparse.Namespace, units: dict[tuple[int, str], dict[str, Any]]) -> dict[str, Any]:
+def aggregate(ns: argparse.Namespace, units: dict[tuple[int, str], JSONObject]) -> JSONObject:
     """Per part: the units' facts, each arm's runs (one per seed) and their summary."""
-    out: dict[str, Any] = {}
+    out: JSONObject = {}
     for part in PARTS:
         found = [(seed, units[(seed, part)]) for seed in range(ns.seeds) if (seed, part) in units]
         if not found:
             continue
         first = found[0][1]
-        arms: dict[str, Any] = {}
+        arms: JSONObject = {}
         for arm in (a for a in ns.arms if ARMS[a] == part):
             runs = [u["arms"][arm] for _, u in found]
             per_seed = [measures(part, r) for r in runs]
@@ -191,7 +201,7 @@ def aggregate(ns: argparse.Namespace, units: dict[tuple[int, str], dict[str, Any
     return out
 
 
-def plot(report: dict[str, Any], path: Path) -> Path | None:
+def plot(report: JSONObject, path: Path) -> Path | None:
     """Steps right on the trained and held-out chains, and nim's win rate against `script:random`,
     against the engine calls spent, a line per arm and seed; kuhn's exploitability before and
     after, per arm."""

@@ -7,9 +7,16 @@ import argparse
 import json
 import random
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, TypeVar
 
 from mrlx_lab.bench.credit.settings import NIM_HELD_OUT, NIM_TAKE, NIM_TRAIN
+from mrlx_plugin.core.values import JSONObject
+
+if TYPE_CHECKING:
+    from mrlx_plugin.systems.games import Game
+
+S = TypeVar("S")  # a game's states
+M = TypeVar("M")  # a game's moves
 
 
 def chain_space(ns: argparse.Namespace) -> dict[str, str]:
@@ -80,7 +87,7 @@ def chain_sets(ns: argparse.Namespace, seed: int) -> tuple[list[tuple[str, str]]
     return [(p, space[p]) for p in train], [(p, space[p]) for p in chosen]
 
 
-def conversation(game: Any, state: Any, moves: list[Any], seat: int) -> tuple[list[dict[str, str]], Any]:
+def conversation(game: Game[S, M], state: S, moves: list[M], seat: int) -> tuple[list[dict[str, str]], S]:
     """`seat`'s conversation after `moves` (every seat's, in order) from `state`, as the game
     system renders it: the other seats' moves told (`describe_move`) before its observation, in
     one user message per own turn, its own moves as \\boxed{move}; and the state reached, with
@@ -140,7 +147,7 @@ def warmup_data(path: Path, part: str, prompts: list[tuple[str, str]], n: int, s
 GAME_OF = {"chain": "chain", "nim": "nim", "kuhn": "kuhn_poker"}
 
 
-def game_options(part: str, prompts: list[tuple[str, str]]) -> dict[str, Any]:
+def game_options(part: str, prompts: list[tuple[str, str]]) -> JSONObject:
     if part == "chain":
         return {"max_steps": max(len(p.split()) - 2 for p, _ in prompts)}
     if part == "nim":

@@ -16,13 +16,16 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
-from mrlx_lab.bench.load.report import report
+from mrlx_lab.bench.load.report import LoadReport, MetricRow, ProcRow, report
 from mrlx_lab.bench.load.scrape import metric_value, scrape_metrics
-from mrlx_lab.bench.load.workers import CONSUMER, PRODUCER, RUN_ID, TOKEN_ENV
+from mrlx_lab.bench.load.workers import CONSUMER, PRODUCER, RUN_ID, TOKEN_ENV, ConsumerStats, LoadEvent
 from mrlx_lab.procstat import cpu_seconds, memory_mib, open_fds
 from mrlx_plugin.core import processes
+
+if TYPE_CHECKING:
+    from mrlx_plugin.local.services import ManagedProcess
 
 # Spare descriptors beyond one connection per concurrent episode (coordinator, pipes, files).
 FD_HEADROOM = 512
@@ -60,7 +63,7 @@ def _worker_argv(*args: str) -> list[str]:
     ]
 
 
-def run_load_bench(ns: argparse.Namespace) -> dict[str, Any]:
+def run_load_bench(ns: argparse.Namespace) -> LoadReport:
     """Start every process, run the load round and the soak, sample, stop everything; the report."""
     from mrlx_lab.bench.engine_calls import prepare
 
@@ -107,11 +110,11 @@ class _Run:
         )
         self.events_path = run_dir / "events.jsonl"
         self.consumer_result = run_dir / "consumer.json"
-        self.services: list[Any] = []
+        self.services: list[ManagedProcess] = []
         self.workers: list[_Worker] = []
-        self.metric_rows: list[dict[str, Any]] = []
-        self.proc_rows: list[dict[str, Any]] = []
-        self.events: list[dict[str, Any]] = []
+        self.metric_rows: list[MetricRow] = []
+        self.proc_rows: list[ProcRow] = []
+        self.events: list[LoadEvent] = []
 
     def start(self, tokenizer: str, problems: str) -> None:
         """The stub engine and the coordinator, then the consumer and the rollout process."""
@@ -193,7 +196,7 @@ class _Run:
                 f"the rollout process failed (code {self.rollout.proc.returncode}):\n{self.rollout.tail()}"
             )
 
-    def _metrics_row(self) -> dict[str, Any]:
+    def _metrics_row(self) -> MetricRow:
         """The queue of agent b and the commits, from the coordinator's /metrics now."""
         try:
             m = scrape_metrics(self.coordinator.url, self.token)
@@ -216,7 +219,7 @@ class _Run:
             ),
         }
 
-    def _processes_row(self) -> dict[str, Any]:
+    def _processes_row(self) -> ProcRow:
         """Memory and open files of the rollout process and the coordinator, every process's CPU
         time, the database's size; and the machine's load."""
         pids = {"rollout": self.rollout.proc.pid, "coordinator": self.coordinator.proc.pid}
@@ -224,7 +227,7 @@ class _Run:
         db = self.run_dir / "coordinator.sqlite"
         # The machine's 1-minute load average: other work on it shows up here, not in the
         # processes above.
-        row: dict[str, Any] = {"t": time.time(), "loadavg_1m": os.getloadavg()[0]}
+        row: ProcRow = {"t": time.time(), "loadavg_1m": os.getloadavg()[0]}
         for name, pid in pids.items():
             try:
                 row[f"{name}_rss_mib"] = memory_mib(pid)[0]
@@ -240,7 +243,7 @@ class _Run:
             row[key] = path.stat().st_size / (1 << 20) if path.exists() else 0.0
         return row
 
-    def drain(self) -> dict[str, Any]:
+    def drain(self) -> ConsumerStats:
         """The consumer drains what is left, then reports (its result file)."""
         consumer = self.consumer
         consumer.proc.send_signal(signal.SIGTERM)
@@ -261,7 +264,7 @@ class _Run:
             svc.stop()
 
 
-def _read_events(path: Path, pos: int, events: list[dict[str, Any]], quiet: bool) -> int:
+def _read_events(path: Path, pos: int, events: list[LoadEvent], quiet: bool) -> int:
     """Read the rollout's new event lines (complete ones only); print progress."""
     try:
         with open(path) as f:

@@ -6,20 +6,137 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any
+from typing import TypedDict
 
 from mrlx_lab.bench.load.scrape import metric_value
-from mrlx_lab.bench.load.workers import CONSUMER
+from mrlx_lab.bench.load.workers import CONSUMER, ConsumerStats, LoadEvent
+from mrlx_plugin.core.values import JSON
+
+
+class MetricRow(TypedDict, total=False):
+    """One scrape of the coordinator's /metrics by the driver: agent b's queue and the commits
+    (`error` in their place when the scrape failed)."""
+
+    t: float
+    error: str
+    depth: int
+    queued: int
+    leased: int
+    enqueued: int
+    acked: int
+    commits_ok: int
+    commits_429: int
+
+
+# The driver's sample of the processes (memory, open files, CPU time, the database's size, the
+# machine's load) at `t`: measure -> value (None: the process had just exited).
+ProcRow = dict[str, "float | None"]
+# The growth of one measure over the soak (`growth`).
+Growth = dict[str, "float | bool | None"]
+
+
+class Rates(TypedDict):
+    """Items committed and acked per second over some scrapes, and the commits accepted and pushed back."""
+
+    items_per_s: float | None
+    acked_per_s: float | None
+    commits_ok: int
+    commits_429: int
+
+
+class Backlog(TypedDict):
+    """The load round once its first groups were whole: how fast items went in, for how long, and
+    how often the queue stood empty."""
+
+    items_per_s: float | None
+    seconds: float
+    empty_queue_share: float | None
+
+
+class SoakRates(Rates):
+    drain_wait_s: float  # the rollout's wait for the coordinator to take its items
+
+
+class LoadRoundRates(SoakRates):
+    while_committing: Backlog
+
+
+class CoordinatorSection(TypedDict):
+    """The coordinator under backpressure (`_coordinator`)."""
+
+    max_depth_limit: int
+    max_depth_observed: int | None
+    max_depth_observed_load: int | None
+    depth_bounded: bool
+    load_round: LoadRoundRates
+    soak: SoakRates
+    whole_run: Rates
+    commits_429_total: int
+    commits_ok_total: int
+    items_enqueued_total: int
+    items_acked_total: int
+    items_redelivered_total: int
+    items_sent_by_rollout: int
+    duplicates: int
+    barrier_wait_s: float
+    consumer: ConsumerStats
+    depth_samples: list[list[float]]
+    depth_samples_columns: list[str]
+
+
+class LoadSection(TypedDict):
+    """The load round: every episode at once."""
+
+    episodes: int
+    max_in_flight: int
+    wall_s: float
+    episodes_s: float
+    drain_wait_s: float
+    rss_ready_mib: float
+    rss_before_mib: float
+    peak_rss_mib: float
+    rss_after_mib: float
+    fds_after: int
+    statuses: dict[str, int]
+
+
+class SoakSection(TypedDict):
+    """The soak (`_soak`)."""
+
+    duration_s: float
+    rounds: int
+    episodes: int
+    episodes_per_s: float | None
+    trends: dict[str, Growth]
+    samples: list[ProcRow]
+    cpu_pct: dict[str, float | None]
+    round_wall_s_first: float | None
+    round_wall_s_last: float | None
+    round_rss_after_mib: list[float]
+
+
+class LoadReport(TypedDict):
+    """The report of `mrlx bench load` (`report`), written as JSON."""
+
+    machine: dict[str, int | str]
+    config: dict[str, JSON]
+    load: LoadSection
+    coordinator: CoordinatorSection
+    soak: SoakSection
+    rounds: list[LoadEvent]
+    statuses: dict[str, int]
+    checks: dict[str, bool]
+    ok: bool
 
 
 def growth(
-    samples: list[dict[str, Any]],
+    samples: list[ProcRow],
     key: str,
     warmup_s: float,
     window_s: float,
     tolerance_pct: float,
     tolerance_abs: float,
-) -> dict[str, Any]:
+) -> Growth:
     """first/last/max of `key` over `samples` (each with `t_s` since the soak began), and the
     growth: mean of the last window against the mean of the first window after warm-up. The
     windows shrink for short soaks so that each holds at least one sample."""
@@ -56,14 +173,14 @@ def growth(
 
 def report(
     ns: argparse.Namespace,
-    events: list[dict[str, Any]],
-    metric_rows: list[dict[str, Any]],
-    proc_rows: list[dict[str, Any]],
-    consumed: dict[str, Any],
+    events: list[LoadEvent],
+    metric_rows: list[MetricRow],
+    proc_rows: list[ProcRow],
+    consumed: ConsumerStats,
     final: dict[str, float],
     mean_prompt: float,
     run_dir: str,
-) -> dict[str, Any]:
+) -> LoadReport:
     """The benchmark's report from what the driver sampled (`final`: the last /metrics scrape,
     `consumed`: the consumer's result)."""
     rounds = [e for e in events if e["event"] == "round"]
@@ -122,7 +239,7 @@ def report(
     }
 
 
-def _config(ns: argparse.Namespace, mean_prompt: float, run_dir: str) -> dict[str, Any]:
+def _config(ns: argparse.Namespace, mean_prompt: float, run_dir: str) -> dict[str, JSON]:
     return {
         "episodes": ns.episodes,
         "n_samples_per_prompt": ns.n_samples_per_prompt,
@@ -144,7 +261,7 @@ def _config(ns: argparse.Namespace, mean_prompt: float, run_dir: str) -> dict[st
     }
 
 
-def _rates(rows: list[dict[str, Any]]) -> dict[str, Any]:
+def _rates(rows: list[MetricRow]) -> Rates:
     """Items committed and acked per second, and the commits accepted and pushed back, over `rows`."""
     if len(rows) < 2:
         return {"items_per_s": None, "acked_per_s": None, "commits_429": 0, "commits_ok": 0}
@@ -159,18 +276,18 @@ def _rates(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def _coordinator(
     ns: argparse.Namespace,
-    metric_rows: list[dict[str, Any]],
-    rounds: list[dict[str, Any]],
+    metric_rows: list[MetricRow],
+    rounds: list[LoadEvent],
     soak: tuple[float, float],
-    consumed: dict[str, Any],
+    consumed: ConsumerStats,
     final: dict[str, float],
-) -> dict[str, Any]:
+) -> CoordinatorSection:
     """The coordinator under backpressure: its queue's depth, the commit rates of the load round,
     the soak and the whole run, the totals of the last scrape."""
     load = next(r for r in rounds if r["phase"] == "load")
     soak_rounds = [r for r in rounds if r["phase"] == "soak"]
 
-    def window(rows: list[dict[str, Any]], t0: float, t1: float) -> list[dict[str, Any]]:
+    def window(rows: list[MetricRow], t0: float, t1: float) -> list[MetricRow]:
         return [r for r in rows if t0 <= r["t"] <= t1 and "error" not in r]
 
     good = [r for r in metric_rows if "error" not in r]
@@ -183,7 +300,7 @@ def _coordinator(
     # and how often the queue stood empty while producers sat in their 429 backoff.
     base = load_rows[0]["enqueued"] if load_rows else 0
     committing = [r for r in load_rows if r["enqueued"] > base]
-    backlog = {
+    backlog: Backlog = {
         "items_per_s": _rates(load_rows[max(0, load_rows.index(committing[0]) - 1) :])["items_per_s"]
         if committing
         else None,
@@ -231,7 +348,7 @@ def _coordinator(
     }
 
 
-def _trends(ns: argparse.Namespace, samples: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+def _trends(ns: argparse.Namespace, samples: list[ProcRow]) -> dict[str, Growth]:
     """The soak's growth of memory, open files and disk, each flagged past its tolerance."""
     tol = (ns.rss_tolerance_pct, ns.rss_tolerance_mib)
     fds = (ns.fd_tolerance_pct, ns.fd_tolerance)
@@ -251,12 +368,12 @@ def _trends(ns: argparse.Namespace, samples: list[dict[str, Any]]) -> dict[str, 
 
 
 def _soak(
-    soak_rounds: list[dict[str, Any]],
+    soak_rounds: list[LoadEvent],
     soak_start: float,
     soak_end: float,
-    samples: list[dict[str, Any]],
-    trends: dict[str, dict[str, Any]],
-) -> dict[str, Any]:
+    samples: list[ProcRow],
+    trends: dict[str, Growth],
+) -> SoakSection:
     """The soak: its rounds and episodes, the growth trends, each process's CPU share, and whether
     a round gets slower as the soak goes on."""
     cpu: dict[str, float | None] = {}
@@ -283,11 +400,11 @@ def _soak(
     }
 
 
-def _fmt(v: Any, spec: str = ".0f") -> str:
+def _fmt(v: object, spec: str = ".0f") -> str:
     return "-" if v is None else format(v, spec)
 
 
-def format_table(r: dict[str, Any]) -> str:
+def format_table(r: LoadReport) -> str:
     """The benchmark's table: a line per measure, its result and its goal; then the checks."""
     c, load, coord, soak = r["config"], r["load"], r["coordinator"], r["soak"]
     lr, sr = coord["load_round"], coord["soak"]
@@ -360,7 +477,7 @@ def format_table(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _soak_rows(soak: dict[str, Any]) -> list[tuple[str, str, str]]:
+def _soak_rows(soak: SoakSection) -> list[tuple[str, str, str]]:
     """The table's lines of the soak: each trend, the rounds' wall time, the CPU shares."""
     rows = []
     for key, label, unit in (

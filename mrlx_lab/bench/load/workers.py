@@ -10,14 +10,61 @@ import json
 import os
 import signal
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict
 
 from mrlx_lab.procstat import memory_mib, open_fds
+from mrlx_plugin.core.values import JSONObject
+
+if TYPE_CHECKING:
+    from mrlx_plugin.core.host import HostSample, RolloutFnTrainOutput
 
 RUN_ID = "load"
 PRODUCER, CONSUMER = "a", "b"
 TOKEN_ENV = "MRLX_LOAD_BENCH_TOKEN"
+
+
+class LoadEvent(TypedDict, total=False):
+    """One line of the rollout process's events file: `ready` (its memory and open files once
+    set up), each `round` (its phase, episodes, times, statuses and what the coordinator took),
+    `soak_start` and `soak_end`."""
+
+    event: str
+    t: float
+    rss_mib: float
+    hwm_mib: float
+    fds: int
+    phase: str
+    round: int
+    episodes: int
+    t_start: float
+    t_end: float
+    wall_s: float
+    episodes_s: float
+    drain_wait_s: float
+    max_in_flight: int
+    statuses: dict[str, int]
+    items_sent: int
+    groups_sent: int
+    duplicates: int
+    barrier_wait_s: float
+    staleness: float | None
+    rss_before_mib: float
+    rss_after_mib: float
+
+
+class ConsumerStats(TypedDict, total=False):
+    """What the consumer leased, trained (acked) and reported, written to its result file."""
+
+    items: int
+    groups: int
+    leases: int
+    redelivered_groups: int
+    bad_groups: int
+    version: int
+    wall_s: float
+    items_per_step: dict[str, int]  # producer step -> items
 
 
 # ---------------------------------------------------------------------------------------------
@@ -38,8 +85,11 @@ class _Flight:
 
 
 async def counted_generate(
-    args: Any, sample: Any, sampling_params: Any = None, evaluation: bool = False
-) -> Any:
+    args: argparse.Namespace,
+    sample: HostSample,
+    sampling_params: Mapping[str, object] | None = None,
+    evaluation: bool = False,
+) -> object:
     """`mrlx_plugin.rollout.generate`, counting the episodes in flight (the benchmark's
     `--custom-generate-function-path`; the count costs two integer updates per episode)."""
     from mrlx_plugin.rollout import generate
@@ -55,9 +105,9 @@ async def counted_generate(
 
 def job_settings(
     engine_url: str, coordinator_url: str, response_tokens: int, max_connections: int, latency: float
-) -> dict[str, Any]:
+) -> JSONObject:
     """The `mrlx:` settings of job a: a 2-turn dialogue a -> b; b is another job's agent."""
-    sampling = {"max_new_tokens": response_tokens}
+    sampling: JSONObject = {"max_new_tokens": response_tokens}
     return {
         "run_id": RUN_ID,
         "system": "dialogue",
@@ -85,7 +135,7 @@ def job_settings(
 
 
 def host_args(
-    engine_url: str, tokenizer: str, mrlx: dict[str, Any], response_tokens: int, n_samples_per_prompt: int
+    engine_url: str, tokenizer: str, mrlx: JSONObject, response_tokens: int, n_samples_per_prompt: int
 ) -> argparse.Namespace:
     """What slime hands the rollout function: its flags (slime's names) plus the `mrlx` key."""
     from mrlx_plugin.local.trainer.fake_host import add_host_arguments, set_router
@@ -104,13 +154,13 @@ def host_args(
     return args
 
 
-def _emit(path: str, event: dict[str, Any]) -> None:
+def _emit(path: str, event: LoadEvent) -> None:
     """Append one event line; the driver reads them as they come (progress) and at the end (results)."""
     with open(path, "a") as f:
         f.write(json.dumps(event) + "\n")
 
 
-def _count(output: Any) -> dict[str, int]:
+def _count(output: RolloutFnTrainOutput) -> dict[str, int]:
     """Samples the host got back, by status (groups -> episodes -> samples)."""
     counts: dict[str, int] = {}
     for group in output.samples:
@@ -139,7 +189,7 @@ def rollout_worker(ns: argparse.Namespace) -> int:
     rss, hwm = memory_mib()
     _emit(ns.events, {"event": "ready", "t": time.time(), "rss_mib": rss, "hwm_mib": hwm, "fds": open_fds()})
 
-    def one_round(rollout_id: int, phase: str, episodes: int) -> dict[str, Any]:
+    def one_round(rollout_id: int, phase: str, episodes: int) -> LoadEvent:
         groups = max(1, episodes // n)
         args.rollout_batch_size = groups
         args.sglang_server_concurrency = groups * n  # slime's semaphore: every episode may run at once
@@ -156,7 +206,7 @@ def rollout_worker(ns: argparse.Namespace) -> int:
         }
         statuses = _count(output)
         del output
-        event = {
+        event: LoadEvent = {
             "event": "round",
             "phase": phase,
             "round": rollout_id,
@@ -200,7 +250,7 @@ def rollout_worker(ns: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------------
 
 
-async def _consume(ns: argparse.Namespace) -> dict[str, Any]:
+async def _consume(ns: argparse.Namespace) -> ConsumerStats:
     from mrlx_plugin.link.client import CoordinatorClient
     from mrlx_plugin.link.codec import sample_from_item
 
@@ -210,7 +260,14 @@ async def _consume(ns: argparse.Namespace) -> dict[str, Any]:
     client = CoordinatorClient(
         ns.coordinator_url, run_id=RUN_ID, agent=CONSUMER, token=os.environ.get(TOKEN_ENV)
     )
-    stats = {"items": 0, "groups": 0, "leases": 0, "redelivered_groups": 0, "bad_groups": 0, "version": 0}
+    stats: ConsumerStats = {
+        "items": 0,
+        "groups": 0,
+        "leases": 0,
+        "redelivered_groups": 0,
+        "bad_groups": 0,
+        "version": 0,
+    }
     steps: dict[int, int] = {}
     started = time.monotonic()
     stopped_at: float | None = None

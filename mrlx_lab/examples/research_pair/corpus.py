@@ -23,7 +23,6 @@ import json
 import random
 import re
 from pathlib import Path
-from typing import Any
 
 TRAIN, HELD_OUT = "train", "held_out"
 N_FACTS, N_TRAIN = 120, 96
@@ -58,7 +57,7 @@ NO_RESULTS = "No results."
 # The tool, as the agent code offers it (OpenAI's function format). Bare on purpose: the chat
 # template renders it in every prompt of the searcher, about 130 tokens of a small model's
 # context as it is.
-SEARCH_TOOL: dict[str, Any] = {
+SEARCH_TOOL: dict[str, object] = {
     "type": "function",
     "function": {
         "name": "search",

@@ -31,11 +31,14 @@ its model turns per episode less three.
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import TYPE_CHECKING
 
 from mrlx_lab.examples.research_pair import corpus
 from mrlx_plugin import hookimpl
 from mrlx_plugin.agents import Endpoint, Outcome, Task, agent_code
+
+if TYPE_CHECKING:
+    from openai.types.chat import ChatCompletionMessageToolCallUnion
 
 PLANNER, SEARCHER = "planner", "searcher"
 SYSTEM_NAME = "research_pair"
@@ -50,7 +53,7 @@ def boxed(text: str | None) -> str | None:
     return found[-1].strip() if found else None
 
 
-def well_formed_query(tool_calls: Any) -> str | None:
+def well_formed_query(tool_calls: list[ChatCompletionMessageToolCallUnion] | None) -> str | None:
     """The query of a turn's tool calls when they are exactly one call of `search` with a usable
     query, else None."""
     if not tool_calls or len(tool_calls) != 1 or tool_calls[0].function.name != "search":

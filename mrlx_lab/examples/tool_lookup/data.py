@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
-from typing import Any
 
 KEYS = "ABCD"
 CODES = "0123456789"
@@ -25,7 +24,7 @@ TRAIN, HELD_OUT = "train", "held_out"
 
 # The tool, as the agent's code sends it (OpenAI's function format). Short on purpose: the chat
 # template renders it in every prompt.
-LOOKUP_TOOL: dict[str, Any] = {
+LOOKUP_TOOL: dict[str, object] = {
     "type": "function",
     "function": {
         "name": "lookup",
@@ -77,7 +76,7 @@ def prompts(n: int, seed: int = 0, split: str = TRAIN) -> list[tuple[str, str]]:
     return out
 
 
-def parse_label(label: Any) -> tuple[str, dict[str, str]]:
+def parse_label(label: object) -> tuple[str, dict[str, str]]:
     """(asked key, table) of a prompt's label; ValueError naming what is wrong."""
     try:
         value = json.loads(label) if isinstance(label, str) else label
@@ -92,7 +91,7 @@ def parse_label(label: Any) -> tuple[str, dict[str, str]]:
     return key, table
 
 
-def answer(label: Any) -> str:
+def answer(label: object) -> str:
     key, table = parse_label(label)
     return table[key]
 

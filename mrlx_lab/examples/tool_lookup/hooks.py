@@ -22,7 +22,6 @@ to learn. The team reward (`multi_agent/team_reward`) is the same grade.
 from __future__ import annotations
 
 import re
-from typing import Any
 
 from mrlx_lab.examples.tool_lookup import data
 from mrlx_plugin import hookimpl
@@ -45,7 +44,7 @@ async def solve(task: Task, endpoints: dict[str, Endpoint]) -> Outcome:
 
     asked, table = data.parse_label(task.label)
     ep = endpoints[AGENT]
-    messages: list[dict[str, Any]] = [{"role": "user", "content": task.problem}]
+    messages: list[dict[str, object]] = [{"role": "user", "content": task.problem}]
     async with openai.AsyncOpenAI(base_url=ep.base_url, api_key=ep.api_key, max_retries=0) as client:
         reply = await client.chat.completions.create(model=ep.model, messages=messages, tools=data.TOOLS)
         msg = reply.choices[0].message

@@ -6,11 +6,12 @@ of a file (system prompts, chat templates)."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import IO, TypeVar, cast
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -24,13 +25,16 @@ from mrlx_plugin.core.config.values import EnvValue, show_value
 # ---------------------------------------------------------------------------------------------
 
 
-def _unshared(value: Any) -> Any:
+T = TypeVar("T")
+
+
+def _unshared(value: T) -> T:
     """A copy with no container shared: YAML aliases share one dict among places, and leaving a
     bad value out of one place must not change the others."""
     if isinstance(value, dict):
-        return {k: _unshared(v) for k, v in value.items()}
+        return cast(T, {k: _unshared(v) for k, v in value.items()})
     if isinstance(value, list):
-        return [_unshared(v) for v in value]
+        return cast(T, [_unshared(v) for v in value])
     return value
 
 
@@ -52,7 +56,7 @@ def _leave_out(data: dict, loc: tuple) -> bool:
 
 
 def parse_settings(
-    data: Any,
+    data: object,
     source: str = "config",
     known_systems: set[str] | None = None,
     *,
@@ -110,7 +114,7 @@ MAX_YAML_ALIAS_VALUES = 100_000  # values that aliases repeat, over the whole fi
 class YamlLimitError(yaml.YAMLError):
     """A YAML file past one of the limits above; `load_yaml` turns it into a ConfigError."""
 
-    def __init__(self, path: list[str], node_or_mark: Any, problem: str):
+    def __init__(self, path: list[str], node_or_mark: yaml.Node | yaml.Mark | None, problem: str):
         super().__init__(problem)
         self.key = _yaml_path(path)
         mark = getattr(node_or_mark, "start_mark", node_or_mark)
@@ -126,7 +130,7 @@ def _yaml_path(segments: list[str]) -> str:
     return out or "(the top level)"
 
 
-def _segment(parent: Any, index: Any) -> str:
+def _segment(parent: yaml.Node | None, index: yaml.Node | int | None) -> str:
     if isinstance(parent, yaml.SequenceNode):
         return f"[{index}]"
     if isinstance(index, yaml.ScalarNode):
@@ -134,7 +138,7 @@ def _segment(parent: Any, index: Any) -> str:
     return "(a key)" if parent is not None else ""
 
 
-def _children(node: Any) -> list[tuple[str, Any, Any]]:
+def _children(node: yaml.Node) -> list[tuple[str, yaml.Node, yaml.Node]]:
     """(path segment, child node, the node whose line names the place) of each child: for a
     mapping's value that is its key, since an alias's node carries the line of its anchor."""
     if isinstance(node, yaml.SequenceNode):
@@ -148,7 +152,7 @@ def _children(node: Any) -> list[tuple[str, Any, Any]]:
     return []
 
 
-def _check_expansion(root: Any) -> None:
+def _check_expansion(root: yaml.Node) -> None:
     """Refuse a document whose aliases loop, repeat more than MAX_YAML_ALIAS_VALUES values, or
     nest deeper than MAX_YAML_DEPTH. One pass over the node graph, each node once (aliases share
     nodes), without recursion."""
@@ -179,10 +183,11 @@ def _check_expansion(root: Any) -> None:
             size[id(node)] = 1 + sum(size[id(c)] for c in kids)
             depth[id(node)] = 1 + max((depth[id(c)] for c in kids), default=0)
 
-    def descend(measure: dict[int, int], stop_at_alias: bool) -> tuple[list[str], Any]:
+    def descend(measure: dict[int, int], stop_at_alias: bool) -> tuple[list[str], yaml.Node]:
         """The path into the biggest (or deepest) child, down to the first alias (or the limit),
         and the last key on it (the line of a node reached through an alias is its anchor's)."""
-        path, node, key = [], root, root
+        path: list[str] = []
+        node, key = root, root
         while True:
             kids = _children(node)
             if not kids:
@@ -219,11 +224,11 @@ class _StrictLoader(yaml.SafeLoader):
     which would silently drop, say, one of two agents with one name), and a document past the
     limits above (before anything is built from it)."""
 
-    def __init__(self, stream: Any):
+    def __init__(self, stream: str | bytes | IO[str] | IO[bytes]):
         super().__init__(stream)
         self._path: list[str] = []
 
-    def compose_node(self, parent: Any, index: Any) -> Any:
+    def compose_node(self, parent: yaml.Node | None, index: yaml.Node | int | None) -> yaml.Node | None:
         if parent is not None:
             self._path.append(_segment(parent, index))
         try:
@@ -239,14 +244,14 @@ class _StrictLoader(yaml.SafeLoader):
             if parent is not None:
                 self._path.pop()
 
-    def get_single_node(self) -> Any:
+    def get_single_node(self) -> yaml.Node | None:
         node = super().get_single_node()
         if node is not None:
             _check_expansion(node)
         return node
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
-        seen: dict[Any, int] = {}
+        seen: dict[object, int] = {}
         for key_node, _ in node.value:
             if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *defaults`: the base class merges it
                 continue
@@ -338,7 +343,7 @@ def settings_from_yaml(
     return parse_settings(data[TOP_KEY], source=str(path), known_systems=known_systems, sections=sections)
 
 
-def raw_settings_from_args(args: Any) -> tuple[Any, str, Path | None]:
+def raw_settings_from_args(args: argparse.Namespace) -> tuple[object, str, Path | None]:
     """The `mrlx` mapping as the host left it on `args`, where it came from (for messages), and the
     folder its relative file settings are read from (see `config_dir`)."""
     value = getattr(args, TOP_KEY, None)

@@ -7,11 +7,14 @@ from __future__ import annotations
 import difflib
 import types
 import typing
-from typing import Annotated, Any, Literal, Union
+from typing import TYPE_CHECKING, Annotated, Literal, Union
 
 from pydantic import BaseModel
 
 from mrlx_plugin.core.config.values import Why, show_value
+
+if TYPE_CHECKING:
+    from pydantic_core import ErrorDetails
 
 TOP_KEY = "mrlx"
 CROSS = "mrlx_cross"  # the error that carries every problem found between sections
@@ -24,14 +27,14 @@ class ConfigError(ValueError):
     __module__ = "mrlx_plugin.core.config"
 
 
-def keys_of(model: Any) -> list[str]:
+def keys_of(model: object) -> list[str]:
     """The YAML keys of a settings model (none for anything else)."""
     if not (isinstance(model, type) and issubclass(model, BaseModel)):
         return []
     return sorted(f.alias or name for name, f in model.model_fields.items() if name != "extra")
 
 
-def unknown_key(path: str, key: Any, model: Any) -> str:
+def unknown_key(path: str, key: object, model: object) -> str:
     """The message of a key `model` does not have, with the closest one it has."""
     known = keys_of(model)
     hint = difflib.get_close_matches(str(key), known, n=1)
@@ -39,7 +42,7 @@ def unknown_key(path: str, key: Any, model: Any) -> str:
     return f"{path}: unknown key{did_you_mean}" + (f" (known keys: {', '.join(known)})" if known else "")
 
 
-def unwrap(tp: Any) -> Any:
+def unwrap(tp: object) -> object:
     """The type a value at a place must have: `X | None` and `Annotated[X, ...]` as X."""
     while True:
         origin = typing.get_origin(tp)
@@ -54,11 +57,11 @@ def unwrap(tp: Any) -> Any:
             return tp
 
 
-def _declared_at(loc: tuple, root: type[BaseModel]) -> tuple[Any, list[Any]] | None:
+def _declared_at(loc: tuple, root: type[BaseModel]) -> tuple[object, list[object]] | None:
     """(declared type, the field's own metadata) of the value at a pydantic error's location,
     walking from the model validated (`root`); None when the location names no declared value."""
-    tp: Any = root
-    found: list[Any] = []
+    tp: object = root
+    found: list[object] = []
     for part in loc:
         tp = unwrap(tp)
         if isinstance(tp, type) and issubclass(tp, BaseModel):
@@ -73,13 +76,13 @@ def _declared_at(loc: tuple, root: type[BaseModel]) -> tuple[Any, list[Any]] | N
     return tp, found
 
 
-def _type_at(loc: tuple, root: type[BaseModel]) -> Any:
+def _type_at(loc: tuple, root: type[BaseModel]) -> object:
     """The declared type of the value at a pydantic error's location, walking from `root`."""
     declared = _declared_at(loc, root)
     return None if declared is None else unwrap(declared[0])
 
 
-_NAMES = {
+_NAMES: dict[object, tuple[str, str]] = {
     str: ("a string", "strings"),
     int: ("an integer", "integers"),
     float: ("a number", "numbers"),
@@ -87,7 +90,7 @@ _NAMES = {
 }
 
 
-def type_name(tp: Any, plural: bool = False) -> str:
+def type_name(tp: object, plural: bool = False) -> str:
     """How messages and the reference name a type: `a list of strings`, `'math' | 'host'`."""
     tp = unwrap(tp)
     origin = typing.get_origin(tp)
@@ -121,7 +124,7 @@ def _why_at(loc: tuple, root: type[BaseModel]) -> str | None:
     return next((str(m) for m in found if isinstance(m, Why)), None)
 
 
-def shown_bound(value: Any) -> Any:
+def shown_bound(value: object) -> object:
     """A bound as a message shows it: 86400, not 86400.0."""
     return int(value) if isinstance(value, float) and value.is_integer() else value
 
@@ -133,7 +136,7 @@ def _dotted(loc: tuple) -> str:
     return out
 
 
-def message_lines(error: dict, root: type[BaseModel]) -> list[str]:
+def message_lines(error: ErrorDetails, root: type[BaseModel]) -> list[str]:
     """One pydantic error as this package's messages: `mrlx.dotted.key: what was wrong; what to do`."""
     kind, value, ctx = error["type"], error.get("input"), error.get("ctx") or {}
     if kind == CROSS:

@@ -6,9 +6,10 @@ from __future__ import annotations
 import json
 import types
 import typing
-from typing import Annotated, Any, Union
+from typing import Annotated, Union
 
 from pydantic import BaseModel
+from pydantic.fields import FieldInfo
 
 from mrlx_plugin.core.config.messages import TOP_KEY, shown_bound, type_name, unwrap
 from mrlx_plugin.core.config.schema import Settings
@@ -41,12 +42,12 @@ def _reference_rows(model: type[BaseModel], prefix: str) -> list[tuple[str, str,
     return rows
 
 
-def _bounds_text(f: Any) -> tuple[str, str | None]:
+def _bounds_text(f: FieldInfo) -> tuple[str, str | None]:
     """A field's bounds as the reference writes them after its type (` from 1 to 64`), and what
     its upper bound protects."""
-    found: dict[str, Any] = {}
+    found: dict[str, object] = {}
     why = None
-    todo: list[Any] = [*f.metadata, f.annotation]
+    todo: list[object] = [*f.metadata, f.annotation]
     while todo:
         item = todo.pop()
         origin = typing.get_origin(item)

@@ -58,7 +58,7 @@ class Section(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _empty_is_defaults(cls, data: Any) -> Any:
+    def _empty_is_defaults(cls, data: object) -> object:
         return {} if data is None else data  # `engine:` with nothing under it
 
 
@@ -277,7 +277,7 @@ class CoordinatorSettings(Section):
     )
 
 
-def _plugin_sections_schema(schema: dict[str, Any]) -> None:
+def _plugin_sections_schema(schema: dict[str, Any]) -> None:  # pydantic's JSON schema, edited by key
     # `extra` is no key of the YAML: it holds the YAML's other keys, the plugin systems' sections.
     extra = schema["properties"].pop("extra")
     schema["additionalProperties"] = {"type": "object", "description": extra["description"]}
@@ -306,6 +306,7 @@ class Settings(Section):
     coordinator: CoordinatorSettings = Field(
         default_factory=CoordinatorSettings, description="the multi-model run's coordinator"
     )
+    # Any: pydantic leaves these values as written (the plugin's system checks its own section).
     extra: dict[str, Any] = Field(
         default_factory=dict,
         description="the settings section of a system a plugin registers without a settings model "
@@ -327,7 +328,7 @@ class Settings(Section):
 
     @model_validator(mode="before")
     @classmethod
-    def _plugin_sections(cls, data: Any) -> Any:
+    def _plugin_sections(cls, data: object) -> object:
         """Keys that are not the plugin's own go to `extra`: the section of a plugin's system is
         its to read (the checks below refuse every other one, with a suggestion)."""
         if not isinstance(data, dict):
@@ -399,6 +400,7 @@ def _cross_problems(s: Settings, path: str, known_systems: set[str] | None) -> l
 
 @cache
 def _settings_model(sections: tuple[tuple[str, type[BaseModel]], ...]) -> type[Settings]:
+    # (model, Field) by name, spread into create_model's keywords (typed per keyword there): Any
     fields: dict[str, Any] = {}
     for name, model in sections:
         if not name.isidentifier() or name.startswith("_") or name in keys_of(Settings) + ["extra"]:

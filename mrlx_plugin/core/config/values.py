@@ -18,6 +18,8 @@ class EnvValue(str):
     every use; its repr, and so every message about it, shows what the YAML says (`${NAME}`),
     never the value, which may be a secret."""
 
+    env_template: str
+
     def __new__(cls, value: str, template: str) -> EnvValue:
         obj = super().__new__(cls, value)
         obj.env_template = template
@@ -30,7 +32,7 @@ class EnvValue(str):
         return (EnvValue, (str(self), self.env_template))
 
 
-def public_text(value: Any) -> str:
+def public_text(value: object) -> str:
     """`value` as a message may show it: a value from the environment as its `${NAME}` text."""
     return value.env_template if isinstance(value, EnvValue) else str(value)
 
@@ -40,7 +42,7 @@ _SHORT.maxstring = _SHORT.maxother = 200
 _SHORT.maxlevel, _SHORT.maxlist, _SHORT.maxdict = 3, 8, 8
 
 
-def show_value(value: Any) -> str:
+def show_value(value: object) -> str:
     """A value in an error message: its repr, cut short (a value can be a whole YAML subtree),
     and for a value from the environment the variable, not the value."""
     if isinstance(value, EnvValue):
@@ -90,7 +92,7 @@ def _expand_env(value: str) -> str:
     return EnvValue(expanded, value) if _ENV_REF.search(value) else expanded
 
 
-def _yaml_number(value: Any) -> Any:
+def _yaml_number(value: object) -> object:
     # YAML 1.1 reads 3e-4 (no dot) as a string: take it as the number meant.
     if isinstance(value, str):
         try:
@@ -134,9 +136,10 @@ def bounded(
 ) -> Any:
     """`kind` (int, or float: finite, and read as YAML writes numbers) within the bounds given, as
     an annotated type: the bounds are pydantic's own (they show in the JSON Schema and the
-    reference), `why` says what an upper bound protects."""
+    reference), `why` says what an upper bound protects. (A type made at run time, used in
+    annotations: `Any` to a type checker.)"""
     # The bounds before the validator: pydantic then puts them in the JSON Schema as minimum/maximum.
-    meta: list[Any] = [Field(ge=ge, gt=gt, le=le, lt=lt)]
+    meta: list[object] = [Field(ge=ge, gt=gt, le=le, lt=lt)]
     if kind is float:
         meta = [Field(ge=ge, gt=gt, le=le, lt=lt, allow_inf_nan=False), BeforeValidator(_yaml_number)]
     return Annotated[(kind, *meta, *([Why(why)] if why else []))]

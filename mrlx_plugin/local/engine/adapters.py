@@ -4,10 +4,14 @@ other adapters and the base model. `adapter_refusal` reads an adapter_config.jso
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
 import orjson
+
+if TYPE_CHECKING:
+    import torch
 
 # peft's init_lora_weights methods that rewrite the base weights of the layers they adapt when the
 # adapter is built, as a load builds it before reading its saved weights.
@@ -72,7 +76,7 @@ def adapter_refusal(config: Path) -> str | None:
     )
 
 
-def _short(value: Any, limit: int = 80) -> str:
+def _short(value: object, limit: int = 80) -> str:
     text = orjson.dumps(value).decode()
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
@@ -125,7 +129,17 @@ def check_weight_names(path: str) -> str:
     return name
 
 
-def check_coverage(model: Any, internal: str, weights: str, result: Any) -> None:
+class LoadResult(Protocol):
+    """What peft's `load_adapter` returns (torch's incompatible keys of the load)."""
+
+    @property
+    def missing_keys(self) -> Sequence[str]: ...
+
+    @property
+    def unexpected_keys(self) -> Sequence[str]: ...
+
+
+def check_coverage(model: torch.nn.Module, internal: str, weights: str, result: LoadResult) -> None:
     """Refuse a load (AdapterWeightsError) whose file left some of the adapter's weights as peft
     initialised them (B = 0: those modules compute what the base does), or held weights that
     belong to none of its modules (a file of another adapter, or renamed). `result` is what

@@ -40,14 +40,18 @@ import itertools
 import logging
 import math
 import threading
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
+from mrlx_plugin.core.values import JSONObject
 from mrlx_plugin.local.engine.adapters import check_coverage, check_weight_names
 from mrlx_plugin.local.engine.jobs import Adapter, AdapterUpdate, Job, JobResult, WeightUpdate, failed_answer
 from mrlx_plugin.local.engine.kv_cache import RunningBatch
 
 if TYPE_CHECKING:
     import torch
+    from transformers import DynamicCache, PreTrainedTokenizerBase
+    from transformers.modeling_outputs import CausalLMOutputWithPast
 else:
     torch = None  # set by `load_torch` when an engine starts
 
@@ -57,7 +61,7 @@ log = logging.getLogger("mrlx.engine")
 PREFILL_TOKEN_BUDGET = 16384
 
 
-def load_torch() -> Any:
+def load_torch() -> ModuleType:
     """Import torch for this module's code and return it; call once before building a `BatchWorker`."""
     global torch
     import torch as _torch
@@ -75,8 +79,8 @@ class BatchWorker:
 
     def __init__(
         self,
-        model: Any,
-        tokenizer: Any,
+        model: Any,  # a transformers model, or a peft model around one (adapters): used as either
+        tokenizer: PreTrainedTokenizerBase,
         *,
         model_path: str,
         max_batch: int,
@@ -121,7 +125,7 @@ class BatchWorker:
         self.thread = threading.Thread(target=self._run, name="mrlx-engine-worker", daemon=True)
 
     @staticmethod
-    def _logits_to_keep_arg(model: Any) -> str | None:
+    def _logits_to_keep_arg(model: Any) -> str | None:  # (a model as `__init__` takes it)
         # Asking for the last position's logits only saves a (rows x prompt x vocab) tensor. A peft
         # model's forward takes **kwargs and hands them to the base model's: ask the base.
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -169,7 +173,7 @@ class BatchWorker:
         for name, path in specs:
             if name in self.adapters:
                 raise ValueError(f"{name}={path}: the name {name!r} is given twice")
-            answers: list[dict[str, Any]] = []
+            answers: list[JSONObject] = []
             self._apply_adapter_update(AdapterUpdate(name, path, None, False, answers.append))
             if not answers[0]["success"]:
                 raise ValueError(answers[0]["error_message"])
@@ -281,11 +285,11 @@ class BatchWorker:
         ids: torch.Tensor,
         mask: torch.Tensor,
         pos: torch.Tensor,
-        cache: Any,
+        cache: DynamicCache | None,
         keep_all: bool,
         jobs: list[Job],
-    ) -> Any:
-        kwargs: dict[str, Any] = {self._keep_arg: 1} if self._keep_arg and not keep_all else {}
+    ) -> CausalLMOutputWithPast:
+        kwargs: dict[str, object] = {self._keep_arg: 1} if self._keep_arg and not keep_all else {}
         if self.adapters:  # each row through its own adapter, or the base (peft's "__base__")
             kwargs["adapter_names"] = [
                 self.adapters[j.adapter].internal if j.adapter else "__base__" for j in jobs
@@ -612,7 +616,7 @@ class BatchWorker:
                     job.abort_message = job.abort_message or f"LoRA adapter {name!r} was updated or unloaded"
             self._drop_aborted_rows()
 
-    def _adapter_answer(self, message: str) -> dict[str, Any]:
+    def _adapter_answer(self, message: str) -> JSONObject:
         # SGLang's answer shape (`loaded_adapters`: name -> path), with each adapter's version.
         return {
             "success": True,

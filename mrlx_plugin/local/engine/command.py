@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import cast
 
 from aiohttp import web
 
@@ -187,7 +188,8 @@ async def _serve(args: argparse.Namespace) -> int:
         worker.stop()
         await runner.cleanup()
         return 2
-    sockets = site._server.sockets if site._server else []  # type: ignore[union-attr]
+    bound = cast("asyncio.Server | None", site._server)  # a TCPSite serves through an asyncio.Server
+    sockets = bound.sockets if bound else []
     server.port = int(sockets[0].getsockname()[1])
     if args.port_file:
         write_port_file(args.port_file, server.port)

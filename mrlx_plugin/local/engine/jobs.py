@@ -7,9 +7,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from mrlx_plugin.core.values import JSONObject
 
 if TYPE_CHECKING:
+    import torch
+
     from mrlx_plugin.local.engine.requests import SamplingParams
 
 
@@ -28,8 +32,8 @@ class Job:
     out_logprobs: list[float] = field(default_factory=list)
     input_logprobs: list[float | None] | None = None
     abort_message: str | None = None  # set by any thread, read by the worker between steps
-    generator: Any = None
-    finish: dict[str, Any] | None = None
+    generator: torch.Generator | None = None
+    finish: JSONObject | None = None  # SGLang's finish_reason
     error: str | None = None
     adapter: str | None = None  # a loaded LoRA adapter's name; None: the base model
 
@@ -52,7 +56,7 @@ class WeightUpdate:
     model_path: str
     weight_version: str | None
     abort_all: bool
-    deliver: Callable[[dict[str, Any]], None]
+    deliver: Callable[[JSONObject], None]
 
 
 @dataclass
@@ -64,7 +68,7 @@ class AdapterUpdate:
     path: str | None
     weight_version: str | None
     upsert: bool
-    deliver: Callable[[dict[str, Any]], None]
+    deliver: Callable[[JSONObject], None]
 
 
 @dataclass
@@ -76,7 +80,7 @@ class Adapter:
     internal: str
 
 
-def failed_answer(update: WeightUpdate | AdapterUpdate, message: str) -> dict[str, Any]:
+def failed_answer(update: WeightUpdate | AdapterUpdate, message: str) -> JSONObject:
     """The answer of an update that did not happen, in the shape of its endpoint's answers."""
     if isinstance(update, AdapterUpdate):
         return {"success": False, "error_message": message}

@@ -12,18 +12,20 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
+    from transformers import DynamicCache
 
 from mrlx_plugin.local.engine.jobs import Job
 
 
 def cache_tensors(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    # Any: a transformers cache, whose attributes differ across the versions supported
     layers = getattr(cache, "layers", None)
     if layers is not None:  # transformers >= 4.56
         return [(layer.keys, layer.values) for layer in layers]
     return list(zip(cache.key_cache, cache.value_cache))
 
 
-def make_cache(tensors: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+def make_cache(tensors: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
     from transformers import DynamicCache
 
     if hasattr(DynamicCache, "from_legacy_cache"):
@@ -46,7 +48,7 @@ class RunningBatch:
     """The running rows: their KV cache, attention mask and next input token/position."""
 
     jobs: list[Job]
-    cache: Any
+    cache: DynamicCache
     mask: torch.Tensor  # (B, L) long; 0 = left padding
     next_tokens: torch.Tensor  # (B,) sampled, not yet fed to the model
     next_pos: torch.Tensor  # (B,) position of next_tokens

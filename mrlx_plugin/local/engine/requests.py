@@ -5,7 +5,7 @@ batching worker (`batcher`), which runs a request's `SamplingParams`."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal, TypeVar
 
 from pydantic import (
     AfterValidator,
@@ -19,7 +19,11 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from mrlx_plugin.core.values import JSONObject
+
 DEFAULT_MAX_NEW_TOKENS = 128
+
+M = TypeVar("M", bound=BaseModel)
 
 
 class RequestError(ValueError):
@@ -39,14 +43,14 @@ class _Request(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def nulls_are_defaults(cls, raw: Any) -> Any:
+    def nulls_are_defaults(cls, raw: object) -> object:
         return {k: v for k, v in raw.items() if v is not None} if isinstance(raw, dict) else raw
 
 
-def _neutral(ok: Callable[[Any], bool]) -> Any:
+def _neutral(ok: Callable[[object], bool]) -> object:
     """A field SGLang knows that this engine honours only at its default value."""
 
-    def check(v: Any) -> Any:
+    def check(v: object) -> object:
         if not ok(v):
             raise PydanticCustomError(
                 "unsupported",
@@ -55,7 +59,7 @@ def _neutral(ok: Callable[[Any], bool]) -> Any:
             )
         return v
 
-    return Annotated[Any, AfterValidator(check)]
+    return Annotated[object, AfterValidator(check)]  # any JSON value, checked by `ok`
 
 
 def _token_ids(ids: list[int], info: ValidationInfo) -> list[int]:
@@ -117,9 +121,9 @@ class SamplingParams(_Request):
     logit_bias: _neutral(lambda v: not v) = None
     # Accepted and without effect: no spacing question arises with a byte-level tokenizer,
     # custom_params only feed custom logit processors (none here), and nothing streams.
-    spaces_between_special_tokens: Any = None
-    custom_params: Any = None
-    stream_interval: Any = None
+    spaces_between_special_tokens: object = None
+    custom_params: object = None
+    stream_interval: object = None
 
 
 class GenerateRequest(_Request):
@@ -194,7 +198,7 @@ _PER_PROMPT = (
 )
 
 
-def _field(loc: Sequence[Any], renamed: dict[str, str]) -> str:
+def _field(loc: Sequence[int | str], renamed: dict[str, str]) -> str:
     out = ""
     for k, part in enumerate(loc):
         if isinstance(part, int):
@@ -220,14 +224,14 @@ def _validation_error(exc: ValidationError, renamed: dict[str, str] | None = Non
     return RequestError(field, msg)
 
 
-def validate(model: type[BaseModel], data: Any, renamed: dict[str, str] | None = None, **context: Any) -> Any:
+def validate(model: type[M], data: object, renamed: dict[str, str] | None = None, **context: object) -> M:
     try:
         return model.model_validate(data, context=context)
     except ValidationError as exc:
         raise _validation_error(exc, renamed) from None
 
 
-def split_generate_body(body: Any) -> tuple[list[tuple[dict[str, Any], dict[str, str]]], bool]:
+def split_generate_body(body: object) -> tuple[list[tuple[JSONObject, dict[str, str]]], bool]:
     """The prompts of a `/generate` body, each with the names its fields have in the body
     (`input_ids[2]`), and whether the body was batched. In a batched body (a list of id lists,
     or of texts) a list under a per-prompt key gives one value per prompt; anything else is

@@ -13,11 +13,11 @@ import asyncio
 import time
 import uuid
 from pathlib import Path
-from typing import Any
 
 import orjson
 from aiohttp import web
 
+from mrlx_plugin.core.values import JSON, JSONObject
 from mrlx_plugin.local.engine.adapters import adapter_refusal
 from mrlx_plugin.local.engine.batcher import BatchWorker
 from mrlx_plugin.local.engine.jobs import AdapterUpdate, Job, JobResult, WeightUpdate
@@ -38,18 +38,18 @@ from mrlx_plugin.local.engine.requests import (
 MAX_BODY_BYTES = 64 * 1024 * 1024
 
 
-def _json(data: Any, status: int = 200) -> web.Response:
+def _json(data: object, status: int = 200) -> web.Response:
     return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")
 
 
 def _error(message: str, status: int = 400, field: str | None = None) -> web.Response:
-    err: dict[str, Any] = {"message": message, "code": status}
+    err: dict[str, object] = {"message": message, "code": status}
     if field:
         err["field"] = field
     return _json({"error": err}, status)
 
 
-async def _read_json(request: web.Request, required: bool = True) -> Any:
+async def _read_json(request: web.Request, required: bool = True) -> JSON:
     body = await request.read()
     if not body.strip():
         if required:
@@ -103,7 +103,7 @@ class EngineServer:
 
     # --- /generate -------------------------------------------------------------------------
 
-    async def _jobs(self, body: Any) -> tuple[list[Job], list[asyncio.Future], bool]:
+    async def _jobs(self, body: JSON) -> tuple[list[Job], list[asyncio.Future], bool]:
         w = self.worker
         parts, batched = split_generate_body(body)
         reqs = [
@@ -175,9 +175,9 @@ class EngineServer:
             )
 
     @staticmethod
-    def _result_json(result: JobResult) -> dict[str, Any]:
+    def _result_json(result: JobResult) -> JSONObject:
         job = result.job
-        meta: dict[str, Any] = {
+        meta: JSONObject = {
             "id": job.rid,
             "finish_reason": job.finish,
             "prompt_tokens": len(job.prompt_ids),

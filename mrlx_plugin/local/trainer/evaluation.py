@@ -5,11 +5,19 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, cast
+
+if TYPE_CHECKING:
+    from mrlx_plugin.core.host import HostSample, RolloutFnEvalOutput
+    from mrlx_plugin.local.trainer.fake_host import LocalDataSource
+
+    # (name, host args, data source) of one evaluation set
+    EvalSet = tuple[str, argparse.Namespace, LocalDataSource]
 
 
-def evaluation_sets(ns: argparse.Namespace, args: Any) -> list[tuple[str, Any, Any]]:
+def evaluation_sets(ns: argparse.Namespace, args: argparse.Namespace) -> list[EvalSet]:
     """(name, args, data source) per evaluation set: the held-out prompts of --eval-prompt-data
     under each --eval-config (default: the job's own config and args, as set `eval`); with
     named prompt files, one set per config and file, `CONFIG/NAME`."""
@@ -31,7 +39,7 @@ def evaluation_sets(ns: argparse.Namespace, args: Any) -> list[tuple[str, Any, A
         raise ConfigError(
             f"--eval-prompt-data: got {len(data)} values; give one file, or NAME FILE pairs (slime's form)"
         )
-    sets = []
+    sets: list[EvalSet] = []
     for spec in ns.eval_config or [None]:
         if spec is None:
             name, eval_args = "eval", args
@@ -49,18 +57,20 @@ def evaluation_sets(ns: argparse.Namespace, args: Any) -> list[tuple[str, Any, A
     return sets
 
 
-def evaluate(sets: list[tuple[str, Any, Any]], rollout_fn: Any, rollout_id: int) -> dict[str, Any]:
+def evaluate(
+    sets: list[EvalSet], rollout_fn: Callable[..., object], rollout_id: int
+) -> dict[str, float | None]:
     """Run every evaluation set through the rollout function in evaluation mode, as slime's
     `eval` does; `eval/<set>/reward_mean` is the mean reward of its episodes' final answers,
     `eval/<set>/<metric>` the rollout metrics of its samples."""
     from mrlx_plugin.core.metrics import compute_metrics
 
-    out: dict[str, Any] = {}
+    out: dict[str, float | None] = {}
     for name, eval_args, source in sets:
         t0 = time.monotonic()
-        output = rollout_fn(eval_args, rollout_id, source, evaluation=True)
+        output = cast("RolloutFnEvalOutput", rollout_fn(eval_args, rollout_id, source, evaluation=True))
         rewards: list[float] = []
-        samples: list[Any] = []
+        samples: list[HostSample] = []
         for entry in (output.data or {}).values():
             rewards += [float(r) for r in entry.get("rewards") or []]
             samples += list(entry.get("samples") or [])

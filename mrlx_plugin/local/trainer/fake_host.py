@@ -20,13 +20,14 @@ import asyncio
 import copy
 import json
 import random
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 from urllib.parse import urlparse
 
 from mrlx_plugin.core.config import ConfigError, load_yaml
 from mrlx_plugin.core.host import (
+    HostSample,
     RolloutFnEvalOutput,
     RolloutFnTrainOutput,
     Sample,
@@ -34,7 +35,13 @@ from mrlx_plugin.core.host import (
     load_function,
     run_in_host_loop,
 )
+from mrlx_plugin.core.values import JSONObject
 from mrlx_plugin.runtime import cached_runtime
+
+# A prompt (a text, or messages) and its label, as a prompt file holds them.
+Prompt = tuple["str | list[dict[str, str]]", object]
+# What one call of the generate function returns: a sample, or the samples of one episode.
+Generated = HostSample | list[HostSample]
 
 
 def add_host_arguments(parser: argparse.ArgumentParser) -> None:
@@ -101,7 +108,7 @@ def set_router(args: argparse.Namespace, url: str) -> None:
     args.sglang_router_port = parsed.port
 
 
-def sampling_params(args: argparse.Namespace) -> dict[str, Any]:
+def sampling_params(args: argparse.Namespace) -> JSONObject:
     """The per-request sampling parameters slime's rollout builds from its flags."""
     return {
         "temperature": args.rollout_temperature,
@@ -116,7 +123,7 @@ def sampling_params(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def read_prompts(path: str, input_key: str, label_key: str) -> list[tuple[Any, Any]]:
+def read_prompts(path: str, input_key: str, label_key: str) -> list[Prompt]:
     """(prompt, label) pairs from a JSONL file, with errors naming the line."""
     rows = []
     for lineno, line in enumerate(Path(path).read_text().splitlines(), 1):
@@ -135,7 +142,7 @@ def read_prompts(path: str, input_key: str, label_key: str) -> list[tuple[Any, A
 
 
 def make_groups(
-    prompts: list[tuple[Any, Any]], groups: int, per_prompt: int, start: int = 0
+    prompts: Sequence[Prompt], groups: int, per_prompt: int, start: int = 0
 ) -> Iterator[list[Sample]]:
     """Prompt groups the way the host's data source hands them out: n copies per prompt."""
     for g in range(groups):
@@ -146,18 +153,28 @@ def make_groups(
         ]
 
 
+class SourceState(TypedDict):
+    """Where a `LocalDataSource` stands (a checkpoint's `data_source`)."""
+
+    offset: int
+    epoch: int
+    group_index: int
+    sample_index: int
+    order: list[int]
+
+
 class LocalDataSource:
     """slime's data source for prompts held in memory: `n_samples_per_prompt` copies of each
     prompt per group, with `group_index` and `index` counting up across the whole run."""
 
     def __init__(
         self,
-        prompts: list[tuple[Any, Any]],
+        prompts: Sequence[Prompt],
         n_samples_per_prompt: int,
         *,
         shuffle: bool = False,
         seed: int = 0,
-        eval_prompts: list[tuple[Any, Any]] | None = None,
+        eval_prompts: Sequence[Prompt] | None = None,
     ):
         if not prompts:
             raise ValueError("no prompts")
@@ -172,7 +189,7 @@ class LocalDataSource:
         self.sample_index = 0
         self._order = list(range(len(self.prompts)))
 
-    def _next_prompt(self) -> tuple[Any, Any]:
+    def _next_prompt(self) -> Prompt:
         if self.offset == len(self._order):
             self.offset, self.epoch = 0, self.epoch + 1
             if self.shuffle:
@@ -203,7 +220,7 @@ class LocalDataSource:
     def add_samples(self, samples: list[list[Sample]]) -> None:
         raise RuntimeError("this data source is read-only (the plugin does not use partial rollouts)")
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> SourceState:
         return {
             "offset": self.offset,
             "epoch": self.epoch,
@@ -212,30 +229,34 @@ class LocalDataSource:
             "order": list(self._order),
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: SourceState) -> None:
         self.offset, self.epoch = state["offset"], state["epoch"]
         self.group_index, self.sample_index = state["group_index"], state["sample_index"]
         self._order = list(state["order"])
 
 
-async def _generate_groups(args: Any, groups: list[list[Sample]], evaluation: bool) -> list[list[Any]]:
+async def _generate_groups(
+    args: argparse.Namespace, groups: list[list[Sample]], evaluation: bool
+) -> list[list[Generated]]:
     generate = load_function(
         getattr(args, "custom_generate_function_path", None) or "mrlx_plugin.rollout.generate"
     )
     semaphore = asyncio.Semaphore(getattr(args, "sglang_server_concurrency", None) or 512)
     params = sampling_params(args)
 
-    async def one(sample: Sample) -> Any:
+    async def one(sample: Sample) -> Generated:
         async with semaphore:
             return await generate(args, sample, dict(params), evaluation=evaluation)
 
-    async def group(g: list[Sample]) -> list[Any]:
+    async def group(g: list[Sample]) -> list[Generated]:
         return list(await asyncio.gather(*(one(s) for s in g)))
 
     return list(await asyncio.gather(*(group(g) for g in groups)))
 
 
-def default_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: bool = False) -> Any:
+def default_rollout(
+    args: argparse.Namespace, rollout_id: int, data_source: LocalDataSource, evaluation: bool = False
+) -> RolloutFnTrainOutput | RolloutFnEvalOutput:
     """slime's `generate_rollout`, for the plugin's purposes (see the module docstring)."""
     if evaluation:
         prompts = getattr(data_source, "eval_prompts", None) or []
@@ -261,7 +282,7 @@ def default_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: bo
     return RolloutFnTrainOutput(samples=results, metrics={})
 
 
-def check_like_host(groups: list[list[Any]], fixed_count: bool) -> None:
+def check_like_host(groups: list[list[Generated]], fixed_count: bool) -> None:
     """The invariants the hosts enforce on a training rollout, enforced here too so that the CPU
     runs fail where a GPU job would: the samples of one generate call share one non-None rollout
     id (slime asserts it before the split), and every call returns the same number of samples

@@ -36,9 +36,10 @@ import logging
 import random
 import sys
 import time
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, cast
 
 from mrlx_plugin.local.trainer.evaluation import evaluate, evaluation_sets
 from mrlx_plugin.local.trainer.flags import build_parser
@@ -54,12 +55,19 @@ from mrlx_plugin.local.trainer.weights import (
 )
 
 if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedTokenizerBase
+
+    from mrlx_plugin.core.host import HostSample, RolloutFnTrainOutput
+    from mrlx_plugin.local.model import Policy
+    from mrlx_plugin.local.trainer.evaluation import EvalSet
+    from mrlx_plugin.local.trainer.fake_host import LocalDataSource
     from mrlx_plugin.local.trainer.settings import TrainerSettings
 
 log = logging.getLogger("mrlx.trainer")
 
 
-def trained_counts(samples: list[Any]) -> tuple[int, int]:
+def trained_counts(samples: list[HostSample]) -> tuple[int, int]:
     """(samples, tokens) the step trains on: the samples that are not ABORTED (an aborted
     episode's, or the fillers standing in for turns an episode did not reach) and have a token
     to train (loss mask 1), and those tokens."""
@@ -69,7 +77,7 @@ def trained_counts(samples: list[Any]) -> tuple[int, int]:
     return len(counted), sum(sum(s.loss_mask) for s in counted)
 
 
-def step_engine_calls(metrics: dict[str, Any]) -> float:
+def step_engine_calls(metrics: Mapping[str, float]) -> float:
     """Engine calls one step's rollout spent: its episodes x `multi_agent/engine_calls` (every
     call: turns, tree-sampling candidates, the moves played ahead to score them). A plugin
     without that metric: its model turns plus the candidates not gone on from."""
@@ -82,13 +90,14 @@ def step_engine_calls(metrics: dict[str, Any]) -> float:
     return episodes * per_episode
 
 
-def flatten(groups: Any) -> list[Any]:
-    out: list[Any] = []
+def flatten(groups: Iterable[object]) -> list[HostSample]:
+    """The samples of nested lists of them, in order."""
+    out: list[HostSample] = []
     for item in groups:
         if isinstance(item, list):
             out.extend(flatten(item))
         else:
-            out.append(item)
+            out.append(cast("HostSample", item))
     return out
 
 
@@ -196,15 +205,15 @@ class _Job:
     args: argparse.Namespace
     cfg: TrainerSettings
     adapter: str | None  # the LoRA adapter trained (its name on the engine); None: the whole model
-    data_source: Any
-    rollout_fn: Any
-    model: Any
-    tokenizer: Any
-    optimizer: Any
-    ref: Any = None  # the KL term's reference policy (None without the KL term)
+    data_source: LocalDataSource
+    rollout_fn: Callable[..., object]  # slime's rollout function: `--rollout-function`
+    model: Policy
+    tokenizer: PreTrainedTokenizerBase
+    optimizer: torch.optim.Optimizer
+    ref: Policy | None = None  # the KL term's reference policy (None without the KL term)
     start: int = 0  # the first step to run
     resumed_from: str | None = None
-    eval_sets: list[tuple[str, Any, Any]] = field(default_factory=list)
+    eval_sets: list[EvalSet] = field(default_factory=list)
 
     @classmethod
     def load(
@@ -319,7 +328,7 @@ class _Job:
         self.tokenizer.save_pretrained(str(out / "warm_start"))
         push_weights(self.ns.engine_url, out / "warm_start", version=0, adapter=self.adapter)
 
-    def reference(self) -> Any:
+    def reference(self) -> Policy | None:
         """The KL term's reference: the policy RL starts from, the initial model (or adapter) after
         any warm-start, a frozen copy of its own; None without the KL term."""
         from mrlx_plugin.local.model import is_adapter_dir, load_policy
@@ -345,7 +354,7 @@ class _Job:
         calls_spent = sum(r.get("engine_calls") or 0.0 for r in kept)
         for rollout_id in range(self.start, ns.num_rollout):
             row = self.step(rollout_id, calls_spent)
-            calls_spent = row["engine_calls_total"]
+            calls_spent = cast(float, row["engine_calls_total"])
             if row.get("engine_call_budget_spent"):
                 log.info(
                     "engine-call budget spent: %.0f calls of %d after step %d; stopping",
@@ -355,7 +364,7 @@ class _Job:
                 )
                 break
 
-    def step(self, rollout_id: int, calls_spent: float) -> dict[str, Any]:
+    def step(self, rollout_id: int, calls_spent: float) -> dict[str, object]:
         """One step as slime runs it: the rollout, the rewards normalised and logged, the update, the
         checkpoint and its push (the responder's groups acked once saved); its metrics row, also
         appended to metrics.jsonl (`calls_spent`: the engine calls spent before it)."""
@@ -365,11 +374,13 @@ class _Job:
 
         ns, args, cfg, out = self.ns, self.args, self.cfg, self.out
         t0 = time.monotonic()
-        output = self.rollout_fn(args, rollout_id, self.data_source, evaluation=False)
+        output = cast(
+            "RolloutFnTrainOutput", self.rollout_fn(args, rollout_id, self.data_source, evaluation=False)
+        )
         samples = flatten(output.samples)
         rollout_s = time.monotonic() - t0
         raw, advantages = normalize(args, samples)
-        metrics: dict[str, Any] = dict(output.metrics or {})
+        metrics: dict[str, float] = dict(output.metrics or {})
         log_rollout(rollout_id, args, samples, metrics, rollout_s)
 
         t1 = time.monotonic()

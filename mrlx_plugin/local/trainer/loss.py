@@ -6,10 +6,16 @@ per-token mean over every trainable token of the step; slime's learning-rate sch
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from mrlx_plugin.core.host import HostSample
+    from mrlx_plugin.local.trainer.settings import TrainerSettings
 
 
-def _batch(samples: list[Any]) -> tuple[Any, Any, Any, Any]:
+def _batch(samples: list[HostSample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded token ids and attention mask, and per-position response tensors aligned with
     the model's shifted log-probs: position j scores token j + 1."""
     import torch
@@ -28,7 +34,9 @@ def _batch(samples: list[Any]) -> tuple[Any, Any, Any, Any]:
     return ids, attention, mask, old
 
 
-def token_logprobs(model: Any, ids: Any, attention: Any, temperature: float) -> Any:
+def token_logprobs(
+    model: torch.nn.Module, ids: torch.Tensor, attention: torch.Tensor, temperature: float
+) -> torch.Tensor:
     """log p(token j + 1 | tokens <= j) at the rollout temperature, for every position j."""
     import torch
 
@@ -39,14 +47,14 @@ def token_logprobs(model: Any, ids: Any, attention: Any, temperature: float) -> 
 
 
 def ppo_loss(
-    model: Any,
-    ref: Any,
-    samples: list[Any],
+    model: torch.nn.Module,
+    ref: torch.nn.Module | None,
+    samples: list[HostSample],
     advantages: list[float],
-    cfg: Any,
+    cfg: TrainerSettings,
     temperature: float,
     total_tokens: int,
-) -> tuple[Any, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, float]]:
     """Sum over the micro-batch of the per-token PPO-clip (+ KL) loss, divided by the step's
     trainable token count, so micro-batches add up to the step's per-token mean."""
     import torch
@@ -75,12 +83,12 @@ def ppo_loss(
     return (per_token * mask).sum() / total_tokens, info
 
 
-def trainable_parameters(model: Any) -> list[Any]:
+def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     """The parameters that train: all of a whole model's, only the adapter's of a LoRA policy."""
     return [p for p in model.parameters() if p.requires_grad]
 
 
-def learning_rate(cfg: Any, step: int, total: int) -> float:
+def learning_rate(cfg: TrainerSettings, step: int, total: int) -> float:
     """slime's schedule: linear warm-up over `lr_warmup_steps`, then constant or cosine to `lr_min`."""
     if step < cfg.lr_warmup_steps:
         return cfg.lr * (step + 1) / cfg.lr_warmup_steps
@@ -91,12 +99,12 @@ def learning_rate(cfg: Any, step: int, total: int) -> float:
 
 
 def ppo_step(
-    model: Any,
-    ref: Any,
-    optimizer: Any,
-    samples: list[Any],
+    model: torch.nn.Module,
+    ref: torch.nn.Module | None,
+    optimizer: torch.optim.Optimizer,
+    samples: list[HostSample],
     advantages: list[float],
-    cfg: Any,
+    cfg: TrainerSettings,
     temperature: float,
 ) -> dict[str, float]:
     """One optimizer step per PPO epoch over every sample with a trainable token."""

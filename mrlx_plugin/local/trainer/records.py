@@ -7,11 +7,13 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+
+from mrlx_plugin.core.values import JSONObject
 
 
-def read_rows(path: Path) -> list[dict[str, Any]]:
+def read_rows(path: Path) -> list[JSONObject]:
     """The rows of a JSON-lines file (a trainer's metrics.jsonl, warm-start data); none when the
     file is not there yet."""
     if not path.exists():
@@ -33,7 +35,7 @@ def drop_rows_from(path: Path, step: int) -> None:
     os.replace(tmp, path)
 
 
-def append_row(path: Path, row: dict[str, Any]) -> None:
+def append_row(path: Path, row: Mapping[str, object]) -> None:
     """`row` as one JSON line at the end of `path`; a float that is not finite is written null."""
     clean = {k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in row.items()}
     with path.open("a") as f:

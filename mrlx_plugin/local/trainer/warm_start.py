@@ -6,14 +6,19 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
 from mrlx_plugin.local.trainer.loss import trainable_parameters
 from mrlx_plugin.local.trainer.records import read_rows
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from mrlx_plugin.local.model import Policy
+
 
 def warm_start(
-    model: Any, tokenizer: Any, path: str, steps: int, lr: float, batch: int, seed: int
+    model: Policy, tokenizer: PreTrainedTokenizerBase, path: str, steps: int, lr: float, batch: int, seed: int
 ) -> list[float]:
     """Cross-entropy on the assistant messages of `path` for `steps` steps; returns the losses."""
     import torch
@@ -24,7 +29,7 @@ def warm_start(
     model.train()
     losses = []
     for _ in range(steps):
-        chosen = [rng.choice(rows)["messages"] for _ in range(batch)]
+        chosen = [cast("list[dict[str, str]]", rng.choice(rows)["messages"]) for _ in range(batch)]
         ids, labels = [], []
         for messages in chosen:
             prompt = tokenizer.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True)

@@ -13,13 +13,29 @@ import shutil
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
+
+from mrlx_plugin.core.values import JSONObject
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedTokenizerBase
+
+    from mrlx_plugin.core.config import Settings
+    from mrlx_plugin.local.model import Policy
+    from mrlx_plugin.local.trainer.fake_host import LocalDataSource
 
 log = logging.getLogger("mrlx.trainer")
 
 
 def save_checkpoint(
-    out: Path, step: int, model: Any, tokenizer: Any, optimizer: Any, data_source: Any, keep: int
+    out: Path,
+    step: int,
+    model: Policy,
+    tokenizer: PreTrainedTokenizerBase,
+    optimizer: torch.optim.Optimizer,
+    data_source: LocalDataSource,
+    keep: int,
 ) -> Path:
     """out/checkpoints/step_{step:05d}: the weights (from_pretrained layout; of a LoRA policy, only
     the adapter, in peft's layout), the tokenizer and the trainer state."""
@@ -104,7 +120,7 @@ async def _push_weights(
 
     if adapter is None:
         route, what = "/update_weights_from_disk", f"the weights at {path}"
-        body: dict[str, Any] = {"model_path": str(path), "weight_version": str(version)}
+        body: JSONObject = {"model_path": str(path), "weight_version": str(version)}
     else:
         route, what = "/load_lora_adapter", f"adapter {adapter!r} at {path}"
         body = {"lora_name": adapter, "lora_path": str(path), "upsert": True, "weight_version": str(version)}
@@ -112,7 +128,7 @@ async def _push_weights(
         for url in engines:
             deadline = Deadline(deadline_s)
 
-            async def attempt(_: int, url: str = url, deadline: Deadline = deadline) -> dict[str, Any]:
+            async def attempt(_: int, url: str = url, deadline: Deadline = deadline) -> JSONObject:
                 timeout = aiohttp.ClientTimeout(total=max(1.0, deadline.remaining()))
                 async with session.post(url.rstrip("/") + route, json=body, timeout=timeout) as resp:
                     raw = await resp.read()
@@ -140,7 +156,7 @@ async def _push_weights(
                 raise RuntimeError(f"{url} refused {what}: {reason}")
 
 
-def trained_adapter(settings: Any, adapter_dir: str | None) -> str | None:
+def trained_adapter(settings: Settings, adapter_dir: str | None) -> str | None:
     """The name the engine serves the trained agent's LoRA adapter under (its `adapter` setting),
     or None when the trainer trains a whole model. `adapter_dir` is --adapter; the two must come
     together, or a push would load weights the agent's requests never name (ConfigError)."""
