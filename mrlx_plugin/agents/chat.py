@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -40,14 +39,13 @@ from mrlx_plugin.agents.request import (
     ChatError,
     ChatRequest,
     Seen,
-    answer_body,
     calls_seen,
-    check_request,
     check_tool_results,
     off_loop,
     render_cost,
     seen_of,
 )
+from mrlx_plugin.agents.wire import Send, TurnAnswer, WireApi
 from mrlx_plugin.core.tokenizer import TemplateError
 from mrlx_plugin.core.transcript import Mark, Transcript
 from mrlx_plugin.core.values import JSON, JSONObject
@@ -55,10 +53,6 @@ from mrlx_plugin.episodes.episode import Episode
 from mrlx_plugin.episodes.errors import EpisodeAborted
 
 logger = logging.getLogger(__name__)
-
-
-# Sends a turn's answer to the client; returns once it is written (raises if the client is gone).
-Deliver = Callable[[JSONObject], Awaitable[None]]
 
 
 @dataclass
@@ -100,27 +94,27 @@ class AgentSession:
     # quotes one shows the model what it wrote, not a re-rendering of it.
     _written: dict[Seen, str] = field(default_factory=dict)
 
-    async def complete(self, body: JSON, deliver: Deliver) -> None:
-        """Answer one chat-completions request body (parsed JSON) by awaiting `deliver(answer)`;
-        ChatError for what is refused. The turn is kept only once `deliver` has returned: a turn
-        whose answer did not reach its client (it left, or the episode ended first) is undone as if
-        it never ran, and counted (`undelivered`)."""
+    async def complete(self, body: JSON, api: WireApi, send: Send) -> None:
+        """Answer one request body (parsed JSON) of `api` through `send`; ChatError for what is
+        refused. The turn is kept only once its reply has finished: a turn whose answer did not
+        reach its client (it left, or the episode ended first) is undone as if it never ran, and
+        counted (`undelivered`)."""
         self.stats.requests += 1
         try:
-            await self._complete(body, deliver)
+            await self._complete(body, api, send)
         except ChatError as exc:
             if exc.status < 500:
                 self.stats.refused += 1
             raise
 
-    async def _complete(self, body: JSON, deliver: Deliver) -> None:
+    async def _complete(self, body: JSON, api: WireApi, send: Send) -> None:
         if self.closed is not None:
             raise ChatError(404, self.closed, "session_not_found")
         if self.episode.aborted:
             raise ChatError(
                 404, f"episode {self.episode.id} has ended: {self.episode.abort_reason}", "session_not_found"
             )
-        request = check_request(body)
+        request = api.check(body, self)
         tools, tools_key, seen = await self._read(request)
         thread = self._thread_for(seen, tools_key)
         if thread is not None and len(thread.transcript.turns) >= self.max_turns:
@@ -144,6 +138,9 @@ class AgentSession:
                 raise ChatError(400, str(exc), "template_error", "messages") from None
             raise
         try:
+            reply = api.reply(request, send, self)
+            await reply.start()
+            before_turn = len(thread.transcript.tokens)
             try:
                 turn = await self.episode.generate(thread.transcript, **request["sampling"])
             except EpisodeAborted:
@@ -153,8 +150,8 @@ class AgentSession:
             parse_tools = tools if request["tool_choice"] != "none" else None
             parsed = self._parse(turn.text, parse_tools)
             answer: Seen = ("assistant", parsed.content or "", calls_seen(parsed), None)
-            await deliver(
-                answer_body(self.agent, parsed, turn.finish_reason, thread.transcript, len(turn.token_ids))
+            await reply.finish(
+                TurnAnswer(self.agent, parsed, turn.finish_reason, before_turn, len(turn.token_ids))
             )
         except BaseException as exc:  # the turn never ran, or its answer never reached the client
             self._undo(thread, before)

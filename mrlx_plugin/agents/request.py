@@ -12,8 +12,6 @@ import functools
 import gc
 import json
 import math
-import secrets
-import time
 import weakref
 from collections.abc import Callable, Hashable
 from typing import TypedDict, TypeVar, cast
@@ -21,7 +19,6 @@ from typing import TypedDict, TypeVar, cast
 import orjson
 
 from mrlx_plugin.agents.parsers import ParsedTurn
-from mrlx_plugin.core.transcript import Transcript
 from mrlx_plugin.core.values import JSON, JSONObject
 
 # Request fields read here; any other is refused (a setting the endpoint would not honour).
@@ -431,30 +428,3 @@ def check_tool_results(seen: list[Seen]) -> None:
 
 def calls_seen(parsed: ParsedTurn) -> tuple[SeenCall, ...]:
     return tuple((c.id, c.name, _canonical(c.arguments, "answer")) for c in parsed.tool_calls)
-
-
-def answer_body(agent: str, parsed: ParsedTurn, finish: str, t: Transcript, completion: int) -> JSONObject:
-    message: JSONObject = {"role": "assistant", "content": parsed.content}
-    if parsed.reasoning is not None:
-        message["reasoning_content"] = parsed.reasoning
-    if parsed.tool_calls:
-        message["tool_calls"] = [
-            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-            for c in parsed.tool_calls
-        ]
-    reason = "tool_calls" if parsed.tool_calls and finish == "stop" else finish
-    if reason == "abort":
-        reason = "stop"
-    total = len(t.prompt_ids) + len(t.response_ids)
-    return {
-        "id": f"chatcmpl-{secrets.token_hex(12)}",
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": agent,
-        "choices": [{"index": 0, "message": message, "finish_reason": reason, "logprobs": None}],
-        "usage": {
-            "prompt_tokens": total - completion,
-            "completion_tokens": completion,
-            "total_tokens": total,
-        },
-    }

@@ -1,15 +1,18 @@
-"""The OpenAI-compatible endpoint of a rollout process: `POST /v1/chat/completions` and
-`GET /v1/models`, one aiohttp server per event loop, started with the first episode of agent code.
+"""The endpoints of a rollout process's agents, one aiohttp server per event loop, started with the
+first episode of agent code: each API (`mrlx_plugin.agents.wire.WireApi`; today OpenAI's chat
+completions, `POST /v1/chat/completions`) on its route, and `GET /v1/models`.
 
-The bearer key is the session: each episode gives each agent a fresh random key (slime's agent
-adapters use the same convention), the key selects the `AgentSession`, and an unknown or finished
-key is a 404 with a message. The server listens on loopback unless the system's settings say
-otherwise; a key is 192 random bits, so knowing one is the only way into an episode.
+The key is the session: each episode gives each agent a fresh random key (slime's agent adapters
+use the same convention), sent as a bearer token or as `x-api-key`; it selects the
+`AgentSession`, and an unknown or finished key is a 404 with a message. The server listens on
+loopback unless the system's settings say otherwise; a key is 192 random bits, so knowing one is
+the only way into an episode.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import secrets
 import weakref
@@ -18,7 +21,9 @@ import orjson
 from aiohttp import web
 
 from mrlx_plugin.agents.chat import AgentSession
+from mrlx_plugin.agents.openai_chat import ChatCompletions
 from mrlx_plugin.agents.request import ChatError, parse_body
+from mrlx_plugin.agents.wire import WireApi
 from mrlx_plugin.core.values import JSON, JSONObject
 
 logger = logging.getLogger(__name__)
@@ -39,7 +44,7 @@ class AgentServer:
 
     async def start(self) -> None:
         app = web.Application(client_max_size=MAX_BODY_BYTES)
-        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post("/v1/chat/completions", functools.partial(self._serve, ChatCompletions()))
         app.router.add_get("/v1/models", self._models)
         # A client that closes its connection cancels its request's handler: the turn it waited
         # for is undone (cancelled on the engine, or rolled back), never trained unseen.
@@ -82,6 +87,7 @@ class AgentServer:
     def _session(self, request: web.Request) -> tuple[str, AgentSession]:
         auth = request.headers.get("Authorization", "")
         key = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+        key = key or request.headers.get("x-api-key", "").strip()  # Anthropic's clients send this one
         session = self.sessions.get(key) if key else None
         if session is None:
             raise ChatError(
@@ -94,8 +100,10 @@ class AgentServer:
 
     # --- handlers --------------------------------------------------------------------------
 
-    async def _chat(self, request: web.Request) -> web.StreamResponse:
-        sent: web.Response | None = None
+    async def _serve(self, api: WireApi, request: web.Request) -> web.StreamResponse:
+        """One request of `api`: the session's answer through `send`, or a refusal in the API's
+        error shape."""
+        send = HttpSend(request)
         try:
             key, session = self._session(request)
             try:
@@ -110,18 +118,8 @@ class AgentServer:
             inflight = self._inflight.get(key)
             if inflight is not None and task is not None:
                 inflight.add(task)
-
-            async def deliver(answer: JSONObject) -> None:
-                # Written here, not after the handler returns: the session keeps the turn only
-                # once its answer is on the client's connection (a client that left gets none,
-                # and the handler is cancelled, so the turn is undone).
-                nonlocal sent
-                sent = _json(answer, 200)
-                await sent.prepare(request)
-                await sent.write_eof()
-
             try:
-                await session.complete(body, deliver)
+                await session.complete(body, api, send)
             except asyncio.CancelledError:
                 if session.closed is None:
                     raise
@@ -130,17 +128,17 @@ class AgentServer:
                 if inflight is not None and task is not None:
                     inflight.discard(task)
         except ChatError as exc:
-            if sent is not None and sent.prepared:  # the episode ended as its answer was written
-                return sent
-            return _json(exc.body(), exc.status)
+            if send.response is not None and send.response.prepared:  # the answer had begun: no other
+                return send.response
+            return _json(api.error_body(exc), exc.status)
         except ConnectionError:  # the client left while its answer was written: nothing to answer
             raise
-        except Exception as exc:  # noqa: BLE001 - a bug here answers with its message, in OpenAI's shape
+        except Exception as exc:  # noqa: BLE001 - a bug here answers with its message, in the API's shape
             logger.exception("agent endpoint: a request failed")
             error = ChatError(500, f"the endpoint failed: {type(exc).__name__}: {exc}", "internal_error")
-            return _json(error.body(), 500)
-        assert sent is not None  # complete() delivers its answer or raises
-        return sent
+            return _json(api.error_body(error), 500)
+        assert send.response is not None  # complete() answers or raises
+        return send.response
 
     async def _models(self, request: web.Request) -> web.Response:
         try:
@@ -149,6 +147,35 @@ class AgentServer:
             return _json(exc.body(), exc.status)
         model: JSONObject = {"id": session.agent, "object": "model", "created": 0, "owned_by": "mrlx"}
         return _json({"object": "list", "data": [model]}, 200)
+
+
+class HttpSend:
+    """`Send` over one aiohttp request. Written in the handler, not after it returns: the session
+    keeps a turn only once its answer is on the client's connection (a client that left gets none,
+    and the handler is cancelled, so the turn is undone)."""
+
+    def __init__(self, request: web.Request):
+        self.request = request
+        self.response: web.StreamResponse | None = None
+
+    async def json(self, data: JSON, status: int = 200) -> None:
+        self.response = _json(data, status)
+        await self.response.prepare(self.request)
+        await self.response.write_eof()
+
+    async def open_stream(self) -> None:
+        self.response = web.StreamResponse(
+            status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        await self.response.prepare(self.request)
+
+    async def event(self, payload: bytes) -> None:
+        assert self.response is not None, "open_stream() first"
+        await self.response.write(payload)
+
+    async def close_stream(self) -> None:
+        assert self.response is not None, "open_stream() first"
+        await self.response.write_eof()
 
 
 def _json(data: JSON, status: int) -> web.Response:
