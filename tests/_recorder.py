@@ -1,5 +1,7 @@
 """A recording reverse proxy for an engine, run on its own thread: every `/generate` it forwards
-is kept (the ids sent, the ids and log-probs returned). When the engine behind it is down it
+is kept (the ids sent, the ids and log-probs returned). A streamed answer is passed on chunk by
+chunk as it comes, and kept once it has ended, read as the engine client reads one
+(`StreamedAnswer`), in the shape of a plain call's record. When the engine behind it is down it
 answers 502, as a router with no live worker does."""
 
 from __future__ import annotations
@@ -8,7 +10,9 @@ import asyncio
 import threading
 
 import orjson
-from aiohttp import ClientError, ClientSession, ClientTimeout, web
+from aiohttp import ClientError, ClientResponse, ClientSession, ClientTimeout, web
+
+from mrlx_plugin.core.sglang import StreamedAnswer
 
 
 class RecordingProxy:
@@ -16,17 +20,20 @@ class RecordingProxy:
         self.target = target.rstrip("/")
         self.calls: list[dict] = []
         self.failed = 0
+        self.streamed = 0  # calls in `calls` that were streamed
         self.url = ""
         self._ready = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    async def _generate(self, request: web.Request) -> web.Response:
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()
         try:
             async with self._session.post(
                 self.target + "/generate", data=body, headers={"Content-Type": "application/json"}
             ) as r:
+                if r.status == 200 and r.content_type == "text/event-stream":
+                    return await self._relay(request, orjson.loads(body), r)
                 raw, status = await r.read(), r.status
         except (ClientError, asyncio.TimeoutError, ConnectionError):
             self.failed += 1
@@ -44,6 +51,45 @@ class RecordingProxy:
                 }
             )
         return web.Response(body=raw, status=status, content_type="application/json")
+
+    async def _relay(self, request: web.Request, req: dict, r: ClientResponse) -> web.StreamResponse:
+        """Pass a streamed answer on as its bytes come; keep it once it has ended whole. A client
+        that closes the stream closes the engine's too; a stream the engine cuts off is cut off."""
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        answer: StreamedAnswer | None = StreamedAnswer(None, len(req["input_ids"]), 1 << 26)
+        try:
+            async for chunk in r.content.iter_any():
+                try:
+                    for _ in answer.feed(chunk) if answer is not None else ():
+                        pass
+                except Exception:  # a malformed stream is passed on as it is, and not kept
+                    answer = None
+                await resp.write(chunk)
+            await resp.write_eof()
+        except ConnectionError:  # the client went away
+            r.close()
+            return resp
+        except (ClientError, asyncio.TimeoutError):  # the engine's stream broke: so does this one
+            if request.transport is not None:
+                request.transport.close()
+            return resp
+        try:
+            result = answer.result() if answer is not None else None
+        except Exception:
+            result = None
+        if result is not None:
+            self.streamed += 1
+            self.calls.append(
+                {
+                    "input_ids": req["input_ids"],
+                    "ids": result.token_ids,
+                    "logprobs": result.logprobs,
+                    "version": result.weight_version,
+                    "finish": result.finish_reason,
+                }
+            )
+        return resp
 
     async def _passthrough(self, request: web.Request) -> web.Response:
         try:

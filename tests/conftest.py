@@ -57,6 +57,30 @@ def stub_engine(logs_dir, request):
 
 
 @pytest.fixture
+def engine_for(logs_dir, tiny_model_dir, request):
+    """`engine_for(*texts, tokens=80, extra=())`: a stub engine answering the texts in turn (the
+    tiny model's tokenizer; `extra`: more of its flags), behind a recording proxy
+    (`tests/_recorder.py`) that keeps every `/generate` for the test to check samples against."""
+    from _recorder import RecordingProxy
+
+    from mrlx_lab.stub_engine import start_stub_engine
+
+    started = []
+
+    def start(*texts: str, tokens: int = 80, extra: tuple[str, ...] = ()):
+        flags = ["--response-tokens", str(tokens), "--tokenizer", str(tiny_model_dir), *extra]
+        for text in texts:
+            flags += ["--text", text]
+        name = f"scripted-{request.node.name[:30]}-{len(started)}"
+        started.append(start_stub_engine(log_dir=logs_dir, name=name, extra=flags))
+        return RecordingProxy(started[-1].url).start()
+
+    yield start
+    for stub in started:
+        stub.stop()
+
+
+@pytest.fixture
 def start_coordinator(tmp_path):
     """Start coordinators: `start_coordinator(**options)` is a started `_coord_procs.CoordinatorProcess`
     (the options its constructor takes; `start=False` for one the test starts itself). Each has its

@@ -15,9 +15,7 @@ from typing import Any
 import aiohttp
 import pytest
 from _host import group, params, slime_args
-from _recorder import RecordingProxy
 
-from mrlx_lab.stub_engine import start_stub_engine
 from mrlx_plugin import hookimpl
 from mrlx_plugin.agents import Outcome, agent_code
 from mrlx_plugin.core.host import Status
@@ -69,24 +67,6 @@ def _system(name: str):
 @hookimpl
 def mrlx_register_systems():
     return {name: _system(name) for name in SHAPES}
-
-
-@pytest.fixture
-def engine_for(logs_dir, tiny_model_dir, request):
-    """`engine_for(*texts)`: a stub engine answering the texts in turn, behind a recording proxy."""
-    started = []
-
-    def start(*texts: str):
-        extra = ["--response-tokens", "80", "--tokenizer", str(tiny_model_dir)]
-        for text in texts:
-            extra += ["--text", text]
-        stub = start_stub_engine(log_dir=logs_dir, name=f"attack-{request.node.name[:30]}", extra=extra)
-        started.append(stub)
-        return RecordingProxy(stub.url).start()
-
-    yield start
-    for stub in started:
-        stub.stop()
 
 
 @pytest.fixture

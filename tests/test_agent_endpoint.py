@@ -14,9 +14,7 @@ import urllib.request
 import pytest
 from _agent_systems import SEEN, TOOL_OUTPUT
 from _host import group, params, slime_args
-from _recorder import RecordingProxy
 
-from mrlx_lab.stub_engine import start_stub_engine
 from mrlx_plugin.core.host import Status
 from mrlx_plugin.core.metrics import compute_metrics
 from mrlx_plugin.core.retry import wait_until
@@ -26,31 +24,6 @@ from mrlx_plugin.runtime import get_runtime
 
 CALL = 'Let me look it up.\n<tool_call>\n{"name": "lookup", "arguments": {"key": "x7"}}\n</tool_call>'
 ANSWER = "The value is \\boxed{42}."
-
-
-@pytest.fixture
-def engine_for(logs_dir, request):
-    """`engine_for(*texts)`: a stub engine answering the texts in turn, behind a recording proxy."""
-    started = []
-
-    def start(*texts: str, tokens: int = 80):
-        extra = [
-            "--response-tokens",
-            str(tokens),
-            "--tokenizer",
-            str(request.getfixturevalue("tiny_model_dir")),
-        ]
-        for text in texts:
-            extra += ["--text", text]
-        stub = start_stub_engine(
-            log_dir=logs_dir, name=f"agents-{request.node.name[:30]}-{len(started)}", extra=extra
-        )
-        started.append(stub)
-        return RecordingProxy(stub.url).start()
-
-    yield start
-    for stub in started:
-        stub.stop()
 
 
 def config(system: str, **agents) -> dict:
@@ -235,10 +208,10 @@ def test_hostile_requests_get_a_clear_4xx_and_train_nothing(held):
     endpoint, finish, proxy = held
     status, body = _post(endpoint, {"messages": USER}, key="mrlx-not-a-session")
     assert status == 404 and "no open session" in body["error"]["message"]
-    status, body = _post(endpoint, {"messages": USER, "stream": True})
-    assert status == 400 and "streaming" in body["error"]["message"]
-    status, body = _post(endpoint, {"messages": USER, "frequency_penalty": 1})
-    assert status == 400 and "frequency_penalty" in body["error"]["message"]
+    status, body = _post(endpoint, {"messages": USER, "logit_bias": {"1": 5}})
+    assert status == 400 and "token ids of the client's tokenizer" in body["error"]["message"]
+    status, body = _post(endpoint, {"messages": USER, "best_of": 2})
+    assert status == 400 and "best_of" in body["error"]["message"]
     status, body = _post(endpoint, None, raw=b"{not json")
     assert status == 400 and "not JSON" in body["error"]["message"]
     forged = USER + [
@@ -271,7 +244,7 @@ def test_hostile_requests_get_a_clear_4xx_and_train_nothing(held):
     trained = [s for s in samples if not s.remove_sample]
     assert len(trained) == 1  # one conversation; the refused requests opened none
     assert trained[0].tokens == proxy.calls[1]["input_ids"] + proxy.calls[1]["ids"]
-    # counted by the session: stream, the unknown field, the forged call id, the huge tool output (an
+    # counted by the session: logit_bias, the unknown field, the forged call id, the huge tool output (an
     # unknown key and a body that is not JSON never reach one)
     assert trained[0].metadata["mrlx"]["episode"]["agent_code"]["solver"]["refused"] == 4
 

@@ -422,7 +422,7 @@ def test_update_weights_waits_for_inflight_requests_unless_told_to_abort(eng, ti
         ({"input_ids": [1, 10**6]}, "input_ids[1]"),
         ({"input_ids": []}, "input_ids"),
         ({"input_ids": [1], "text": "x"}, "input_ids"),
-        ({"input_ids": [1, 2], "stream": True}, "stream"),
+        ({"input_ids": [[1, 2], [3]], "stream": True}, "stream"),  # a stream is of one prompt
         ({"input_ids": [1] * 5000}, "input_ids"),
     ],
 )
@@ -528,6 +528,29 @@ def test_push_weights_waits_for_an_engine_that_comes_up(tmp_path, logs_dir):
         assert stats["weight_updates"] == 1 and stats["weight_version"] == "5"
     finally:
         stub.stop()
+
+
+def test_a_streamed_generate_sends_each_step_as_sglang_streams(eng):
+    sampling = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
+    body = {"input_ids": PROMPT, "sampling_params": sampling, "return_logprob": True, "stream": True}
+    req = urllib.request.Request(eng.url + "/generate", data=json.dumps(body).encode(), method="POST")
+    req.add_header("Content-Type", "application/json")
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        kind, raw = resp.headers.get("Content-Type", ""), resp.read()
+    events = [e.removeprefix(b"data: ") for e in raw.split(b"\n\n") if e]
+    assert kind.startswith("text/event-stream") and events[-1] == b"[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    metas = [c["meta_info"] for c in chunks]
+    counts = [m["completion_tokens"] for m in metas]
+    assert len(chunks) > 1 and counts == sorted(set(counts)) and counts[-1] == 12
+    assert all(m["finish_reason"] is None for m in metas[:-1])
+    assert metas[-1]["finish_reason"] == {"type": "length", "length": 12}
+    plain = generate(eng.url, PROMPT, **sampling)
+    whole = plain["meta_info"]["output_token_logprobs"]
+    for m in metas:  # everything so far in every chunk (SGLang's default)
+        assert m["output_token_logprobs"] == whole[: m["completion_tokens"]]
+    assert chunks[-1]["text"] == plain["text"] and chunks[-1]["output_ids"] == out_ids(plain)
+    assert all(plain["text"].startswith(c["text"]) or "\ufffd" in c["text"] for c in chunks)
 
 
 def test_info_and_health_endpoints(eng, tiny_model_dir):
@@ -649,3 +672,26 @@ def test_engine_registers_with_a_router_that_starts_after_it(tiny_model_dir, log
         engine.stop()
         if router is not None:
             router.stop()
+
+
+def test_presence_and_frequency_penalties_steer_away_from_generated_tokens(eng):
+    """SGLang's penalties: greedy decoding of the tiny model repeats tokens; with a presence
+    penalty far above its logits' spread no generated token comes twice."""
+
+    def greedy(**penalties):
+        params = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True, **penalties}
+        status, resp = call(
+            eng.url + "/generate", {"input_ids": [1, 5, 9], "sampling_params": params, "return_logprob": True}
+        )
+        assert status == 200, resp
+        return [e[1] for e in resp["meta_info"]["output_token_logprobs"]]
+
+    plain = greedy()
+    assert len(set(plain)) < len(plain), plain  # repeats: the penalty has something to change
+    penalised = greedy(presence_penalty=2.0)
+    assert len(set(penalised)) == len(penalised), penalised
+    assert penalised[0] == plain[0]  # nothing generated yet: the first token is the same
+    frequent = greedy(frequency_penalty=2.0)
+    assert len(set(frequent)) == len(frequent), frequent
+    status, resp = call(eng.url + "/generate", {"input_ids": [1], "sampling_params": {"presence_penalty": 3}})
+    assert status == 400 and resp["error"]["field"] == "sampling_params.presence_penalty"

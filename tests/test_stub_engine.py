@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import aiohttp
+import orjson
 import pytest
 
 from mrlx_lab.stub_engine import start_stub_engine
@@ -187,5 +188,81 @@ def test_abort_request_and_pause_end_delayed_answers(logs_dir):
             assert call_json(stub.url, "/pause_generation", {"mode": "abort"})[1]["num_aborted"] == 1
             assert second.result(timeout=10)[1]["meta_info"]["finish_reason"]["type"] == "abort"
             call_json(stub.url, "/continue_generation", {})
+    finally:
+        stub.stop()
+
+
+# --- streamed answers -------------------------------------------------------------------------------
+
+
+JSON_HEADERS = {"Content-Type": "application/json"}
+
+
+def stream_events(url: str, body: dict[str, Any]) -> tuple[int, str, list[bytes]]:
+    """(status, content type, the data of each event) of one streamed `/generate`."""
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=10)
+    try:
+        conn.request("POST", "/generate", body=orjson.dumps(body), headers=JSON_HEADERS)
+        resp = conn.getresponse()
+        raw = resp.read()
+        events = [e.removeprefix(b"data: ") for e in raw.split(b"\n\n") if e]
+        return resp.status, resp.getheader("Content-Type") or "", events
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("incremental", [False, True], ids=["cumulative", "incremental"])
+def test_a_streamed_generate_is_an_sglang_event_stream(logs_dir, incremental):
+    flags = ["--response-tokens", "10", "--stream-tokens", "4"]
+    stub = start_stub_engine(
+        log_dir=logs_dir,
+        name=f"stub-stream-{incremental}",
+        extra=flags + (["--incremental-streaming-output"] if incremental else []),
+    )
+    try:
+        status, kind, events = stream_events(stub.url, {**GEN, "stream": True})
+        host, port = stub.url.removeprefix("http://").split(":")
+        plain = http.client.HTTPConnection(host, int(port), timeout=10)
+        plain.request("POST", "/generate", body=orjson.dumps(GEN), headers=JSON_HEADERS)
+        whole = json.loads(plain.getresponse().read())
+        plain.close()
+    finally:
+        stub.stop()
+    assert status == 200 and kind == "text/event-stream" and events[-1] == b"[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    metas = [c["meta_info"] for c in chunks]
+    assert [m["completion_tokens"] for m in metas] == [4, 8, 10]
+    assert [m["finish_reason"] for m in metas[:-1]] == [None, None]
+    assert metas[-1]["finish_reason"] == whole["meta_info"]["finish_reason"]
+    assert all(m["prompt_tokens"] == 4 and m["weight_version"] == "0" for m in metas)
+    entries = [m["output_token_logprobs"] for m in metas]
+    if incremental:  # what is new in each chunk
+        assert [len(e) for e in entries] == [4, 4, 2]
+        assert [x for e in entries for x in e] == whole["meta_info"]["output_token_logprobs"]
+        assert "".join(c["text"] for c in chunks) == whole["text"] == DEFAULT_TEXT
+    else:  # everything so far in each chunk, SGLang's default
+        assert [len(e) for e in entries] == [4, 8, 10] and entries[0] == entries[2][:4]
+        assert entries[-1] == whole["meta_info"]["output_token_logprobs"]
+        assert chunks[-1]["text"] == whole["text"] and whole["text"].startswith(chunks[1]["text"])
+    assert [c["output_ids"] for c in chunks][-1] == [e[1] for e in entries[-1]]
+
+
+def test_a_delayed_stream_is_ended_by_an_abort_and_a_batch_does_not_stream(logs_dir):
+    stub = start_stub_engine(log_dir=logs_dir, name="stub-stream-abort", extra=["--latency", "60"])
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            streamed = pool.submit(stream_events, stub.url, {**GEN, "rid": "s1", "stream": True})
+            deadline = time.monotonic() + 10
+            while stats(stub.url)["pending"] < 1:
+                assert time.monotonic() < deadline, "the request never reached the stub"
+                time.sleep(0.01)
+            assert call_json(stub.url, "/abort_request", {"rid": "s1"})[1]["num_aborted"] == 1
+            status, _, events = streamed.result(timeout=10)
+        assert status == 200 and len(events) == 2 and events[1] == b"[DONE]"
+        meta = json.loads(events[0])["meta_info"]
+        assert meta["finish_reason"]["type"] == "abort" and meta["output_token_logprobs"] == []
+        status, raw = call(stub.url, "/generate", {**GEN, "input_ids": [[1], [2]], "stream": True})
+        assert status == 400 and b"stream" in raw
     finally:
         stub.stop()

@@ -15,6 +15,14 @@ client benchmarks, so it must not be the bottleneck: it speaks HTTP/1.1 with kee
 bare asyncio protocol (no framework), parses JSON with orjson, and never blocks its loop (delays
 are timers).
 
+Streaming: a `/generate` with `"stream": true` (one prompt) is answered as SGLang streams, as
+server-sent events `data: {chunk}` in a chunked body, then `data: [DONE]`: `--stream-tokens`
+tokens a chunk (4), `--stream-delay` seconds apart (0: all at once, after `--latency`), every
+chunk holding everything so far (SGLang's default), or only what is new with
+`--incremental-streaming-output`. The chunks' texts are the answer's text cut in proportion to
+the tokens. A client that closes a stream midway frees it (counted in `cancelled`); an abort ends
+a stream with an abort chunk.
+
 Fault injection for tests: `POST /_stub/faults {"mode": M, "count": k}` makes the next k
 `/generate` requests fail with M:
 - "http500": HTTP 500 with a JSON error body;
@@ -22,6 +30,10 @@ Fault injection for tests: `POST /_stub/faults {"mode": M, "count": k}` makes th
 - "bad_json": HTTP 200 whose body is not JSON;
 - "stall": no answer, ever (until the client gives up and closes);
 - "abort": HTTP 200, finish_reason abort, zero tokens;
+- "cut": a streamed answer stops after its first chunk and the connection closes; a plain one
+  is cut off three quarters in;
+- "stream_error": a streamed answer sends its first chunk, then SGLang's error event
+  (`data: {"error": {"message": ...}}`) and `[DONE]`; a plain one is HTTP 400 with that message;
 - malformed answers, HTTP 200 in the protocol's shape with values no engine can produce:
   "out_of_vocab" (the first id is `--vocab-size`), "negative_id" (-1), "huge_id" (2**40),
   "null_logprob" (the first log-prob is null), "positive_logprob" (+3.0), "tiny_logprob" (-1e30,
@@ -37,7 +49,8 @@ Fault injection for tests: `POST /_stub/faults {"mode": M, "count": k}` makes th
 LoRA: `--lora-names A B` are the adapters it serves; a `/generate` whose `lora_path` names
 another is refused with HTTP 400, as SGLang refuses it, and `/_stub/stats` counts the requests
 per `lora_path` (`lora_paths`, the base model as "").
-`GET /_stub/stats` counts requests and faults served, `GET /_stub/last` returns the last
+`GET /_stub/stats` counts requests, faults served, streams begun and answers cancelled by their
+client (`pending`: the answers not sent in full), `GET /_stub/last` returns the last
 `/generate` body, `POST /_stub/reset` zeroes the counters and clears faults.
 
 The other SGLang endpoints are served too: `/health`, `/health_generate`, `/get_model_info`,

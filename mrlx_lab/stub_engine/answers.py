@@ -1,11 +1,13 @@
 """The stub engine's answers: the ids that spell a text (`Speller`), the settings of every answer
-(`StubConfig`), the fault modes, and one SGLang `/generate` answer (`answer`), malformed as a fault
-mode asks."""
+(`StubConfig`), the fault modes, one SGLang `/generate` answer (`answer`), malformed as a fault
+mode asks, and the chunks that stream it (`stream_chunk`, `sse`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+import orjson
 
 from mrlx_plugin.core.values import JSON, JSONObject
 
@@ -31,7 +33,21 @@ MALFORMED_MODES = (
     "bad_prompt_tokens",
     "bad_cached_tokens",
 )
-FAULT_MODES = ("http500", "close", "bad_json", "stall", "abort", *MALFORMED_MODES, "markup_ids", "none")
+# What happens to an answer after its first streamed chunk (to a plain answer: see the package doc).
+STREAM_FAULTS = ("cut", "stream_error")
+FAULT_MODES = (
+    "http500",
+    "close",
+    "bad_json",
+    "stall",
+    "abort",
+    *STREAM_FAULTS,
+    *MALFORMED_MODES,
+    "markup_ids",
+    "none",
+)
+STREAM_ERROR = "injected fault: the engine failed while streaming"
+DONE = b"data: [DONE]\n\n"
 WRONG_TEXT = "The answer is \\boxed{7}."
 # The special tokens of the locally built tokenizers (mrlx_plugin.local.model.SPECIAL_TOKENS).
 LOCAL_SPECIALS = {0: "<|endoftext|>", 1: "<|im_start|>", 2: "<|im_end|>"}
@@ -62,6 +78,11 @@ class StubConfig:
     model_path: str | None = None
     tokenizer: str | None = None  # a directory with tokenizer.json: answers spell the text in its ids
     lora_names: tuple[str, ...] = ()  # the LoRA adapters served
+    # Streamed answers (`"stream": true`): tokens per chunk, seconds between chunks, and SGLang's
+    # `--incremental-streaming-output` (chunks hold what is new, not everything so far).
+    stream_tokens: int = 4
+    stream_delay: float = 0.0
+    incremental: bool = False
     speller: Speller | None = field(default=None, repr=False)
 
     def spell(self) -> Speller:
@@ -209,3 +230,41 @@ def answer(
     elif fault == "wrong_text":
         text = WRONG_TEXT
     return {"text": text if abort_message is None else "", "meta_info": meta}
+
+
+def streamed_tokens(whole: JSONObject) -> int:
+    """How many tokens a streamed `whole` answer holds (its log-prob entries, else its count)."""
+    meta = whole["meta_info"]
+    assert isinstance(meta, dict)
+    entries = meta.get("output_token_logprobs")
+    count = meta.get("completion_tokens")
+    return len(entries) if isinstance(entries, list) else count if isinstance(count, int) else 0
+
+
+def stream_chunk(whole: JSONObject, start: int, end: int, incremental: bool, finish: JSON) -> JSONObject:
+    """The chunk SGLang streams for tokens [start, end) of the answer `whole`: everything up to
+    `end` (with `incremental`, only [start, end)), `finish` its finish reason (None before the
+    last chunk). The text is cut in proportion to the tokens: the stub has no detokenizer, and
+    the chunks' texts add up (or, cumulative, grow) to the whole answer's."""
+    meta = whole["meta_info"]
+    text = whole["text"]
+    assert isinstance(meta, dict) and isinstance(text, str)
+    n = streamed_tokens(whole)
+    first = start if incremental else 0
+
+    def cut(k: int) -> int:
+        return len(text) * k // n if n else len(text)
+
+    chunk_meta: JSONObject = {**meta, "finish_reason": finish, "completion_tokens": end}
+    entries = meta.get("output_token_logprobs")
+    ids: list[JSON] = []
+    if isinstance(entries, list):
+        part: list[JSON] = entries[first:end]
+        chunk_meta["output_token_logprobs"] = part
+        ids = [e[1] if isinstance(e, list) and len(e) > 1 else None for e in part]
+    return {"text": text[cut(first) : cut(end)], "output_ids": ids, "meta_info": chunk_meta}
+
+
+def sse(data: object) -> bytes:
+    """One server-sent event holding `data` as JSON, as SGLang writes them."""
+    return b"data: " + orjson.dumps(data) + b"\n\n"

@@ -53,6 +53,20 @@ def add_stub_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         default=None,
         help="model_path reported by /get_model_info (a local directory, or none)",
     )
+    parser.add_argument(
+        "--stream-tokens", type=int, default=4, help="tokens per chunk of a streamed answer (default: 4)"
+    )
+    parser.add_argument(
+        "--stream-delay",
+        type=float,
+        default=0.0,
+        help="seconds between the chunks of a streamed answer (default: 0, all at once)",
+    )
+    parser.add_argument(
+        "--incremental-streaming-output",
+        action="store_true",
+        help="stream what is new in each chunk, not everything so far (SGLang's flag)",
+    )
     parser.add_argument("--router-url", default=None, help="register with this sglang-router once up")
     parser.add_argument(
         "--lora-names", nargs="+", default=[], metavar="NAME", help="the LoRA adapters it serves (by name)"
@@ -78,6 +92,9 @@ async def _serve(args: argparse.Namespace) -> int:
         model_path=args.model_path,
         tokenizer=args.tokenizer,
         lora_names=tuple(args.lora_names),
+        stream_tokens=max(1, args.stream_tokens),
+        stream_delay=max(0.0, args.stream_delay),
+        incremental=args.incremental_streaming_output,
     )
     try:
         config.spell()  # load the tokenizer before serving (and fail here, once, if it cannot load)

@@ -1,6 +1,6 @@
 """One keep-alive HTTP/1.1 connection of the stub engine, over a bare asyncio protocol (no
 framework): requests framed by Content-Length and answered strictly in order, bounded headers and
-bodies, and the bytes of an answer."""
+bodies, and the bytes of an answer (a streamed one: its head, then its body in chunks)."""
 
 from __future__ import annotations
 
@@ -39,6 +39,17 @@ def response(
     if close:
         head += b"Connection: close\r\n"
     return head + b"\r\n" + body
+
+
+def stream_head(close: bool = False) -> bytes:
+    """The head of a 200 answer streamed as server-sent events, its body in chunks (SGLang's)."""
+    head = (
+        b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
+        b"Transfer-Encoding: chunked\r\n"
+    )
+    if close:
+        head += b"Connection: close\r\n"
+    return head + b"\r\n"
 
 
 def json_response(data: object, status: int = 200) -> bytes:

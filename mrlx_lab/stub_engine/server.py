@@ -12,24 +12,46 @@ from dataclasses import dataclass, field
 
 import orjson
 
-from mrlx_lab.stub_engine.answers import FAULT_MODES, StubConfig, answer
-from mrlx_lab.stub_engine.connection import Connection, error, json_response, response
-from mrlx_plugin.core.values import JSONObject
+from mrlx_lab.stub_engine.answers import (
+    DONE,
+    FAULT_MODES,
+    STREAM_ERROR,
+    STREAM_FAULTS,
+    StubConfig,
+    answer,
+    sse,
+    stream_chunk,
+    streamed_tokens,
+)
+from mrlx_lab.stub_engine.connection import Connection, error, json_response, response, stream_head
+from mrlx_plugin.core.values import JSON, JSONObject
+
+
+@dataclass
+class _Stream:
+    """A streamed answer: the whole answer, built on arrival, and how much of it went out."""
+
+    whole: JSONObject
+    fault: str | None  # a STREAM_FAULTS mode: what happens after the first chunk
+    started: bool = False  # the head went out
+    sent: int = 0  # tokens sent
 
 
 @dataclass
 class _Pending:
-    """A /generate answer not sent yet (waiting for its latency, or held by a pause)."""
+    """A /generate answer not sent yet (waiting for its latency, or held by a pause), or a streamed
+    one not sent in full (its chunks `--stream-delay` apart)."""
 
     conn: Connection
     rids: list[str]
-    build: Callable[[str | None], bytes]  # abort message (None = normal answer) -> JSON body
+    build: Callable[[str | None], JSON]  # abort message (None = normal answer) -> the answer(s)
     close: bool = False  # close the connection after answering
     timer: asyncio.TimerHandle | None = None
     due: bool = False  # latency elapsed; held only because generation is paused
     # The normal answer, built on arrival: a burst of answers falling due together is then sent
     # at once, as an engine that generated them during the latency would, not one build apart.
     ready: bytes | None = None
+    stream: _Stream | None = None
 
 
 @dataclass
@@ -44,6 +66,8 @@ class StubState:
             "faults_served": 0,
             "connections": 0,
             "weight_updates": 0,
+            "streams": 0,  # streamed answers begun
+            "cancelled": 0,  # answers whose client went away before they were sent in full
         }
     )
     fault_mode: str = "none"
@@ -128,23 +152,40 @@ class StubServer:
             return
         req, fault = admitted
         rids, build = self._answers(req, body, fault)
-        if fault == "abort":
+        stream = req.get("stream") is True
+        if not stream and fault == "abort":
             st.stats["aborted"] += 1
-            conn.send(response(200, build("injected fault: aborted")), close)
+            conn.send(response(200, orjson.dumps(build("injected fault: aborted"))), close)
             return
-        if st.config.latency <= 0 and st.paused is None:
+        if not stream and fault == "stream_error":  # what SGLang answers unstreamed for the same failure
+            conn.send(error(STREAM_ERROR, 400), close)
+            return
+        if not stream and fault == "cut":
+            raw = response(200, orjson.dumps(build(None)))
+            conn.send(raw[: len(raw) - len(raw) // 4], close=True)
+            return
+        if not stream and st.config.latency <= 0 and st.paused is None:
             st.stats["generate_ok"] += 1
-            conn.send(response(200, build(None)), close)
+            conn.send(response(200, orjson.dumps(build(None))), close)
             return
-        # Answer later: the connection waits (answers stay in order).
+        # Answer later, or stream: the connection waits (answers stay in order).
         conn.busy = True
         self._next_id += 1
         key = self._next_id
-        pending = _Pending(conn, rids, build, close, ready=build(None))
+        pending = _Pending(conn, rids, build, close)
+        if stream:
+            whole = build("injected fault: aborted" if fault == "abort" else None)
+            assert isinstance(whole, dict)  # a batched request does not stream (`_admit`)
+            pending.stream = _Stream(whole, fault if fault in STREAM_FAULTS else None)
+            st.stats["streams"] += 1
+        else:
+            pending.ready = orjson.dumps(build(None))
         st.pending[key] = pending
         assert self.loop is not None
         if st.config.latency > 0:
             pending.timer = self.loop.call_later(st.config.latency, self._due, key)
+        elif st.paused is None:  # a stream, at once (after this request's handling returns)
+            self.loop.call_soon(self._finish, key, None)
         else:
             pending.due = True  # only the pause holds it
 
@@ -161,6 +202,12 @@ class StubServer:
             conn.send(error("body must be a JSON object", 400), close)
             return None
         st.last_generate = req
+        ids, text = req.get("input_ids"), req.get("text")
+        if req.get("stream") is True and (
+            isinstance(text, list) or (isinstance(ids, list) and bool(ids) and isinstance(ids[0], list))
+        ):
+            conn.send(error("stream: true takes one prompt here; send a batch without stream", 400), close)
+            return None
         loras = req.get("lora_path")
         for lora in loras if isinstance(loras, list) else [loras]:
             if lora is not None and lora not in st.config.lora_names:
@@ -183,9 +230,9 @@ class StubServer:
 
     def _answers(
         self, req: JSONObject, body: bytes, fault: str | None
-    ) -> tuple[list[str], Callable[[str | None], bytes]]:
-        """The request ids of `req` (one per prompt) and the builder of its answer body: one answer
-        per prompt (a list when the request is batched), given an abort message or None."""
+    ) -> tuple[list[str], Callable[[str | None], JSON]]:
+        """The request ids of `req` (one per prompt) and the builder of its answer: one answer per
+        prompt (a list when the request is batched), given an abort message or None."""
         st = self.state
         ids = req.get("input_ids")
         if isinstance(ids, list) and ids and isinstance(ids[0], list):
@@ -210,6 +257,8 @@ class StubServer:
             if isinstance(rid, list)
             else [rid if isinstance(rid, str) else f"stub-{st.stats['generate']}"] * count
         )
+        if req.get("stream") is True:  # the log-probs of the same request unstreamed
+            body = orjson.dumps({k: v for k, v in req.items() if k != "stream"})
         seed = zlib.crc32(body)
         cfg = st.config
         # "{i}" in --text becomes the request's number, so that answers differ like real ones.
@@ -221,8 +270,8 @@ class StubServer:
             len(p) if isinstance(p, list) else len(p) // 4 + 1 if isinstance(p, str) else 0 for p in prompts
         ]
 
-        def build(abort_message: str | None) -> bytes:
-            answers = []
+        def build(abort_message: str | None) -> JSON:
+            answers: list[JSON] = []
             for i in range(count):
                 one = answer(
                     cfg,
@@ -238,7 +287,7 @@ class StubServer:
                     number,
                 )
                 answers.append(one)
-            return orjson.dumps(answers if batched else answers[0])
+            return answers if batched else answers[0]
 
         return rids, build
 
@@ -252,23 +301,73 @@ class StubServer:
             self._finish(key, None)
 
     def _finish(self, key: int, abort_message: str | None) -> None:
-        pending = self.state.pending.pop(key, None)
+        """Send the answer that is due (a stream: go on streaming), or an abort."""
+        pending = self.state.pending.get(key)
         if pending is None:
             return
+        if pending.stream is not None and abort_message is None:
+            self._stream_on(key, pending, pending.stream)
+            return
+        del self.state.pending[key]
         if pending.timer is not None:
             pending.timer.cancel()
         self.state.stats["aborted" if abort_message else "generate_ok"] += 1
-        body = (
-            pending.ready
-            if abort_message is None and pending.ready is not None
-            else pending.build(abort_message)
-        )
-        pending.conn.send(response(200, body), pending.close)
+        if pending.stream is not None:  # the abort is the stream's last chunk
+            s = pending.stream
+            finish: JSONObject = {"type": "abort", "message": abort_message}
+            chunk = stream_chunk(s.whole, s.sent, s.sent, self.state.config.incremental, finish)
+            head = b"" if s.started else stream_head(pending.close)
+            pending.conn.send(head + _piece(sse(chunk) + DONE) + _LAST_PIECE, pending.close)
+        else:
+            body = (
+                pending.ready
+                if abort_message is None and pending.ready is not None
+                else orjson.dumps(pending.build(abort_message))
+            )
+            pending.conn.send(response(200, body), pending.close)
         pending.conn.resume()
+
+    def _stream_on(self, key: int, pending: _Pending, s: _Stream) -> None:
+        """Send a streamed answer's next chunks: all of them, or one every `--stream-delay` seconds
+        (a timer calls this again); its last one, then `[DONE]`, ends it."""
+        cfg, conn, meta = self.state.config, pending.conn, s.whole["meta_info"]
+        assert isinstance(meta, dict)
+        pending.timer, pending.due = None, False  # under way: a pause does not hold it
+        out = b"" if s.started else stream_head(pending.close)
+        s.started = True
+        total = streamed_tokens(s.whole)
+        while True:
+            end = min(s.sent + max(1, cfg.stream_tokens), total)
+            finish = meta["finish_reason"] if end >= total else None
+            out += _piece(sse(stream_chunk(s.whole, s.sent, end, cfg.incremental, finish)))
+            first, s.sent = s.sent == 0, end
+            if first and s.fault == "cut":  # the connection drops mid-stream
+                del self.state.pending[key]
+                conn.send(out, close=True)
+                return
+            if first and s.fault == "stream_error":  # SGLang's error event ends the stream
+                del self.state.pending[key]
+                out += _piece(sse({"error": {"message": STREAM_ERROR}}) + DONE) + _LAST_PIECE
+                conn.send(out, pending.close)
+                conn.resume()
+                return
+            if finish is not None:
+                del self.state.pending[key]
+                aborted = isinstance(finish, dict) and finish.get("type") == "abort"
+                self.state.stats["aborted" if aborted else "generate_ok"] += 1
+                conn.send(out + _piece(DONE) + _LAST_PIECE, pending.close)
+                conn.resume()
+                return
+            if cfg.stream_delay > 0:
+                conn.send(out)
+                assert self.loop is not None
+                pending.timer = self.loop.call_later(cfg.stream_delay, self._stream_on, key, pending, s)
+                return
 
     def forget(self, conn: Connection) -> None:
         for key in [k for k, p in self.state.pending.items() if p.conn is conn]:
             p = self.state.pending.pop(key)
+            self.state.stats["cancelled"] += 1
             if p.timer is not None:
                 p.timer.cancel()
 
@@ -340,7 +439,7 @@ class StubServer:
 
     def continue_generation(self, body: bytes) -> bytes:
         self.state.paused = None
-        for k in [k for k, p in self.state.pending.items() if p.due]:
+        for k in [k for k, p in self.state.pending.items() if p.due]:  # (a stream under way is never held)
             self._finish(k, None)
         return json_response({"success": True, "message": "generation continued"})
 
@@ -411,6 +510,14 @@ class StubServer:
 
 class _BadRequest(ValueError):
     pass
+
+
+_LAST_PIECE = b"0\r\n\r\n"  # the end of a chunked body
+
+
+def _piece(data: bytes) -> bytes:
+    """`data` as one piece of a chunked HTTP body."""
+    return b"%x\r\n%s\r\n" % (len(data), data)
 
 
 def _parse_object(body: bytes) -> JSONObject:

@@ -31,8 +31,10 @@ from mrlx_plugin.agents.parsers import (
     ParsedTurn,
     ReasoningParser,
     ToolParser,
+    hermes,
     parse_turn,
     render_calls_hermes,
+    think,
 )
 from mrlx_plugin.agents.request import (
     OFF_LOOP_COST,
@@ -45,6 +47,7 @@ from mrlx_plugin.agents.request import (
     render_cost,
     seen_of,
 )
+from mrlx_plugin.agents.stream import TurnStream
 from mrlx_plugin.agents.wire import Send, TurnAnswer, WireApi
 from mrlx_plugin.core.tokenizer import TemplateError
 from mrlx_plugin.core.transcript import Mark, Transcript
@@ -137,23 +140,36 @@ class AgentSession:
             if isinstance(exc, TemplateError):
                 raise ChatError(400, str(exc), "template_error", "messages") from None
             raise
+        stream = None
         try:
             reply = api.reply(request, send, self)
             await reply.start()
             before_turn = len(thread.transcript.tokens)
+            parse_tools = tools if request["tool_choice"] != "none" else None
+            if reply.streams and TurnStream.possible(self.tool_parser, self.reasoning_parser):
+                tok = self.episode.context.tokenizers[self.agent]
+                hermes_calls = bool(parse_tools) and self.tool_parser is hermes
+                stream = TurnStream(tok, reply, self.reasoning_parser is think, hermes_calls)
             try:
-                turn = await self.episode.generate(thread.transcript, **request["sampling"])
+                if stream is None:
+                    turn = await self.episode.generate(thread.transcript, **request["sampling"])
+                else:
+                    turn = await self.episode.generate(
+                        thread.transcript, on_tokens=stream.push, **request["sampling"]
+                    )
             except EpisodeAborted:
                 raise ChatError(
                     502, f"episode {self.episode.id} has ended: {self.episode.abort_reason}", "episode_ended"
                 ) from None
-            parse_tools = tools if request["tool_choice"] != "none" else None
             parsed = self._parse(turn.text, parse_tools)
             answer: Seen = ("assistant", parsed.content or "", calls_seen(parsed), None)
+            streamed = "" if stream is None else await stream.drain()
             await reply.finish(
-                TurnAnswer(self.agent, parsed, turn.finish_reason, before_turn, len(turn.token_ids))
+                TurnAnswer(self.agent, parsed, turn.finish_reason, before_turn, len(turn.token_ids), streamed)
             )
         except BaseException as exc:  # the turn never ran, or its answer never reached the client
+            if stream is not None:
+                stream.cancel()
             self._undo(thread, before)
             if isinstance(
                 exc, (asyncio.CancelledError, ConnectionError)
@@ -171,6 +187,23 @@ class AgentSession:
         self.stats.malformed_tool_calls += parsed.malformed
         thread.seen = seen + [answer]
         self._written[answer] = turn.text
+
+    async def prompt_tokens(self, request: ChatRequest) -> int:
+        """How many tokens the agent's template makes of `request` as a new conversation (its
+        system prompt, messages and tools; an answer this session gave, as the model wrote it),
+        without opening one (Anthropic's `count_tokens`)."""
+        tok = self.episode.context.tokenizers[self.agent]
+
+        def count() -> int:
+            tools, tools_key, seen = self._read_now(request)
+            template = [self._template_message(s, m) for s, m in zip(seen, request["messages"])]
+            full = self.episode.with_system_prompt(self.agent, template)
+            return len(tok.prompt_ids(full, tools, tools_key, cache=False)[1])
+
+        try:
+            return await off_loop(count) if request["cost"] > OFF_LOOP_COST else count()
+        except TemplateError as exc:
+            raise ChatError(400, str(exc), "template_error", "messages") from None
 
     def _undo(self, thread: Thread, before: tuple[Mark, list[Seen]] | None) -> None:
         """Leave no trace of a request: its appends undone, its turn too if it ran; a conversation

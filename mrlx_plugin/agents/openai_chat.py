@@ -1,11 +1,16 @@
 """OpenAI's chat completions (`POST /v1/chat/completions`) as a `WireApi`: the request is the
-session's own shape already (`check_request`), the answer a `chat.completion`."""
+session's own shape already (`check_request`), the answer a `chat.completion`, or with
+`stream: true` its `chat.completion.chunk`s: the content as the engine samples it, then the rest
+(reasoning, tool calls: each call one chunk, whole), the finish reason, the usage when
+`stream_options.include_usage` asks for it, and `data: [DONE]`."""
 
 from __future__ import annotations
 
 import secrets
 import time
 from typing import TYPE_CHECKING
+
+import orjson
 
 from mrlx_plugin.agents.request import ChatError, ChatRequest, check_request
 from mrlx_plugin.agents.wire import Send, TurnAnswer
@@ -21,15 +26,22 @@ class ChatCompletions:
     def check(self, body: JSON, session: AgentSession) -> ChatRequest:
         return check_request(body)
 
-    def reply(self, request: ChatRequest, send: Send, session: AgentSession) -> ChatReply:
+    def reply(self, request: ChatRequest, send: Send, session: AgentSession) -> ChatReply | ChunkReply:
+        if request["stream"]:
+            return ChunkReply(send, session.agent, request["usage_chunk"])
         return ChatReply(send)
 
     def error_body(self, exc: ChatError) -> JSONObject:
         return exc.body()
 
+    def stream_error(self, exc: ChatError) -> bytes:
+        return _event(exc.body())  # the SDK raises an APIError on a chunk that holds `error`
+
 
 class ChatReply:
     """A `chat.completion` answer, written whole once the turn is sampled."""
+
+    streams = False
 
     def __init__(self, send: Send):
         self.send = send
@@ -78,3 +90,61 @@ def finish_reason(answer: TurnAnswer) -> str:
     if answer.parsed.tool_calls and finish == "stop":
         return "tool_calls"
     return "stop" if finish == "abort" else finish
+
+
+class ChunkReply:
+    """A streamed answer: `chat.completion.chunk` events."""
+
+    streams = True
+
+    def __init__(self, send: Send, agent: str, usage: bool):
+        self.send, self.usage = send, usage
+        self.head: JSONObject = {
+            "id": f"chatcmpl-{secrets.token_hex(12)}",
+            "object": "chat.completion.chunk",
+            "created": int(time.time()),
+            "model": agent,
+        }
+
+    def _chunk(self, delta: JSONObject, finish: str | None = None) -> bytes:
+        chunk: JSONObject = {
+            **self.head,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+        }
+        if self.usage:
+            chunk["usage"] = None
+        return _event(chunk)
+
+    async def start(self) -> None:
+        await self.send.open_stream()
+        await self.send.event(self._chunk({"role": "assistant", "content": ""}))
+
+    async def text(self, delta: str) -> None:
+        await self.send.event(self._chunk({"content": delta}))
+
+    async def finish(self, answer: TurnAnswer) -> None:
+        parsed, streamed = answer.parsed, answer.streamed
+        content = parsed.content or ""
+        rest = content[len(streamed) :] if content.startswith(streamed) else content
+        if parsed.reasoning is not None:
+            await self.send.event(self._chunk({"reasoning_content": parsed.reasoning}))
+        if rest:
+            await self.send.event(self._chunk({"content": rest}))
+        for i, c in enumerate(parsed.tool_calls):
+            call = {
+                "index": i,
+                "id": c.id,
+                "type": "function",
+                "function": {"name": c.name, "arguments": c.arguments},
+            }
+            await self.send.event(self._chunk({"tool_calls": [call]}))
+        await self.send.event(self._chunk({}, finish_reason(answer)))
+        if self.usage:
+            usage = completion(answer)["usage"]
+            await self.send.event(_event({**self.head, "choices": [], "usage": usage}))
+        await self.send.event(b"data: [DONE]\n\n")
+        await self.send.close_stream()
+
+
+def _event(data: JSON) -> bytes:
+    return b"data: " + orjson.dumps(data) + b"\n\n"

@@ -21,24 +21,48 @@ import orjson
 from mrlx_plugin.agents.parsers import ParsedTurn
 from mrlx_plugin.core.values import JSON, JSONObject
 
-# Request fields read here; any other is refused (a setting the endpoint would not honour).
+# Chat-completions fields, each honoured, accepted and ignored (it cannot change what is sampled
+# here), or refused with the reason (`_REFUSED`); any other field is refused as unknown.
 _FIELDS = {
-    "model",
+    # honoured
     "messages",
     "tools",
     "tool_choice",
     "temperature",
     "top_p",
+    "top_k",  # SGLang's extension
     "max_tokens",
     "max_completion_tokens",
     "stop",
     "seed",
-    "n",
+    "presence_penalty",
+    "frequency_penalty",
     "stream",
-    "parallel_tool_calls",
+    "stream_options",  # include_usage: a last chunk with the usage
+    # accepted only as their neutral values (checked below)
+    "n",
+    "logprobs",
+    "top_logprobs",
+    "response_format",
+    # accepted and ignored: names, bookkeeping and hints for OpenAI's own service
+    "model",  # every key reaches one agent, whatever model a client names
     "user",
     "metadata",
-    "logprobs",
+    "store",
+    "service_tier",
+    "prompt_cache_key",
+    "safety_identifier",
+    "parallel_tool_calls",  # every call the model writes is returned
+    "reasoning_effort",  # the agent's chat template decides whether and how it reasons
+}
+_REFUSED = {
+    "logit_bias": "its keys are token ids of the client's tokenizer, not of this agent's model",
+    "functions": "the legacy functions API is not served; send tools",
+    "function_call": "the legacy functions API is not served; send tool_choice",
+    "audio": "only text is served",
+    "modalities": "only text is served",
+    "prediction": "predicted outputs are not served",
+    "web_search_options": "no server-side tools are served; give the agent a function tool",
 }
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -94,6 +118,9 @@ class Sampling(TypedDict, total=False):
 
     temperature: float
     top_p: float
+    top_k: int
+    presence_penalty: float
+    frequency_penalty: float
     max_new_tokens: int
     stop: list[str]
     sampling_seed: int
@@ -105,6 +132,8 @@ class ChatRequest(TypedDict):
     messages: list[JSON]  # each checked as it is read (`seen_of`)
     tools: list[JSONObject] | None  # OpenAI function tools, checked
     tool_choice: JSON  # "auto", "none", "required" or {"type": "function", "function": {"name": ...}}
+    stream: bool  # the answer is streamed (server-sent events)
+    usage_chunk: bool  # a stream ends with a chunk holding the usage (chat completions' stream_options)
     sampling: Sampling
     cost: int  # see OFF_LOOP_COST
 
@@ -204,6 +233,9 @@ def check_request(body: JSON) -> ChatRequest:
     """The request's messages, tools and sampling overrides; ChatError(400) naming what is wrong."""
     if not isinstance(body, dict):
         raise ChatError(400, "the request body must be a JSON object")
+    refused = next((f for f in body if f in _REFUSED), None)
+    if refused is not None:
+        raise ChatError(400, f"{refused}: {_REFUSED[refused]}", param=refused)
     unknown = sorted(set(body) - _FIELDS)
     if unknown:
         raise ChatError(
@@ -211,12 +243,31 @@ def check_request(body: JSON) -> ChatRequest:
             f"unsupported field(s) {', '.join(unknown)}; this endpoint reads {', '.join(sorted(_FIELDS))}",
             param=unknown[0],
         )
-    if body.get("stream"):
-        raise ChatError(400, "streaming is not supported; send stream=false", param="stream")
     if body.get("n", 1) != 1:
         raise ChatError(400, "n must be 1 (each call is one turn of the agent)", param="n")
-    if body.get("logprobs"):
-        raise ChatError(400, "logprobs are not returned here; the trainer keeps them", param="logprobs")
+    if body.get("logprobs") or body.get("top_logprobs"):
+        raise ChatError(
+            400,
+            "logprobs are not returned to the client (the trainer keeps the exact ones); send logprobs=false",
+            param="logprobs",
+        )
+    response_format = body.get("response_format")
+    if response_format is not None and response_format != {"type": "text"}:
+        raise ChatError(
+            400,
+            f"response_format {response_format!r} is not served: this endpoint does not constrain decoding "
+            '(the embedded engine has no grammar); ask for JSON in the prompt, or send {"type": "text"}',
+            param="response_format",
+        )
+    options = body.get("stream_options")
+    if options is not None and (
+        not isinstance(options, dict) or not set(options) <= {"include_usage", "include_obfuscation"}
+    ):
+        raise ChatError(
+            400, "stream_options may hold include_usage (and include_obfuscation)", param="stream_options"
+        )
+    if body.get("stream") not in (None, True, False):
+        raise ChatError(400, "stream must be true or false", param="stream")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ChatError(400, "messages must be a non-empty list", param="messages")
@@ -281,6 +332,8 @@ def check_request(body: JSON) -> ChatRequest:
         "messages": messages,
         "tools": specs or None,
         "tool_choice": choice,
+        "stream": body.get("stream") is True,
+        "usage_chunk": isinstance(options, dict) and options.get("include_usage") is True,
         "sampling": _sampling(body),
         "cost": size + _MESSAGE_COST * len(messages),  # see OFF_LOOP_COST
     }
@@ -311,6 +364,18 @@ def _sampling(body: JSONObject) -> Sampling:
             if not (low <= number <= high) or not math.isfinite(number) or (key == "top_p" and number == 0):
                 raise ChatError(400, f"{key} must be a finite number {shown}", param=key)
             out[key] = number
+    for key in ("presence_penalty", "frequency_penalty"):
+        value = body.get(key)
+        if value is not None:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not -2 <= value <= 2:
+                raise ChatError(400, f"{key} must be a number in [-2, 2]", param=key)
+            if value:
+                out[key] = float(value)
+    top_k = body.get("top_k")
+    if top_k is not None:
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or (top_k < 1 and top_k != -1):
+            raise ChatError(400, "top_k must be an integer >= 1 (or -1: off)", param="top_k")
+        out["top_k"] = top_k
     cap = body.get("max_completion_tokens", body.get("max_tokens"))
     if cap is not None:
         if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:

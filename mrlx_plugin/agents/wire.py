@@ -24,6 +24,9 @@ if TYPE_CHECKING:
 class Send(Protocol):
     """How a reply reaches the client: one JSON answer, or a stream of events."""
 
+    started: bool  # an answer has begun (its status and headers are on their way)
+    streaming: bool  # a stream is open: begun, not yet ended
+
     async def json(self, data: JSON, status: int = 200) -> None:
         """Write a whole JSON answer; returns once it is written."""
 
@@ -46,10 +49,16 @@ class TurnAnswer:
     finish_reason: str  # the engine's: stop | length | abort
     prompt_tokens: int  # the conversation's tokens before the turn
     completion_tokens: int  # the turn's own
+    # The visible text already sent through `Reply.text` (a stream), a prefix of `parsed.content`
+    # when the parsers agree with what was streamed; "" for a reply that does not stream.
+    streamed: str = ""
 
 
 class Reply(Protocol):
     """One request's answer, in its API's shape."""
+
+    # True: the session passes the turn's visible text to `text` as the engine samples it.
+    streams: bool
 
     async def start(self) -> None:
         """The turn is about to be sampled (a stream sends its opening events)."""
@@ -74,3 +83,6 @@ class WireApi(Protocol):
 
     def error_body(self, exc: ChatError) -> JSONObject:
         """A refusal in this API's error shape."""
+
+    def stream_error(self, exc: ChatError) -> bytes:
+        """A refusal after a stream had begun (its headers sent), as this API's error event."""

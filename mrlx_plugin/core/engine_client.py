@@ -15,6 +15,12 @@ an answer whose values cannot be right raises `MalformedAnswer`, never retried. 
 peer's engine (`PeerRetry`) also retries an `abort` answer and a fault that outlived those
 retries, after a fixed wait, until its deadline: the peer updates its weights meanwhile
 (docs/guarantees.md, "Engine faults and retries").
+
+A call with `on_tokens` streams: the answer comes as chunks (`StreamedAnswer`), each chunk's new
+ids are awaited in `on_tokens` as it arrives, and the result is the one the same answer gives
+unstreamed. Such a call is retried like any other until `on_tokens` has first been called; a
+failure after that ends it (`EngineError`, `retryable` False): the caller has shown tokens of an
+answer that will not be the one returned.
 """
 
 from __future__ import annotations
@@ -41,6 +47,8 @@ from mrlx_plugin.core.sglang import (
     GenerateResult,
     Malformed,
     NotTheProtocol,
+    StreamedAnswer,
+    StreamRefused,
     answer_limits,
     generate_body,
     read_answer,
@@ -63,7 +71,9 @@ class EngineError(RuntimeError):
         self.url = url
         self.reason = reason
         self.attempts = attempts
-        self.retryable = retryable  # False: the engine refused the request itself (HTTP 4xx)
+        # False: the engine refused the request itself (HTTP 4xx, an error event in a stream), or a
+        # stream failed after tokens of it were passed on: a retry cannot help, or must not happen.
+        self.retryable = retryable
 
 
 class MalformedAnswer(EngineError):
@@ -128,6 +138,7 @@ class EngineClient(HttpClient):
         deadline: float | None = None,
         extra: Mapping[str, object] | None = None,
         peer: PeerRetry | None = None,
+        on_tokens: Callable[[list[int]], Awaitable[object]] | None = None,
     ) -> GenerateResult:
         """POST `/generate` with `input_ids` and return what the engine sampled.
 
@@ -135,8 +146,22 @@ class EngineClient(HttpClient):
         EngineError when the call cannot succeed (MalformedAnswer for an answer whose values
         cannot be right). Without `peer` an `abort` answer is returned as it came; with it, see
         `PeerRetry`. The result's `retries` counts the attempts retried behind it.
+
+        With `on_tokens` the request asks for a stream, and the new ids of each chunk (as the
+        engine sampled them, a matched stop token included) are awaited in `on_tokens` as they
+        arrive: a slow `on_tokens` holds the stream back. The ids passed on add up to the
+        result's `token_ids`. Once it has been called, a failure is not retried (EngineError,
+        `retryable` False). What `on_tokens` raises ends the call as it is (the stream is
+        closed; the engine aborts the request). An engine that answers with a whole answer
+        instead is read as one, and `on_tokens` is not called. Not with `peer`, whose calls are
+        retried after an `abort` answer.
         """
-        payload = generate_body(input_ids, sampling_params, extra)
+        if on_tokens is not None and peer is not None:
+            raise ValueError(
+                "on_tokens cannot be given with peer: a peer's call is retried after an abort answer, "
+                "so the tokens passed on would not be those of the answer returned"
+            )
+        payload = generate_body(input_ids, sampling_params, extra, stream=on_tokens is not None)
         n_input, max_new = len(input_ids), requested_max(sampling_params)
         del input_ids  # the caller's list need not live while the engine works
         where = self.url + "/generate"
@@ -150,21 +175,32 @@ class EngineClient(HttpClient):
             if timeout <= 0:
                 raise EngineError(where, f"deadline passed; last error: {last}", attempts)
             attempts += 1
+            stream = None if on_tokens is None else StreamedAnswer(max_new, n_input, self.max_answer_bytes)
             try:
-                status, raw = await self._request("POST", self._generate_url, payload, timeout, max_new)
-                if status != 200:
-                    reason = f"HTTP {status}: {raw[:200].decode(errors='replace')}"
-                    if status not in RETRYABLE_STATUS:
-                        raise EngineError(where, reason, attempts, retryable=False)
-                    raise Passing(reason, status)
                 try:
-                    result = read_answer(raw, max_new, n_input)
+                    status, raw = await self._request(
+                        "POST", self._generate_url, payload, timeout, max_new, stream, on_tokens
+                    )
+                    if status != 200:
+                        reason = f"HTTP {status}: {raw[:200].decode(errors='replace')}"
+                        if status not in RETRYABLE_STATUS:
+                            raise EngineError(where, reason, attempts, retryable=False)
+                        raise Passing(reason, status)
+                    if stream is not None and stream.streamed:
+                        result = stream.result()
+                    else:
+                        result = read_answer(raw, max_new, n_input)
                 except NotTheProtocol as exc:
                     raise Passing(f"bad response: {exc}") from None
             except Malformed as exc:  # values that cannot be right, or more bytes than the request allows
                 raise MalformedAnswer(where, str(exc), attempts) from None
+            except StreamRefused as exc:
+                raise EngineError(where, str(exc), attempts, retryable=False) from None
             except Passing as exc:
                 last, faults = str(exc), faults + 1
+                if stream is not None and stream.passed_on:  # the caller has shown part of this answer
+                    reason = f"{last}, after {len(stream.ids)} streamed tokens were passed on (not retried)"
+                    raise EngineError(where, reason, attempts, retryable=False) from None
                 if faults <= self.settings.max_retries:
                     wait = max(self._backoff.delay(faults), exc.retry_after_s)
                     if wait >= until.remaining():
@@ -185,7 +221,14 @@ class EngineClient(HttpClient):
             faults = 0
 
     async def _request(
-        self, method: str, url: URL, body: bytes | None, timeout: float, max_new_tokens: int | None = None
+        self,
+        method: str,
+        url: URL,
+        body: bytes | None,
+        timeout: float,
+        max_new_tokens: int | None = None,
+        stream: StreamedAnswer | None = None,
+        on_tokens: Callable[[list[int]], Awaitable[object]] | None = None,
     ) -> tuple[int, bytes]:
         """Send one request and return (status, body).
 
@@ -193,7 +236,10 @@ class EngineClient(HttpClient):
         within `timeout`, an answer that is not HTTP/1.1, or one over `max_answer_bytes`;
         Malformed for a 200 answer larger than a request for `max_new_tokens` new tokens allows
         (as an answer of more tokens than asked is; refused by its declared length before a byte
-        of it is read)."""
+        of it is read). A 200 answer that is an event stream is read into `stream` instead, each
+        chunk's new ids awaited in `on_tokens` (the body returned is empty); what `on_tokens`
+        raises passes through as it is."""
+        relaying = False  # inside on_tokens: what it raises is the caller's, not the engine's
         try:
             async with self._session().request(
                 method, url, data=body, timeout=self._timeout(timeout), allow_redirects=False
@@ -207,13 +253,24 @@ class EngineClient(HttpClient):
                     else:
                         allowed = None
                 try:
-                    return resp.status, await read_capped(resp, cap)
+                    if stream is None or on_tokens is None or resp.content_type != "text/event-stream":
+                        return resp.status, await read_capped(resp, cap)
+                    stream.streamed = True
+                    while chunk := await resp.content.readany():
+                        for ids in stream.feed(chunk):
+                            stream.passed_on += 1
+                            relaying = True
+                            await on_tokens(ids)
+                            relaying = False
+                    return resp.status, b""
                 except BaseException as exc:
                     resp.close()  # a cut-off or abandoned answer: the connection is not reused
                     if allowed is not None and isinstance(exc, AnswerTooLarge):
                         raise too_many_bytes(exc.length, exc.cap, max_new_tokens) from None
                     raise
         except TRANSPORT_ERRORS as exc:
+            if relaying:  # e.g. the caller's own client went away while it wrote the tokens on
+                raise
             raise as_passing(exc, self._address, timeout) from None
 
     async def get_json(self, path: str, timeout: float | None = None) -> JSON:

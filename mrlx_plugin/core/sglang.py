@@ -12,14 +12,31 @@ transcript then checks the ids against its tokenizer's vocabulary (`Transcript.t
 An answer larger than its request's `max_new_tokens` allows, in bytes or in JSON values
 (`answer_limits`), is malformed too, and refused before it is read in full or parsed: one answer
 cannot hold the event loop or the process's memory for long.
+
+Streaming (`"stream": true`, read by `StreamedAnswer`). SGLang answers 200 with
+`Content-Type: text/event-stream`: one `data: {json}\n\n` event per chunk, each shaped as a whole
+answer (`text`, `output_ids`, `meta_info`), then `data: [DONE]\n\n`. A refusal found once the
+stream has begun is an event `data: {"error": {"message": ...}}`, then `[DONE]`. With SGLang's
+default server arguments every chunk is cumulative: `text`, `output_ids` and
+`meta_info.output_token_logprobs` hold everything generated so far (a client that falls behind
+gets the newest state; the older chunks are dropped), so a stream of N tokens carries O(N^2)
+bytes. With `--incremental-streaming-output` the three hold only what is new since the previous
+chunk (queued chunks are joined). In both, `meta_info.completion_tokens` counts all tokens so
+far, `prompt_tokens` and `weight_version` come with every chunk, and `finish_reason` is null
+until the last chunk, which carries it (`{"type": "stop"|"length"|"abort", ...}`), the final
+counts and `cached_tokens`. A chunk is read as incremental when the tokens it holds and the ones
+before it add up to its `completion_tokens` (after the first chunk, where both forms agree), else
+as cumulative, whose repeated tokens must equal the earlier ones. The ids are read from the
+log-prob entries, as for a whole answer; `output_ids` is not read. SGLang aborts a streamed
+request whose client goes away.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import orjson
 
@@ -55,6 +72,11 @@ class Malformed(Exception):
     """An answer in the protocol's shape whose values no engine can have sampled (not retried)."""
 
 
+class StreamRefused(Exception):
+    """A stream the engine ended with an error event: its refusal of the request, as an HTTP 400
+    would be for an answer not streamed (not retried)."""
+
+
 @dataclass
 class GenerateResult:
     token_ids: list[int]
@@ -68,14 +90,20 @@ class GenerateResult:
 
 
 def generate_body(
-    input_ids: list[int], sampling_params: Mapping[str, object], extra: Mapping[str, object] | None
+    input_ids: list[int],
+    sampling_params: Mapping[str, object],
+    extra: Mapping[str, object] | None,
+    stream: bool = False,
 ) -> bytes:
-    """The JSON body of a `/generate` request; `extra` adds fields (an adapter's `lora_path`)."""
+    """The JSON body of a `/generate` request; `extra` adds fields (an adapter's `lora_path`);
+    `stream` asks for the answer as a stream of chunks (`StreamedAnswer` reads it)."""
     body: dict[str, object] = {
         "input_ids": input_ids,
         "sampling_params": sampling_params,
         "return_logprob": True,
     }
+    if stream:
+        body["stream"] = True
     if extra:
         body.update(extra)
     # orjson's result keeps the capacity of its growing buffer (~512 KiB for a 2k-token prompt)
@@ -165,6 +193,167 @@ def parse_generate_response(
         raise NotTheProtocol("text is not a string")
     version = meta.get("weight_version")
     return ids, logprobs, text, finish_type, (None if version is None else str(version)), meta
+
+
+class StreamedAnswer:
+    """A streamed `/generate` answer, read as its bytes arrive (`feed`) and checked chunk by chunk
+    as `read_answer` checks a whole answer: each chunk within the bytes and JSON values a whole
+    answer to the request may take (`answer_limits`) and within `max_event_bytes` (the client's
+    cap), ids that are token ids, log-probs that are log-probabilities, no more tokens in all than
+    `max_new_tokens`, and the tokens a cumulative chunk repeats equal to the ones before it.
+    `result()` is then the GenerateResult the same answer unstreamed gives. The bytes of a whole
+    stream are not capped (a cumulative one carries O(N^2)); the call's timeout bounds it.
+
+    `streamed` and `passed_on` are the engine client's to set: whether the answer came as a stream
+    at all (an engine may answer a streamed request with a whole answer), and how many chunks'
+    ids it has passed on to its caller."""
+
+    def __init__(self, max_new_tokens: int | None, prompt_tokens: int, max_event_bytes: int):
+        self.max_new_tokens = max_new_tokens
+        self.prompt_tokens = prompt_tokens
+        allowed = max_event_bytes if max_new_tokens is None else answer_limits(max_new_tokens)[0]
+        # Past the request's allowance a chunk is malformed; past the client's cap, only too large.
+        self.cap, self.allowance_binds = min(allowed, max_event_bytes), allowed < max_event_bytes
+        self.ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.text = ""
+        self.chunks = 0
+        self.last: dict | None = None  # the meta_info of the chunk that finished the answer
+        self.finish = ""
+        self.done = False  # `data: [DONE]` came
+        self.streamed = False
+        self.passed_on = 0
+        self._buffer = bytearray()
+        self._entries: list[Any] = []  # the output_token_logprobs entries so far, as parsed
+
+    def feed(self, data: bytes) -> Iterator[list[int]]:
+        """The new ids of each chunk that `data` completes, in order (a chunk that brings none
+        yields nothing). Raises NotTheProtocol, Malformed or StreamRefused."""
+        buffer = self._buffer
+        scan = max(0, len(buffer) - 1)  # an event's end may straddle two reads
+        buffer += data
+        start = 0
+        while (end := buffer.find(b"\n\n", scan)) >= 0:
+            if end - start > self.cap:
+                self._too_large(end - start)
+            event = bytes(buffer[start:end])
+            start = scan = end + 2
+            new = self._chunk(event)
+            if new:
+                yield new
+        del buffer[:start]
+        if len(buffer) > self.cap:  # an event still open, past what a whole one may take
+            self._too_large(len(buffer))
+
+    def result(self) -> GenerateResult:
+        """The answer, once the stream has ended. Raises NotTheProtocol for a stream that ended
+        before the chunk that finishes the answer (cut off: retried like a cut-off answer), and
+        Malformed for counts that are not counts."""
+        if self.last is None:
+            where = "inside an event" if self._buffer.strip() else f"after {self.chunks} chunks"
+            raise NotTheProtocol(f"the stream ended {where}, before a chunk with a finish_reason")
+        meta = self.last
+        version = meta.get("weight_version")
+        return GenerateResult(
+            token_ids=self.ids,
+            logprobs=self.logprobs,
+            text=self.text,
+            finish_reason=self.finish,
+            weight_version=None if version is None else str(version),
+            prompt_tokens=_count(meta, "prompt_tokens", self.prompt_tokens),
+            cached_tokens=_count(meta, "cached_tokens", 0),
+        )
+
+    def _chunk(self, event: bytes) -> list[int]:
+        """Read one event: the new ids of its chunk (none for `[DONE]` or a comment)."""
+        data = _event_data(event)
+        if self.done:
+            raise NotTheProtocol(f"an event after data: [DONE]; starts {event[:80]!r}")
+        if data == b"[DONE]":
+            if self.last is None:
+                raise NotTheProtocol(f"data: [DONE] after {self.chunks} chunks, none with a finish_reason")
+            self.done = True
+            return []
+        if not data:
+            return []  # comments only (a keep-alive)
+        if self.last is not None:
+            raise NotTheProtocol(f"a chunk after the one with the finish_reason; starts {data[:80]!r}")
+        if self.max_new_tokens is not None:
+            _check_values(data, self.max_new_tokens)
+        number = self.chunks + 1
+        try:
+            chunk = orjson.loads(data)
+        except orjson.JSONDecodeError as exc:
+            raise NotTheProtocol(f"stream chunk {number} is not JSON ({exc}); starts {data[:80]!r}") from None
+        if isinstance(chunk, dict) and "error" in chunk and "meta_info" not in chunk:
+            error = chunk["error"]
+            message = error.get("message") if isinstance(error, dict) else error
+            raise StreamRefused(f"the engine ended the stream with an error: {str(message)[:500]}")
+        if not isinstance(chunk, dict) or not isinstance(chunk.get("meta_info"), dict):
+            raise NotTheProtocol(f"stream chunk {number} has no meta_info; starts {data[:80]!r}")
+        meta = chunk["meta_info"]
+        finish = meta.get("finish_reason")
+        finish_type = finish.get("type") if isinstance(finish, dict) else finish
+        if finish_type not in (None, "stop", "length", "abort"):
+            raise NotTheProtocol(f"unknown finish_reason {finish!r} in stream chunk {number}")
+        entries = meta.get("output_token_logprobs")
+        if entries is None and finish_type != "abort":
+            raise NotTheProtocol(
+                f"stream chunk {number} has no meta_info.output_token_logprobs; was return_logprob sent?"
+            )
+        if entries is not None and not isinstance(entries, list):
+            raise NotTheProtocol(f"meta_info.output_token_logprobs of stream chunk {number} is not a list")
+        text = chunk.get("text")
+        if text is not None and not isinstance(text, str):
+            raise NotTheProtocol(f"text of stream chunk {number} is not a string")
+        have, total = len(self.ids), meta.get("completion_tokens")
+        n = len(entries) if entries else 0
+        incremental = have > 0 and type(total) is int and have + n == total
+        if entries and not incremental and have:  # cumulative: the tokens before come again
+            # Compared as parsed, entry by entry (one C-level pass), and only the new ones read
+            # and checked: a cumulative stream carries O(N^2) entries in all.
+            if n < have or entries[:have] != self._entries:
+                raise Malformed(
+                    f"stream chunk {number} does not repeat the {have} tokens of the chunks before it, "
+                    f"and its {n} tokens do not add up to its completion_tokens {total!r} either"
+                )
+            self._entries = entries
+            entries = entries[have:]
+        elif entries and not incremental:
+            self._entries = entries
+        elif entries:
+            self._entries.extend(entries)
+        ids, logprobs = _ids_and_logprobs(entries) if entries else ([], [])
+        if self.max_new_tokens is not None and have + len(ids) > self.max_new_tokens:
+            raise Malformed(f"{have + len(ids)} tokens for a request of max_new_tokens {self.max_new_tokens}")
+        self.ids += ids
+        self.logprobs += logprobs
+        if text is not None:
+            self.text = self.text + text if incremental else text
+        self.chunks = number
+        if finish_type is not None:
+            self.last, self.finish = meta, finish_type
+        return ids
+
+    def _too_large(self, size: int) -> NoReturn:
+        if self.allowance_binds:
+            raise Malformed(
+                f"a stream chunk of {size} bytes or more, more than an answer of max_new_tokens "
+                f"{self.max_new_tokens} may take ({self.cap} bytes)"
+            )
+        raise NotTheProtocol(f"a stream chunk over the {self.cap}-byte limit")
+
+
+def _event_data(event: bytes) -> bytes:
+    """The data of one server-sent event: its `data:` lines, joined (comment lines skipped)."""
+    lines = []
+    for line in event.split(b"\n"):
+        line = line.removesuffix(b"\r")
+        if line.startswith(b"data:"):
+            lines.append(line[5:].removeprefix(b" "))
+        elif line and not line.startswith(b":"):
+            raise NotTheProtocol(f"a stream line that is not data: {line[:80]!r}")
+    return b"\n".join(lines)
 
 
 def _ids_and_logprobs(entries: list[Any]) -> tuple[list[int], list[float]]:

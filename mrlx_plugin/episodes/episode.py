@@ -199,7 +199,8 @@ class Episode:
             raise EpisodeAborted(self.abort_reason)
 
     # One model turn, top to bottom (`mrlx_plugin.episodes.turn`, whose docstring is this method's):
-    # `await episode.generate(transcript, score=None, *, on_fault=None, **sampling_overrides)`.
+    # `await episode.generate(transcript, score=None, *, on_fault=None, on_tokens=None,
+    # **sampling_overrides)`.
     generate = take_turn
 
     async def grade(self, transcript: Transcript) -> float:

@@ -9,6 +9,12 @@ failures that may pass within `engine.max_retries`, and, for a peer agent's engi
 deadline are passed down from here. An engine this job owns is not retried on `abort`: that and
 every fault the call could not pass end the episode (docs/guarantees.md, "Engine faults and
 retries"). A turn reads its episode through `TurnEpisode` (an `Episode` is one).
+
+A turn may be streamed to whoever waits for it (`on_tokens`: the agent endpoint shows the text to
+its client as the engine samples it), but only a turn whose one engine answer is certainly the
+turn kept: one candidate (no tree sampling) on an engine that is not a peer retried on `abort`.
+A branched turn keeps one of K answers, and a peer's call may be answered again after an abort,
+so the tokens shown could belong to an answer that is not recorded; such a turn is not streamed.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from mrlx_plugin.episodes.errors import EpisodeAborted, HookResultError, describ
 T = TypeVar("T")
 Score = Callable[[Turn], object]
 OnFault = Callable[[EngineError], Awaitable[str | None]]
+OnTokens = Callable[[list[int]], Awaitable[object]]
 
 
 @dataclass
@@ -74,6 +81,7 @@ async def take_turn(
     score: Score | None = None,
     *,
     on_fault: OnFault | None = None,
+    on_tokens: OnTokens | None = None,
     **sampling_overrides: object,
 ) -> Turn:
     """One model turn for the transcript's agent, appended to the transcript.
@@ -100,6 +108,14 @@ async def take_turn(
     `on_fault(error)`, awaited on each engine fault that would be retried until the peer
     deadline, may end the episode at once: it returns the reason (e.g. the peer is known to
     be down), or None to go on retrying.
+
+    `on_tokens(ids)` is awaited with each chunk's new ids as the engine streams them (the
+    answer's ids in order; they add up to the turn's `token_ids`), for a turn of one candidate
+    on an engine not retried on `abort` (`agent.retry_on_abort` false); for any other turn it
+    is never called, since the tokens shown could be those of an answer not kept. The turn
+    recorded is the one an unstreamed call records. A fault after the first `on_tokens` call
+    is not retried: it ends the episode as a lasting engine fault does. What `on_tokens`
+    raises passes through as it is: no turn is appended, and the engine's request is aborted.
     """
     episode.check_alive()
     agent = episode.settings.agents[transcript.agent]
@@ -112,7 +128,8 @@ async def take_turn(
         return Turn(transcript.agent, [], [], "", "length", None)
     k = branch_width(episode, transcript)
     if k == 1:
-        turn = await _sample(episode, transcript, agent, params, 0, on_fault)
+        stream = None if agent.retry_on_abort else on_tokens
+        turn = await _sample(episode, transcript, agent, params, 0, on_fault, stream)
         transcript.append_generated(turn)
         if not transcript.lookahead:
             episode.counts.turns += 1
@@ -163,8 +180,9 @@ async def _sample(
     params: SamplingParams,
     candidate: int,
     on_fault: OnFault | None,
+    on_tokens: OnTokens | None = None,
 ) -> Turn:
-    """One engine call for the transcript's next turn (not appended)."""
+    """One engine call for the transcript's next turn (not appended), streamed to `on_tokens`."""
     client = episode.context.clients[transcript.agent]
     e, counts = episode.settings.engine, episode.counts
     peer = None
@@ -188,6 +206,7 @@ async def _sample(
             deadline=deadline.at,
             extra=route,
             peer=peer,
+            on_tokens=on_tokens,
         )
     except MalformedAnswer as exc:
         _malformed(episode, f"{exc.url}: {exc.detail}")

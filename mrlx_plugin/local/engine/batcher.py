@@ -9,9 +9,9 @@ How it works:
   finishes leaves at once. The demo depends on this: its second agent's requests arrive one by
   one as the first agent's answers finish, and aborts must reach a single row.
 - Log-probs: each generated token's log-prob is log-softmax(logits / temperature) over the full
-  vocabulary, before top-k/top-p/min-p truncation (log-softmax(logits) when greedy). As in
-  SGLang, a matched EOS or stop token id is part of the output ids and log-probs; the text
-  omits it unless `no_stop_trim` is set.
+  vocabulary (after the presence and frequency penalties), before top-k/top-p/min-p truncation
+  (log-softmax(logits) when greedy). As in SGLang, a matched EOS or stop token id is part of the
+  output ids and log-probs; the text omits it unless `no_stop_trim` is set.
 - A request with `sampling_seed` samples from its own generator, so its output does not depend
   on which other requests shared its batch; the others use the worker's (`--seed`).
 - Weight updates load in the worker thread and swap in between steps: running rows finish
@@ -122,6 +122,7 @@ class BatchWorker:
         self._keep_arg = self._logits_to_keep_arg(model)
         self.steps = 0
         self.generated_tokens = 0
+        self.aborted_requests = 0  # jobs that ended with finish_reason abort
         self.thread = threading.Thread(target=self._run, name="mrlx-engine-worker", daemon=True)
 
     @staticmethod
@@ -155,6 +156,14 @@ class BatchWorker:
                     n += 1
             self._cond.notify()
             return n
+
+    def cancel(self, jobs: list[Job], message: str) -> None:
+        """Abort these jobs, waiting or running (their client went away)."""
+        with self._cond:
+            for job in jobs:
+                if job.abort_message is None and not job.done:
+                    job.abort_message = message
+            self._cond.notify()
 
     def pause(self, mode: str) -> int:
         with self._cond:
@@ -387,6 +396,13 @@ class BatchWorker:
                 banned = list(self.eos_ids | set(s.stop_token_ids))
                 if banned:
                     logits[i, banned] = -math.inf
+            if (s.frequency_penalty or s.presence_penalty) and job.out_ids:
+                # SGLang's penalties, on the tokens generated so far; the log-probs are of the
+                # penalised distribution, the one sampled from
+                counts = torch.bincount(torch.tensor(job.out_ids), minlength=logits.shape[1])[
+                    : logits.shape[1]
+                ]
+                logits[i] -= s.frequency_penalty * counts + s.presence_penalty * (counts > 0)
         temps = torch.tensor([j.settings.temperature for j in jobs], dtype=logits.dtype)
         greedy = temps == 0
         scaled = logits / torch.where(greedy, torch.ones_like(temps), temps)[:, None]
@@ -403,6 +419,8 @@ class BatchWorker:
             job.out_ids.append(int(chosen[i]))
             job.out_logprobs.append(float(lps[i]))
             self._check_finish(job)
+            if job.on_step is not None and not job.done:  # a finished one is delivered instead
+                job.on_step(len(job.out_ids))
         self.generated_tokens += len(jobs)
         return chosen
 
@@ -470,6 +488,8 @@ class BatchWorker:
         self._sync_running()
 
     def _deliver(self, job: Job) -> None:
+        if job.finish is not None and job.finish.get("type") == "abort":
+            self.aborted_requests += 1
         text = ""
         if job.error is None:
             ids = job.out_ids

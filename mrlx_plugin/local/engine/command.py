@@ -60,6 +60,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
         metavar="NAME=DIR",
         help="LoRA adapters (peft directories) to serve from the start, each under its name (SGLang's flag)",
     )
+    parser.add_argument(
+        "--incremental-streaming-output",
+        action="store_true",
+        help="stream what is new in each chunk, not everything so far (SGLang's flag)",
+    )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return parser
 
@@ -176,7 +181,13 @@ async def _serve(args: argparse.Namespace) -> int:
     worker.start()
     # A router must reach the engine at an address it can dial, never at a wildcard.
     advertise = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
-    server = EngineServer(worker, host=args.host, advertise_host=advertise, threads=torch.get_num_threads())
+    server = EngineServer(
+        worker,
+        host=args.host,
+        advertise_host=advertise,
+        threads=torch.get_num_threads(),
+        incremental_streaming=args.incremental_streaming_output,
+    )
     logging.getLogger("aiohttp.server").addFilter(_QuietProbes())
     runner = web.AppRunner(server.app(), access_log=None, handle_signals=False)
     await runner.setup()

@@ -36,6 +36,9 @@ class Job:
     finish: JSONObject | None = None  # SGLang's finish_reason
     error: str | None = None
     adapter: str | None = None  # a loaded LoRA adapter's name; None: the base model
+    # A streamed job: called on the worker thread after each step that leaves it running, with
+    # how many tokens it has (its lists only grow: that many entries can be read from any thread).
+    on_step: Callable[[int], None] | None = None
 
     @property
     def done(self) -> bool:

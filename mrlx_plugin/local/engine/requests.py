@@ -111,8 +111,9 @@ class SamplingParams(_Request):
     no_stop_trim: bool = False
     sampling_seed: int | None = None
     repetition_penalty: _neutral(lambda v: v == 1) = 1.0
-    frequency_penalty: _neutral(lambda v: v == 0) = 0.0
-    presence_penalty: _neutral(lambda v: v == 0) = 0.0
+    # As SGLang: subtracted from the logits of the tokens already generated (per occurrence; once).
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
     n: _neutral(lambda v: v == 1) = 1
     regex: _neutral(lambda v: False) = None
     json_schema: _neutral(lambda v: False) = None
@@ -120,7 +121,8 @@ class SamplingParams(_Request):
     structural_tag: _neutral(lambda v: False) = None
     logit_bias: _neutral(lambda v: not v) = None
     # Accepted and without effect: no spacing question arises with a byte-level tokenizer,
-    # custom_params only feed custom logit processors (none here), and nothing streams.
+    # custom_params only feed custom logit processors (none here), and a stream sends each
+    # step's tokens as they come (an interval of 1).
     spaces_between_special_tokens: object = None
     custom_params: object = None
     stream_interval: object = None
@@ -136,7 +138,7 @@ class GenerateRequest(_Request):
     rid: str | None = None
     return_logprob: bool = False
     logprob_start_len: int = Field(-1, ge=-1)  # -1: no prompt log-probs
-    stream: _neutral(lambda v: not v) = False
+    stream: bool = False  # the answer as server-sent events, a chunk per step (one prompt only)
     return_text_in_logprobs: _neutral(lambda v: not v) = False
     top_logprobs_num: _neutral(lambda v: not v) = 0
     token_ids_logprob: _neutral(lambda v: not v) = None

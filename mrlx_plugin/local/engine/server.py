@@ -5,11 +5,19 @@ refusals) and answers; one `BatchWorker` thread (`batcher.py`) owns the model an
 hands each `Job`'s result back to the loop through a future. Served: token-in/token-out
 `/generate` with log-probs and weight versions, aborts, pause/continue, weight reloads from disk,
 and LoRA adapters (`/load_lora_adapter`, `/unload_lora_adapter`, `lora_path` per request).
+
+A `/generate` with `"stream": true` (one prompt) is answered as SGLang streams it
+(`mrlx_plugin.core.sglang` describes the format): server-sent events, a chunk for each decode
+step as the worker reports it (a client that reads slower gets the newest state, several steps
+at once), the last chunk the whole answer, then `data: [DONE]`. Every chunk holds everything so
+far, or, with `--incremental-streaming-output`, only what is new. A client that closes the
+stream aborts its request (its row leaves the batch at the next step).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from pathlib import Path
@@ -36,6 +44,11 @@ from mrlx_plugin.local.engine.requests import (
 
 # A client may send long prompts as JSON id lists; aiohttp's default body limit is 1 MiB.
 MAX_BODY_BYTES = 64 * 1024 * 1024
+# A streamed chunk's text is decoded with this many tokens before it, so that a token's text
+# that depends on the one before it (a space, a character split across tokens) comes out right.
+TEXT_CONTEXT_TOKENS = 4
+
+log = logging.getLogger("mrlx.engine")
 
 
 def _json(data: object, status: int = 200) -> web.Response:
@@ -61,11 +74,52 @@ async def _read_json(request: web.Request, required: bool = True) -> JSON:
         raise RequestError("body", f"is not valid JSON ({exc})") from None
 
 
+def _sse(data: object) -> bytes:
+    return b"data: " + orjson.dumps(data) + b"\n\n"
+
+
+_DONE = b"data: [DONE]\n\n"
+
+
+class _Progress:
+    """A streamed job's progress as the worker thread reports it: how many tokens it has (the
+    job's lists only grow, so that many entries can be read on the loop), and an event the
+    stream waits on, set by each step and by the job's end."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.count = 0
+        self.changed = asyncio.Event()
+
+    def step(self, count: int) -> None:  # on the worker thread
+        self.loop.call_soon_threadsafe(self._note, count)
+
+    def _note(self, count: int) -> None:
+        self.count = max(self.count, count)
+        self.changed.set()
+
+
+def _settle(fut: asyncio.Future, result: JobResult, progress: _Progress | None) -> None:
+    if not fut.done():
+        fut.set_result(result)
+    if progress is not None:
+        progress.changed.set()
+
+
 class EngineServer:
     """The HTTP front of a `BatchWorker`."""
 
-    def __init__(self, worker: BatchWorker, *, host: str, advertise_host: str, threads: int):
+    def __init__(
+        self,
+        worker: BatchWorker,
+        *,
+        host: str,
+        advertise_host: str,
+        threads: int,
+        incremental_streaming: bool = False,
+    ):
         self.worker = worker
+        self.incremental_streaming = incremental_streaming
         self.host = host
         self.advertise_host = advertise_host
         self.port = 0
@@ -103,7 +157,9 @@ class EngineServer:
 
     # --- /generate -------------------------------------------------------------------------
 
-    async def _jobs(self, body: JSON) -> tuple[list[Job], list[asyncio.Future], bool]:
+    async def _jobs(self, body: JSON) -> tuple[list[Job], list[asyncio.Future], bool, _Progress | None]:
+        """The jobs of a `/generate` body, a future of each one's result, whether the body was
+        batched, and the progress of a streamed one."""
         w = self.worker
         parts, batched = split_generate_body(body)
         reqs = [
@@ -111,6 +167,15 @@ class EngineServer:
             for item, renamed in parts
         ]
         loop = asyncio.get_running_loop()
+        progress = None
+        if any(r.stream for r, _ in reqs):
+            if batched:
+                raise RequestError(
+                    "stream",
+                    "streams one prompt at a time here; send each prompt as a request of its own, "
+                    "or the batch without stream",
+                )
+            progress = _Progress(loop)
         texts = [r.text for r, _ in reqs if r.text is not None]
         if texts:
             encode = w.tokenizer.encode
@@ -141,7 +206,7 @@ class EngineServer:
             fut: asyncio.Future = loop.create_future()
 
             def deliver(result: JobResult, fut: asyncio.Future = fut) -> None:
-                loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(result))
+                loop.call_soon_threadsafe(_settle, fut, result, progress)
 
             start = req.logprob_start_len if req.return_logprob else -1
             jobs.append(
@@ -153,10 +218,11 @@ class EngineServer:
                     start,
                     deliver,
                     adapter=req.lora_path,
+                    on_step=None if progress is None else progress.step,
                 )
             )
             futures.append(fut)
-        return jobs, futures, batched
+        return jobs, futures, batched, progress
 
     def _check_adapter(self, name: str, where: str) -> None:
         w = self.worker
@@ -193,9 +259,9 @@ class EngineServer:
                 meta["input_token_logprobs"] = [[lp, t, None] for lp, t in zip(job.input_logprobs, ids)]
         return {"text": result.text, "meta_info": meta}
 
-    async def generate(self, request: web.Request) -> web.Response:
+    async def generate(self, request: web.Request) -> web.StreamResponse:
         try:
-            jobs, futures, batched = await self._jobs(await _read_json(request))
+            jobs, futures, batched, progress = await self._jobs(await _read_json(request))
         except RequestError as exc:
             return _error(exc.message, 400, exc.field)
         if not self._resumed.is_set():  # paused: new requests wait for /continue_generation
@@ -205,17 +271,99 @@ class EngineServer:
             finally:
                 self.held -= len(jobs)
         self.worker.submit(jobs)
+        if progress is not None:
+            return await self._stream(request, jobs[0], futures[0], progress)
         try:
             results: list[JobResult] = list(await asyncio.gather(*futures))
         except asyncio.CancelledError:  # the client went away: stop spending compute on its rows
-            for job in jobs:
-                job.abort_message = job.abort_message or "client disconnected"
+            self.worker.cancel(jobs, "client disconnected")
             raise
         failed = [r.job.error for r in results if r.job.error]
         if failed:
             return _error(failed[0], 500)
         answers = [self._result_json(r) for r in results]
         return _json(answers if batched else answers[0])
+
+    async def _stream(
+        self, request: web.Request, job: Job, fut: asyncio.Future, progress: _Progress
+    ) -> web.StreamResponse:
+        """Stream one job's answer: a chunk each time the worker reports a step (the tokens of
+        every step since the last chunk), the whole answer as the last one, then `[DONE]`."""
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        sent = decoded = 0  # tokens sent; tokens whose text was sent
+        text = ""  # the text sent
+        try:
+            await resp.prepare(request)
+            while not fut.done():
+                await progress.changed.wait()
+                progress.changed.clear()
+                end = progress.count
+                if fut.done() or end <= sent:
+                    continue
+                delta, decoded = self._new_text(job, decoded, end)
+                text += delta
+                chunk = self._chunk(job, sent, end, delta if self.incremental_streaming else text)
+                await resp.write(_sse(chunk))
+                sent = end
+            result: JobResult = fut.result()
+            if result.job.error:  # as SGLang reports a failure once a stream has begun
+                await resp.write(_sse({"error": {"message": result.job.error}}) + _DONE)
+            else:
+                await resp.write(_sse(self._last_chunk(result, sent, text)) + _DONE)
+            await resp.write_eof()
+        except (ConnectionError, asyncio.CancelledError) as exc:  # the client went away
+            if not fut.done():
+                log.info("request %s: its client closed the stream after %d tokens; aborted", job.rid, sent)
+                self.worker.cancel([job], "client disconnected")
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+        return resp
+
+    def _chunk(self, job: Job, start: int, end: int, text: str) -> JSONObject:
+        """A chunk of a running job: its tokens up to `end` (incremental: from `start`)."""
+        first = start if self.incremental_streaming else 0
+        ids: list[JSON] = list(job.out_ids[first:end])
+        logprobs = job.out_logprobs[first:end]
+        adapter = self.worker.adapters.get(job.adapter) if job.adapter else None
+        meta: JSONObject = {
+            "id": job.rid,
+            "finish_reason": None,
+            "prompt_tokens": len(job.prompt_ids),
+            "completion_tokens": end,
+            "cached_tokens": 0,
+            "weight_version": adapter.weight_version if adapter else self.worker.weight_version,
+        }
+        if job.return_logprob:
+            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(logprobs, ids)]
+        return {"text": text, "output_ids": ids, "meta_info": meta}
+
+    def _last_chunk(self, result: JobResult, sent: int, text: str) -> JSONObject:
+        """The chunk that ends a stream: the whole answer, as unstreamed (incremental: what is new
+        since the `sent` tokens and the `text` sent, the counts and the rest as they are)."""
+        last = self._result_json(result)
+        ids: list[JSON] = list(result.job.out_ids)
+        if not self.incremental_streaming:
+            return {**last, "output_ids": ids}
+        meta = last["meta_info"]
+        assert isinstance(meta, dict)
+        entries = meta.get("output_token_logprobs")
+        if isinstance(entries, list):
+            meta["output_token_logprobs"] = entries[sent:]
+        # A stop string trimmed off the end may have been sent already: that cannot be taken back.
+        rest = result.text[len(text) :] if result.text.startswith(text) else ""
+        return {"text": rest, "output_ids": ids[sent:], "meta_info": meta}
+
+    def _new_text(self, job: Job, decoded: int, end: int) -> tuple[str, int]:
+        """The text that tokens [decoded, end) of a running job add, decoded with a few tokens
+        before them, and the tokens decoded after it; ("", decoded) while the text ends inside a
+        character (its next token completes it)."""
+        tok, skip = self.worker.tokenizer, job.settings.skip_special_tokens
+        start = max(0, decoded - TEXT_CONTEXT_TOKENS)
+        before = str(tok.decode(job.out_ids[start:decoded], skip_special_tokens=skip))
+        both = str(tok.decode(job.out_ids[start:end], skip_special_tokens=skip))
+        if both.endswith("\ufffd") or not both.startswith(before):
+            return "", decoded
+        return both[len(before) :], end
 
     # --- control ---------------------------------------------------------------------------
 
@@ -289,6 +437,8 @@ class EngineServer:
                 "num_waiting_reqs": load["waiting"] + self.held,
                 "decode_steps": w.steps,
                 "generated_tokens": w.generated_tokens,
+                "aborted_requests": w.aborted_requests,
+                "incremental_streaming_output": self.incremental_streaming,
                 "uptime_s": time.time() - self.started,
             }
         )
