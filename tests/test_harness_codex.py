@@ -10,7 +10,6 @@ import json
 import shutil
 
 import pytest
-import test_agent_responses
 from _responses_systems import CODEX_FILE, SEEN, codex_bin
 from test_agent_responses import assert_exact, episode
 
@@ -36,7 +35,6 @@ CODEX_DONE = "Done: the file is written."
 # positions would refuse them (the endpoint answers context_length_exceeded), so the host is told
 # of a longer one.
 POSITIONS = 65536
-engine_for = test_agent_responses.engine_for  # the fixture: a stub engine behind a recording proxy
 
 
 def test_codex_exec_runs_its_shell_tool_and_trains_one_exact_sample(engine_for, tiny_model_dir):
