@@ -625,10 +625,11 @@ def _big_tool(i: int, tag: str = "") -> dict:
 
 async def loop_stall(send: Awaitable) -> tuple[Any, float]:
     """What `send` gives, and the longest the event loop stood still while it ran (seconds)."""
-    gaps, running = [0.0], True
+    gaps, running, ticking = [0.0], True, asyncio.Event()
 
     async def ticker():
         last = time.monotonic()
+        ticking.set()
         while running:
             await asyncio.sleep(0.005)
             now = time.monotonic()
@@ -636,7 +637,7 @@ async def loop_stall(send: Awaitable) -> tuple[Any, float]:
             last = now
 
     tick = asyncio.ensure_future(ticker())
-    await asyncio.sleep(0.05)  # the ticker runs before the request goes out
+    await ticking.wait()  # the ticker runs before the request goes out
     try:
         result = await send
     finally:

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from mrlx_plugin.agents.harness import run_harness
+from mrlx_plugin.core.retry import async_wait_until
 
 
 def gone(pid: int) -> bool:
@@ -40,8 +41,8 @@ def test_a_cancelled_episode_ends_its_harness(tmp_path):
             run_harness(["bash", "-c", "echo $$ > me.pid; sleep 300"], cwd=tmp_path, env={}, timeout_s=600)
         )
         pid_file = tmp_path / "me.pid"
-        while not pid_file.exists() or not pid_file.read_text().strip():
-            await asyncio.sleep(0.01)  # waits for the condition: the harness has started
+        started = lambda: pid_file.exists() and pid_file.read_text().strip()  # noqa: E731
+        await async_wait_until(started, 30, what="the harness to start")
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task

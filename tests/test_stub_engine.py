@@ -6,7 +6,6 @@ import asyncio
 import http.client
 import json
 import socket
-import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -16,6 +15,7 @@ import pytest
 
 from mrlx_lab.stub_engine import start_stub_engine
 from mrlx_lab.stub_engine.answers import DEFAULT_TEXT
+from mrlx_plugin.core.retry import wait_until
 
 
 def call(
@@ -177,10 +177,7 @@ def test_abort_request_and_pause_end_delayed_answers(logs_dir):
         with ThreadPoolExecutor(3) as pool:
             first = pool.submit(call_json, stub.url, "/generate", {**GEN, "rid": "r1"})
             second = pool.submit(call_json, stub.url, "/generate", {**GEN, "rid": "r2"})
-            deadline = time.monotonic() + 10
-            while stats(stub.url)["pending"] < 2:
-                assert time.monotonic() < deadline, "the two requests never reached the stub"
-                time.sleep(0.01)
+            wait_until(lambda: stats(stub.url)["pending"] >= 2, 10, what="the two requests at the stub")
             assert call_json(stub.url, "/abort_request", {"rid": "r1"})[1]["num_aborted"] == 1
             status, resp = first.result(timeout=10)
             assert status == 200 and resp["meta_info"]["finish_reason"]["type"] == "abort"
@@ -253,10 +250,7 @@ def test_a_delayed_stream_is_ended_by_an_abort_and_a_batch_does_not_stream(logs_
     try:
         with ThreadPoolExecutor(1) as pool:
             streamed = pool.submit(stream_events, stub.url, {**GEN, "rid": "s1", "stream": True})
-            deadline = time.monotonic() + 10
-            while stats(stub.url)["pending"] < 1:
-                assert time.monotonic() < deadline, "the request never reached the stub"
-                time.sleep(0.01)
+            wait_until(lambda: stats(stub.url)["pending"] >= 1, 10, what="the request at the stub")
             assert call_json(stub.url, "/abort_request", {"rid": "s1"})[1]["num_aborted"] == 1
             status, _, events = streamed.result(timeout=10)
         assert status == 200 and len(events) == 2 and events[1] == b"[DONE]"

@@ -22,8 +22,9 @@ import importlib.util
 from collections.abc import AsyncIterator
 
 import orjson
+from aiohttp import web
 
-from mrlx_plugin.agents.server import AgentServer, _servers
+from mrlx_plugin.agents.server import MAX_BODY_BYTES, AgentServer, _servers
 
 # The SDKs' newest releases ship their HTTP library as httpx2, older ones use httpx.
 httpx = importlib.import_module("httpx2" if importlib.util.find_spec("httpx2") else "httpx")
@@ -106,9 +107,14 @@ class LocalTransport(httpx.AsyncBaseTransport):
 
 async def _answer(server: AgentServer, request: httpx.Request) -> httpx.Response:
     send = LocalSend()
-    task = asyncio.create_task(
-        server.answer(request.method, request.url.path, request.headers, request.aread, send)
-    )
+
+    async def read() -> bytes:  # the limit a body over HTTP has (answered 413)
+        body = await request.aread()
+        if len(body) > MAX_BODY_BYTES:
+            raise web.HTTPRequestEntityTooLarge(max_size=MAX_BODY_BYTES, actual_size=len(body))
+        return body
+
+    task = asyncio.create_task(server.answer(request.method, request.url.path, request.headers, read, send))
     try:
         await asyncio.wait({send.head, task}, return_when=asyncio.FIRST_COMPLETED)
     except BaseException:  # the client was cancelled while it waited: the turn is undone

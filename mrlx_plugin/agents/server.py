@@ -189,6 +189,9 @@ class AgentServer:
                 raise self._not_served(method, path)
         except ChatError as exc:
             await _refuse(api, exc, send)
+        except Exception as exc:  # noqa: BLE001 - a bug here answers with its message, in the API's shape
+            logger.exception("agent endpoint: a request failed")
+            await _refuse(api, ChatError(500, f"the endpoint failed: {type(exc).__name__}: {exc}"), send)
 
     def _not_served(self, method: str, path: str) -> ChatError:
         listed = ", ".join(f"{m} {p}" for p, m in SERVED.items())
