@@ -24,7 +24,9 @@ import argparse
 from collections.abc import Mapping, Sequence
 from typing import Literal, cast, overload
 
+from mrlx_plugin.core.config import Settings
 from mrlx_plugin.core.host import (
+    HOST_PROCESS,
     HostSample,
     MilesGenerateInput,
     RolloutFnEvalOutput,
@@ -39,8 +41,9 @@ from mrlx_plugin.core.metrics import compute_metrics, log_eval_rollout, log_roll
 from mrlx_plugin.episodes import run_episode
 from mrlx_plugin.link.outbox import initiator_barrier
 from mrlx_plugin.link.save_rules import durable_step_before
-from mrlx_plugin.rewards.shaping import normalize, reward
-from mrlx_plugin.runtime import get_runtime, responder_for, runtime_for
+from mrlx_plugin.rewards import shaping
+from mrlx_plugin.rewards.shaping import reward
+from mrlx_plugin.runtime import get_runtime, read_settings, responder_for, runtime_for
 
 # Every function a host flag names is reachable here (the reward, normalisation and logging
 # functions live with their kind and are named through this module).
@@ -231,6 +234,31 @@ def ack_trained_groups(args: argparse.Namespace, step: int) -> None:
     is logged and the next step acknowledges through this step again.
     """
     run_in_host_loop(responder_for(args).finish(step))
+
+
+def normalize(args: argparse.Namespace, samples: Sequence[HostSample]) -> tuple[list[float], list[float]]:
+    """slime's `--custom-reward-post-process-path`: (raw rewards, advantages), one per sample, as
+    `mrlx_plugin.rewards.shaping.normalize` computes them with the job's settings (the running
+    baseline of `rewards.lone_baseline` needs them)."""
+    return shaping.normalize(args, samples, job_settings(args))
+
+
+def job_settings(args: argparse.Namespace) -> Settings | None:
+    """The mrlx settings of the job whose `args` these are: its Runtime's or Responder's (built
+    by the rollout before any step is normalised), else read from `args` (once per args); None
+    for args that carry no mrlx settings (a host run not set up through mrlx's config)."""
+    for owner in (HOST_PROCESS.cached(args, "runtime"), HOST_PROCESS.cached(args, "responder")):
+        settings = getattr(owner, "settings", None)
+        if isinstance(settings, Settings):
+            return settings
+    carries = (
+        isinstance(getattr(args, "mrlx", None), dict)
+        or getattr(args, "mrlx_config", None)
+        or getattr(args, "custom_config_path", None)
+    )
+    if not carries:
+        return None
+    return cast(Settings, HOST_PROCESS.for_args(args, "settings", lambda: read_settings(args)[0]))
 
 
 initiator_rollout.__dict__["add_arguments"] = add_arguments

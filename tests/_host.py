@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import urllib.request
 from typing import Any
@@ -34,6 +35,22 @@ def slime_args(
     for key, value in flags.items():
         setattr(args, key, value)
     return args
+
+
+def generate_all(args: argparse.Namespace, samples: list[Sample]) -> list[list[Sample]]:
+    """One `generate` call per sample, concurrently, as the host makes them, and the runtime
+    closed after; each call's samples."""
+    from mrlx_plugin.rollout import generate
+    from mrlx_plugin.runtime import get_runtime
+
+    async def go():
+        try:
+            outs = await asyncio.gather(*(generate(args, s, params(args)) for s in samples))
+        finally:
+            await (await get_runtime(args)).aclose()
+        return [o if isinstance(o, list) else [o] for o in outs]
+
+    return asyncio.run(go())
 
 
 def params(args: argparse.Namespace, **overrides: Any) -> dict[str, Any]:

@@ -57,6 +57,24 @@ def stub_engine(logs_dir, request):
 
 
 @pytest.fixture
+def stubs_with(logs_dir, request):
+    """`stubs_with(*flags)`: a started stub engine with those flags (`--text`, `--pick-by-seed`,
+    `--lora-names`, ...); every one started is stopped when the test ends."""
+    from mrlx_lab.stub_engine import start_stub_engine
+
+    started = []
+
+    def start(*flags: str):
+        name = f"stub-{request.node.name[:30]}-{len(started)}"
+        started.append(start_stub_engine(log_dir=logs_dir, name=name, extra=list(flags)))
+        return started[-1]
+
+    yield start
+    for proc in started:
+        proc.stop()
+
+
+@pytest.fixture
 def engine_for(logs_dir, tiny_model_dir, request):
     """`engine_for(*texts, tokens=80, extra=())`: a stub engine answering the texts in turn (the
     tiny model's tokenizer; `extra`: more of its flags), behind a recording proxy

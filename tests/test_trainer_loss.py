@@ -18,7 +18,8 @@ torch = pytest.importorskip("torch")
 
 from mrlx_plugin.core.host import Status  # noqa: E402
 from mrlx_plugin.local.trainer.loop import step_engine_calls, trained_counts  # noqa: E402
-from mrlx_plugin.local.trainer.loss import ppo_loss  # noqa: E402
+from mrlx_plugin.local.trainer.loss import ppo_loss, ppo_step, trainable_parameters  # noqa: E402
+from mrlx_plugin.local.trainer.settings import TrainerSettings  # noqa: E402
 
 
 class _Confident(torch.nn.Module):
@@ -41,13 +42,77 @@ def test_a_large_drift_from_a_low_old_log_prob_gives_a_finite_loss_and_gradient(
     sample = SimpleNamespace(
         tokens=[1, 1, 1, 1], response_length=2, loss_mask=[1, 1], rollout_log_probs=[-100.0, -100.0]
     )
-    cfg = SimpleNamespace(eps_clip=0.2, eps_clip_high=0.28, kl_coef=0.0)
+    cfg = SimpleNamespace(eps_clip=0.2, eps_clip_high=0.28, kl_coef=0.0, entropy_coef=0.0)
     model = _Confident()
     loss, info = ppo_loss(model, None, [sample], [advantage], cfg, temperature=1.0, total_tokens=2)
     loss.backward()
     assert math.isfinite(loss.item()), loss.item()
     assert math.isfinite(float(model.scale.grad))
     assert math.isfinite(info["drift_sum"])
+
+
+def _trained_samples(n: int) -> list[SimpleNamespace]:
+    """Samples of 10 tokens whose last 4 train (log-probs as an engine would report them)."""
+    rng = torch.Generator().manual_seed(0)
+    return [
+        SimpleNamespace(
+            tokens=torch.randint(3, 500, (10,), generator=rng).tolist(),
+            response_length=4,
+            loss_mask=[1, 1, 1, 1],
+            rollout_log_probs=[-6.0] * 4,
+        )
+        for _ in range(n)
+    ]
+
+
+def test_the_entropy_bonus_alone_raises_the_entropy_at_the_trained_positions(tiny_model_dir: Path):
+    from mrlx_plugin.local.model import load_model
+
+    torch.manual_seed(0)
+    model = load_model(tiny_model_dir)
+    cfg = TrainerSettings(entropy_coef=1.0, lr=1e-3)
+    optimizer = torch.optim.AdamW(trainable_parameters(model), lr=cfg.lr)
+    samples = _trained_samples(4)
+    zero = [0.0] * len(samples)  # no policy-gradient signal: only the bonus moves the weights
+    # each step reports the entropy of the policy it started from (before its update)
+    entropies = [ppo_step(model, None, optimizer, samples, zero, cfg, 1.0)["train/entropy"] for _ in range(6)]
+    assert all(math.isfinite(e) and e > 0 for e in entropies)
+    assert entropies[-1] > entropies[0] + 1e-3, entropies
+    assert entropies == sorted(entropies), entropies
+
+
+def test_without_the_bonus_the_loss_is_the_ppo_loss_and_the_entropy_is_still_reported(tiny_model_dir: Path):
+    from mrlx_plugin.local.model import load_model
+
+    model = load_model(tiny_model_dir)
+    samples = _trained_samples(3)
+    advantages = [1.0, -0.5, 0.25]
+    cfg = TrainerSettings()  # entropy_coef: 0
+    assert cfg.entropy_coef == 0.0
+    loss, info = ppo_loss(model, None, samples, advantages, cfg, temperature=1.0, total_tokens=12)
+    with_bonus, info_b = ppo_loss(
+        model, None, samples, advantages, TrainerSettings(entropy_coef=0.5), temperature=1.0, total_tokens=12
+    )
+    # The same forward pass: the bonus takes 0.5 x the mean entropy per trained token off, and
+    # nothing else changes; the entropy measured is the same either way.
+    assert info["entropy_sum"] == pytest.approx(info_b["entropy_sum"], rel=1e-6) and info["entropy_sum"] > 0
+    expected = loss.item() - 0.5 * info["entropy_sum"] / 12
+    assert with_bonus.item() == pytest.approx(expected, rel=1e-5, abs=1e-6)
+    # Today's loss: PPO-clip per token against the rollout log-probs, mean over trained tokens.
+    from mrlx_plugin.local.trainer.loss import _batch, token_logprobs
+
+    ids, attention, mask, old = _batch(samples)
+    with torch.no_grad():
+        new = token_logprobs(model, ids, attention, 1.0)
+    adv = torch.tensor(advantages)[:, None]
+    ratio = torch.exp(torch.clamp((new - old) * mask, -20.0, 20.0))
+    clipped = torch.clamp(ratio, 1 - cfg.eps_clip, 1 + cfg.eps_clip_high)
+    per_token = torch.maximum(-adv * ratio, -adv * clipped)
+    assert loss.item() == pytest.approx(float((per_token * mask).sum() / 12), rel=1e-6)
+    stats = ppo_step(
+        model, None, torch.optim.AdamW(trainable_parameters(model), lr=0.0), samples, advantages, cfg, 1.0
+    )
+    assert stats["train/entropy"] == pytest.approx(info["entropy_sum"] / 12, rel=1e-4)
 
 
 def test_samples_and_tokens_trained_leave_out_aborted_fillers_and_untrained_samples():

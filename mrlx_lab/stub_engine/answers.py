@@ -4,6 +4,7 @@ mode asks, and the chunks that stream it (`stream_chunk`, `sse`)."""
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -70,6 +71,7 @@ class StubConfig:
     response_tokens: int = 64
     text: str = DEFAULT_TEXT
     texts: tuple[str, ...] = ()  # several: request n answers texts[(n - 1) % len(texts)]
+    pick_by_seed: bool = False  # several texts: drawn from the request's sampling seed and prompt
     weight_version: str = "0"
     vocab_size: int = 512
     eos_id: int = 2
@@ -89,6 +91,19 @@ class StubConfig:
         if self.speller is None:
             self.speller = Speller(self.tokenizer)
         return self.speller
+
+
+def text_index(cfg: StubConfig, number: int, request: JSONObject) -> int:
+    """Which of several `--text`s answer request `number`: each in turn; with `--pick-by-seed` and
+    a `sampling_seed` in the request, one drawn from the seed and the prompt, as a seeded engine
+    samples: the same seed and prompt always give the same answer, and the texts are the
+    choices of a uniformly random policy."""
+    params = request.get("sampling_params")
+    seed = params.get("sampling_seed") if isinstance(params, dict) else None
+    if cfg.pick_by_seed and isinstance(seed, int):
+        key = orjson.dumps([seed, request.get("input_ids"), request.get("text")])
+        return zlib.crc32(key) % len(cfg.texts)
+    return (number - 1) % len(cfg.texts)
 
 
 def _byte_ids() -> list[int]:
@@ -165,6 +180,7 @@ def answer(
     eos_in_text: bool = False,
     fault: str | None = None,
     number: int = 0,
+    pick: int | None = None,
 ) -> JSONObject:
     """One SGLang `/generate` answer: ids that spell `text` (see the module's docstring), log-probs
     derived from `seed`, and the malformation `fault` names, if any.
@@ -197,7 +213,11 @@ def answer(
             ]
             text = "".join(specials.get(p, "") if isinstance(p, int) else p for p in MARKUP_PARTS)
         else:
-            template = cfg.texts[(number - 1) % len(cfg.texts)] if len(cfg.texts) > 1 else cfg.text
+            template = (
+                cfg.texts[pick if pick is not None else (number - 1) % len(cfg.texts)]
+                if len(cfg.texts) > 1
+                else cfg.text
+            )
             spelled = speller.spell(template, number)  # the pieces of --text are encoded once
         room = n - 1 if stop else n
         if len(spelled) > room and stop:  # keep the beginning and the end (where the answer is)

@@ -37,6 +37,12 @@ def add_stub_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         help="the text of every answer ('{i}' becomes the request number); given N times, the answers "
         "take the N texts in turn",
     )
+    parser.add_argument(
+        "--pick-by-seed",
+        action="store_true",
+        help="with several --text: answer a request that has a sampling_seed with the text drawn from "
+        "that seed and its prompt (the same seed and prompt, the same answer), not the next in turn",
+    )
     parser.add_argument("--weight-version", default="0", help='initial weight version (default: "0")')
     parser.add_argument(
         "--vocab-size", type=int, default=512, help="answer ids lie in [0, vocab-size) (default: 512)"
@@ -86,6 +92,7 @@ async def _serve(args: argparse.Namespace) -> int:
         response_tokens=max(0, args.response_tokens),
         text=args.text[0] if args.text else DEFAULT_TEXT,
         texts=tuple(args.text or ()),
+        pick_by_seed=args.pick_by_seed,
         weight_version=str(args.weight_version),
         vocab_size=max(4, args.vocab_size),
         eos_id=args.eos_id,

@@ -22,6 +22,7 @@ from mrlx_lab.stub_engine.answers import (
     sse,
     stream_chunk,
     streamed_tokens,
+    text_index,
 )
 from mrlx_lab.stub_engine.connection import Connection, error, json_response, response, stream_head
 from mrlx_plugin.core.values import JSON, JSONObject
@@ -263,7 +264,8 @@ class StubServer:
         cfg = st.config
         # "{i}" in --text becomes the request's number, so that answers differ like real ones.
         number = st.stats["generate"]
-        text = cfg.texts[(number - 1) % len(cfg.texts)] if len(cfg.texts) > 1 else cfg.text
+        pick = text_index(cfg, number, req) if len(cfg.texts) > 1 else None
+        text = cfg.texts[pick] if pick is not None else cfg.text
         text = text.replace("{i}", str(number)) if "{i}" in text else text
         # Prompt length: exact for ids; for text there is no tokenizer here, so ~4 chars a token.
         sizes = [
@@ -285,6 +287,7 @@ class StubServer:
                     eos_in_text,
                     fault,
                     number,
+                    pick,
                 )
                 answers.append(one)
             return answers if batched else answers[0]

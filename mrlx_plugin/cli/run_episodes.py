@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         wall = time.monotonic() - started
 
     from mrlx_plugin.core.metrics import compute_metrics
-    from mrlx_plugin.rewards.shaping import normalize
+    from mrlx_plugin.rollout import normalize
 
     metrics = compute_metrics(samples)
     advantages = normalize(args, samples)[1] if not ns.evaluation else [0.0] * len(samples)

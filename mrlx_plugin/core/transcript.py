@@ -87,6 +87,9 @@ class Transcript:
     raw_reward: float | None = None  # the grader's reward before shaping
     label: str = ""  # free-form name for logs ("solver-3")
     role: str = ""  # a role within the agent (a game seat): its own baseline when normalising
+    # The LoRA adapter this transcript's turns are sampled from when it is not the agent's own
+    # (`agent.adapter`): a game seat played by a past snapshot of the agent (`systems.game_pool`).
+    adapter: str | None = None
     # One entry per turn: the turn's own reward (None: not scored yet; see episodes.samples.turn_returns).
     turn_rewards: list[float | None] = field(default_factory=list)
     # One entry per turn: what the agent saw when it took the turn, as a key (a game's
@@ -96,8 +99,12 @@ class Transcript:
     # their scores; and the taken candidate's own score.
     branches: dict[int, list[tuple[Turn, float]]] = field(default_factory=dict)
     taken_scores: dict[int, float] = field(default_factory=dict)
+    taken_candidates: dict[int, int] = field(default_factory=dict)  # turn -> the taken one's index
     # A copy played ahead to score a candidate (`fork`): never trained, its turns not the episode's.
     lookahead: bool = False
+    # A lookahead's own sampling luck: the turn it plays ahead from (e.g. "rollout@first:2:"), so
+    # that its seeds are none of the episode's (`episodes.turn._seeded`); "" for the episode's own.
+    luck: str = ""
     prompt_messages: list[dict[str, str]] = field(default_factory=list)
     # OpenAI function specs the chat template renders (agents as code); part of every rendering.
     tools: list[dict] | None = None
@@ -250,6 +257,7 @@ class Transcript:
             turn_keys=list(self.turn_keys),
             branches={},
             taken_scores={},
+            taken_candidates={},
             lookahead=True,
             _held=list(self._held),
         )

@@ -151,13 +151,12 @@ def turn_samples(episode: Episode, t: Transcript) -> list[HostSample]:
     for i, turn in enumerate(t.turns):
         candidates = t.branches.get(i)
         reward = t.taken_scores[i] if candidates is not None and by_score else returns[i]
-        out.append(
-            t.turn_sample(
-                episode.sample, episode.rollout_id, i, turn, reward, meta=sample_meta(episode, t, i)
-            )
-        )
-        for candidate, score in candidates or []:
-            meta = sample_meta(episode, t, i, candidate=True)
+        taken = t.taken_candidates.get(i)
+        meta = sample_meta(episode, t, i, index=taken)
+        out.append(t.turn_sample(episode.sample, episode.rollout_id, i, turn, reward, meta=meta))
+        others = [k for k in range(len(candidates or []) + 1) if k != taken]
+        for k, (candidate, score) in zip(others, candidates or []):
+            meta = sample_meta(episode, t, i, candidate=True, index=k)
             out.append(t.turn_sample(episode.sample, episode.rollout_id, i, candidate, score, meta=meta))
     return out
 
@@ -180,18 +179,24 @@ def credit_group(episode: Episode, t: Transcript | None, turn: int | None) -> st
 
 
 def sample_meta(
-    episode: Episode, t: Transcript | None, turn: int | None = None, candidate: bool = False
+    episode: Episode,
+    t: Transcript | None,
+    turn: int | None = None,
+    candidate: bool = False,
+    index: int | None = None,
 ) -> dict[str, object]:
-    """What every sample of the episode carries in `metadata["mrlx"]`."""
+    """What every sample of the episode carries in `metadata["mrlx"]` (`index`: a tree-sampled
+    turn's candidate, in the order the K were sampled)."""
     counts = episode.counts
     return {
         "agent": t.agent if t is not None else None,
         "label": t.label if t is not None else None,
         "role": t.role if t is not None else None,
         # the LoRA adapter that produced the sample's turns (None: the engine's base model)
-        "adapter": episode.settings.agents[t.agent].adapter if t is not None else None,
+        "adapter": (t.adapter or episode.settings.agents[t.agent].adapter) if t is not None else None,
         "turn": turn,
-        "candidate": candidate,
+        "candidate": candidate,  # sampled beside the turn the episode went on from
+        "candidate_index": index,
         "credit_group": credit_group(episode, t, turn),
         "episode_id": episode.id,
         "system": episode.settings.system,

@@ -145,6 +145,7 @@ async def take_turn(
     transcript.append_generated(candidates[taken])
     transcript.turn_rewards[-1] = scores[taken]
     transcript.taken_scores[index] = scores[taken]
+    transcript.taken_candidates[index] = taken
     transcript.branches[index] = [(c, s) for i, (c, s) in enumerate(zip(candidates, scores)) if i != taken]
     episode.counts.turns += 1
     episode.metadata["branch_candidates"] = episode.metadata.get("branch_candidates", 0) + k - 1
@@ -198,7 +199,7 @@ async def _sample(
         peer = PeerRetry(e.abort_retry_wait_s, episode.check_alive, failed)
     deadline = Deadline(e.peer_deadline_s if peer else e.request_timeout_s * (e.max_retries + 1))
     # An agent served as a LoRA adapter: the engine applies the adapter this request names.
-    route = {"lora_path": agent.adapter} if agent.adapter else None
+    route = {"lora_path": lora} if (lora := transcript.adapter or agent.adapter) else None
     try:
         result = await client.generate(
             transcript.tokens,
@@ -235,16 +236,20 @@ async def _sample(
 def _seeded(
     episode: TurnEpisode, transcript: Transcript, params: SamplingParams, candidate: int
 ) -> SamplingParams:
-    """`params` with the turn's sampling seed, when there is one: `engine.sampling_seed` mixed with
-    the episode, the transcript and the turn; the candidates of one turn must differ, so each
-    candidate after the first gets a seed derived from it (from the host's own seed too: slime's
-    deterministic inference sends one per sample, and all K would otherwise be the same answer)."""
+    """`params` with the turn's sampling seed, when there is one: `engine.sampling_seed` (or the
+    host's own seed: slime's deterministic inference sends one per sample) mixed with the episode,
+    the transcript and the turn. The candidates of one turn must differ, so each candidate after
+    the first gets a seed derived from it. A transcript played ahead (a rollout's, whose `luck`
+    names the turn it scores) draws its own seeds: were they the episode's, a rollout would sample
+    exactly what the episode's next candidate 0 samples, and a best pick would select on that
+    shared luck (candidate 0 of later turns biased; docs/credit.md)."""
     seed = episode.settings.engine.sampling_seed
-    where = f"{episode.id}:{transcript.label}:{len(transcript.turns)}"
+    where = f"{episode.id}:{transcript.luck}{transcript.label}:{len(transcript.turns)}"
+    suffix = f":{candidate}" if candidate else ""
     if seed is not None and "sampling_seed" not in params:
-        key = f"{seed}:{where}" + (f":{candidate}" if candidate else "")
-    elif candidate and "sampling_seed" in params:
-        key = f"{params['sampling_seed']}:{where}:{candidate}"
+        key = f"{seed}:{where}{suffix}"
+    elif (candidate or transcript.luck) and "sampling_seed" in params:
+        key = f"{params['sampling_seed']}:{where}{suffix}"
     else:
         return params
     return {**params, "sampling_seed": zlib.crc32(key.encode()) & 0x7FFFFFFF}

@@ -17,7 +17,7 @@ import asyncio
 import math
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from typing import Protocol, SupportsFloat, cast
+from typing import TYPE_CHECKING, Protocol, SupportsFloat, cast
 
 import numpy as np
 
@@ -25,6 +25,9 @@ from mrlx_plugin.core.host import HOST, HOST_PROCESS, HostSample, Status, host_r
 from mrlx_plugin.core.transcript import strip_reasoning
 from mrlx_plugin.core.values import finite_reward
 from mrlx_plugin.rewards.grading import MathVerifier, grade_math
+
+if TYPE_CHECKING:
+    from mrlx_plugin.core.config import Settings
 
 GRPO_FAMILY = ("grpo", "gspo", "cispo", "reinforce_plus_plus_baseline")
 STD_NORMALIZED = ("grpo", "gspo", "cispo")
@@ -125,17 +128,33 @@ def _record(sample: HostSample) -> Mapping[str, object]:
     return cast("Mapping[str, object]", (sample.metadata or {}).get("mrlx") or {})
 
 
-def normalize(args: argparse.Namespace, samples: Sequence[HostSample]) -> tuple[list[float], list[float]]:
+# `rewards.lone_baseline: running`: the running mean of each credit group's rewards, keyed by
+# (run id, credit group), for the samples alone in their group. In this process's memory only:
+# a restarted rollout process starts afresh (its first step treats lone samples as `none` does).
+_LONE_BASELINES: dict[tuple[str, str], float] = {}
+
+
+def _in_tree_group(sample: HostSample) -> bool:
+    """Whether the sample is one of a tree-sampled turn's K candidates (the taken one included)."""
+    return _record(sample).get("candidate_index") is not None
+
+
+def normalize(
+    args: argparse.Namespace, samples: Sequence[HostSample], settings: Settings | None = None
+) -> tuple[list[float], list[float]]:
     """Return (raw_rewards, normalised_rewards), one per sample, in the order given.
 
     Within each group (`group_key`: the prompt group and the agent, with its role; per turn
     under `rewards.credit: turn`): subtract the mean and, for GRPO-style estimators with std
-    normalisation on, divide by the standard deviation (+1e-6). Groups of one sample and
-    groups with no spread get 0.0, never NaN: a turn only one episode of the prompt group
-    reached teaches nothing, and a turn some episodes never reached is compared among those
-    that did (the others' fillers are ABORTED). ABORTED and removed samples take no part in
-    the statistics and get 0.0. With `--disable-rewards-normalization`, or an estimator outside the
-    GRPO family, the raw rewards are returned unchanged.
+    normalisation on, divide by the standard deviation (+1e-6). Groups with no spread get 0.0,
+    never NaN. A group of one gets 0.0 (a turn only one episode of the prompt group reached
+    teaches nothing), or under `rewards.lone_baseline: running` its reward minus the running
+    mean of its credit group over earlier steps, where there is one (`_lone_advantages`). A turn
+    some episodes never reached is compared among those that did (the others' fillers are
+    ABORTED). ABORTED and removed samples take no part in the statistics and get 0.0. With
+    `--disable-rewards-normalization`, or an estimator outside the GRPO family, the raw rewards
+    are returned unchanged. `settings`: the job's (`mrlx_plugin.rollout.normalize`, the function
+    the host's flag names, passes them); without them lone turns get 0.0.
     """
     flat = list(samples)
     reward_key = getattr(args, "reward_key", None)
@@ -151,6 +170,8 @@ def normalize(args: argparse.Namespace, samples: Sequence[HostSample]) -> tuple[
             continue
         groups[group_key(s)].append(i)
     out = [0.0] * len(flat)
+    if settings is not None and settings.rewards.lone_baseline == "running":
+        _lone_advantages(settings, flat, raw, groups, out)
     values = np.asarray(raw, dtype=np.float64)
     for members in groups.values():
         if len(members) < 2:
@@ -163,6 +184,38 @@ def normalize(args: argparse.Namespace, samples: Sequence[HostSample]) -> tuple[
         for i, x in zip(members, centred.tolist()):
             out[i] = x
     return raw, out
+
+
+def _lone_advantages(
+    settings: Settings,
+    flat: list[HostSample],
+    raw: list[float],
+    groups: Mapping[tuple[int | None, object], list[int]],
+    out: list[float],
+) -> None:
+    """`rewards.lone_baseline: running`: set `out` for each sample alone in its group to its raw
+    reward minus its credit group's running mean from earlier steps (left 0.0 where none exists),
+    then fold this step's mean of each credit group into that running mean.
+
+    The baseline is read before this step's update, so a sample never counts in its own baseline.
+    It is a plain difference, not divided by a spread: one sample has none. Tree-sampling groups
+    are left out both ways: their group is the K candidates of one context, whose comparison is
+    the estimator (a lone one is a turn whose siblings were lost), and their credit group names
+    the episode, so it never comes back in a later step."""
+    run, decay = settings.run_id, settings.rewards.baseline_decay
+    step: dict[str, list[float]] = defaultdict(list)
+    for (_, credit), members in groups.items():
+        if not isinstance(credit, str) or any(_in_tree_group(flat[i]) for i in members):
+            continue
+        step[credit] += [raw[i] for i in members]
+        baseline = _LONE_BASELINES.get((run, credit))
+        if len(members) == 1 and baseline is not None:
+            out[members[0]] = raw[members[0]] - baseline
+    for credit, rewards in step.items():
+        mean = float(np.mean(rewards))
+        old = _LONE_BASELINES.get((run, credit))
+        # The first value is the mean itself: an EMA started at 0 would pull early baselines toward 0.
+        _LONE_BASELINES[(run, credit)] = mean if old is None else decay * old + (1.0 - decay) * mean
 
 
 # --------------------------------------------------------------------------------------------

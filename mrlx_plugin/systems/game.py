@@ -69,7 +69,16 @@ from mrlx_plugin.core.transcript import Transcript, Turn, strip_reasoning
 from mrlx_plugin.core.values import finite_reward
 from mrlx_plugin.episodes import Episode, EpisodeContext, Outcome, Registered, System
 from mrlx_plugin.episodes.samples import turn_returns
-from mrlx_plugin.systems.game_pool import check_member, frozen_agent, watch_member
+from mrlx_plugin.systems.game_pool import (
+    PopulationSettings,
+    check_member,
+    frozen_agent,
+    lookahead_view,
+    population_problems,
+    population_seats,
+    seat_view,
+    watch_member,
+)
 from mrlx_plugin.systems.games import BUILT_IN_GAMES, Game, M, S, SomeGame, boxed
 from mrlx_plugin.systems.libraries import is_library_game
 from mrlx_plugin.systems.library_games import library_game
@@ -117,6 +126,11 @@ class GameSettings(SystemSection):
         "nothing trained); `settle`: its own reward plus what it settles at once (the outcome of a "
         "move that ends the game, the penalty of an illegal one)",
     )
+    population: PopulationSettings | None = Field(
+        None,
+        description="self-play against a population of the agent's own past policies, served as LoRA "
+        "adapters of the same base (docs/games.md); none = every seat plays its player's latest policy",
+    )
 
     def problems(self, settings: Settings, path: str) -> list[str]:
         """Who sits where names agents, scripts or the pool (the game's own checks, of its seats
@@ -142,7 +156,7 @@ class GameSettings(SystemSection):
             check_player(f"{path}.opponents[{i}]", who, pool_ok=False)
         if self.seats is not None and len(self.seats) < 1:
             errors.append(f"{path}.seats: list at least one seat")
-        return errors
+        return errors + population_problems(settings, f"{path}.population", _seats_of)
 
 
 # --- which game, who plays ------------------------------------------------------------------
@@ -193,7 +207,26 @@ def check_game(settings: Settings, games: Mapping[str, Registered]) -> list[str]
         game.max_moves(dict(g.options))  # the options' own checks
     except (ConfigError, ValueError) as exc:
         return [str(exc)]
+    r = settings.rewards
+    hidden = not getattr(game, "perfect_information", False)
+    if r.credit == "turn" and r.branch > 1 and hidden and not can_resample(game):
+        return [
+            f"mrlx.rewards.branch: game {g.name!r} hides information from its seats (it does not "
+            "declare perfect_information) and cannot redraw it (no working `resample`): tree "
+            "sampling would score each candidate on the true state, so the pick and the scores "
+            "would use what the seat cannot see (a poker seat's candidates judged by the other's "
+            "hidden card). Set rewards.branch: 1 (per-turn credit without tree sampling), or give "
+            "the game `perfect_information = True` if no seat ever lacks information, or a "
+            "`resample` method (docs/games.md)"
+        ]
     return []
+
+
+def can_resample(game: SomeGame) -> bool:
+    """Whether `game` redraws hidden information (`Game.resample` overridden, and the game does not
+    say that it cannot: a library adapter's `resamples`)."""
+    method = getattr(type(game), "resample", None)
+    return method is not None and method is not Game.resample and bool(getattr(game, "resamples", True))
 
 
 def check_players(game: SomeGame, settings: Settings, source: str) -> None:
@@ -321,23 +354,34 @@ class _Table(Generic[S]):
     made: list[int]  # moves made per seat
     rng: random.Random  # the scripted players' draws
     watched: dict[int, OnFault]  # the `on_fault` of each seat a frozen pool member plays
+    start: S  # the state the game started from
+    # Every move made, in order: the seat, the move, and the model turn that made it (None: a script's).
+    moves: list[tuple[int, M, Turn | None]] = dataclasses.field(default_factory=list)
     lookahead: bool = False
+    luck: str = ""  # a lookahead's: its transcripts' `luck` (their own sampling seeds)
 
-    def fork(self, rng: random.Random) -> _Table[S]:
+    def fork(self, rng: random.Random, luck: str) -> _Table[S]:
+        views = {i: t.fork() for i, t in self.views.items()}
+        for t in views.values():
+            t.luck = luck
         return _Table(
             self.state,
             self.players,
-            {i: t.fork() for i, t in self.views.items()},
+            views,
             {i: list(u) for i, u in self.unread.items()},
             list(self.made),
             rng,
             self.watched,
+            self.start,
+            list(self.moves),
             lookahead=True,
+            luck=luck,
         )
 
-    def advance(self, game: Game[S, M], seat: int, move: M, after: S) -> None:
-        """`seat` made the legal `move` (giving `after`): the others are told of it."""
+    def advance(self, game: Game[S, M], seat: int, move: M, after: S, turn: Turn | None = None) -> None:
+        """`seat` made the legal `move` (giving `after`), in model turn `turn`: the others are told of it."""
         self.made[seat] += 1
+        self.moves.append((seat, move, turn))
         for other in self.unread:
             if other != seat:
                 self.unread[other].append(game.describe_move(self.state, seat, move))
@@ -388,33 +432,44 @@ async def _play(episode: Episode, game: Game[S, M], table: _Table[S]) -> _End:
 
 async def _agent_move(
     episode: Episode, game: Game[S, M], table: _Table[S], seat: int, text: str
-) -> tuple[M, S] | None:
-    """One model turn of the agent in `seat`, shown `text`: (move, next state), None if illegal."""
+) -> tuple[M, S, Turn] | None:
+    """One model turn of the agent in `seat`, shown `text`: (move, next state, the turn), None if illegal."""
     g = episode.settings.game
     name, player, state = game.seats[seat], table.players[seat], table.state
     producer = game_producer(episode.context, g.name)
     message = [{"role": "user", "content": text}]
     t = table.views.get(seat)
     if t is None and table.lookahead:
-        opened = episode.open_transcript(player, message, label=name, role=name, lookahead=True)
+        opened = lookahead_view(episode, player, message, name)
         if isinstance(opened, str):
             raise _Stop(f"context full ({name})")
         t = table.views[seat] = opened
+        t.luck = table.luck
     elif t is None:
-        t = table.views[seat] = episode.new_transcript(player, message, label=name, role=name)
+        t = table.views[seat] = seat_view(episode, player, message, name)
     elif not t.append_messages(message):
         raise _Stop(f"context full ({name})")
 
     async def score(turn: Turn) -> float:  # a candidate move, for tree sampling
+        # Scored where the seat could believe it is: in a game that hides information, a state
+        # redrawn from what the seat knows (the same for every candidate of the turn), never
+        # the true one, which would let the pick and the scores use what the seat cannot see.
+        luck = f"rollout@{name}:{table.made[seat]}:"
+        rng = random.Random(zlib.crc32(f"{episode.id}:{luck}".encode()))
+        hidden = not getattr(game, "perfect_information", False)
+        try:
+            base = _believed(episode, game, table, seat, rng, luck) if hidden else None
+        except _Stop:  # another seat's redrawn view outgrew its context: as a game cut short, a draw
+            return 0.0
         move, after, own, settled = judge_move(
-            game, state, seat, strip_reasoning(turn.text), g.illegal_penalty, producer
+            game, base.state if base else state, seat, strip_reasoning(turn.text), g.illegal_penalty, producer
         )
         if move is None or g.branch_score == "settle":
             return settled
         reached = cast(S, after)  # a legal move's next state
         if game.to_move(reached) is None:
             return settled
-        return await _rollout(episode, game, table, seat, turn, (move, reached, own))
+        return await _rollout(episode, game, base or table.fork(rng, luck), seat, turn, (move, reached, own))
 
     before = len(t.turns)
     await episode.generate(t, score=score, on_fault=table.watched.get(seat))
@@ -428,30 +483,88 @@ async def _agent_move(
     # What the seat knew, to compare the turn with those that knew the same (an optional method).
     known = getattr(game, "information_state", None)
     t.turn_keys[-1] = None if known is None else known(state, seat)
-    return None if move is None else (move, cast(S, after))  # a legal move has its next state
+    return None if move is None else (move, cast(S, after), t.turns[-1])  # a legal move has its next state
 
 
 async def _rollout(
-    episode: Episode, game: Game[S, M], table: _Table[S], seat: int, turn: Turn, judged: tuple[M, S, float]
+    episode: Episode, game: Game[S, M], fork: _Table[S], seat: int, turn: Turn, judged: tuple[M, S, float]
 ) -> float:
     """A candidate move's return (`branch_score: rollout`): the game played on from it to its
-    end on a fork of the table, every seat by its own player, one engine call per model move
-    and no tree sampling; the return as a turn's under per-turn credit (`episodes.samples.turn_returns`).
+    end on `fork` (a copy of the table, or in a game that hides information the table as the
+    seat could believe it: `_believed`), every seat by its own player, one engine call per model
+    move and no tree sampling; the return as a turn's under per-turn credit
+    (`episodes.samples.turn_returns`).
 
-    The draws (scripted players, and the engine's sampling seeds, which come from the episode,
-    the seat and the turn index) do not depend on which candidate is scored: candidates that
-    are the same text get the same score, and different ones meet the same luck."""
+    The draws (scripted players, the engine's sampling seeds, the redrawn hidden information)
+    come from the episode and the turn scored (the fork's `luck`), not from the candidate:
+    candidates that are the same text get the same score, and different ones meet the same luck;
+    and none is the episode's own, so nothing the episode plays later shares a rollout's luck."""
     move, after, own = judged
-    fork = table.fork(random.Random(zlib.crc32(f"{episode.id}:rollout:{seat}:{table.made[seat]}".encode())))
     t = fork.views[seat]
     t.append_generated(dataclasses.replace(turn))
     t.turn_rewards[-1] = own
     index = len(t.turns) - 1
-    fork.advance(game, seat, move, after)
+    fork.advance(game, seat, move, after, t.turns[-1])
     end = await _play(episode, game, fork)
     t = fork.views[seat]  # the same transcript (a seat's view opens before its first move)
     t.reward = (end.outcome or [0.0] * len(game.seats))[seat]
     return turn_returns(episode, t)[index]
+
+
+def _believed(
+    episode: Episode, game: Game[S, M], table: _Table[S], seat: int, rng: random.Random, luck: str
+) -> _Table[S]:
+    """The table as `seat` could believe it is, to play a candidate on from: a start state the game
+    redraws from what the seat knows (`resample`), and the moves made replayed on it, each seat's
+    view rendered as the game renders it and each model turn as it was taken. The seat's own view
+    must come out as it is (it knows nothing that changed), which is checked."""
+    g, names = episode.settings.game, game.seats
+    producer = game_producer(episode.context, g.name)
+    if not can_resample(game):  # refused at start-up (check_game)
+        raise RuntimeError(f"{producer} hides information and cannot resample it")
+    start = game.resample(table.start, [(s, m) for s, m, _ in table.moves], seat, rng)
+    fork = _Table(
+        start,
+        table.players,
+        {},
+        {i: [] for i in table.unread},
+        [0] * len(table.made),
+        rng,
+        table.watched,
+        start,
+        lookahead=True,
+        luck=luck,
+    )
+
+    def show(s: int) -> Transcript:  # what `_play` and `_agent_move` show seat s before its move
+        text = " ".join([*fork.unread[s], game.observation(fork.state, s)])
+        fork.unread[s] = []
+        message = [{"role": "user", "content": text}]
+        t = fork.views.get(s)
+        if t is None:
+            opened = lookahead_view(episode, table.players[s], message, names[s])
+            if isinstance(opened, str):  # the true view held it: this one's text is longer
+                raise _Stop(f"context full ({names[s]})")
+            t = fork.views[s] = opened
+            t.luck = luck
+        elif not t.append_messages(message):
+            raise _Stop(f"context full ({names[s]})")
+        return t
+
+    for s, move, turn in table.moves:
+        if turn is not None:
+            show(s).append_generated(dataclasses.replace(turn))
+        fork.advance(game, s, move, game.play(fork.state, s, move), turn)
+    if game.to_move(fork.state) == seat:
+        show(seat)
+    mine, real = fork.views.get(seat), table.views.get(seat)
+    if (mine and mine.tokens) != (real and real.tokens) or (game.to_move(fork.state) != seat):
+        raise RuntimeError(
+            f"{producer}: resample gave seat {names[seat]} a state it can tell from the true one (its "
+            "view or its turn to move differs after the moves were replayed); resample must keep "
+            "everything the seat knows"
+        )
+    return fork
 
 
 async def run_game(episode: Episode) -> Outcome:
@@ -462,7 +575,10 @@ async def run_game(episode: Episode) -> Outcome:
         pool_draw(pool_key(episode), g.opponents, i) if who == POOL_SEAT else who
         for i, who in enumerate(seat_players(episode.settings))
     ]
-    first = first_agent_seat(players, episode.settings)
+    # A population (`population`): the trained agent's seats filled with its latest policy or its
+    # snapshots (`AGENT@VERSION`), per prompt group; the learner's seat reports the episode.
+    players, learner = population_seats(episode, pool_key(episode), players, names)
+    first = learner if learner is not None else first_agent_seat(players, episode.settings)
     others = [who for i, who in enumerate(players) if i != first]
     episode.metadata.update(
         game=g.name,
@@ -480,7 +596,9 @@ async def run_game(episode: Episode) -> Outcome:
         check_member(episode, players[i])  # a member known to be down: no move is made at all
     rng = random.Random(zlib.crc32(episode.id.encode()))
     state = game.start(episode.problem, episode.label, rng, dict(g.options))
-    table = _Table(state, players, {}, {i: [] for i in range(len(names))}, [0] * len(names), rng, watched)
+    table = _Table(
+        state, players, {}, {i: [] for i in range(len(names))}, [0] * len(names), rng, watched, state
+    )
     end = await _play(episode, game, table)
     if end.stopped_by is not None:
         episode.metadata["stopped_by"] = end.stopped_by

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import random
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, TypeVar
 
@@ -47,14 +47,19 @@ def boxed(text: str) -> str | None:
 
 
 def boxed_move(text: str, legal: list[M]) -> M | None:
-    """The legal move the last `\\boxed{...}` of `text` names (case and spaces ignored), or None."""
+    """The legal move the last `\\boxed{...}` of `text` names (surrounding spaces ignored), or
+    None. A move spelled exactly is that move; otherwise case is ignored, but only where that
+    leaves one legal move: in chess `Bxa6` (a bishop) and `bxa6` (a pawn) can both be legal, and
+    an answer that could be either is no move."""
     answer = boxed(text)
     if answer is None:
         return None
+    answer = answer.strip()
     for move in legal:
-        if str(move).strip().lower() == answer.strip().lower():
+        if str(move).strip() == answer:
             return move
-    return None
+    folded = [move for move in legal if str(move).strip().lower() == answer.lower()]
+    return folded[0] if len(folded) == 1 else None
 
 
 def game_options(game: str, options: GameOptions, defaults: dict[str, int]) -> dict[str, int]:
@@ -90,6 +95,10 @@ class Game(Generic[S, M]):
     seats: tuple[str, ...] = ()
     #: The scripted players the game provides (`script:NAME` seats); `random` always.
     scripts: tuple[str, ...] = ("random",)
+    #: Whether every seat always knows the whole state (no hidden cards, no unseen moves). Tree
+    #: sampling scores a candidate by playing on from the state; a game that hides information
+    #: must give `resample` instead, or tree sampling is refused for it (docs/credit.md).
+    perfect_information: bool = False
 
     def start(self, problem: str, label: object, rng: random.Random, options: GameOptions) -> S:
         """The initial state for one episode, from the input sample's prompt text and label.
@@ -119,7 +128,8 @@ class Game(Generic[S, M]):
         """The legality check: the move an answer makes, or None when it makes no legal move.
 
         `text` is the model's answer without its reasoning. The default reads the last
-        `\\boxed{...}` and matches it (case and spaces ignored) against `legal_moves`."""
+        `\\boxed{...}` and matches it against `legal_moves`: exactly, or ignoring case where that
+        leaves one move (`boxed_move`)."""
         return boxed_move(text, self.legal_moves(state, seat))
 
     def play(self, state: S, seat: int, move: M) -> S:
@@ -154,6 +164,15 @@ class Game(Generic[S, M]):
         (a move that is text the seat wrote: through `quote`, as in `observation`)."""
         return f"{self.seats[seat]} plays {move}."
 
+    def resample(self, start: S, moves: Sequence[tuple[int, M]], seat: int, rng: random.Random) -> S:
+        """For a game that hides information: a start state `seat` cannot tell from `start` after
+        `moves` (the (seat, move) pairs made since, in order), drawn with `rng` as the game's chance
+        would deal it among those. Replaying `moves` on it must be legal at every step and show
+        `seat` exactly what it was shown; only what the seat never saw may differ. Tree sampling
+        plays its candidates on from such a state, so that no score uses what the seat cannot
+        know. Optional: the default is that the game cannot."""
+        raise NotImplementedError
+
     def information_state(self, state: S, seat: int) -> str | None:
         """What `seat` knows when it is to move, as a string: two states with the same string
         must be indistinguishable to the seat (OpenSpiel's information state). Per-turn credit
@@ -187,6 +206,7 @@ class Nim(Game[NimState, int]):
 
     seats = ("first", "second")
     scripts = ("random", "optimal")
+    perfect_information = True
     option_defaults: ClassVar[dict[str, int]] = {"max_take": 3, "max_stones": 9}
 
     def start(self, problem: str, label: object, rng: random.Random, options: GameOptions) -> NimState:
@@ -348,6 +368,15 @@ class KuhnPoker(Game[KuhnState, str]):
     def describe_move(self, state: KuhnState, seat: int, move: str) -> str:
         return f"Your opponent {_VERBS[move]}."
 
+    def resample(
+        self, start: KuhnState, moves: Sequence[tuple[int, str]], seat: int, rng: random.Random
+    ) -> KuhnState:
+        """The seat keeps its card; the other is dealt again from the two left (the actions are
+        public, so every such deal shows the seat the same game)."""
+        mine = start.cards[seat]
+        other = rng.choice([c for c in CARDS if c != mine])
+        return KuhnState((mine, other) if seat == 0 else (other, mine))
+
     def information_state(self, state: KuhnState, seat: int) -> str:
         """The seat's own card and every action so far (the other card stays hidden): one string
         per information set, 12 in all, as OpenSpiel's kuhn_poker has."""
@@ -375,6 +404,7 @@ class Chain(Game[ChainState, int]):
 
     seats = ("solver",)
     scripts = ("random", "optimal")
+    perfect_information = True
     option_defaults: ClassVar[dict[str, int]] = {"max_steps": 3}
 
     def start(self, problem: str, label: object, rng: random.Random, options: GameOptions) -> ChainState:

@@ -8,11 +8,16 @@ system's lookups (`check_game`, `the_game`, `game_turns`) ask for it by name.
 - `openspiel:NAME`: any sequential (turn-based) OpenSpiel game; `mrlx.game.options` are the
   game's parameters (`pyspiel.load_game(NAME, options)`). Seats `player0`, `player1`, ... A seat
   is shown OpenSpiel's observation string for it (its information state string when the game has
-  none) and the legal action strings, and answers `\\boxed{ACTION}`. Chance nodes are resolved
-  here, from a seed drawn at `start` from the episode's generator and kept in the state, so that
-  `play` is a function of the state and the move alone. The outcome is OpenSpiel's returns.
-  Before a game is built here it is tried with its options in a child process under time,
-  memory and size bounds (`_tried`): OpenSpiel checks few options itself.
+  none) and the legal action strings, and answers `\\boxed{ACTION}` (`boxed_move`: exactly,
+  else with case ignored where that leaves one move). Chance nodes are resolved here, from a
+  seed drawn at `start` from the episode's generator and kept in the state, so that `play` is a
+  function of the state and the move alone; a game that draws chance from a generator of its
+  own (sampled-stochastic) is refused. The outcome is OpenSpiel's returns. Before a game is
+  built here it is tried with its options in a child process under time, memory and size
+  bounds, one random game played through the adapter (`_tried`): OpenSpiel checks few options
+  itself, and some games cannot be played through their action strings. `resample` draws a
+  start consistent with what a seat knows (tree sampling's rollouts in imperfect-information
+  games), where `resamples` is True.
 - `textarena:ENV_ID`: any TextArena env, through the adapter of `systems.textarena_game`.
 
 `kuhn_exploitability` scores a policy of the built-in `kuhn_poker` with OpenSpiel's
@@ -28,7 +33,8 @@ import random
 import signal
 import subprocess
 import sys
-from collections.abc import Mapping
+import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -78,13 +84,22 @@ def library_game(name: str, options: GameOptions) -> OpenSpielGame | TextArenaGa
 # imports took; each position's text must stay within the size bounds below (the longest of the
 # library's games at their default options, for scale: an observation string of about 2,200
 # characters (twixt), 362 legal moves (go), 11,000 characters of legal move strings (battleship)).
+# It then plays that random game on to its end, or to TRIAL_GAME_MOVES moves or TRIAL_GAME_S
+# seconds (a quarter of its time bound at most), so that a game whose moves cannot be named past
+# its opening (morpion_solitaire's action strings repeat) or whose positions cannot be replayed
+# from their history is refused at start-up, not in the middle of a run.
 TRIAL_S = 10.0
 TRIAL_MOVES = 8
+TRIAL_GAME_MOVES = 5_000
+TRIAL_GAME_S = 2.0
 TRIAL_MEMORY = 4 << 30
 MAX_VIEW_CHARS = 20_000  # an observation or information state string
 MAX_MOVES = 1_000  # legal moves at one position
 MAX_MOVE_CHARS = 50_000  # the legal moves' strings together
 _TRIAL_IMPORT_S = 60.0  # the trial process's start and imports, before its own bound applies
+_UNSEEDED_CHANCE = ("SAMPLED_STOCHASTIC",)  # chance modes whose outcomes are no actions of the history
+RESAMPLE_TRY_MOVES = 40  # `resamples` is tried along one random game of at most these moves,
+RESAMPLE_TRY_S = 1.0  # and stops trying past these seconds (bridge deals for a second a try)
 _VERDICTS: dict[str, str | None] = {}  # (name, parameters) -> the refusal, or None: tried once per process
 
 
@@ -186,7 +201,7 @@ def _trial_main() -> None:
     _bound_trial(seconds)
     verdict: dict[str, str | None]
     try:
-        verdict = {"cause": _trial(name, params)}
+        verdict = {"cause": _trial(name, params, seconds)}
     except ConfigError as exc:  # the adapter's own checks (a simultaneous-move game, ...)
         verdict = {"message": str(exc)}
     except pyspiel.SpielError as exc:
@@ -200,19 +215,23 @@ def _trial_main() -> None:
     print(json.dumps(verdict), flush=True)
 
 
-def _trial(name: str, params: dict[str, object]) -> str | None:
-    """Why OpenSpiel's `name` with `params` cannot be played, or None: built by the adapter,
-    its first position settled and TRIAL_MOVES random moves played, each position within the
-    size bounds. Runs in the trial's process; the adapter's own errors propagate."""
+def _trial(name: str, params: dict[str, object], seconds: float = TRIAL_S) -> str | None:
+    """Why OpenSpiel's `name` with `params` cannot be played, or None: built by the adapter, its
+    first position settled and one random game played through the adapter (its first TRIAL_MOVES
+    moves in any case, then on to its end within TRIAL_GAME_MOVES and the time left for it), each
+    position within the size bounds, its legal action strings the same when asked again, each
+    move made as a seat makes it (`parse_move` of the boxed string, then `play`), and each
+    position the same when its history is replayed on a fresh initial state. Runs in the
+    trial's process (`seconds`: its time bound); the adapter's own errors propagate."""
+    began = time.monotonic()
+    play_s = min(TRIAL_GAME_S, seconds / 4)
     game = OpenSpielGame(name, params, in_trial=True)
     rng = random.Random(0)
     state = game.start("", None, rng, {})
     if game.to_move(state) is None:
         return "its initial state is already terminal: the game is over before any move"
-    for made in range(TRIAL_MOVES + 1):
-        seat = game.to_move(state)
-        if seat is None:
-            break
+    made = 0
+    while (seat := game.to_move(state)) is not None:
         where = "its first position" if made == 0 else f"the position after {made} random move(s)"
         legal = len(state.state.legal_actions(seat))
         if legal > MAX_MOVES:
@@ -229,9 +248,59 @@ def _trial(name: str, params: dict[str, object]) -> str | None:
         size = sum(len(m) + 2 for m in moves)  # as listed: "a, b, c"
         if size > MAX_MOVE_CHARS:
             return f"its legal moves at {where} are {size} characters, over the {MAX_MOVE_CHARS} limit"
+        changed = (
+            f"its legal action strings at {where} change from one call to the next, so no answer "
+            "can name a move"
+        )
+        if game.legal_moves(state, seat) != moves:
+            return changed
         game.observation(state, seat)
-        if made < TRIAL_MOVES:
-            state = game.play(state, seat, rng.choice(moves))
+        # Replayed at the first position and then while the game's time lasts: a replay costs
+        # what the moves so far cost (bridge's deal alone takes about a second).
+        replayed = made == 0 or time.monotonic() - began <= play_s
+        differs = _replay_difference(game, state) if replayed else None
+        if differs is not None:
+            again = f"replaying its history on a fresh initial state does not give {where} again"
+            return f"{again} ({differs}){_UNREPLAYABLE}"
+        if made >= TRIAL_MOVES and (made >= TRIAL_GAME_MOVES or time.monotonic() - began > play_s):
+            return None  # a long game, sound so far: its opening was checked within the bound
+        move = rng.choice(moves)
+        if game.parse_move(state, seat, f"\\boxed{{{move}}}") != move:
+            if game.legal_moves(state, seat) != moves:
+                return changed
+            answer = f"\\boxed{{{move}}}"
+            return f"the answer {answer} at {where} does not make the move {move!r}: no seat can make it"
+        state = game.play(state, seat, move)
+        made += 1
+    return None
+
+
+_UNREPLAYABLE = (
+    ": its chance outcomes do not all come from its history, so an episode cannot be reproduced "
+    "nor a position replayed"
+)
+
+
+def _replay_difference(game: OpenSpielGame, state: SpielState) -> str | None:
+    """What differs between `state` and its history replayed on a fresh initial state (whose
+    turn, every seat's observation and information state, the legal actions), or None."""
+    replay = game.game.new_initial_state()
+    try:
+        for action in state.history:
+            replay.apply_action(action)
+    except Exception as exc:  # an action the replayed position does not allow
+        return f"its actions cannot be applied again: {_one_line(exc)[:300]}"
+    again = SpielState(state.history, state.seed, replay, state.forced)
+    if (replay.is_terminal(), game.to_move(again)) != (state.state.is_terminal(), game.to_move(state)):
+        return "whose turn it is differs"
+    for seat, name in enumerate(game.seats):
+        if game.view_string(again, seat) != game.view_string(state, seat):
+            return f"{name}'s {game.view} differs"
+        if game.information_state(again, seat) != game.information_state(state, seat):
+            return f"{name}'s information state differs"
+    seat = game.to_move(state)
+    if seat is not None and replay.legal_actions(seat) != state.state.legal_actions(seat):
+        return "the legal actions differ"
     return None
 
 
@@ -239,11 +308,14 @@ def _trial(name: str, params: dict[str, object]) -> str | None:
 class SpielState:
     """A position of an OpenSpiel game: its action history (chance outcomes included) and the
     seed its chance nodes are drawn from. `state` is the pyspiel state itself, never changed:
-    `play` applies a move to a clone."""
+    `play` applies a move to a clone. `forced` is a history whose chance outcomes come before
+    the seed's: a chance node reached along it takes its outcome there (a start drawn by
+    `resample`, whose replay must deal what the resampler dealt); () for an episode's own."""
 
     history: tuple[int, ...]
     seed: int
     state: SpielObject = field(compare=False, repr=False)
+    forced: tuple[int, ...] = ()
 
 
 def _spiel_options(name: str, spec: Mapping[str, object], options: GameOptions) -> dict[str, object]:
@@ -307,20 +379,61 @@ class OpenSpielGame(Game[SpielState, str]):
                 f"mrlx.game.name: OpenSpiel's {name} gives no observation or information state string, "
                 "so a seat cannot be shown its position as text; pick another game"
             )
+        if kind.chance_mode.name in _UNSEEDED_CHANCE:
+            raise ConfigError(
+                f"mrlx.game.name: OpenSpiel's {name} draws its chance outcomes from a random generator "
+                "of its own (its chance mode is sampled-stochastic), not from its history: replaying "
+                "its history does not give the same state, so an episode cannot be reproduced nor a "
+                "position replayed; pick a game whose chance outcomes are actions of its history "
+                "(explicit-stochastic, e.g. kuhn_poker, leduc_poker) or a deterministic one"
+            )
         self.name = name
+        self.spiel_error = pyspiel.SpielError
         self.seats = tuple(f"player{i}" for i in range(self.game.num_players()))
-        self.perfect = kind.information == pyspiel.GameType.Information.PERFECT_INFORMATION
+        self.perfect_information = kind.information == pyspiel.GameType.Information.PERFECT_INFORMATION
         self.view = "observation" if kind.provides_observation_string else "information state"
         self.knows = "information state" if kind.provides_information_state_string else "observation"
+        # Whether `resample` works here: tried once, along one seeded random game (`_try_resample`).
+        self.resamples = False if in_trial else self._try_resample()
 
-    def _settle(self, state: SpielObject, seed: int) -> SpielState:
-        """`state` (a fresh one, owned here) with its chance nodes resolved, each drawn from the
-        seed and the history so far: the same position always draws the same outcome."""
+    def _try_resample(self) -> bool:
+        """`resample` for the seat to move at each position of a seeded random game, up to
+        RESAMPLE_TRY_MOVES moves and RESAMPLE_TRY_S seconds (one try at least): False when
+        OpenSpiel does not implement it for this game (SpielError) or its resampler changes what
+        it may not (ValueError; hearts' does only once the cards are passed, past move 12). A
+        perfect-information game is tried at its start only: its resampler can only return the
+        position it is given."""
+        began = time.monotonic()
+        bound = 0 if self.perfect_information else RESAMPLE_TRY_MOVES
+        rng = random.Random(0)
+        start = state = self.start("", None, rng, {})
+        moves: list[tuple[int, str]] = []
+        while (seat := self.to_move(state)) is not None and len(moves) <= bound:
+            try:
+                self.resample(start, moves, seat, rng)
+            except (self.spiel_error, ValueError):
+                return False
+            if time.monotonic() - began > RESAMPLE_TRY_S:
+                break
+            move = rng.choice(self.legal_moves(state, seat))
+            moves.append((seat, move))
+            state = self.play(state, seat, move)
+        return True
+
+    def _settle(self, state: SpielObject, seed: int, forced: tuple[int, ...] = ()) -> SpielState:
+        """`state` (a fresh one, owned here) with its chance nodes resolved: the outcome `forced`
+        has there while the history follows it, else drawn from the seed and the history so far:
+        the same position always draws the same outcome."""
         while state.is_chance_node():
+            history = state.history()
             actions, weights = zip(*state.chance_outcomes())
+            at = len(history)
+            if at < len(forced) and forced[at] in actions and tuple(history) == forced[:at]:
+                state.apply_action(forced[at])
+                continue
             draw = random.Random(f"{seed}:{state.history_str()}")
             state.apply_action(draw.choices(actions, weights=weights)[0])
-        return SpielState(tuple(state.history()), seed, state)
+        return SpielState(tuple(state.history()), seed, state, forced)
 
     def start(self, problem: str, label: object, rng: random.Random, options: GameOptions) -> SpielState:
         return self._settle(self.game.new_initial_state(), rng.randrange(2**62))
@@ -371,7 +484,53 @@ class OpenSpielGame(Game[SpielState, str]):
             raise ValueError(f"{OPENSPIEL}{self.name}: {move!r} is no legal move of {self.seats[seat]}")
         after = state.state.clone()
         after.apply_action(actions[move])
-        return self._settle(after, state.seed)
+        return self._settle(after, state.seed, state.forced)
+
+    def resample(
+        self, start: SpielState, moves: Sequence[tuple[int, str]], seat: int, rng: random.Random
+    ) -> SpielState:
+        """A start state drawn consistently with what `seat` knows after `moves` (the (seat,
+        action string) moves made since `start`, the episode's start, in order): OpenSpiel's
+        `resample_from_infostate` at the position they reach, its sampler and the new start's seed
+        drawn from `rng`. Replaying `moves` from it is legal at every step and shows `seat` the
+        same information state all along; its chance nodes along the replay deal what the
+        resampler dealt (`SpielState.forced`), those after it draw from its seed.
+
+        Raises OpenSpiel's SpielError where the game does not implement resampling (`resamples`
+        is False then), ValueError where its resampler changes other seats' moves."""
+        path = [start]
+        for who, move in moves:
+            path.append(self.play(path[-1], who, move))
+        sampler = random.Random(rng.randrange(2**62))
+        drawn = path[-1].state.resample_from_infostate(seat, sampler.random)
+        made = [(a.player, a.action) for a in path[-1].state.full_history() if a.player >= 0]
+        if [(a.player, a.action) for a in drawn.full_history() if a.player >= 0] != made:
+            raise ValueError(
+                f"{OPENSPIEL}{self.name}: its resampler changes other seats' moves; tree sampling's "
+                "rollouts cannot start from it"
+            )
+        forced = tuple(drawn.history())
+        new = self._settle(self.game.new_initial_state(), rng.randrange(2**62), forced)
+        state, why = new, None
+        for (who, move), was in zip(moves, path, strict=False):
+            if self.information_state(state, seat) != self.information_state(was, seat):
+                why = f"{self.seats[seat]}'s information state differs"
+                break
+            if move not in self._actions(state, who):
+                why = f"{move!r} of {self.seats[who]} is no legal move there"
+                break
+            state = self.play(state, who, move)
+        else:
+            if self.information_state(state, seat) != self.information_state(path[-1], seat):
+                why = f"{self.seats[seat]}'s information state differs"
+            elif state.history != forced:
+                why = "its chance outcomes differ"
+        if why is not None:
+            raise ValueError(
+                f"{OPENSPIEL}{self.name}: its resampled position does not replay the moves made ({why}); "
+                "tree sampling's rollouts cannot start from it"
+            )
+        return new
 
     def move_reward(self, state: SpielState, seat: int, move: str, next_state: SpielState) -> float:
         return 0.0
@@ -391,7 +550,9 @@ class OpenSpielGame(Game[SpielState, str]):
     def describe_move(self, state: SpielState, seat: int, move: str) -> str:
         """The move itself in a perfect-information game; else only that it was made (the seats'
         observations say what each may know of it)."""
-        return f"{self.seats[seat]} plays {move}." if self.perfect else f"{self.seats[seat]} has moved."
+        if self.perfect_information:
+            return f"{self.seats[seat]} plays {move}."
+        return f"{self.seats[seat]} has moved."
 
 
 # --- Kuhn poker against OpenSpiel -----------------------------------------------------------

@@ -21,7 +21,7 @@ import socket
 
 import pytest
 from _hookmodule import write_hook_module
-from _host import group, params, slime_args
+from _host import generate_all, group, params, slime_args
 
 from mrlx_lab.stub_engine import start_stub_engine
 from mrlx_plugin.core.host import Sample, Status
@@ -57,17 +57,10 @@ def run(url: str, tokenizer, mrlx: dict, samples: list[Sample], settings=None) -
     """One `generate` call per sample, concurrently, as the host makes them; each call's samples.
     `settings(runtime_settings)` may change the loaded settings first (a value no loader lets in)."""
 
-    async def go():
-        args = slime_args(url, str(tokenizer), mrlx, rollout_max_response_len=256)
-        if settings is not None:
-            settings(runtime_for(args).settings)
-        try:
-            outs = await asyncio.gather(*(generate(args, s, params(args)) for s in samples))
-        finally:
-            await (await get_runtime(args)).aclose()
-        return [o if isinstance(o, list) else [o] for o in outs]
-
-    return asyncio.run(go())
+    args = slime_args(url, str(tokenizer), mrlx, rollout_max_response_len=256)
+    if settings is not None:
+        settings(runtime_for(args).settings)
+    return generate_all(args, samples)
 
 
 def samples_of(
@@ -100,6 +93,7 @@ class Steps(Game):
     \"\"\"One seat, two moves; the stub's answer (\\\\boxed{{42}}) is the only legal move.\"\"\"
 
     seats = ("stepper",)
+    perfect_information = True  # tree sampling plays on from the true state
 
     def start(self, problem, label, rng, options):
         return 0

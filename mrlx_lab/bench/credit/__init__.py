@@ -21,12 +21,21 @@ actually spent are reported).
    Evaluated on held-out chains, none seen in training and none whose start value and first step
    open any training chain: success (every step right) and steps right.
 2. `nim` (one pile, take 1 to 3, who takes the last stone wins): self-play with per-turn credit
-   (`nim`), and with tree sampling too (`nim-tree`). Trained on starting piles 3, 4, 6, 8 and 9;
+   (`nim`: GRPO, lone turns 0), with mean-only advantages and a running baseline for lone turns
+   (`nim-mean`), and with tree sampling too (`nim-tree`). Trained on starting piles 3, 4, 6, 8 and 9;
    evaluated against `script:random` and `script:optimal` in both seat orders, on those piles and
    on the held-out starting piles 5 and 7 apart; and probed: the share of optimal moves from
    winning positions.
-3. `kuhn` (Kuhn poker): self-play with per-turn credit; the learned policy is probed at its 12
-   information states and scored by its exploitability (OpenSpiel; uniform play: 0.458).
+3. `kuhn` (Kuhn poker): self-play with per-turn credit (`kuhn`, as `nim`; `kuhn-mean`, as
+   `nim-mean`; `kuhn-entropy`, `kuhn-mean` with an entropy bonus); the learned policy is probed at
+   its 12 information states and scored by its exploitability (OpenSpiel; uniform play: 0.458).
+   So are --snapshots policies evenly spaced in training steps (every step's checkpoint kept,
+   loaded into the arm's engine after training): their average policy, each snapshot weighted
+   alike in time and by its own seat's reach of each information state, is what fictitious play
+   drives to an equilibrium, and its exploitability is reported beside the last iterate's.
+
+The arms run by default are the games' controls and their `-mean` arms (`DEFAULT_ARMS`);
+`--arms all` adds the chain's, `nim-tree` and `kuhn-entropy`.
 
 A probe asks the arm's engine for N answers (temperature 1) to each position, rendered as the game
 system renders it for that seat (its observations, its own earlier moves, the other seat's moves

@@ -28,6 +28,7 @@ from mrlx_lab.bench.credit.settings import (
     TRAINER,
     WARMUP_EXAMPLES,
     arm_settings,
+    arm_trainer,
 )
 from mrlx_lab.bench.credit.tasks import chain_sets, nim_prompt, warmup_data
 from mrlx_plugin.core.values import JSON, JSONObject
@@ -51,6 +52,7 @@ def job_config(
     ns: argparse.Namespace,
     seed: int,
     part: str,
+    trainer: JSONObject | None = None,
 ) -> Path:
     doc = {
         "mrlx": {
@@ -73,6 +75,7 @@ def job_config(
                 "lr_min": ns.lr,
                 "warmup_sft_steps": ns.warmup_steps,
                 "ppo_epochs": ns.ppo_epochs,
+                **(trainer or {}),
             },
         }
     }
@@ -98,7 +101,11 @@ def run_trainer(
         shown, t0 = 0, time.monotonic()
         while True:
             done = job.poll() is not None
-            rows = read_rows(out / "metrics.jsonl")
+            try:
+                rows = read_rows(out / "metrics.jsonl")
+            except ValueError:  # a row half written as it was read: read it whole next time
+                time.sleep(0.2)
+                continue
             if show is not None and not ns.quiet:
                 for row in rows[shown:]:
                     line = show(row)
@@ -190,9 +197,11 @@ def run_arm(
     ns: argparse.Namespace,
     show: Show | None,
     probe: Probe | None = None,
+    snapshots: int = 0,
 ) -> JSONObject:
     """One arm from `model`: its engine and its trainer, until `budget` engine calls are spent;
-    the probe (if any) of the engine before and after training. Its metrics rows and more."""
+    the probe (if any) of the engine before and after training, and with `snapshots`, of that
+    many policies evenly spaced over training (`probe_snapshots`). Its metrics rows and more."""
     import shutil
 
     from mrlx_plugin.core.processes import stop_all
@@ -245,11 +254,45 @@ def run_arm(
             str(seed),
             *eval_args,
         ]
+        if snapshots:  # every step's checkpoint, for the snapshots probed after training
+            argv += ["--keep-checkpoints", str(most_steps + 1)]
         rows = run_trainer(argv, logs / "trainer.log", work / "trainer", f"seed {seed} {arm}", ns, show)
         if probe is not None:
             out["probe_after"] = probe(engine.url, model, ns, seed)
+            if snapshots:
+                out["snapshots"] = probe_snapshots(
+                    engine.url, model, work / "trainer", out, snapshots, probe, ns
+                )
     out["wall_time_s"] = time.monotonic() - started
     return out | {"rows": rows}
+
+
+def probe_snapshots(
+    url: str, model: Path, trainer_out: Path, run: JSONObject, n: int, probe: Probe, ns: argparse.Namespace
+) -> list[JSONObject]:
+    """The probes of `n` policies evenly spaced in training steps, the start and the last
+    included (`run`'s probe_before and probe_after): each other one's checkpoint is loaded into
+    the engine at `url` and probed (its own sampling seed). The checkpoints are then removed.
+    [{"after_steps": t, **probe}], t = 0 .. the steps trained."""
+    import shutil
+
+    from mrlx_plugin.local.trainer.weights import push_weights
+
+    found = sorted(p for p in (trainer_out / "checkpoints").glob("step_*") if not p.name.endswith(".tmp"))
+    last = len(found)  # checkpoint step_{i} holds the policy after i + 1 steps
+    spots = sorted({round(j * last / max(1, n - 1)) for j in range(n)})
+    out: list[JSONObject] = []
+    for t in spots:
+        if t == 0:
+            got = run["probe_before"]
+        elif t == last:
+            got = run["probe_after"]
+        else:
+            push_weights([url], found[t - 1], version=t)
+            got = probe(url, model, ns, ns.unit_seed * 1000 + t)
+        out.append({"after_steps": t, **got})
+    shutil.rmtree(trainer_out / "checkpoints", ignore_errors=True)  # a step's weights each: large
+    return out
 
 
 def arm_record(arm: str, run: JSONObject, value: Value, ns: argparse.Namespace, **extra: JSON) -> JSONObject:
@@ -269,6 +312,7 @@ def arm_record(arm: str, run: JSONObject, value: Value, ns: argparse.Namespace, 
         "seed": ns.unit_seed,
         "rewards": rewards,
         "game": game,
+        "trainer": arm_trainer(arm, ns),
         "steps": len(steps),
         "engine_calls": sum(r.get("engine_calls") or 0.0 for r in steps),
         "engine_calls_per_step": [r.get("engine_calls") for r in steps],
@@ -322,6 +366,7 @@ def run_arms(
     value: Value,
     probe: Probe | None = None,
     done: Done | None = None,
+    snapshots: int = 0,
 ) -> JSONObject:
     """Every arm of `part`, one after another from the seed's warm-started model: its config (the
     part's game with the arm's settings), its run until `budget` engine calls, its record.
@@ -331,7 +376,15 @@ def run_arms(
     for arm in (a for a in ns.arms if ARMS[a] == part):
         rewards, extra = arm_settings(arm, ns)
         config = job_config(
-            work / f"{arm}.yaml", run_id, warm, {**game, **extra}, rewards, ns, ns.unit_seed, part
+            work / f"{arm}.yaml",
+            run_id,
+            warm,
+            {**game, **extra},
+            rewards,
+            ns,
+            ns.unit_seed,
+            part,
+            arm_trainer(arm, ns),
         )
         per_step = sizes(arm, ns)
         run = run_arm(
@@ -346,6 +399,7 @@ def run_arms(
             ns=ns,
             show=show,
             probe=probe,
+            snapshots=snapshots,
         )
         if done is not None:
             done(arm, run)

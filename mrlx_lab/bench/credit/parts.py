@@ -8,7 +8,7 @@ import random
 from pathlib import Path
 
 from mrlx_lab.bench.credit.arms import job_config, run_arms, run_id_of, train_prompts, warm_model, warm_unit
-from mrlx_lab.bench.credit.probes import kuhn_positions, kuhn_probe, nim_probe, nim_reference
+from mrlx_lab.bench.credit.probes import kuhn_average, kuhn_positions, kuhn_probe, nim_probe, nim_reference
 from mrlx_lab.bench.credit.settings import (
     AGENT,
     ILLEGAL_PENALTY,
@@ -169,9 +169,22 @@ def kuhn_unit(ns: argparse.Namespace, work: Path, base: Path) -> JSONObject:
     }
 
     def shown(arm: str, run: JSONObject) -> None:  # no evaluation rows: the probes are the result
+        from mrlx_plugin.systems.library_games import kuhn_exploitability
+
+        # The average policy of the snapshots (evenly spaced in steps: weighted alike in time).
+        policy = kuhn_average([snap["policy"] for snap in run["snapshots"]])
+        run["average"] = {
+            "exploitability": kuhn_exploitability(policy),
+            "snapshots": [snap["after_steps"] for snap in run["snapshots"]],
+            "policy": policy,
+        }
         if not ns.quiet:
             before, after = run["probe_before"]["exploitability"], run["probe_after"]["exploitability"]
-            print(f"  seed {seed} {arm:<17} exploitability {before:.3f} -> {after:.3f}", flush=True)
+            print(
+                f"  seed {seed} {arm:<17} exploitability {before:.3f} -> {after:.3f}, average policy "
+                f"{run['average']['exploitability']:.3f}",
+                flush=True,
+            )
 
     arms = run_arms(
         "kuhn",
@@ -185,9 +198,11 @@ def kuhn_unit(ns: argparse.Namespace, work: Path, base: Path) -> JSONObject:
         value=lambda r: {},
         probe=kuhn_probe,
         done=shown,
+        snapshots=max(2, ns.snapshots),
     )
     return {
         "task": "Kuhn poker, self-play; exploitability of the probed policy (OpenSpiel)",
+        "snapshots": max(2, ns.snapshots),
         "reference": {"uniform_exploitability": uniform_exploitability()},
         "arms": arms,
     }

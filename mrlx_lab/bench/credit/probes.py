@@ -113,6 +113,35 @@ def kuhn_probe(url: str, model: Path, ns: argparse.Namespace, seed: int) -> JSON
     }
 
 
+def kuhn_opening_of() -> dict[str, str | None]:
+    """Each information state's key -> the key of the first seat's opening with the same card when
+    it is the first seat facing a bet after its own check (its reach then runs through its check
+    there), else None (the opening, and the second seat: no own move on the way)."""
+    positions = kuhn_positions()
+    opening = {(seat, state.cards[seat]): key for key, seat, state, _ in positions if not state.history}
+    return {
+        key: opening[(0, state.cards[0])] if seat == 0 and state.history else None
+        for key, seat, state, _ in positions
+    }
+
+
+def kuhn_average(policies: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
+    """The average policy of `policies` (snapshots weighted alike): at each information state,
+    each snapshot's move shares weighted by its own seat's reach of that state (the product of
+    its own move probabilities on the way: 1 but for the first seat facing a bet after its check,
+    reached through its check), so that it plays as a uniformly drawn snapshot would."""
+    out: dict[str, dict[str, float]] = {}
+    for key, opening in kuhn_opening_of().items():
+        reach = [1.0 if opening is None else pol[opening]["check"] for pol in policies]
+        total = sum(reach)
+        weights = reach if total > 0 else [1.0] * len(policies)  # never reached: any average will do
+        norm = sum(weights)
+        out[key] = {
+            m: sum(w * pol[key][m] for w, pol in zip(weights, policies)) / norm for m in policies[0][key]
+        }
+    return out
+
+
 def winning_decisions(game: Game[NimState, int], state: NimState) -> list[tuple[int, list[int]]]:
     """(seat, moves so far) of every position of a nim game from `state`, any moves made, where
     the seat to move can win (a pile that is no multiple of max_take + 1)."""

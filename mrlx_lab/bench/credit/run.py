@@ -22,6 +22,11 @@ if TYPE_CHECKING:
     import subprocess
 
 
+def seed_list(ns: argparse.Namespace) -> list[int]:
+    """The seeds run: --seeds of them from --seed-start."""
+    return list(range(ns.seed_start, ns.seed_start + ns.seeds))
+
+
 def unit_main(ns: argparse.Namespace) -> int:
     """One part of one seed, or its warm-start (a process of its own): its result.json."""
     from mrlx_plugin.local.model import ensure_model
@@ -58,21 +63,33 @@ def main(argv: list[str] | None = None) -> int:
     if ns.unit:
         return unit_main(ns)
     root = Path(ns.out)
-    root.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    for seed in range(ns.seeds):  # built here once, not by two units at once
+    seeds = seed_list(ns)
+    parts = [p for p in PARTS if any(ARMS[a] == p for a in ns.arms)]
+    if ns.collect:  # the seeds whose every unit has finished, as a run of those seeds
+        seeds = [
+            s
+            for s in seeds
+            if all((root / f"seed_{s}" / u / "result.json").exists() for u in ("warm", *parts))
+        ]
+        if not seeds:
+            raise ConfigError(f"--collect: no seed of {root} has finished every unit of {', '.join(parts)}")
+        return report_of(ns, root, seeds, parts, started)
+    root.mkdir(parents=True, exist_ok=True)
+    for seed in seeds:  # built here once, not by two units at once
         try:
             ensure_model(root / "models" / f"{ns.preset}-seed{seed}", preset=ns.preset, seed=seed)
         except (ValueError, FileExistsError) as exc:
             raise ConfigError(f"--out {root}: {exc}") from None
-    # Each seed's warm-start first (its parts start from it), then the longest units, so that
-    # the last ones to start are short.
-    parts = [p for p in PARTS if any(ARMS[a] == p for a in ns.arms)]
-    pending = [(seed, "warm") for seed in range(ns.seeds)]
-    pending += [(seed, part) for part in parts for seed in range(ns.seeds)]
+    # Seed by seed, its warm-start first (its parts start from it): whole seeds finish early, and
+    # a stopped run leaves whole seeds behind.
+    pending = [(seed, unit) for seed in seeds for unit in ("warm", *parts)]
     threads = max(1, (os.cpu_count() or 2) // ns.jobs)
     running: dict[tuple[int, str], subprocess.Popen[bytes]] = {}
     done: set[tuple[int, str]] = set()
+    if ns.resume:  # units finished by a run stopped before (the same options): kept, not rerun
+        done = {u for u in pending if (root / f"seed_{u[0]}" / u[1] / "result.json").exists()}
+        pending = [u for u in pending if u not in done]
     failed = None
     try:
         while (pending or running) and failed is None:
@@ -95,22 +112,29 @@ def main(argv: list[str] | None = None) -> int:
     if failed is not None:
         print(f"mrlx bench credit: seed {failed[0]} {failed[1]} failed (its error is above)", file=sys.stderr)
         return 1
+    return report_of(ns, root, seeds, parts, started)
+
+
+def report_of(ns: argparse.Namespace, root: Path, seeds: list[int], parts: list[str], started: float) -> int:
+    """The report of `seeds` from their units' results: printed, plotted, credit.json."""
 
     def result(seed: int, unit: str) -> JSONObject:
         return json.loads((root / f"seed_{seed}" / unit / "result.json").read_text())
 
-    units = {(seed, part): result(seed, part) for part in parts for seed in range(ns.seeds)}
+    units = {(seed, part): result(seed, part) for part in parts for seed in seeds}
     report: JSONObject = {
         "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
-        "config": {k: v for k, v in vars(ns).items() if k not in ("unit", "table")},
-        "seeds": list(range(ns.seeds)),
-        "warm_start": [{"seed": seed, **result(seed, "warm")} for seed in range(ns.seeds)],
+        "config": {k: v for k, v in vars(ns).items() if k not in ("unit", "table", "collect")},
+        "seeds": seeds,
+        "warm_start": [{"seed": seed, **result(seed, "warm")} for seed in seeds],
         **aggregate(ns, units),
     }
-    report["wall_time_s"] = time.monotonic() - started
+    # Collected: the units' own times only (the run's is unknown).
+    report["wall_time_s"] = None if ns.collect else time.monotonic() - started
     picture = plot(report, root / "credit.png")
     report["plot"] = str(picture) if picture else None
     print(markdown(report))
-    print(f"\n  total wall time {report['wall_time_s']:.0f} s; plot: {report['plot']}")
+    if report["wall_time_s"] is not None:
+        print(f"\n  total wall time {report['wall_time_s']:.0f} s; plot: {report['plot']}")
     write_report(root / "credit.json", report)
     return 0

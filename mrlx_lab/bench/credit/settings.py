@@ -17,9 +17,15 @@ ARMS = {  # arm -> its part, in the order of the tables
     "tree-random": "chain",
     "tree-old": "chain",
     "nim": "nim",
+    "nim-mean": "nim",
     "nim-tree": "nim",
     "kuhn": "kuhn",
+    "kuhn-mean": "kuhn",
+    "kuhn-entropy": "kuhn",
 }
+# The arms run when --arms is not given: the games' controls and their -mean arms. The chain's
+# arms, nim-tree and kuhn-entropy run when named (`--arms all`), to keep the bench within its hour.
+DEFAULT_ARMS = ("nim", "nim-mean", "kuhn", "kuhn-mean")
 SEATS = ("first", "second")
 OPPONENTS = ("random", "optimal")
 NIM_TRAIN, NIM_HELD_OUT = (3, 4, 6, 8, 9), (5, 7)
@@ -48,8 +54,13 @@ MAX_RESPONSE = 256  # per transcript: every turn of a seat and the messages betw
 # The options whose default depends on --quick: option -> (default, with --quick, what it is).
 SIZED: dict[str, tuple[int | str, int | str, str]] = {
     "budget": (6000, 24, "engine calls of each chain arm"),
-    "nim_budget": (8000, 40, "engine calls of each nim arm"),
-    "kuhn_budget": (5000, 32, "engine calls of the kuhn arm"),
+    "nim_budget": (4000, 40, "engine calls of each nim arm"),
+    "kuhn_budget": (3000, 32, "engine calls of each kuhn arm"),
+    "snapshots": (
+        12,
+        3,
+        "kuhn policies probed over training, the start and the last included: the average policy's",
+    ),
     "prompts_per_step": (8, 2, "--rollout-batch-size"),
     "samples_per_prompt": (8, 4, "--n-samples-per-prompt; the tree-sampling arms run this / --branch"),
     "branch": (4, 2, "candidates per turn of the tree arms"),
@@ -69,9 +80,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--out", default="runs/bench-credit", help="the folder: credit.json, credit.png and every run"
     )
-    p.add_argument("--seeds", type=int, default=5, help="seeds 0 .. N-1 (at least 2 for intervals)")
+    p.add_argument("--seeds", type=int, default=5, help="N seeds from --seed-start (2 or more for intervals)")
+    p.add_argument(
+        "--seed-start", type=int, default=0, help="the first seed (tune on seeds other than those reported)"
+    )
     p.add_argument("--only", choices=PARTS, default=None, help="run one part")
-    p.add_argument("--arms", default=None, help=f"comma-separated arms (default: all: {', '.join(ARMS)})")
+    p.add_argument(
+        "--arms",
+        default=None,
+        help=f"comma-separated arms, or `all` (default: {', '.join(DEFAULT_ARMS)}; all: {', '.join(ARMS)})",
+    )
     p.add_argument(
         "--jobs", type=int, default=2, help="units (one part of one seed) run at once; one thread each"
     )
@@ -95,6 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
         "order; --quick 1)",
     )
     p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument(
+        "--entropy-coef", type=float, default=0.01, help="mrlx.trainer.entropy_coef of the kuhn-entropy arm"
+    )
     p.add_argument("--ppo-epochs", type=int, default=2, help="mrlx.trainer.ppo_epochs")
     p.add_argument("--quick", action="store_true", help="tiny settings (the test's smoke run)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
@@ -103,6 +124,16 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE.json",
         default=None,
         help="print the docs' tables from a saved report, and stop",
+    )
+    p.add_argument(
+        "--collect",
+        action="store_true",
+        help="report the seeds of --out whose every unit has finished (a stopped run), and stop",
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the units of --out that a stopped run (with the same options) finished; run the rest",
     )
     p.add_argument("--unit", default=None, help=argparse.SUPPRESS)  # SEED:PART, run for the parent
     p.add_argument("--threads", type=int, default=2, help=argparse.SUPPRESS)
@@ -127,7 +158,11 @@ def settle(ns: argparse.Namespace) -> argparse.Namespace:
     bad = set(ns.chain_ops) - set("+-*")
     if bad or not ns.chain_ops:
         raise ConfigError(f"--chain-ops: got {ns.chain_ops!r}; expected some of + - *")
-    ns.arms = [a.strip() for a in ns.arms.split(",") if a.strip()] if ns.arms else list(ARMS)
+    if ns.seed_start < 0:
+        raise ConfigError(f"--seed-start: got {ns.seed_start}; expected at least 0")
+    if ns.arms == "all":
+        ns.arms = ",".join(ARMS)
+    ns.arms = [a.strip() for a in ns.arms.split(",") if a.strip()] if ns.arms else list(DEFAULT_ARMS)
     for arm in ns.arms:
         if arm not in ARMS:
             raise ConfigError(f"--arms: no arm {arm!r}; the arms are {', '.join(ARMS)}")
@@ -167,4 +202,21 @@ def arm_settings(arm: str, ns: argparse.Namespace) -> tuple[JSONObject, JSONObje
         "nim": ({"credit": "turn", "gamma": 1.0}, {}),
         "nim-tree": ({**tree, "branch_pick": "best", "branch_target": "score"}, {"branch_score": "rollout"}),
         "kuhn": ({"credit": "turn", "gamma": 1.0}, {}),
+        # A turn alone in its group (Kuhn's second seat, often; a nim position seen once) is
+        # compared with a running mean of its group's earlier rewards instead of teaching nothing.
+        "nim-mean": ({"credit": "turn", "gamma": 1.0, "lone_baseline": "running"}, {}),
+        "kuhn-mean": ({"credit": "turn", "gamma": 1.0, "lone_baseline": "running"}, {}),
+        "kuhn-entropy": ({"credit": "turn", "gamma": 1.0, "lone_baseline": "running"}, {}),
     }[arm]
+
+
+def arm_trainer(arm: str, ns: argparse.Namespace) -> JSONObject:
+    """The arm's `mrlx.trainer` additions to TRAINER: the `-mean` arms' advantages are centred
+    but not divided by the group's spread (at two samples a group, dividing makes the expected
+    update follow the sign of the difference, not the policy gradient); `kuhn-entropy` adds an
+    entropy bonus to that."""
+    if arm in ("nim-mean", "kuhn-mean"):
+        return {"grpo_std_normalization": False}
+    if arm == "kuhn-entropy":
+        return {"grpo_std_normalization": False, "entropy_coef": ns.entropy_coef}
+    return {}

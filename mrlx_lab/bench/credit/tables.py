@@ -57,7 +57,10 @@ LINES: dict[str, tuple[tuple[str, str, str], ...]] = {
     ),
     "kuhn": (
         ("exploitability_before", "exploitability, before RL", "{:.3f}"),
-        ("exploitability_after", "exploitability, after RL", "{:.3f}"),
+        ("exploitability_after", "exploitability, after RL (last iterate)", "{:.3f}"),
+        ("exploitability_average", "exploitability of the average policy (snapshots alike)", "{:.3f}"),
+        ("exploitability_rise", "seeds whose last iterate ends above the start", "count"),
+        ("exploitability_average_rise", "seeds whose average policy ends above the start", "count"),
         ("illegal_before", "illegal answers (probe), before", "{:.3f}"),
         ("illegal_after", "illegal answers (probe), after", "{:.3f}"),
     ),
@@ -73,8 +76,8 @@ COMMON = (
 # The measures shown seed by seed under each table.
 PER_SEED = {
     "chain": ("steps_right_after", "seen_steps_right_after"),
-    "nim": ("random_trained_after",),
-    "kuhn": ("exploitability_after",),
+    "nim": ("random_trained_after", "random_held_out_after"),
+    "kuhn": ("exploitability_before", "exploitability_after", "exploitability_average"),
 }
 
 
@@ -100,6 +103,12 @@ def measures(part: str, rec: JSONObject) -> dict[str, float | None]:
         if part == "kuhn" and probe:
             out[f"exploitability_{when}"] = probe["exploitability"]
             out[f"illegal_{when}"] = probe["illegal"]
+    if part == "kuhn" and rec.get("average") and rec.get("probe_before"):
+        start = rec["probe_before"]["exploitability"]
+        out["exploitability_average"] = rec["average"]["exploitability"]
+        # Counted over the seeds (the table's cell is the share of seeds; the sum is the count).
+        out["exploitability_rise"] = float(rec["probe_after"]["exploitability"] > start)
+        out["exploitability_average_rise"] = float(rec["average"]["exploitability"] > start)
     return out
 
 
@@ -122,7 +131,7 @@ def summarise(values: list[float | None]) -> Interval | None:
 
 def reference(part: str, key: str, ref: dict[str, float]) -> str:
     """What a known player scores on the measure `key`, for scale."""
-    if part == "kuhn" and key.startswith("exploitability"):
+    if part == "kuhn" and key.startswith("exploitability") and not key.endswith("_rise"):
         return f"uniform {ref['uniform_exploitability']:.3f}, equilibrium 0"
     if part != "nim" or "_first" in key or "_second" in key:
         return ""
@@ -137,6 +146,9 @@ def reference(part: str, key: str, ref: dict[str, float]) -> str:
 def _cell(s: Interval | None, fmt: str) -> str:
     if s is None:
         return "-"
+    if fmt == "count":  # a 0/1 per seed: how many seeds of how many
+        known = [v for v in s["values"] if v is not None]
+        return f"{sum(known):.0f} of {len(known)}"
     if s["high"] == s["low"]:
         return fmt.format(s["mean"])
     return f"{fmt.format(s['mean'])} [{fmt.format(s['low'])}, {fmt.format(s['high'])}]"
@@ -179,7 +191,8 @@ def aggregate(ns: argparse.Namespace, units: dict[tuple[int, str], JSONObject]) 
     """Per part: the units' facts, each arm's runs (one per seed) and their summary."""
     out: JSONObject = {}
     for part in PARTS:
-        found = [(seed, units[(seed, part)]) for seed in range(ns.seeds) if (seed, part) in units]
+        seeds = range(ns.seed_start, ns.seed_start + ns.seeds)
+        found = [(seed, units[(seed, part)]) for seed in seeds if (seed, part) in units]
         if not found:
             continue
         first = found[0][1]
@@ -204,7 +217,7 @@ def aggregate(ns: argparse.Namespace, units: dict[tuple[int, str], JSONObject]) 
 def plot(report: JSONObject, path: Path) -> Path | None:
     """Steps right on the trained and held-out chains, and nim's win rate against `script:random`,
     against the engine calls spent, a line per arm and seed; kuhn's exploitability before and
-    after, per arm."""
+    after (the last iterate) and of the average policy, per arm."""
     try:
         import matplotlib
     except ImportError:
@@ -221,12 +234,12 @@ def plot(report: JSONObject, path: Path) -> Path | None:
         arms = report[part]["arms"]
         if part == "kuhn":
             names = list(arms)
-            for j, when in enumerate(("before", "after")):
+            for j, when in enumerate(("before", "after", "average")):
                 s = [arms[a]["summary"].get(f"exploitability_{when}") for a in names]
-                xs = [i + (j - 0.5) * 0.35 for i in range(len(names))]
+                xs = [i + (j - 1) * 0.27 for i in range(len(names))]
                 means = [x["mean"] if x else 0.0 for x in s]
                 errs = [x["mean"] - x["low"] if x else 0.0 for x in s]
-                ax.bar(xs, means, width=0.35, yerr=errs, capsize=4, label=when)
+                ax.bar(xs, means, width=0.27, yerr=errs, capsize=4, label=when)
             ax.axhline(report["kuhn"]["reference"]["uniform_exploitability"], color="grey", lw=0.8, ls="--")
             ax.set_xticks(range(len(names)), names)
             ax.set_title("kuhn poker: exploitability (uniform: dashed)")

@@ -254,6 +254,24 @@ class RewardSettings(Section):
         "all K; docs/credit.md); `taken_return`, the taken one its realised return and the others "
         "their scores (biased: two quantities in one group; kept to compare with)",
     )
+    lone_baseline: Literal["none", "running"] = Field(
+        "none",
+        description="the advantage of a sample alone in its group (prompt group, credit group): `none`, 0.0 "
+        "(it teaches nothing); `running`, its reward minus a running mean of its credit group's rewards "
+        "(agent, role, what the turn saw) from earlier steps of this process, not divided by any spread; "
+        "0.0 until one exists. Tree-sampling groups never use it. Kept in memory, not checkpointed "
+        "(docs/credit.md)",
+    )
+    baseline_decay: bounded(
+        float,
+        gt=0,
+        lt=1,
+        why="at 0 the baseline is the last step's mean alone; at 1 it would never move from the first",
+    ) = Field(
+        0.9,
+        description="`lone_baseline: running`: the weight of the old running mean in each step's update "
+        "(new = decay * old + (1 - decay) * the step's mean of the credit group)",
+    )
 
 
 class CoordinatorSettings(Section):

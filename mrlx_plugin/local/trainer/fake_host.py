@@ -97,7 +97,22 @@ def host_args(ns: argparse.Namespace, config_path: str | None) -> argparse.Names
     if config_path:
         for key, value in load_yaml(config_path).items():  # what slime does with --custom-config-path
             setattr(args, key, value)
+        _trainer_flags(args)
     return args
+
+
+def _trainer_flags(args: argparse.Namespace) -> None:
+    """The host flags the embedded trainer takes from its `mrlx.trainer` section (a slime job sets
+    them on its command line): `grpo_std_normalization`, which `normalize` reads from args.
+
+    Read from the YAML as loaded: the runtime validates the section strictly (a bool setting takes
+    YAML's true/false and nothing else) before the first step, so a value of any other type is
+    refused there with the setting's path; only a real bool is copied here."""
+    mrlx = getattr(args, "mrlx", None)
+    section = mrlx.get("trainer") if isinstance(mrlx, dict) else None
+    value = section.get("grpo_std_normalization", True) if isinstance(section, dict) else True
+    if isinstance(value, bool):
+        args.grpo_std_normalization = value
 
 
 def set_router(args: argparse.Namespace, url: str) -> None:

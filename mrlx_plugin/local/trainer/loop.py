@@ -47,8 +47,10 @@ from mrlx_plugin.local.trainer.loss import learning_rate, ppo_step, trainable_pa
 from mrlx_plugin.local.trainer.records import append_row, drop_rows_from, read_rows
 from mrlx_plugin.local.trainer.warm_start import warm_start
 from mrlx_plugin.local.trainer.weights import (
+    Snapshots,
     engine_version,
     latest_checkpoint,
+    population_of,
     push_weights,
     save_checkpoint,
     trained_adapter,
@@ -63,6 +65,7 @@ if TYPE_CHECKING:
     from mrlx_plugin.local.trainer.evaluation import EvalSet
     from mrlx_plugin.local.trainer.fake_host import LocalDataSource
     from mrlx_plugin.local.trainer.settings import TrainerSettings
+    from mrlx_plugin.systems.game_pool import PopulationSettings
 
 log = logging.getLogger("mrlx.trainer")
 
@@ -125,12 +128,16 @@ def main(argv: list[str] | None = None) -> int:
     args = _host_args(ns, out)
     checkpoint = latest_checkpoint(out) if ns.resume else None
     try:
-        cfg, adapter = _settings(ns, args, checkpoint)
+        cfg, adapter, population = _settings(ns, args, checkpoint)
     except ConfigError as exc:
         print(f"trainer: {exc}", file=sys.stderr)
         return 2
     torch.set_num_threads(cfg.threads)
     job = _Job.load(ns, out, args, cfg, adapter, checkpoint)
+    if population is not None and adapter is not None:
+        job.snapshots = Snapshots(
+            ns.engine_url, out / "snapshots", adapter, population.every, population.keep
+        )
     try:
         job.eval_sets = evaluation_sets(ns, args)
         job.train()
@@ -165,9 +172,10 @@ def _host_args(ns: argparse.Namespace, out: Path) -> argparse.Namespace:
 
 def _settings(
     ns: argparse.Namespace, args: argparse.Namespace, checkpoint: Path | None
-) -> tuple[TrainerSettings, str | None]:
-    """The job's `mrlx.trainer` settings and the adapter it trains (None: the whole model), checked
-    against --adapter and the checkpoint it resumes (ConfigError)."""
+) -> tuple[TrainerSettings, str | None, PopulationSettings | None]:
+    """The job's `mrlx.trainer` settings, the adapter it trains (None: the whole model), checked
+    against --adapter and the checkpoint it resumes, and the game's population whose snapshots it
+    takes (`mrlx.game.population`: only for the adapter it trains) (ConfigError)."""
     from mrlx_plugin.core.config import ConfigError
     from mrlx_plugin.local.model import is_adapter_dir
     from mrlx_plugin.local.trainer.settings import trainer_settings
@@ -192,7 +200,7 @@ def _settings(
             f"--resume: {checkpoint} holds {held} but this run trains {trains}; resume with the "
             "--adapter and config it was saved under"
         )
-    return cfg, adapter
+    return cfg, adapter, population_of(settings, adapter)
 
 
 @dataclass
@@ -214,6 +222,7 @@ class _Job:
     start: int = 0  # the first step to run
     resumed_from: str | None = None
     eval_sets: list[EvalSet] = field(default_factory=list)
+    snapshots: Snapshots | None = None  # a game's population of past policies (`mrlx.game.population`)
 
     @classmethod
     def load(
@@ -340,10 +349,22 @@ class _Job:
             ref_dirs = (Path(ns.model), warm if is_adapter_dir(warm) else Path(ns.adapter))
         return load_policy(*ref_dirs) if self.cfg.kl_coef else None
 
+    def starting_adapter(self) -> Path:
+        """The adapter the first rollout is served (weight version `start`): the checkpoint resumed,
+        else the warm-started adapter, else --adapter."""
+        from mrlx_plugin.local.model import is_adapter_dir
+
+        if self.resumed_from is not None:
+            return Path(self.resumed_from)
+        warm = self.out / "warm_start"
+        return warm if is_adapter_dir(warm) else Path(self.ns.adapter)
+
     def train(self) -> None:
         """Evaluate the starting policy (a new run), then a step per rollout until --num-rollout, or
         until --engine-call-budget is spent."""
         ns = self.ns
+        if self.snapshots is not None:  # before the first rollout: its episodes may draw any of them
+            self.snapshots.take(self.start, self.starting_adapter())
         if self.eval_sets and self.start == 0:  # the starting policy, before any RL step (version 0)
             append_row(
                 self.out / "metrics.jsonl",
@@ -369,10 +390,13 @@ class _Job:
         checkpoint and its push (the responder's groups acked once saved); its metrics row, also
         appended to metrics.jsonl (`calls_spent`: the engine calls spent before it)."""
         from mrlx_plugin.core.metrics import log_rollout
-        from mrlx_plugin.rewards.shaping import normalize
-        from mrlx_plugin.rollout import ack_trained_groups
+        from mrlx_plugin.rollout import ack_trained_groups, normalize
+        from mrlx_plugin.systems.game_pool import WEIGHT_VERSION_ARG
 
         ns, args, cfg, out = self.ns, self.args, self.cfg, self.out
+        # The weight version this rollout's engines serve: step r-1's weights were pushed as version r
+        # (the start as 0). A game's population draws the snapshots that exist at it.
+        setattr(args, WEIGHT_VERSION_ARG, rollout_id)
         t0 = time.monotonic()
         output = cast(
             "RolloutFnTrainOutput", self.rollout_fn(args, rollout_id, self.data_source, evaluation=False)
@@ -405,6 +429,8 @@ class _Job:
         if ns.rollout_function.endswith("responder_rollout"):  # trained and saved: never trained again
             ack_trained_groups(args, rollout_id)
         push_weights(ns.engine_url, checkpoint, version=rollout_id + 1, adapter=self.adapter)
+        if self.snapshots is not None:  # version r+1 is a snapshot when `every` divides it
+            self.snapshots.take(rollout_id + 1, checkpoint)
         calls = step_engine_calls(metrics)
         calls_spent += calls
         spent = ns.engine_call_budget is not None and calls_spent >= ns.engine_call_budget

@@ -1,7 +1,8 @@
 """The embedded trainer's loss, in slime's shape: PPO-clip per token with separate low/high clip
 ranges, the ratio taken against the rollout log-probs (`--use-rollout-logprobs`), log-probs
-computed at the rollout temperature, an optional low-variance KL to the initial model, and a
-per-token mean over every trainable token of the step; slime's learning-rate schedule."""
+computed at the rollout temperature, an optional low-variance KL to the initial model, an
+optional entropy bonus (slime's `--entropy-coef`: subtracted from the loss), and a per-token
+mean over every trainable token of the step; slime's learning-rate schedule."""
 
 from __future__ import annotations
 
@@ -34,16 +35,33 @@ def _batch(samples: list[HostSample]) -> tuple[torch.Tensor, torch.Tensor, torch
     return ids, attention, mask, old
 
 
-def token_logprobs(
+def next_token_logprobs(
     model: torch.nn.Module, ids: torch.Tensor, attention: torch.Tensor, temperature: float
 ) -> torch.Tensor:
-    """log p(token j + 1 | tokens <= j) at the rollout temperature, for every position j."""
+    """log p(v | tokens <= j) at the rollout temperature for every position j and vocabulary
+    entry v: the full next-token distribution, shape (batch, length - 1, vocabulary)."""
     import torch
 
     logits = model(input_ids=ids, attention_mask=attention).logits.float()
     if temperature and temperature > 0:
         logits = logits / temperature
-    return torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    return torch.log_softmax(logits[:, :-1], dim=-1)
+
+
+def token_logprobs(
+    model: torch.nn.Module, ids: torch.Tensor, attention: torch.Tensor, temperature: float
+) -> torch.Tensor:
+    """log p(token j + 1 | tokens <= j) at the rollout temperature, for every position j."""
+    return next_token_logprobs(model, ids, attention, temperature).gather(-1, ids[:, 1:, None]).squeeze(-1)
+
+
+def entropy(logprobs: torch.Tensor) -> torch.Tensor:
+    """The entropy of each position's next-token distribution (`next_token_logprobs`), in nats."""
+    import torch
+
+    # A token a model masks out (logit -inf) adds 0 * log 0 = 0, not 0 * -inf = NaN.
+    finite = logprobs.clamp(min=torch.finfo(logprobs.dtype).min)
+    return -(logprobs.exp() * finite).sum(-1)
 
 
 def ppo_loss(
@@ -55,13 +73,19 @@ def ppo_loss(
     temperature: float,
     total_tokens: int,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Sum over the micro-batch of the per-token PPO-clip (+ KL) loss, divided by the step's
-    trainable token count, so micro-batches add up to the step's per-token mean."""
+    """Sum over the micro-batch of the per-token PPO-clip (+ KL, - entropy bonus) loss, divided
+    by the step's trainable token count, so micro-batches add up to the step's per-token mean.
+
+    The entropy is that of the policy's whole next-token distribution at each trainable position
+    (at the rollout temperature); `info["entropy_sum"]` always holds its sum over those positions,
+    and the loss takes `entropy_coef` times it off only where the coefficient is not 0, so that
+    with 0 the loss is the PPO (+ KL) loss exactly."""
     import torch
 
     ids, attention, mask, old = _batch(samples)
     adv = torch.tensor(advantages, dtype=torch.float32)[:, None]
-    new = token_logprobs(model, ids, attention, temperature)
+    distribution = next_token_logprobs(model, ids, attention, temperature)
+    new = distribution.gather(-1, ids[:, 1:, None]).squeeze(-1)
     # The log-ratio is clamped before exp: a token the old policy gave -100 and the new one ~0 would
     # overflow float32 (exp(100)) and make the loss inf; past e^20 the clip decides anyway.
     ratio = torch.exp(torch.clamp((new - old) * mask, -20.0, 20.0))  # 1 off the trainable tokens
@@ -80,6 +104,12 @@ def ppo_loss(
         kl = torch.exp(delta) - delta - 1  # low-variance KL estimate
         per_token = per_token + cfg.kl_coef * kl
         info["kl_sum"] = float((kl.detach() * mask).sum())
+    if cfg.entropy_coef:
+        spread = entropy(distribution)
+        per_token = per_token - cfg.entropy_coef * spread
+    else:  # measured, not trained: no graph kept for it
+        spread = entropy(distribution.detach())
+    info["entropy_sum"] = float((spread.detach() * mask).sum())
     return (per_token * mask).sum() / total_tokens, info
 
 
@@ -118,7 +148,7 @@ def ppo_step(
     stats: dict[str, float] = {}
     for _ in range(cfg.ppo_epochs):
         optimizer.zero_grad(set_to_none=True)
-        loss_value = clipped = kl_sum = drift = 0.0
+        loss_value = clipped = kl_sum = drift = spread = 0.0
         for k in range(0, len(batch), cfg.micro_batch_size):
             part = batch[k : k + cfg.micro_batch_size]
             loss, info = ppo_loss(
@@ -129,11 +159,14 @@ def ppo_step(
             clipped += info["clipped_tokens"]
             kl_sum += info["kl_sum"]
             drift += info["drift_sum"]
+            spread += info["entropy_sum"]
         grad_norm = float(torch.nn.utils.clip_grad_norm_(trainable_parameters(model), cfg.max_grad_norm))
         optimizer.step()
         # train/logprob_drift: mean |trainer log-prob - rollout log-prob| of the step's first pass;
         # near 0 when the engine and the trainer agree on the weights and the sampling temperature.
-        stats = stats or {"train/logprob_drift": drift / total}
+        # train/entropy: the same pass's mean entropy per trainable token, of the policy that sampled
+        # (before this step's update): the measure of how mixed the policy still is.
+        stats = stats or {"train/logprob_drift": drift / total, "train/entropy": spread / total}
         stats |= {
             "train/loss": loss_value,
             "train/clip_fraction": clipped / total,

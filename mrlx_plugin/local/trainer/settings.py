@@ -41,6 +41,21 @@ class TrainerSettings(Section):
     kl_coef: bounded(float, ge=0) = Field(
         0.0, description="KL to the initial (reference) model, low-variance estimator"
     )
+    entropy_coef: bounded(float, ge=0) = Field(
+        0.0,
+        description="entropy bonus (slime's --entropy-coef): the loss takes off this times the entropy of "
+        "the policy's whole next-token distribution at each trainable token (rollout temperature, per-token "
+        "mean). It pulls every position toward uniform over the vocabulary, not toward mixing over moves: "
+        "keep it small (1e-3 or so). It slows convergence to pure strategies, which helps games whose "
+        "equilibrium is mixed (Kuhn poker); 0 is off. `train/entropy` is reported either way",
+    )
+    grpo_std_normalization: bool = Field(
+        True,
+        description="divide each group's centred rewards by the group's standard deviation (GRPO, slime's "
+        "default; slime's --disable-grpo-std-normalization turns it off). false: mean only, whose expected "
+        "update follows the policy gradient but scales with the rewards' range (set lr for it); "
+        "docs/credit.md",
+    )
     weight_decay: bounded(float, ge=0) = Field(0.0, description="AdamW weight decay")
     adam_beta1: bounded(float, ge=0, lt=1, why=_BETA_WHY) = Field(0.9, description="Adam beta1")
     adam_beta2: bounded(float, ge=0, lt=1, why=_BETA_WHY) = Field(0.98, description="Adam beta2")

@@ -1,7 +1,8 @@
 """The trainer's checkpoints and weight pushes: saving a step (weights, tokenizer, trainer state),
 finding the latest, loading it into every engine of the agent (SGLang's
 /update_weights_from_disk, or /load_lora_adapter for an adapter) and reading the version back;
-and which adapter, if any, the job trains."""
+which adapter, if any, the job trains; and the snapshots of a game's population of past
+policies (`Snapshots`)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import random
 import shutil
 import urllib.error
 import urllib.request
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -24,6 +26,7 @@ if TYPE_CHECKING:
     from mrlx_plugin.core.config import Settings
     from mrlx_plugin.local.model import Policy
     from mrlx_plugin.local.trainer.fake_host import LocalDataSource
+    from mrlx_plugin.systems.game_pool import PopulationSettings
 
 log = logging.getLogger("mrlx.trainer")
 
@@ -112,18 +115,24 @@ def _engine_message(raw: bytes) -> str:
 async def _push_weights(
     engines: list[str], path: Path, version: int, adapter: str | None, deadline_s: float
 ) -> None:
-    import asyncio
-
-    import aiohttp
-
-    from mrlx_plugin.core.retry import Backoff, Deadline, RetriesExhausted, retry
-
     if adapter is None:
         route, what = "/update_weights_from_disk", f"the weights at {path}"
         body: JSONObject = {"model_path": str(path), "weight_version": str(version)}
     else:
         route, what = "/load_lora_adapter", f"adapter {adapter!r} at {path}"
         body = {"lora_name": adapter, "lora_path": str(path), "upsert": True, "weight_version": str(version)}
+    await _post_all(engines, route, body, what, deadline_s)
+
+
+async def _post_all(engines: list[str], route: str, body: JSONObject, what: str, deadline_s: float) -> None:
+    """POST `body` to `route` of every engine, an engine that is down retried until `deadline_s`;
+    a refusal (`what` names what was refused) is a RuntimeError."""
+    import asyncio
+
+    import aiohttp
+
+    from mrlx_plugin.core.retry import Backoff, Deadline, RetriesExhausted, retry
+
     async with aiohttp.ClientSession() as session:
         for url in engines:
             deadline = Deadline(deadline_s)
@@ -137,7 +146,7 @@ async def _push_weights(
                 return json.loads(raw or b"{}")
 
             def on_retry(n: int, exc: BaseException, wait: float, url: str = url) -> None:
-                log.warning("engine %s unreachable (%s); retrying the weight push in %.1fs", url, exc, wait)
+                log.warning("engine %s unreachable (%s); retrying %s in %.1fs", url, exc, route, wait)
 
             try:
                 answer = await retry(
@@ -195,3 +204,99 @@ def trained_adapter(settings: Settings, adapter_dir: str | None) -> str | None:
             "(a peft directory for the base --model)"
         )
     return name
+
+
+# --- the population's snapshots (`mrlx.game.population`) -----------------------------------------
+
+
+def population_of(settings: Settings, adapter: str | None) -> PopulationSettings | None:
+    """The population of past policies whose snapshots this trainer takes (`mrlx.game.population`
+    of a game job), or None. Only the trainer of the population's agent can take them, as LoRA
+    adapters: ConfigError when the agent is not the adapter this trainer trains."""
+    from mrlx_plugin.core.config import ConfigError
+    from mrlx_plugin.systems.game_pool import population_agent
+
+    game = getattr(settings, "game", None) if settings.system == "game" else None
+    pop = getattr(game, "population", None)
+    if pop is None:
+        return None
+    agent = population_agent(settings)
+    if adapter is None or agent is None or settings.self_agent != agent:
+        what = f"adapter {adapter!r} of agent {settings.self_agent!r}" if adapter else "the whole model"
+        raise ConfigError(
+            f"mrlx.game.population.agent is {agent!r}, but this trainer trains {what}: the snapshots "
+            f"of {agent!r} are taken by the trainer of its adapter; run this config with "
+            f"mrlx.self: {agent} and --adapter DIR (its initial adapter), or leave out "
+            "mrlx.game.population"
+        )
+    return pop
+
+
+@dataclass
+class Snapshots:
+    """The population's snapshots, kept by the trainer of its agent: the adapter at each snapshot
+    version (0, `every`, 2 x `every`, ...: the weight version the trainer pushed, step r-1's weights
+    being version r) saved under out/snapshots/v{version} and loaded on every engine under
+    `ADAPTER@VERSION`, the last `keep` of them only: those the episodes draw
+    (`systems.game_pool.snapshot_versions`); older ones are unloaded and deleted."""
+
+    engines: list[str]
+    folder: Path  # out/snapshots
+    adapter: str  # the trained adapter's name on the engines
+    every: int
+    keep: int
+    loaded: set[int] = field(default_factory=set)  # the versions loaded on the engines
+
+    def take(self, version: int, source: Path) -> None:
+        """The trainer pushed weight version `version` (from the adapter at `source`): a snapshot
+        when it is a snapshot version (saved, then loaded), the ones no longer drawn dropped."""
+        if version % self.every == 0:
+            self.save(version, source)
+        self.sync(version)
+
+    def save(self, version: int, source: Path) -> None:
+        """out/snapshots/v{version}: the adapter's files at `source` (complete or absent)."""
+        final = self.folder / f"v{version}"
+        tmp = final.with_name(final.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        for f in source.iterdir():
+            if f.is_file() and f.name.startswith("adapter_"):
+                shutil.copy2(f, tmp / f.name)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+
+    def sync(self, version: int) -> None:
+        """Serve exactly the snapshots drawn from at weight version `version`: load those not loaded
+        (from disk: a resumed trainer's come back this way), unload and delete the older ones.
+        A snapshot that should be drawn and is not on disk is a ConfigError."""
+        from mrlx_plugin.core.config import ConfigError
+        from mrlx_plugin.core.host import run_in_host_loop
+        from mrlx_plugin.systems.game_pool import snapshot_versions
+
+        wanted = snapshot_versions(version, self.every, self.keep)
+        missing = [v for v in wanted if not (self.folder / f"v{v}").is_dir()]
+        if missing:
+            raise ConfigError(
+                f"mrlx.game.population: the snapshots of weight versions {missing} are drawn from but "
+                f"not in {self.folder} (a run resumed with another population than it was saved "
+                "under?); resume with the population settings it ran with, or start a new run"
+            )
+        for v in wanted:
+            if v not in self.loaded:
+                push_weights(self.engines, self.folder / f"v{v}", version=v, adapter=self.name(v))
+                self.loaded.add(v)
+        for v in sorted(self.loaded - set(wanted)):
+            what = f"the unload of adapter {self.name(v)!r}"
+            body: JSONObject = {"lora_name": self.name(v)}
+            run_in_host_loop(_post_all(self.engines, "/unload_lora_adapter", body, what, 300.0))
+            self.loaded.discard(v)
+        for old in self.folder.glob("v*"):  # never drawn again (a resumed run reloads what is kept)
+            if old.name[1:].isdigit() and int(old.name[1:]) < wanted[0]:
+                shutil.rmtree(old, ignore_errors=True)
+        log.info("population: serving snapshots %s of %r", [self.name(v) for v in wanted], self.adapter)
+
+    def name(self, version: int) -> str:
+        from mrlx_plugin.systems.game_pool import SNAPSHOT_MARK
+
+        return f"{self.adapter}{SNAPSHOT_MARK}{version}"
