@@ -450,26 +450,36 @@ async def _agent_move(
     elif not t.append_messages(message):
         raise _Stop(f"context full ({name})")
 
+    # Tree sampling scores each candidate where the seat could believe it is: in a game that hides
+    # information, a table redrawn from what the seat knows, never the true one (which would let
+    # the pick and the scores use what the seat cannot see). One table per turn, redrawn at the
+    # first candidate's score; each candidate plays on from a fork of it with the same luck.
+    luck = f"rollout@{name}:{table.made[seat]}:"
+    seed = zlib.crc32(f"{episode.id}:{luck}".encode())
+    scored_on: list[_Table[S] | None] = []
+
     async def score(turn: Turn) -> float:  # a candidate move, for tree sampling
-        # Scored where the seat could believe it is: in a game that hides information, a state
-        # redrawn from what the seat knows (the same for every candidate of the turn), never
-        # the true one, which would let the pick and the scores use what the seat cannot see.
-        luck = f"rollout@{name}:{table.made[seat]}:"
-        rng = random.Random(zlib.crc32(f"{episode.id}:{luck}".encode()))
-        hidden = not getattr(game, "perfect_information", False)
-        try:
-            base = _believed(episode, game, table, seat, rng, luck) if hidden else None
-        except _Stop:  # another seat's redrawn view outgrew its context: as a game cut short, a draw
-            return 0.0
+        if not scored_on:
+            try:
+                hidden = not getattr(game, "perfect_information", False)
+                scored_on.append(
+                    _believed(episode, game, table, seat, random.Random(seed), luck) if hidden else table
+                )
+            except _Stop:  # another seat's redrawn view outgrew its context: as a game cut short
+                scored_on.append(None)
+        base = scored_on[0]
+        if base is None:
+            return 0.0  # a draw
         move, after, own, settled = judge_move(
-            game, base.state if base else state, seat, strip_reasoning(turn.text), g.illegal_penalty, producer
+            game, base.state, seat, strip_reasoning(turn.text), g.illegal_penalty, producer
         )
         if move is None or g.branch_score == "settle":
             return settled
         reached = cast(S, after)  # a legal move's next state
         if game.to_move(reached) is None:
             return settled
-        return await _rollout(episode, game, base or table.fork(rng, luck), seat, turn, (move, reached, own))
+        fork = base.fork(random.Random(seed), luck)
+        return await _rollout(episode, game, fork, seat, turn, (move, reached, own))
 
     before = len(t.turns)
     await episode.generate(t, score=score, on_fault=table.watched.get(seat))

@@ -101,11 +101,7 @@ def run_trainer(
         shown, t0 = 0, time.monotonic()
         while True:
             done = job.poll() is not None
-            try:
-                rows = read_rows(out / "metrics.jsonl")
-            except ValueError:  # a row half written as it was read: read it whole next time
-                time.sleep(0.2)
-                continue
+            rows = read_rows(out / "metrics.jsonl", growing=True)
             if show is not None and not ns.quiet:
                 for row in rows[shown:]:
                     line = show(row)

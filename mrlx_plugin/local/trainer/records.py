@@ -13,12 +13,16 @@ from pathlib import Path
 from mrlx_plugin.core.values import JSONObject
 
 
-def read_rows(path: Path) -> list[JSONObject]:
+def read_rows(path: Path, growing: bool = False) -> list[JSONObject]:
     """The rows of a JSON-lines file (a trainer's metrics.jsonl, warm-start data); none when the
-    file is not there yet."""
+    file is not there yet. `growing`: a file another process is appending to (`append_row` writes
+    whole lines): a last line without its newline is still being written, and is read next time."""
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    text = path.read_text()
+    if growing and not text.endswith("\n"):
+        text = text[: text.rfind("\n") + 1]
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
 def drop_rows_from(path: Path, step: int) -> None:
