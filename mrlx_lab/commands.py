@@ -26,10 +26,12 @@ def _stub_engine(argv: list[str]) -> int:
 
 
 demo = Command(
-    _demo, "two small models co-train on this CPU (--adapters; --tools, --research: the agent-code examples)"
+    _demo,
+    "two small models co-train on this CPU (--adapters; --long-tail: sync vs async; --tools, --research: "
+    "the agent-code examples)",
 )
 bench = Command(
-    _bench, "benchmarks: rollout, coordinator, demo, load, answers, credit, agents, tools, requests"
+    _bench, "benchmarks: rollout, coordinator, demo, load, answers, credit, agents, tools, requests, async"
 )
 stub_engine = Command(
     _stub_engine, "a model-free SGLang-protocol responder for benchmarks and fault tests", serves=True

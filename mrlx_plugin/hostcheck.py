@@ -10,9 +10,10 @@ rollout) unless they are caught when the plugin is first called:
   parallelism), or the host's split raises. A step holds `global_batch_size` episodes (the host
   counts rollout ids) times the samples each episode returns, so the check needs the system's
   fan-out. A system whose fan-out varies by design needs the dynamic path.
-- The rollout mode. A multi-model job must run the plugin's `initiator_rollout` or
-  `responder_rollout`; Miles' `--fully-async` cannot be combined with either; slime's fully
-  asynchronous rollout and its top-p training path cannot take mrlx episodes at all.
+- The rollout mode. A multi-model job must run the plugin's `initiator_rollout`, `async_rollout`
+  or `responder_rollout`, or Miles' `--fully-async`; under `--fully-async` the buffer must be the
+  plugin's `AsyncDataBuffer`; slime's own fully asynchronous rollout and its top-p training path
+  cannot take mrlx episodes at all.
 """
 
 from __future__ import annotations
@@ -144,7 +145,13 @@ def check_step_split(args: argparse.Namespace, per_episode: int | None, system: 
 _PLUGIN_ROLLOUTS = {
     ("mrlx_plugin.rollout", "initiator_rollout"),
     ("mrlx_plugin.rollout", "responder_rollout"),
+    ("mrlx_plugin.rollout", "async_rollout"),
 }
+_PLUGIN_BUFFER = "mrlx_plugin.rollout.AsyncDataBuffer"
+# The re-exported name, and where the class lives.
+_PLUGIN_BUFFERS = (_PLUGIN_BUFFER, "mrlx_plugin.async_rollout.AsyncDataBuffer")
+# Host flags that filter or rework a step's groups, which the fully asynchronous rollouts do not apply.
+_FILTERS_NOT_APPLIED = ("dynamic_sampling_filter_path", "rollout_all_samples_process_path")
 
 
 def check_rollout_mode(args: argparse.Namespace, source: str, peer_agents: Sequence[str]) -> None:
@@ -159,8 +166,40 @@ def check_rollout_mode(args: argparse.Namespace, source: str, peer_agents: Seque
         raise ConfigError(
             f"{source}: --rollout-function-path {path}: slime's fully asynchronous rollout cannot take "
             "generate functions that return several samples per input (it sorts groups by sample.index and "
-            "fails "
-            "on lists; THUDM/slime#2344), and every mrlx episode does; use slime's default rollout"
+            "fails on lists; THUDM/slime#2344), and every mrlx episode does; use the plugin's fully "
+            "asynchronous rollout: --rollout-function-path mrlx_plugin.rollout.async_rollout"
+        )
+    if HOST == "miles" and path and str(path).endswith("mrlx_plugin.rollout.async_rollout"):
+        raise ConfigError(
+            f"{source}: --rollout-function-path {path} is slime's way to a fully asynchronous rollout; Miles "
+            "runs its own: use --fully-async --custom-async-data-buffer-path " + _PLUGIN_BUFFER + " instead"
+        )
+    plugin_async = bool(path) and str(path).endswith("mrlx_plugin.rollout.async_rollout")
+    if HOST == "slime" and plugin_async:
+        for flag in ("colocate", "offload_rollout"):
+            if getattr(args, flag, False):
+                # slime releases the engines' memory once a rollout returns; the producer's turns go on.
+                raise ConfigError(
+                    f"{source}: --rollout-function-path {path} keeps episodes generating while the trainer "
+                    f"trains, and --{flag.replace('_', '-')} gives the engines' GPUs to the trainer then; "
+                    f"remove --{flag.replace('_', '-')}"
+                )
+    buffer = getattr(args, "custom_async_data_buffer_path", None)
+    fully_async = bool(getattr(args, "fully_async", False))
+    if plugin_async or fully_async:
+        for flag in _FILTERS_NOT_APPLIED:
+            if getattr(args, flag, None):
+                raise ConfigError(
+                    f"{source}: --{flag.replace('_', '-')} is not applied by the plugin's fully asynchronous "
+                    "rollout (it keeps whole groups as they finish, within its staleness bound); remove it"
+                )
+    if fully_async and buffer not in _PLUGIN_BUFFERS:
+        # Miles' default buffer refuses every group holding an ABORTED sample, and an episode that
+        # ends early returns ABORTED fillers (zero loss mask) by design: those groups never train.
+        raise ConfigError(
+            f"{source}: --fully-async with --custom-async-data-buffer-path {buffer or 'unset'}: Miles' "
+            "default buffer drops every group holding an ABORTED sample, and mrlx episodes that end early "
+            f"hold ABORTED fillers that train nothing; set --custom-async-data-buffer-path {_PLUGIN_BUFFER}"
         )
     if HOST == "slime" and float(getattr(args, "rollout_top_p", 1.0) or 1.0) != 1.0:
         raise ConfigError(
@@ -176,12 +215,16 @@ def check_rollout_mode(args: argparse.Namespace, source: str, peer_agents: Seque
         return  # a shared-model job: the host's rollout calls `generate` per sample, which is all it needs
     what = f"{source}: agent {peers[0]!r} is trained by another job (a multi-model run)"
     if getattr(args, "fully_async", False):
-        raise ConfigError(
-            f"{what}, which needs --rollout-function-path mrlx_plugin.rollout.initiator_rollout (or "
-            "responder_rollout); "
-            "Miles' --fully-async selects its own rollout function and cannot be combined with it: remove "
-            "--fully-async"
-        )
+        if hasattr(args, "start_rollout_id") and args.start_rollout_id is None:
+            # Miles leaves it None in a resumed run's parsed flags and resolves it on its trainer,
+            # after the rollout manager took its copy of them: the buffer could not number steps.
+            raise ConfigError(
+                f"{what}, and this --fully-async job resumes from --load {getattr(args, 'load', None)} "
+                "without --start-rollout-id: the plugin's buffer commits the other jobs' samples under "
+                "this job's step numbers, and Miles tells its rollout manager no resumed step; pass "
+                "--start-rollout-id (the step after the checkpoint's)"
+            )
+        return  # Miles' own producer runs the episodes; the plugin's buffer commits the peers' samples
     if not hasattr(args, "rollout_function_path"):
         return  # no host rollout loop (the `mrlx rollout` command runs episodes itself)
     try:
@@ -192,9 +235,8 @@ def check_rollout_mode(args: argparse.Namespace, source: str, peer_agents: Seque
     if (getattr(fn, "__module__", None), getattr(fn, "__name__", None)) not in _PLUGIN_ROLLOUTS:
         raise ConfigError(
             f"{what}, but --rollout-function-path is {path or 'the host default'!s}. Set "
-            "--rollout-function-path mrlx_plugin.rollout.initiator_rollout in the job that runs the episodes "
-            "and "
-            "mrlx_plugin.rollout.responder_rollout in each other agent's job"
+            "--rollout-function-path mrlx_plugin.rollout.initiator_rollout (or async_rollout) in the job "
+            "that runs the episodes and mrlx_plugin.rollout.responder_rollout in each other agent's job"
         )
 
 

@@ -11,6 +11,13 @@ A multi-model run adds one rollout function per job:
     --rollout-function-path  mrlx_plugin.rollout.initiator_rollout   (the job that runs episodes)
     --rollout-function-path  mrlx_plugin.rollout.responder_rollout   (each other trainable agent's job)
 
+Fully asynchronous rollouts (episodes keep running while the trainer trains; see `async_rollout`
+in `mrlx_plugin.async_rollout`), for a shared-model job and for the job that runs a multi-model
+run's episodes:
+
+    slime:  --rollout-function-path  mrlx_plugin.rollout.async_rollout
+    Miles:  --fully-async --custom-async-data-buffer-path mrlx_plugin.rollout.AsyncDataBuffer
+
 `generate` runs one multi-agent episode per input sample. slime calls it as
 `generate(args, sample, sampling_params, evaluation=...)`. Miles looks at the name of the first
 parameter: `input` makes it pass one `GenerateFnInput` (the new form), which carries its rollout
@@ -24,6 +31,16 @@ import argparse
 from collections.abc import Mapping, Sequence
 from typing import Literal, cast, overload
 
+from mrlx_plugin.async_rollout import (
+    AsyncDataBuffer,
+    Producer,
+    leaves,
+    open_step,
+    producer_for,
+    stamp_birth,
+    start_step,
+    take_step,
+)
 from mrlx_plugin.core.config import Settings
 from mrlx_plugin.core.host import (
     HOST_PROCESS,
@@ -51,6 +68,8 @@ __all__ = [
     "generate",
     "initiator_rollout",
     "responder_rollout",
+    "async_rollout",
+    "AsyncDataBuffer",
     "normalize",
     "reward",
     "log_rollout",
@@ -107,6 +126,8 @@ async def generate(
     if runtime.outbox is not None and not evaluation:
         # Before the episode, not after it has spent its engine calls: its peers' samples need a step.
         runtime.outbox.require_step()
+    if not evaluation:  # the step it starts in, and its peers' versions then: its staleness later
+        stamp_birth(sample, runtime.step, runtime.outbox.peer_versions if runtime.outbox is not None else {})
     # Other jobs' agents' samples reach the outbox through the mrlx_episode_end hook (see runtime).
     _, result = await run_episode(
         runtime.context, sample, sampling_params, evaluation, host_aborted=host_abort_flag(miles_input)
@@ -161,8 +182,8 @@ def initiator_rollout(
         return host_default_rollout(args, rollout_id, data_source, evaluation=True)
     outbox = runtime.outbox
     metrics: dict[str, float] = {}
+    open_step(runtime, rollout_id)
     if outbox is not None:
-        outbox.open_step(rollout_id)
         outbox.load_limits(args, runtime.tokenizers)  # once; blocking file reads stay off the event loop
         metrics.update(
             run_in_host_loop(
@@ -175,6 +196,63 @@ def initiator_rollout(
         metrics.update(run_in_host_loop(outbox.drain(runtime.coordinator, rollout_id, kept)))
     output.metrics = {**(output.metrics or {}), **metrics}
     return output
+
+
+@overload
+def async_rollout(
+    args: argparse.Namespace, rollout_id: int, data_source: object, evaluation: Literal[False] = False
+) -> RolloutFnTrainOutput: ...
+
+
+@overload
+def async_rollout(
+    args: argparse.Namespace, rollout_id: int, data_source: object, evaluation: bool
+) -> RolloutFnTrainOutput | RolloutFnEvalOutput: ...
+
+
+def async_rollout(
+    args: argparse.Namespace, rollout_id: int, data_source: object, evaluation: bool = False
+) -> RolloutFnTrainOutput | RolloutFnEvalOutput:
+    """`--rollout-function-path` of a fully asynchronous slime job (or embedded trainer): a
+    shared-model job, or the job that runs a multi-model run's episodes.
+
+    The first call starts a producer on the host's rollout loop that keeps
+    `async_rollout.max_in_flight_groups` prompt groups generating across steps (the generate
+    function per sample, then the reward, as slime's default rollout does); finished groups wait
+    in a bounded queue. Each call opens step `rollout_id` (in a multi-model run: reports this
+    job's version and waits for the peers, as `initiator_rollout` does), takes
+    `--rollout-batch-size` finished groups oldest first, giving back to the data source each group
+    beyond `async_rollout.max_staleness`, orders them by their first sample's index, and commits
+    the kept groups' peer samples under this step, named after their places in it (see
+    `mrlx_plugin.async_rollout`). Evaluation pauses new groups and runs the host's default
+    evaluation.
+    """
+    runtime = runtime_for(args)
+    if evaluation:
+        producer = cast("Producer | None", HOST_PROCESS.cached(args, "producer"))
+        if producer is None:
+            return host_default_rollout(args, rollout_id, data_source, evaluation=True)
+        run_in_host_loop(_set_paused(producer, True))
+        try:
+            return host_default_rollout(args, rollout_id, data_source, evaluation=True)
+        finally:
+            run_in_host_loop(_set_paused(producer, False))
+    producer_for(args, data_source, runtime.settings)  # built here, outside the loop
+    if runtime.outbox is not None:
+        runtime.outbox.load_limits(args, runtime.tokenizers)  # once; blocking file reads stay off the loop
+    metrics = run_in_host_loop(start_step(runtime, args, rollout_id))
+    groups, step_metrics = run_in_host_loop(take_step(runtime, args, rollout_id, data_source))
+    metrics.update(step_metrics)
+    metrics.update(compute_metrics([s for g in groups for s in leaves(g)]))
+    return RolloutFnTrainOutput(samples=groups, metrics=metrics)
+
+
+async def _set_paused(producer: Producer, paused: bool) -> None:
+    """Pause or resume new groups (an asyncio event: set on the loop it belongs to)."""
+    if paused:
+        producer.resumed.clear()
+    else:
+        producer.resumed.set()
 
 
 def _group_index(group: Sequence[object]) -> int | None:
@@ -262,4 +340,5 @@ def job_settings(args: argparse.Namespace) -> Settings | None:
 
 
 initiator_rollout.__dict__["add_arguments"] = add_arguments
+async_rollout.__dict__["add_arguments"] = add_arguments
 responder_rollout.__dict__["add_arguments"] = add_arguments

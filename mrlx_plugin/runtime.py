@@ -134,6 +134,14 @@ class Runtime:
         self.outbox = PeerOutbox(settings, source, peers) if peers else None
         if self.outbox is not None:
             pm.register(_OutboxObserver(self.outbox), name="mrlx_plugin.link.outbox")
+        # The step this job's rollout has opened (episodes starting now are born in it); None until
+        # a rollout function opens one. Miles' `--fully-async` producer starts episodes before its
+        # first step asks for groups: that step is open from the start.
+        self.step: int | None = None
+        if getattr(args, "fully_async", False):
+            self.step = int(getattr(args, "start_rollout_id", 0) or 0)
+            if self.outbox is not None:
+                self.outbox.open_step(self.step)
 
     def trained_samples_per_episode(self) -> int | None:
         """How many samples each episode returns to this job's trainer (None: it varies)."""

@@ -6,6 +6,8 @@ rollout, its abort, logging, reward post-processing and data-parallel split, wit
 flags) against stub engines over real sockets, and reads what the driver reports: per step the
 samples, their statuses and rollout ids, the per-rank sizes of the split and the stub's counters
 around `abort()`; errors with their type; what reached Miles' tracking logger (`FAKE_HOST_LOG`).
+The multi-model tests under `--fully-async` run job A that way, in the background, beside a real
+coordinator, and job B's `responder_rollout` in this process, step by step as B's host calls it.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +24,8 @@ from typing import Any
 import pytest
 import yaml
 from _host import batch_flags, engine_faults, engine_stats
+
+from mrlx_plugin.core import processes
 
 REPO = Path(__file__).resolve().parent.parent
 HOSTS = REPO / "tests" / "hosts"
@@ -76,7 +81,7 @@ class Run:
         return [line["metrics"] for line in self.log if line["step_key"] == step_key]
 
 
-def run_miles(
+def miles_job(
     tmp_path: Path,
     engine_url: str,
     tokenizer: Path,
@@ -86,10 +91,10 @@ def run_miles(
     dp: int = 2,
     env: dict[str, str] | None = None,
     stub_stats: bool = False,
-    timeout: float = 150,
-) -> Run:
-    """Run the driver with the plugin's flags, `config` (the `mrlx:` mapping, written to a YAML
-    file, or a ready `--custom-config-path` value) and `flags`."""
+) -> tuple[list[str], dict[str, str], Path, Path]:
+    """The driver's command line and environment for the plugin's flags, `config` (the `mrlx:`
+    mapping, written to a YAML file, or a ready `--custom-config-path` value) and `flags`; and the
+    paths of its result and tracking log (all under `tmp_path`)."""
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
     if isinstance(config, dict):
@@ -118,12 +123,63 @@ def run_miles(
         TOKENIZERS_PARALLELISM="false",
         **(env or {}),
     )
-    proc = subprocess.run(
-        argv, check=False, env=penv, capture_output=True, text=True, timeout=timeout, cwd=tmp_path
-    )
+    return argv, penv, result, log
+
+
+def read_run(proc: subprocess.CompletedProcess, result: Path, log: Path) -> Run:
     report = json.loads(result.read_text()) if result.exists() else None
     lines = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
     return Run(proc, report, lines)
+
+
+def run_miles(
+    tmp_path: Path,
+    engine_url: str,
+    tokenizer: Path,
+    config: dict[str, Any] | str,
+    *flags: str,
+    timeout: float = 150,
+    **options: Any,
+) -> Run:
+    """Run the driver to its end (`miles_job` builds the command) and read what it reported."""
+    argv, penv, result, log = miles_job(tmp_path, engine_url, tokenizer, config, *flags, **options)
+    proc = subprocess.run(
+        argv, check=False, env=penv, capture_output=True, text=True, timeout=timeout, cwd=tmp_path
+    )
+    return read_run(proc, result, log)
+
+
+class Background:
+    """The driver run as a background process (`miles_job`'s arguments), its output in a file."""
+
+    def __init__(self, tmp_path: Path, *args: Any, **options: Any):
+        tmp_path.mkdir(parents=True, exist_ok=True)
+        self.argv, env, self.result, self.log = miles_job(tmp_path, *args, **options)
+        self.out = tmp_path / "driver.log"
+        with self.out.open("wb") as out:
+            self.proc = processes.start(
+                self.argv, env=env, cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT
+            )
+
+    def report(self) -> dict[str, Any]:
+        """What the driver has reported so far (it rewrites the file whole, atomically)."""
+        return json.loads(self.result.read_text()) if self.result.exists() else {}
+
+    def alive(self) -> None:
+        """Stop a wait early, with the driver's output, when the driver has exited."""
+        if self.proc.poll() is not None:
+            raise AssertionError(self.finish().explain())
+
+    def finish(self, timeout: float = 150) -> Run:
+        code = self.proc.wait(timeout)
+        done = subprocess.CompletedProcess(self.argv, code, self.out.read_text(errors="replace"), "")
+        return read_run(done, self.result, self.log)
+
+    def kill(self) -> None:
+        """SIGKILL (no shutdown code runs)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(30)
 
 
 BATCH = batch_flags()
@@ -305,34 +361,42 @@ def test_legacy_v1_rollout(tmp_path, stub_engine, tiny_model_dir):
     assert [m["multi_agent/episodes"] for m in run.logged("rollout/step")] == [4, 4]
 
 
+ASYNC = ["--fully-async", "--custom-async-data-buffer-path", "mrlx_plugin.rollout.AsyncDataBuffer"]
+
+
 @pytest.mark.slow
-def test_fully_async_rollout(tmp_path, stub_engine, tiny_model_dir):
-    """`--fully-async`: generation runs on across steps; each step drains finished groups."""
-    run = run_miles(
-        tmp_path, stub_engine.url, tiny_model_dir, PIPELINE, *BATCH, "--fully-async", num_rollout=2
-    )
+def test_fully_async_with_the_plugin_buffer_trains_groups_holding_fillers(
+    tmp_path, stub_engine, tiny_model_dir
+):
+    """`--fully-async` with the plugin's data buffer: generation runs on across steps and each step
+    takes finished groups. An engine fault ends one episode early: its samples come back as
+    ABORTED fillers, and its group (the other episode trains) is trained all the same, where
+    Miles' default buffer would drop every group holding an ABORTED sample. Every step holds the
+    full batch of whole episodes, and the buffer's staleness metrics reach Miles' log."""
+    engine_faults(stub_engine.url, "http500", 1)
+    config = {**PIPELINE, "engine": {"max_retries": 0}}
+    run = run_miles(tmp_path, stub_engine.url, tiny_model_dir, config, *BATCH, *ASYNC, num_rollout=3)
     run.assert_ok()
     assert run.result["args"]["rollout_function_path"] == FULLY_ASYNC
-    _assert_pipeline_steps(run, 2)
+    assert engine_stats(stub_engine.url)["faults_served"] == 1
+    _assert_pipeline_steps(run, 3)
+    assert sum(step["statuses"].get("aborted", 0) for step in run.steps) == FAN_OUT, run.steps
+    logged = run.logged("rollout/step")
+    assert [m["rollout/step"] for m in logged] == [0, 1, 2], logged
+    assert all("multi_agent/staleness" in m and m["multi_agent/stale_groups"] == 0 for m in logged), logged
+    # Groups born in one step are trained in the next: generation ran on between the steps.
+    assert max(m["multi_agent/staleness_max"] for m in logged) >= 1, logged
 
 
 @pytest.mark.slow
-def test_multi_model_refuses_fully_async(tmp_path, stub_engine, tiny_model_dir):
-    """A job whose agent `b` is trained by another job (its samples go through a coordinator) cannot
-    run Miles' fully-async rollout; it is refused at start-up, by name, before any engine call."""
-    config = {
-        "run_id": "miles-mm",
-        "system": "dialogue",
-        "self": "a",
-        "agents": {"a": {"url": "self"}, "b": {"url": "http://127.0.0.1:9", "trainable": True}},
-        "coordinator": {"url": "http://127.0.0.1:9"},
-        "dialogue": {"max_turns": 2},
-    }
-    token_env = {"MRLX_TOKEN": "test-token"}
-    run = run_miles(tmp_path, stub_engine.url, tiny_model_dir, config, *BATCH, "--fully-async", env=token_env)
+def test_fully_async_with_miles_default_buffer_is_refused_by_name(tmp_path, stub_engine, tiny_model_dir):
+    """Miles' default buffer would drop every group holding an ABORTED filler: the job is refused
+    before any engine call, naming the buffer flag and the plugin's buffer."""
+    run = run_miles(tmp_path, stub_engine.url, tiny_model_dir, PIPELINE, *BATCH, "--fully-async")
     assert run.proc.returncode != 0 and run.error is not None, run.explain()
     assert run.error["type"] == "ConfigError", run.explain()
-    assert "--fully-async" in run.error["message"], run.explain()
+    message = run.error["message"]
+    assert "--custom-async-data-buffer-path mrlx_plugin.rollout.AsyncDataBuffer" in message, message
     assert run.steps == []
     assert engine_stats(stub_engine.url)["generate"] == 0
 
@@ -475,3 +539,198 @@ def test_per_turn_credit_with_tree_sampling_through_miles(tmp_path, stub_engine,
     # one candidate not taken per turn taken (the 64-token response cap may end a dialogue early)
     assert logged["multi_agent/episodes"] == 4 and logged["multi_agent/avg_turns"] >= 1, logged
     assert logged.get("credit/branch_candidates") == logged["multi_agent/avg_turns"], logged
+
+
+# --- 6. a multi-model run's initiator under --fully-async ----------------------------------------
+
+MM_RUN = "miles-mm-async"
+MM_COORDINATOR = {"max_staleness": 1, "wait_deadline_s": 60, "lease_s": 30}
+MM_DIALOGUE = {"first": "a", "max_turns": 2}  # A's turn, then B's: one sample per episode for each
+
+
+@pytest.fixture
+def two_engines(logs_dir, request):
+    """Stub engines serving agent a (A's router) and agent b."""
+    from mrlx_lab.stub_engine import start_stub_engine
+
+    name = request.node.name[:30]
+    engines = [start_stub_engine(log_dir=logs_dir, name=f"{agent}-{name}") for agent in ("a", "b")]
+    yield engines
+    for engine in engines:
+        engine.stop()
+
+
+def initiator(
+    where: Path, engines: list[Any], tokenizer: Path, coord: Any, steps: int, *flags: str
+) -> Background:
+    """Job A (agent a): the fake Miles under `--fully-async` with the plugin's buffer and generate."""
+    from _twojobs import two_job_config
+
+    config = two_job_config(
+        "a",
+        run_id=MM_RUN,
+        urls={"b": engines[1].url},
+        coordinator=coord.url,
+        coordinator_settings=MM_COORDINATOR,
+        dialogue=MM_DIALOGUE,
+    )
+    # 512 tokens: room for B's turn after A's
+    return Background(
+        where,
+        engines[0].url,
+        tokenizer,
+        config,
+        *BATCH,
+        *ASYNC,
+        "--rollout-max-response-len",
+        "512",
+        *flags,
+        num_rollout=steps,
+        env=coord.env,
+    )
+
+
+def responder_args(engines: list[Any], tokenizer: Path, coord: Any) -> Any:
+    """Job B's args (agent b), as its host would pass them to `responder_rollout` (this process)."""
+    from _host import slime_args
+    from _twojobs import two_job_config
+
+    config = two_job_config(
+        "b",
+        run_id=MM_RUN,
+        urls={"a": engines[0].url},
+        coordinator=coord.url,
+        coordinator_settings=MM_COORDINATOR,
+        dialogue=MM_DIALOGUE,
+    )
+    return slime_args(engines[1].url, str(tokenizer), config, rollout_batch_size=2, n_samples_per_prompt=2)
+
+
+def responder_steps(args: Any, steps: range) -> dict[int, list[list[Any]]]:
+    """B's steps, each `responder_rollout` as B's host calls it; everything acknowledged after."""
+    from mrlx_plugin.core.host import run_in_host_loop
+    from mrlx_plugin.rollout import ack_trained_groups, responder_rollout
+    from mrlx_plugin.runtime import responder_for
+
+    trained = {}
+    try:
+        for step in steps:
+            trained[step] = responder_rollout(args, step, None).samples
+        ack_trained_groups(args, steps[-1])
+    finally:
+        run_in_host_loop(responder_for(args).aclose())
+    return trained
+
+
+def assert_whole_steps(trained: dict[int, list[list[Any]]]) -> None:
+    """Each of B's steps: 2 groups of 2 of A's episodes (B's one sample each), none a filler, and
+    no episode of A's twice across the steps."""
+    episodes = []
+    for step, groups in trained.items():
+        assert len(groups) == 2, (step, groups)
+        for group in groups:
+            assert len(group) == 2 and len({s.group_index for s in group}) == 1, (step, group)
+            assert all("dead_letter" not in s.metadata["mrlx"] for s in group), (step, group)
+            episodes += [s.metadata["mrlx"]["episode_id"] for s in group]
+    assert len(episodes) == len(set(episodes)), f"an episode reached B twice: {sorted(episodes)}"
+
+
+def group_indices(groups: list[list[Any]]) -> list[int]:
+    return sorted({s.group_index for g in groups for s in g})
+
+
+@pytest.mark.slow
+def test_multi_model_initiator_under_fully_async_hands_b_each_step_whole(
+    tmp_path, two_engines, tiny_model_dir, start_coordinator, monkeypatch
+):
+    """Job A of a multi-model run under Miles' `--fully-async` with the plugin's buffer: each of
+    A's steps waits for B at its top and commits the peer samples of the groups it takes, so B's
+    step k receives exactly the prompt groups A trained at its step k, each whole and once."""
+    coord = start_coordinator(run_id=MM_RUN, agents=("a", "b"))
+    monkeypatch.setenv(*next(iter(coord.env.items())))
+    job_a = initiator(tmp_path / "a", two_engines, tiny_model_dir, coord, 3)
+    try:
+        trained = responder_steps(responder_args(two_engines, tiny_model_dir, coord), range(3))
+        run = job_a.finish()
+    finally:
+        job_a.kill()
+    run.assert_ok()
+    assert run.result["args"]["rollout_function_path"] == FULLY_ASYNC
+    assert [step["rollout_id"] for step in run.steps] == [0, 1, 2], run.explain()
+    assert_whole_steps(trained)
+    for step in run.steps:
+        assert step["samples"] == 4 and step["rank_sizes"] == [2, 2], step
+        assert group_indices(trained[step["rollout_id"]]) == step["groups"], (step, trained)
+    logged = run.logged("rollout/step")
+    assert all(m["coordinator/groups_sent"] == 2 and "multi_agent/staleness" in m for m in logged), logged
+    status, _, body = coord.http("GET", f"/v1/runs/{MM_RUN}/queues/b")
+    queue = json.loads(body)
+    assert status == 200 and queue["queued_items"] == 0 and queue["leased_items"] == 0, queue
+
+
+@pytest.mark.slow
+def test_multi_model_initiator_killed_with_groups_queued_resumes_exactly_once(
+    tmp_path, two_engines, tiny_model_dir, start_coordinator, monkeypatch
+):
+    """Job A under `--fully-async` is SIGKILLed while it waits for B at the top of its step 2,
+    steps 0 and 1 committed (step 1 ran before step 0 was saved, as under train_async) and finished
+    groups queued in its buffer; it resumes from its checkpoint of step 0. A resume that does not
+    say its step is refused by name; the resumed job commits its step 1 again, which must add
+    nothing: B trains every step whole, no episode twice, and nothing committed is left behind."""
+    from _coord_procs import waits_in_progress
+
+    from mrlx_plugin.core.retry import wait_until
+
+    coord = start_coordinator(run_id=MM_RUN, agents=("a", "b"))
+    monkeypatch.setenv(*next(iter(coord.env.items())))
+    checkpoints = tmp_path / "checkpoints"
+    save = ["--save", str(checkpoints), "--save-interval", "1"]
+    first = initiator(tmp_path / "first", two_engines, tiny_model_dir, coord, 4, *save)
+    try:
+
+        def waiting_with_groups_queued() -> bool:
+            first.alive()
+            steps = [step["rollout_id"] for step in first.report().get("steps", [])]
+            return (
+                steps == [0]
+                and (checkpoints / "latest_checkpointed_iteration.txt").exists()
+                and waits_in_progress(coord, "version") >= 1  # A at its step 2's barrier
+                # B's turn ends an episode: 4 groups committed and 4 more finished into the buffer
+                and engine_stats(two_engines[1].url)["generate"] >= 2 * (4 + 4)
+            )
+
+        wait_until(waiting_with_groups_queued, 120, what="job A waiting for B with groups queued")
+    finally:
+        first.kill()
+    status, _, body = coord.http("GET", f"/v1/runs/{MM_RUN}/queues/b")
+    assert json.loads(body)["ready_groups"] == 4, body  # A's steps 0 and 1
+
+    load = ["--load", str(checkpoints)]
+    calls = engine_stats(two_engines[0].url)["generate"]
+    refused = initiator(tmp_path / "refused", two_engines, tiny_model_dir, coord, 4, *load).finish()
+    assert refused.error is not None and refused.error["type"] == "ConfigError", refused.explain()
+    assert "--start-rollout-id" in refused.error["message"], refused.explain()
+    assert engine_stats(two_engines[0].url)["generate"] == calls
+
+    resumed = initiator(
+        tmp_path / "resumed", two_engines, tiny_model_dir, coord, 4, *load, *save, "--start-rollout-id", "1"
+    )
+    try:
+        trained = responder_steps(responder_args(two_engines, tiny_model_dir, coord), range(4))
+        run = resumed.finish()
+    finally:
+        resumed.kill()
+    run.assert_ok()
+    assert [step["rollout_id"] for step in run.steps] == [1, 2, 3], run.explain()
+    assert_whole_steps(trained)
+    steps = {step["rollout_id"]: step["groups"] for step in [*first.finish().steps, *run.steps]}
+    assert group_indices(trained[0]) == steps[0]
+    # B's step 1 is the killed job's (its training of A's side died with it); the resumed job's
+    # step 1 committed nothing new: every item was already there.
+    assert not set(group_indices(trained[1])) & set(steps[1]), (trained[1], steps[1])
+    (step_1, *_) = run.logged("rollout/step")
+    assert step_1["coordinator/samples_sent"] == 0 and step_1["coordinator/duplicates"] == 4, step_1
+    assert [group_indices(trained[k]) for k in (2, 3)] == [steps[2], steps[3]]
+    status, _, body = coord.http("GET", f"/v1/runs/{MM_RUN}/queues/b")
+    queue = json.loads(body)
+    assert queue["queued_items"] == 0 and queue["leased_items"] == 0, queue

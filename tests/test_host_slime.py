@@ -1,19 +1,22 @@
 """The plugin driven through a host-shaped fake of slime (`tests/hosts/slime`), end to end.
 
-Each test runs the fake's `train.py` as its own process (slime's rollout manager, default or
-fully-async rollout, logging and data-parallel split, with the plugin's four flags) against stub
-engines over real sockets, and reads what the driver reports: per step the samples, their
-statuses and rollout ids, and the per-rank sizes of the split; errors with their type; what
-reached the host's logger (`FAKE_HOST_LOG`).
+Each test runs the fake's `train.py` (or `train_async.py`, slime's asynchronous loop) as its own
+process (slime's rollout manager, default or fully-async rollout or the plugin's rollout
+functions, logging and data-parallel split, with the plugin's four flags) against stub engines
+over real sockets, and reads what the driver reports: per step the samples, their statuses,
+rollout ids, prompt groups and birth steps, and the per-rank sizes of the split; errors with
+their type; what reached the host's logger (`FAKE_HOST_LOG`). Multi-model tests run a job per
+agent and a real coordinator.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -64,19 +67,28 @@ class Run:
         return f"rc={self.proc.returncode} errors=[{errors}]\n--- driver output (tail) ---\n{tail}"
 
 
-def slime_command(tmp_path: Path, tokenizer: Path, router_url: str, mrlx: dict[str, Any], *flags: str):
-    """Write the YAML and prompt files; the driver's argv and env with the plugin's flags plus `flags`."""
-    config = tmp_path / "mrlx.yaml"
+def slime_command(
+    tmp_path: Path,
+    tokenizer: Path,
+    router_url: str,
+    mrlx: dict[str, Any],
+    *flags: str,
+    driver: Path = DRIVER,
+    name: str = "",
+):
+    """Write the YAML and prompt files; the driver's argv and env with the plugin's flags plus `flags`
+    (`name` tells apart the files of several jobs in one directory)."""
+    config = tmp_path / f"mrlx{name}.yaml"
     config.write_text(yaml.safe_dump({"mrlx": mrlx}))
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
-    result_file, log_file = tmp_path / "result.json", tmp_path / "host_log.jsonl"
+    result_file, log_file = tmp_path / f"result{name}.json", tmp_path / f"host_log{name}.jsonl"
     result_file.unlink(missing_ok=True)
     log_file.unlink(missing_ok=True)
     ip, port = _host_port(router_url)
     argv = [
         sys.executable,
-        str(DRIVER),
+        str(driver),
         "--hf-checkpoint",
         str(tokenizer),
         "--sglang-router-ip",
@@ -119,10 +131,18 @@ def slime_command(tmp_path: Path, tokenizer: Path, router_url: str, mrlx: dict[s
 
 
 def run_slime(
-    tmp_path: Path, tokenizer: Path, router_url: str, mrlx: dict[str, Any], *flags: str, timeout: float = 120
+    tmp_path: Path,
+    tokenizer: Path,
+    router_url: str,
+    mrlx: dict[str, Any],
+    *flags: str,
+    timeout: float = 120,
+    driver: Path = DRIVER,
 ) -> Run:
     """Run the driver to its end and read what it reported."""
-    argv, env, result_file, log_file = slime_command(tmp_path, tokenizer, router_url, mrlx, *flags)
+    argv, env, result_file, log_file = slime_command(
+        tmp_path, tokenizer, router_url, mrlx, *flags, driver=driver
+    )
     try:
         proc = subprocess.run(
             argv,
@@ -315,7 +335,8 @@ def test_fully_async_rollout_is_refused_by_name(tmp_path, tiny_model_dir, stub_e
     """slime's fully asynchronous rollout orders finished groups by `getattr(item, 'index')`, which
     for a group of lists (a generate function returning several samples) is `list.index`: a
     TypeError at every step (THUDM/slime#2344). Every mrlx episode returns a list, so the plugin
-    refuses the mode at its first call, before any engine call. That call runs in slime's
+    refuses the mode at its first call, before any engine call, naming its own asynchronous
+    rollout (`mrlx_plugin.rollout.async_rollout`) as the way to run one. That call runs in slime's
     background worker, which logs a failed task and goes on waiting (it never ends the job), so
     the refusal shows in the job's log, once per prompt group it tries."""
     from mrlx_plugin.core import processes
@@ -352,6 +373,7 @@ def test_fully_async_rollout_is_refused_by_name(tmp_path, tiny_model_dir, stub_e
             proc.wait(10)
     text = log_path.read_text(errors="replace")
     assert "ConfigError" in text and "--rollout-function-path" in text and "fully asynchronous" in text
+    assert "--rollout-function-path mrlx_plugin.rollout.async_rollout" in text, text[-4000:]
     assert engine_stats(stub_engine.url)["generate"] == 0, "episodes ran before the refusal"
 
 
@@ -547,3 +569,393 @@ def test_per_turn_samples_of_a_peer_agent_reach_its_queue_whole(
     assert step["num_samples"] == 8 and step["rank_sizes"] == [4, 4], step
     assert queue["queued_items"] == 8 and queue["ready_groups"] == 2, queue  # 2 turns x 4 episodes
     assert b_calls == 8
+
+
+# --------------------------------------------------------------------------------------------
+# The plugin's fully asynchronous rollout (`--rollout-function-path mrlx_plugin.rollout.async_rollout`)
+
+ASYNC_ROLLOUT = "mrlx_plugin.rollout.async_rollout"
+ASYNC_DRIVER = HOSTS / "slime" / "train_async.py"
+
+
+def _step_groups(step: dict[str, Any]) -> list[dict[str, Any]]:
+    """A step's groups as slime trains them, in order: each run of samples of one prompt group."""
+    groups: list[dict[str, Any]] = []
+    fields = ("group_indices", "indices", "statuses", "born", "episode_ids", "loss_mask_sums")
+    for gi, index, status, born, episode, mask in zip(*(step[f] for f in fields)):
+        if not groups or groups[-1]["group_index"] != gi:
+            groups.append({"group_index": gi, "first_index": index, "samples": []})
+        groups[-1]["samples"].append({"status": status, "born": born, "episode": episode, "mask": mask})
+    return groups
+
+
+def _rollout_lines(run: Run) -> list[dict[str, Any]]:
+    return [line["metrics"] for line in run.log if line["step_key"] == "rollout/step"]
+
+
+def _assert_async_steps(run: Run, steps: int, bound: int) -> list[list[dict[str, Any]]]:
+    """Every step is full (2 groups of 2 pipeline episodes, 5 samples each), split evenly, its
+    groups whole and ordered by their first sample's index, none older than `bound` steps, and no
+    episode is trained twice. Returns each step's groups."""
+    assert not run.errors and run.proc.returncode == 0, run.explain()
+    assert [s["rollout_id"] for s in run.steps] == list(range(steps)), run.steps
+    per_step = []
+    for step in run.steps:
+        k = step["rollout_id"]
+        assert step["num_samples"] == 2 * 2 * FAN_OUT and step["rank_sizes"] == [10, 10], step
+        groups = _step_groups(step)
+        assert [len(g["samples"]) for g in groups] == [2 * FAN_OUT] * 2, groups  # whole groups
+        firsts = [g["first_index"] for g in groups]
+        assert firsts == sorted(firsts), f"step {k}: groups not ordered by their first sample: {firsts}"
+        for g in groups:
+            assert {s["born"] for s in g["samples"]} <= set(range(max(0, k - bound), k + 1)), (k, g)
+        per_step.append(groups)
+    episodes = [e for step in run.steps for e in step["episode_ids"]]
+    assert len(episodes) == steps * 2 * 2 * FAN_OUT and all(episodes), episodes
+    assert len(set(episodes)) == steps * 2 * 2, "an episode was trained twice"
+    return per_step
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("driver", [DRIVER, ASYNC_DRIVER], ids=["train", "train_async"])
+def test_async_rollout_trains_whole_groups_across_steps_within_the_staleness_bound(
+    tmp_path, tiny_model_dir, stub_engine, driver
+):
+    """slime's loop (and its asynchronous loop) with the plugin's fully asynchronous rollout: groups
+    keep generating between rollout calls, so a step trains groups born a step earlier; each step
+    is the full batch in slime's order; a group holding an ABORTED episode (its fillers train
+    nothing) is trained as it is, not generated again; the staleness reaches the host's log."""
+    steps = 4
+    engine_faults(stub_engine.url, "http500", 1)  # one episode fails: its group trains its fillers
+    # Turns on this job's own engines are asked again after a fault under async_rollout, unless an
+    # agent says no: here they do, so the fault ends its episode.
+    no_retry = {name: {"url": "self", "retry_on_abort": False} for name in PIPELINE["agents"]}
+    mrlx = {
+        **PIPELINE,
+        "agents": no_retry,
+        "engine": {"max_retries": 0},
+        "async_rollout": {"max_staleness": 2},
+    }
+    run = run_slime(
+        tmp_path,
+        tiny_model_dir,
+        stub_engine.url,
+        mrlx,
+        "--rollout-function-path",
+        ASYNC_ROLLOUT,
+        *batch_flags(num_rollout=steps),
+        driver=driver,
+    )
+    per_step = _assert_async_steps(run, steps, bound=2)
+
+    carried = [
+        (k, g["group_index"])
+        for k, groups in enumerate(per_step)
+        for g in groups
+        if k > 0 and all(s["born"] == k - 1 for s in g["samples"])
+    ]
+    assert carried, f"no group trained at step k+1 was born at step k: {per_step}"
+
+    aborted = [
+        g for groups in per_step for g in groups if any(s["status"] == "aborted" for s in g["samples"])
+    ]
+    assert len(aborted) == 1, aborted  # the failed episode's group, trained once, fillers and all
+    statuses = [s["status"] for s in aborted[0]["samples"]]
+    assert statuses.count("aborted") == FAN_OUT and statuses.count("completed") == FAN_OUT, statuses
+    assert [s["mask"] for s in aborted[0]["samples"] if s["status"] == "aborted"] == [0] * FAN_OUT
+
+    lines = _rollout_lines(run)
+    assert [m["rollout/step"] for m in lines] == list(range(steps)), lines
+    for m in lines:
+        assert m["multi_agent/staleness_max"] <= 2 and m["multi_agent/stale_groups"] == 0, m
+    assert max(m["multi_agent/staleness_max"] for m in lines) >= 1, lines  # the carried groups
+    assert all(m["multi_agent/staleness"] >= 0 and m["multi_agent/empty_groups"] == 0 for m in lines)
+
+
+@pytest.mark.slow
+def test_async_rollout_gives_groups_beyond_the_staleness_bound_back_to_be_generated_again(
+    tmp_path, tiny_model_dir, stub_engine
+):
+    """`async_rollout.max_staleness: 0`: a group born in an earlier step goes back to slime's data
+    source and is generated again (counted in `multi_agent/stale_groups`); no step trains a
+    sample born before it, and no episode is trained twice."""
+    steps = 4
+    mrlx = {**PIPELINE, "async_rollout": {"max_staleness": 0}}
+    run = run_slime(
+        tmp_path,
+        tiny_model_dir,
+        stub_engine.url,
+        mrlx,
+        "--rollout-function-path",
+        ASYNC_ROLLOUT,
+        *batch_flags(num_rollout=steps),
+    )
+    per_step = _assert_async_steps(run, steps, bound=0)
+    lines = _rollout_lines(run)
+    assert sum(m["multi_agent/stale_groups"] for m in lines) >= 1, lines
+    assert all(m["multi_agent/staleness_max"] == 0 for m in lines), lines
+    # Each group the log names as too old was generated again and trained later, born anew.
+    stale = [
+        (int(k), int(g)) for g, k in re.findall(r"group (\d+) is not trained at step (\d+)", run.proc.stdout)
+    ]
+    assert stale, run.proc.stdout[-4000:]
+    trained = {g["group_index"]: k for k, groups in enumerate(per_step) for g in groups}
+    again = [(k, g) for k, g in stale if trained.get(g, -1) >= k]
+    assert again, f"no group given back was trained later: stale {stale}, trained {trained}"
+
+
+class SlimeJob:
+    """One fake slime job running in its own process in the background (`slime_command`'s argv),
+    its output in `driver<name>.log`."""
+
+    def __init__(
+        self,
+        tmp_path: Path,
+        tokenizer: Path,
+        router_url: str,
+        mrlx: dict[str, Any],
+        *flags: str,
+        name: str,
+        env: dict[str, str],
+    ):
+        from mrlx_plugin.core import processes
+
+        argv, job_env, self.result_file, self.log_file = slime_command(
+            tmp_path, tokenizer, router_url, mrlx, *flags, name=name
+        )
+        self.name = name
+        self.hold_file = Path(str(self.result_file) + ".hold")
+        self.hold_file.unlink(missing_ok=True)
+        self.output = tmp_path / f"driver{name}.log"
+        with open(self.output, "ab") as out:
+            self.proc = processes.start(
+                argv, cwd=REPO, env={**job_env, **env}, stdout=out, stderr=subprocess.STDOUT
+            )
+
+    def text(self) -> str:
+        return self.output.read_text(errors="replace")[-6000:]
+
+    def result(self) -> dict[str, Any]:
+        return json.loads(self.result_file.read_text()) if self.result_file.exists() else {}
+
+    def alive(self) -> None:
+        """Fail a wait at once, with the job's output, when the job has exited."""
+        if self.proc.poll() is not None:
+            raise AssertionError(f"job {self.name} exited ({self.proc.returncode}):\n{self.text()}")
+
+    def log_lines(self) -> list[dict[str, Any]]:
+        """The metrics lines the job's logger has written so far."""
+        text = self.log_file.read_text() if self.log_file.exists() else ""
+        return [json.loads(x)["metrics"] for x in text.splitlines() if x.strip()]
+
+    def wait(self, timeout: float = 240) -> Run:
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"job {self.name} did not finish within {timeout:.0f} s:\n{self.text()}")
+        proc = subprocess.CompletedProcess(self.proc.args, code, self.text(), None)
+        log = (
+            [json.loads(x) for x in self.log_file.read_text().splitlines()] if self.log_file.exists() else []
+        )
+        return Run(proc, self.result(), log)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(30)
+
+
+def _by_episode(step: dict[str, Any]) -> dict[str, int]:
+    """Episode id -> its prompt group, for one step's samples."""
+    return dict(zip(step["episode_ids"], step["group_indices"]))
+
+
+class TwoSlimeJobs:
+    """A two-model dialogue run (agents a and b, both trained) under the fake slime: job A runs
+    the episodes with the plugin's asynchronous rollout, job B trains b's samples through
+    `responder_rollout`; a real coordinator between them, a stub engine per agent."""
+
+    def __init__(self, tmp_path, tokenizer, logs_dir, start_coordinator, run_id: str, steps: int):
+        from _coord_procs import TOKEN_ENV
+
+        from mrlx_lab.stub_engine import start_stub_engine
+
+        self.tmp_path, self.tokenizer, self.run_id, self.steps = tmp_path, tokenizer, run_id, steps
+        self.engines = [start_stub_engine(log_dir=logs_dir, name=f"stub-{run_id}-{x}") for x in "ab"]
+        self.coord = start_coordinator(run_id=run_id, agents=("a", "b"))
+        self.env = {TOKEN_ENV: self.coord.token}
+        self.jobs: list[SlimeJob] = []
+
+    def mrlx(self, me: str) -> dict[str, Any]:
+        from _twojobs import two_job_config
+
+        other = "b" if me == "a" else "a"
+        return two_job_config(
+            me,
+            run_id=self.run_id,
+            urls={other: self.engines["ab".index(other)].url},
+            coordinator=self.coord.url,
+            coordinator_settings={"max_staleness": 1, "wait_deadline_s": 120},
+            dialogue={"first": "a", "max_turns": 2},
+        )
+
+    def start(self, me: str, *flags: str, mrlx: dict[str, Any] | None = None) -> SlimeJob:
+        """Start agent `me`'s job (its settings with `mrlx`'s sections added)."""
+        fn = ASYNC_ROLLOUT if me == "a" else "mrlx_plugin.rollout.responder_rollout"
+        job = SlimeJob(
+            self.tmp_path,
+            self.tokenizer,
+            self.engines["ab".index(me)].url,
+            {**self.mrlx(me), **(mrlx or {})},
+            "--rollout-function-path",
+            fn,
+            *batch_flags(num_rollout=self.steps),
+            *flags,
+            name=f"-{me}",
+            env=self.env,
+        )
+        self.jobs.append(job)
+        return job
+
+    def b_generates(self) -> int:
+        return engine_stats(self.engines[1].url)["generate"]
+
+    def stop(self) -> None:
+        for job in self.jobs:
+            job.kill()
+        for engine in self.engines:
+            engine.stop()
+
+    @staticmethod
+    def assert_full_steps(run: Run, steps: int) -> None:
+        """Each step: 2 whole prompt groups of 2 episodes, one sample of this job's agent each."""
+        assert not run.errors and run.proc.returncode == 0, run.explain()
+        assert [s["rollout_id"] for s in run.steps] == list(range(steps)), run.explain()
+        for step in run.steps:
+            assert step["num_samples"] == 4 and step["rank_sizes"] == [2, 2], step
+            assert step["statuses"] == ["completed"] * 4, step  # no filler stands in for a missing group
+            groups = _by_episode(step)
+            assert len(groups) == 4 and sorted(Counter(groups.values()).values()) == [2, 2], step
+
+
+@pytest.mark.slow
+def test_async_initiator_hands_the_responder_each_step_the_groups_it_trained(
+    tmp_path, tiny_model_dir, logs_dir, start_coordinator
+):
+    """A multi-model job A under slime with the plugin's asynchronous rollout, its peer B's job
+    with `responder_rollout`: B's step k trains exactly the prompt groups A trained at its step k,
+    each whole and once, though A's groups keep generating across its steps."""
+    steps = 4
+    run = TwoSlimeJobs(tmp_path, tiny_model_dir, logs_dir, start_coordinator, "slime-async-mm", steps)
+    try:
+        b = run.start("b")
+        a = run.start("a")
+        run_a, run_b = a.wait(), b.wait()
+    finally:
+        run.stop()
+    for job_run in (run_a, run_b):
+        TwoSlimeJobs.assert_full_steps(job_run, steps)
+    for step_a, step_b in zip(run_a.steps, run_b.steps):
+        assert _by_episode(step_b) == _by_episode(step_a), (step_a, step_b)
+    carried = [s for s in run_a.steps for born in s["born"] if born is not None and born < s["rollout_id"]]
+    assert carried, f"no group of A's crossed a step boundary: {run_a.steps}"
+    lines = _rollout_lines(run_a)
+    assert [m["rollout/step"] for m in lines] == list(range(steps))
+    for m in lines:
+        assert m["multi_agent/staleness_max/b"] <= 2 and m["coordinator/groups_sent"] == 2, m
+
+
+@pytest.mark.slow
+def test_async_initiator_killed_with_groups_queued_resumes_and_the_responder_trains_each_item_once(
+    tmp_path, tiny_model_dir, logs_dir, start_coordinator
+):
+    """Job A (asynchronous rollout, `--save`) is SIGKILLed while it trains step K: step K's groups
+    are committed, finished groups wait in its producer's queue (their b samples not committed)
+    and step K is not saved. A resumed from its saved data source (`--load`, `--start-rollout-id
+    K`) trains steps K.. again while B runs on: B trains every step full and no item twice."""
+    steps, hold = 5, 2
+    run = TwoSlimeJobs(tmp_path, tiny_model_dir, logs_dir, start_coordinator, "slime-async-kill", steps)
+    save = tmp_path / "save-a"
+    queue = {"async_rollout": {"max_in_flight_groups": 2, "queue_groups": 4}}
+    try:
+        b = run.start("b")
+        a = run.start("a", "--save", str(save), "--fake-train-hold", str(hold), mrlx=queue)
+        wait_until(
+            lambda: (a.alive(), b.alive(), a.hold_file.exists())[-1],
+            120,
+            what="A training step K",
+            details=lambda: a.text() + "\n---\n" + b.text(),
+        )
+        # Every group A's producer generated through step K (trained, or too old and given back)
+        # and the 4 it may then hold: when B's engine has answered all their b turns (one per
+        # episode), the producer is full and its queue holds finished groups.
+        lines = [m for m in a.log_lines() if m.get("rollout/step") is not None]
+        taken = (hold + 1) * 2 + sum(m["multi_agent/stale_groups"] for m in lines)
+        wait_until(
+            lambda: (a.alive(), run.b_generates() >= 2 * (taken + 4))[-1],
+            60,
+            what="A's producer holding a full queue",
+            details=lambda: f"{run.b_generates()}\n{a.text()}",
+        )
+        before = a.result()
+        a.kill()
+        assert [s["rollout_id"] for s in before["steps"]] == list(range(hold + 1)), before
+        assert (save / f"rollout/global_dataset_state_dict_{hold - 1}.json").exists()
+        assert not (save / f"rollout/global_dataset_state_dict_{hold}.json").exists()
+        a = run.start(
+            "a", "--save", str(save), "--load", str(save), "--start-rollout-id", str(hold), mrlx=queue
+        )
+        run_a, run_b = a.wait(), b.wait()
+    finally:
+        run.stop()
+    TwoSlimeJobs.assert_full_steps(run_b, steps)
+    keys = [e for s in run_b.steps for e in s["episode_ids"]]
+    assert len(keys) == len(set(keys)), (
+        f"B trained an item twice: {sorted(k for k, n in Counter(keys).items() if n > 1)}"
+    )
+    assert not run_a.errors and run_a.proc.returncode == 0, run_a.explain()
+    assert [s["rollout_id"] for s in run_a.steps] == list(range(hold, steps)), run_a.explain()
+    a_steps = {s["rollout_id"]: s for s in [*before["steps"][:hold], *run_a.steps]}
+    for step_b in run_b.steps:
+        k = step_b["rollout_id"]
+        # Step K is the killed process's: its training of A's side died with it, and the resumed
+        # process's commits of step K (other groups, the same places) add nothing.
+        step_a = before["steps"][hold] if k == hold else a_steps[k]
+        assert _by_episode(step_b) == _by_episode(step_a), (k, step_b, step_a)
+    resumed = _rollout_lines(run_a)
+    assert [m["rollout/step"] for m in resumed] == list(range(hold, steps)), resumed
+    first = resumed[0]
+    assert first["coordinator/samples_sent"] == 0 and first["coordinator/duplicates"] == 4, first
+    assert all(m["coordinator/samples_sent"] == 4 for m in resumed[1:]), resumed
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("driver", [DRIVER, ASYNC_DRIVER], ids=["train", "train_async"])
+def test_async_rollout_asks_again_the_turns_a_weight_push_aborted(
+    tmp_path, tiny_model_dir, stubs_with, driver
+):
+    """slime pauses its engines for a weight push with SGLang's default mode, which aborts every
+    request in flight; under async_rollout episodes outlive steps, so pushes land mid-episode. Those
+    turns are asked again once the engine is back: every episode ends complete, none is cut short
+    by a push, and every step is full."""
+    engine = stubs_with("--latency", "0.2")
+    steps = 4
+    mrlx = {**PIPELINE, "engine": {"abort_retry_wait_s": 0.05}, "async_rollout": {"max_staleness": 2}}
+    run = run_slime(
+        tmp_path,
+        tiny_model_dir,
+        engine.url,
+        mrlx,
+        "--rollout-function-path",
+        ASYNC_ROLLOUT,
+        "--fake-weight-push",
+        engine.url,
+        *batch_flags(num_rollout=steps),
+        driver=driver,
+    )
+    _assert_async_steps(run, steps, bound=2)
+    pushed = [step.get("aborted_by_weight_push") for step in run.steps]
+    assert sum(p or 0 for p in pushed) > 0, f"no push found a request in flight: {pushed}"
+    statuses = [status for step in run.steps for status in step["statuses"]]
+    reasons = {r for step in run.steps for r in step["abort_reasons"] if r}
+    assert set(statuses) == {"completed"} and not reasons, reasons

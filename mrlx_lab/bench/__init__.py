@@ -19,6 +19,9 @@ import them like any other module; they import the product, never the other way 
                              learning curve, well-formed tool calls, time and memory
     mrlx bench requests      how long hostile chat-completions requests (huge message lists,
                              tools, bodies) hold the agent endpoint's event loop, and their memory
+    mrlx bench async         the demo's two agents on a long-tail workload, synchronous against
+                             fully asynchronous rollouts over seeds: trainer idle, samples/s,
+                             staleness, reward curves
 """
 
 from __future__ import annotations
@@ -49,10 +52,12 @@ def main(argv: list[str]) -> int:
         from mrlx_lab.bench.tools import main as run
     elif name == "requests":
         from mrlx_lab.bench.request_stall import main as run
+    elif name == "async":
+        from mrlx_lab.bench.long_tail import main as run
     else:
         print(
             f"mrlx bench: unknown benchmark {name!r} "
-            "(rollout, coordinator, demo, load, answers, credit, agents, tools, requests)",
+            "(rollout, coordinator, demo, load, answers, credit, agents, tools, requests, async)",
             file=sys.stderr,
         )
         return 2

@@ -3,6 +3,8 @@ the plugin's real rollout functions and embedded trainers, and reports a plot, m
 
 - `co_training`: `mrlx demo`, two models co-train through the full multi-model loop (the
   coordinator, a trainer per agent); `--adapters`: as two LoRA adapters of one base model;
+- `long_tail`: `mrlx demo --long-tail`, those two agents on a long-tail workload, synchronous
+  against fully asynchronous rollouts;
 - `tools`: `mrlx demo --tools`, one agent learns to look an answer up with a tool call
   (`mrlx_lab.examples.tool_lookup`);
 - `research`: `mrlx demo --research`, a planner delegates to a searcher with a search tool, two

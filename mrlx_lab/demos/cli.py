@@ -1,4 +1,5 @@
-"""`mrlx demo`: the main demo (`co_training`, with `--adapters` its variant), or with `--tools` or
+"""`mrlx demo`: the main demo (`co_training`, with `--adapters` its variant), with `--long-tail` its
+two agents on a long-tail workload sync against async (`long_tail`), or with `--tools` or
 `--research` an agent-code example instead; the rest of the command line is that demo's."""
 
 from __future__ import annotations
@@ -6,7 +7,11 @@ from __future__ import annotations
 import importlib
 import sys
 
-VARIANTS = {"--tools": "mrlx_lab.demos.tools", "--research": "mrlx_lab.demos.research"}
+VARIANTS = {
+    "--tools": "mrlx_lab.demos.tools",
+    "--research": "mrlx_lab.demos.research",
+    "--long-tail": "mrlx_lab.demos.long_tail",
+}
 
 
 def main(argv: list[str]) -> int:

@@ -17,6 +17,9 @@ trainer trains and pushes only its adapter, with its own optimizer. The base sta
 pretrained model: built from the config, it gets the format-only warm-start on both agents'
 examples (how to answer, not what), and each adapter starts as the base. Everything else (the
 coordinator, the steps, the plot and the metrics) is the two-model run's.
+
+`mrlx demo --long-tail` (`mrlx_lab.demos.long_tail`) runs these two agents on a long-tail
+workload, synchronously and fully asynchronously, through `run_demo` with a `Variant`.
 """
 
 from __future__ import annotations
@@ -24,10 +27,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import secrets
 import shutil
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -66,6 +71,26 @@ RUN_STATE = (
 )
 
 
+@dataclass
+class Variant:
+    """What a run of the demo does differently from the default (`mrlx demo --long-tail`).
+
+    `rollout`: the proposer's rollout function (the job that runs the episodes);
+    `tail`: (fraction, rounds): that fraction of the questions, drawn at random, is discussed for
+    `rounds` rounds instead of one (`mrlx_lab.examples.long_tail`);
+    `settings`: more `mrlx` sections of both jobs, as YAML lines (two spaces in);
+    `evaluation`: (held-out questions, every N steps) the proposer's job evaluates on;
+    `micro_batch_size`: the trainers' (the gradient is the same for any: a per-token mean over
+    the step; each micro-batch is padded to its longest sample, so one that mixes long and short
+    samples costs as if all were long)."""
+
+    rollout: str = "mrlx_plugin.rollout.initiator_rollout"
+    tail: tuple[float, int] | None = None
+    settings: str = ""
+    evaluation: tuple[int, int] | None = None
+    micro_batch_size: int = 64
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mrlx demo", description=__doc__.split("\n\n")[0])
     add_training_options(
@@ -101,6 +126,7 @@ def _yaml(
     coordinator: str,
     ns: argparse.Namespace,
     adapters: bool = False,
+    variant: Variant | None = None,
 ) -> Path:
     def agent(name: str) -> str:
         url = "self" if name == me else urls[name]
@@ -110,13 +136,17 @@ def _yaml(
             f"sampling: {{max_new_tokens: 10, temperature: 1.0}}}}\n"
         )
 
+    variant = variant or Variant()
+    rounds = variant.tail[1] if variant.tail else 1
+    plugins = "  plugins: [mrlx_lab.examples.long_tail]\n" if variant.tail else ""
     path.write_text(
         "mrlx:\n"
         f"  run_id: demo\n  system: dialogue\n  self: {me}\n"
         "  agents:\n"
         + agent(A)
         + agent(B)
-        + f"  dialogue: {{first: {A}, max_turns: 2, final_answer_agent: {B}}}\n"
+        + plugins
+        + f"  dialogue: {{first: {A}, max_turns: {2 * rounds}, final_answer_agent: {B}}}\n"
         "  rewards: {shaping: independent}\n"
         "  engine: {request_timeout_s: 60, abort_retry_wait_s: 0.5, peer_deadline_s: 300, sampling_seed: "
         f"{ns.seed}}}\n"
@@ -124,7 +154,8 @@ def _yaml(
         "wait_deadline_s: 900, lease_s: 120}\n"
         f"  trainer: {{lr: {_lr(ns)}, lr_warmup_steps: 10, lr_decay_style: cosine, lr_min: {_lr(ns) / 10}, "
         "kl_coef: 0.1, ppo_epochs: 2, adam_eps: 1.0e-5, "
-        f"warmup_sft_steps: {ns.warmup_steps}, warmup_sft_lr: 1.0e-3, micro_batch_size: 64, threads: 1}}\n"
+        f"warmup_sft_steps: {ns.warmup_steps}, warmup_sft_lr: 1.0e-3, "
+        f"micro_batch_size: {variant.micro_batch_size}, threads: 1}}\n" + variant.settings
     )
     return path
 
@@ -190,7 +221,8 @@ def _lr(ns: argparse.Namespace) -> float:
     return ns.lr if ns.lr is not None else 3e-3 if getattr(ns, "adapters", False) else 2e-3
 
 
-def run_demo(ns: argparse.Namespace) -> JSONObject:
+def run_demo(ns: argparse.Namespace, variant: Variant | None = None) -> JSONObject:
+    variant = variant or Variant()
     freeze = {"A": A, "B": B}.get(ns.freeze, ns.freeze)
     out = Path(ns.out)
     refuse_previous_run(out, ns, RUN_STATE)
@@ -201,7 +233,7 @@ def run_demo(ns: argparse.Namespace) -> JSONObject:
     started = time.monotonic()
     token = secrets.token_urlsafe(24)
     env = dict(os.environ, MRLX_DEMO_TOKEN=token)
-    prompt_file, warmup = _prompts(out, ns)
+    prompt_file, warmup = _prompts(out, ns, variant.tail)
     models, adapters = _models(out, ns, warmup)
     with Running() as run:
         start = adapters or models
@@ -218,12 +250,18 @@ def run_demo(ns: argparse.Namespace) -> JSONObject:
             router=not ns.no_router,
             base=models[A] if adapters else None,
         )
-        for name, rollout_fn in (
-            (B, "mrlx_plugin.rollout.responder_rollout"),
-            (A, "mrlx_plugin.rollout.initiator_rollout"),
-        ):
-            config = _yaml(out / f"{name}.yaml", name, urls, models, coordinator.url, ns, bool(adapters))
-            extra = trainer_flags(ns, prompt_file, 24)
+        for name, rollout_fn in ((B, "mrlx_plugin.rollout.responder_rollout"), (A, variant.rollout)):
+            config = _yaml(
+                out / f"{name}.yaml", name, urls, models, coordinator.url, ns, bool(adapters), variant
+            )
+            # A sample's response holds every turn after its prompt (the other agent's too): 24 tokens
+            # fit a round of two 10-token turns; a question of many rounds needs them all.
+            extra = trainer_flags(ns, prompt_file, 24 * (variant.tail[1] if variant.tail else 1))
+            if name == A and variant.evaluation:  # the job that runs the episodes evaluates
+                held_out, every = variant.evaluation
+                eval_file = out / "eval_prompts.jsonl"
+                _write_prompts(eval_file, held_out, ns.seed + 1, ns, variant.tail)
+                extra += ["--eval-interval", str(every), "--eval-prompt-data", str(eval_file)]
             # an adapter starts from the base, which had the warm-start; a model has its own
             extra += ["--adapter", str(adapters[name])] if adapters else ["--warmup-data", str(warmup[name])]
             extra += (["--freeze"] if freeze == name else []) + (["--resume"] if ns.resume else [])
@@ -248,18 +286,39 @@ def _check_resumable(out: Path, ns: argparse.Namespace) -> None:
         raise ConfigError(f"--resume: {held[0]} holds {kind}; resume the run {how} --adapters, as it started")
 
 
-def _prompts(out: Path, ns: argparse.Namespace) -> tuple[Path, dict[str, Path]]:
-    """The questions (out/prompts.jsonl) and each agent's format-only warm-start examples."""
+def _prompts(
+    out: Path, ns: argparse.Namespace, tail: tuple[float, int] | None = None
+) -> tuple[Path, dict[str, Path]]:
+    """The questions (out/prompts.jsonl; with `tail`, some of many rounds) and each agent's
+    format-only warm-start examples."""
     from mrlx_plugin.local.trainer.tasks import addition_prompts, format_examples
 
     prompts = addition_prompts(256, seed=ns.seed, max_operand=ns.max_operand)
-    prompt_file = out / "prompts.jsonl"
-    prompt_file.write_text("".join(json.dumps({"prompt": p, "label": lab}) + "\n" for p, lab in prompts))
+    prompt_file = _write_prompts(out / "prompts.jsonl", 256, ns.seed, ns, tail)
     warmup = {
         A: format_examples(out / f"warmup_{A}.jsonl", prompts, 2000, seed=ns.seed),
         B: format_examples(out / f"warmup_{B}.jsonl", prompts, 2000, seed=ns.seed + 1, context=True),
     }
     return prompt_file, warmup
+
+
+def _write_prompts(
+    path: Path, n: int, seed: int, ns: argparse.Namespace, tail: tuple[float, int] | None
+) -> Path:
+    """`n` questions a + b as a prompt file; with `tail` (fraction, rounds) that fraction of them,
+    drawn from `seed`, is of `rounds` rounds and the others of one (their metadata says so)."""
+    from mrlx_lab.examples.long_tail import ROUNDS_KEY
+    from mrlx_plugin.local.trainer.tasks import addition_prompts
+
+    long = set(random.Random(f"long-tail:{seed}").sample(range(n), round(tail[0] * n))) if tail else set()
+    rows = []
+    for i, (prompt, label) in enumerate(addition_prompts(n, seed=seed, max_operand=ns.max_operand)):
+        row: JSONObject = {"prompt": prompt, "label": label}
+        if tail is not None:
+            row["metadata"] = {ROUNDS_KEY: tail[1] if i in long else 1}
+        rows.append(json.dumps(row) + "\n")
+    path.write_text("".join(rows))
+    return path
 
 
 def _models(

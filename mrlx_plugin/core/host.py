@@ -414,6 +414,29 @@ def host_default_rollout(
     return stand_in(args, rollout_id, data_source, evaluation=evaluation)
 
 
+async def host_generate_group(args: argparse.Namespace, group: list[HostSample]) -> list[Any]:
+    """Generate and grade one prompt group as the host's default rollout does (the generate
+    function per sample, then the reward), for a rollout that keeps groups in flight itself.
+
+    slime: `slime.rollout.sglang_rollout.generate_and_rm_group` with the host's sampling
+    parameters. Without a host: the stand-in named by `args.host_generate_group`. Miles' fully
+    asynchronous rollout runs its own producer and never needs this.
+    """
+    if HOST == "slime":
+        from slime.rollout.sglang_rollout import GenerateState, generate_and_rm_group
+
+        params = GenerateState(args).sampling_params.copy()
+        return cast("list[Any]", await generate_and_rm_group(args, group, params, evaluation=False))
+    stand_in = getattr(args, "host_generate_group", None)
+    if stand_in is None:
+        raise RuntimeError(
+            f"{HOST or 'no host'}: mrlx_plugin.rollout.async_rollout runs under slime or the embedded "
+            "trainer; under Miles use --fully-async with --custom-async-data-buffer-path "
+            "mrlx_plugin.rollout.AsyncDataBuffer"
+        )
+    return cast("list[Any]", await stand_in(args, group))
+
+
 def miles_uses_legacy_rollout() -> bool:
     """Whether Miles runs its deprecated function-based rollout (`MILES_USE_LEGACY_ROLLOUT_V1=1`)."""
     try:

@@ -80,6 +80,7 @@ class PeerOutbox:
         self.limits: dict[str, ModelLimits] = {}  # peer agent -> what its model takes
         self.pad_ids: dict[str, int] = {}
         self.depth_checked = False
+        self.peer_versions: dict[str, int] = {}  # each peer's version as the last barrier saw it
 
     @staticmethod
     def _zero() -> dict[str, int]:
@@ -189,17 +190,24 @@ class PeerOutbox:
         )
 
     async def _send(
-        self, client: CoordinatorClient, group_index: int | None, group: _Group, step: int
+        self,
+        client: CoordinatorClient,
+        group_index: int | None,
+        group: _Group,
+        step: int,
+        slot: str | None = None,
     ) -> list[str]:
         producer = self.settings.self_agent
         failures = []
         for agent, keyed in group.samples.items():
+            if slot is not None:  # keyed by the step's place, whichever episodes fill it
+                keyed = [(f"{slot}:{agent}:{n}", s) for n, (_, s) in enumerate(keyed)]
             keyed = [(k, self._checked(agent, s)) for k, s in keyed]
             if all(getattr(s, "remove_sample", False) for _, s in keyed):
                 # Sent all the same (zero loss masks train nothing): the peer leases one step's
                 # groups per step, and a missing group would leave its step short.
                 self.stats["groups_all_aborted"] += 1
-            name = f"{producer}:{group_index}"
+            name = slot if slot is not None else f"{producer}:{group_index}"
 
             def item(key: str, sample: HostSample, name: str = name, keyed: list = keyed) -> QueueItem:
                 return item_from_sample(
@@ -234,27 +242,61 @@ class PeerOutbox:
             self.stats["stale"] += result.stale
         return failures
 
-    async def drain(
-        self, client: CoordinatorClient, step: int, kept: set[int | None] | None
+    def discard(self, group_index: int | None) -> None:
+        """Drop a prompt group's samples: the host will not train it (a fully asynchronous rollout
+        gives it back to be generated again, which adds its samples anew)."""
+        if self.groups.pop(group_index, None) is not None:
+            self.stats["groups_not_kept"] += 1
+
+    async def commit_groups(
+        self,
+        client: CoordinatorClient,
+        step: int,
+        indices: set[int | None],
+        slots: Mapping[int | None, str] | None = None,
     ) -> dict[str, float]:
-        """Commit the groups in `kept` (all when None) through `client`, drop the others; raise if
-        a commit failed.
+        """Commit the groups `indices` under `step` through `client` (the others stay: under a fully
+        asynchronous rollout they are still in flight, or queued for a later step); raise if a
+        commit failed. Returns the counters since the last `drain`/`take_stats`.
+
+        A group is named (and its items keyed) after its prompt group, unless `slots` names its
+        place in the step instead: then a process resumed after a crash that commits the same
+        step again, with other episodes in a place, repeats its predecessor's keys (duplicates,
+        no-ops) rather than adding a group to a step its peers may already have trained.
 
         Commits retry through coordinator restarts and backpressure until their deadline; a
         group that still cannot be committed fails the rollout loudly rather than vanishing.
         """
-        groups, self.groups = self.groups, {}
-        chosen = {k: g for k, g in groups.items() if kept is None or k in kept}
-        self.stats["groups_not_kept"] += len(groups) - len(chosen)
-        results = await asyncio.gather(*(self._send(client, k, g, step) for k, g in chosen.items()))
+        chosen = {k: self.groups.pop(k) for k in indices if k in self.groups}
+        results = await asyncio.gather(
+            *(self._send(client, k, g, step, (slots or {}).get(k)) for k, g in chosen.items())
+        )
         failures = [f for r in results for f in r]
-        step_stats = {f"coordinator/{k}": float(v) for k, v in self.stats.items()}
-        self.stats = self._zero()
         if failures:
             raise CoordinatorError(
                 f"could not hand {len(failures)} group(s) to the coordinator: " + "; ".join(failures[:3])
             )
-        return step_stats
+        return {f"coordinator/{k}": float(v) for k, v in self.stats.items()}
+
+    def take_stats(self) -> dict[str, float]:
+        """The counters since the last call, as step metrics (then zeroed)."""
+        stats = {f"coordinator/{k}": float(v) for k, v in self.stats.items()}
+        self.stats = self._zero()
+        return stats
+
+    async def drain(
+        self, client: CoordinatorClient, step: int, kept: set[int | None] | None
+    ) -> dict[str, float]:
+        """A synchronous step's end: commit the groups in `kept` (all when None) and drop the others
+        (groups the host over-sampled and then filtered out or aborted)."""
+        kept = set(self.groups) if kept is None else kept
+        for k in set(self.groups) - kept:
+            self.discard(k)
+        try:
+            await self.commit_groups(client, step, kept)
+        finally:
+            stats = self.take_stats()
+        return stats
 
 
 def _encoding_problems(items: Sequence[QueueItem]) -> dict[int, str]:
@@ -301,5 +343,6 @@ async def initiator_barrier(
             else (await client.get_version(agent) or 0)
         )
         metrics[f"coordinator/wait_seconds/{agent}"] = time.monotonic() - started
+        outbox.peer_versions[agent] = int(version)
         metrics[f"staleness/{agent}"] = float(rollout_id - version)
     return metrics

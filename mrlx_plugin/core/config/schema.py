@@ -168,10 +168,12 @@ class AgentSettings(Section):
     def _defaults_from_url(self) -> AgentSettings:
         # None follows from the url: a job trains the model it serves, and rides out a peer's
         # aborts (a peer updating its weights), but not its own engine's.
+        # Written past `__setattr__`, so that `model_fields_set` keeps saying what the YAML set (a
+        # fully asynchronous rollout changes the default of `retry_on_abort`, not a chosen value).
         if self.trainable is None:
-            self.trainable = self.url == "self"
+            self.__dict__["trainable"] = self.url == "self"
         if self.retry_on_abort is None:
-            self.retry_on_abort = self.url != "self"
+            self.__dict__["retry_on_abort"] = self.url != "self"
         return self
 
 
@@ -295,6 +297,28 @@ class CoordinatorSettings(Section):
     )
 
 
+class AsyncRolloutSettings(Section):
+    max_staleness: bounded(
+        int, ge=0, le=1024, why="a sample that many versions old no longer describes the policy it trains"
+    ) = Field(
+        2,
+        description="under a fully asynchronous rollout (`mrlx_plugin.rollout.async_rollout`, Miles' "
+        "`--fully-async` with `mrlx_plugin.rollout.AsyncDataBuffer`): a group is trained at most this many "
+        "weight versions after the step its episodes started in, for this job's agents and for each peer "
+        "that trains its samples; an older one is generated again",
+    )
+    max_in_flight_groups: bounded(int, ge=1, le=INT32_MAX, why="a count of prompt groups") | None = Field(
+        None,
+        description="`mrlx_plugin.rollout.async_rollout`: prompt groups generating at once (default: "
+        "`--rollout-batch-size`)",
+    )
+    queue_groups: bounded(int, ge=1, le=INT32_MAX, why="a count of prompt groups") | None = Field(
+        None,
+        description="`mrlx_plugin.rollout.async_rollout`: finished and generating groups held at most; "
+        "the producer starts no group beyond it (default: twice `--rollout-batch-size`)",
+    )
+
+
 def _plugin_sections_schema(schema: dict[str, Any]) -> None:  # pydantic's JSON schema, edited by key
     # `extra` is no key of the YAML: it holds the YAML's other keys, the plugin systems' sections.
     extra = schema["properties"].pop("extra")
@@ -323,6 +347,10 @@ class Settings(Section):
     rewards: RewardSettings = Field(default_factory=RewardSettings, description="grading and reward shaping")
     coordinator: CoordinatorSettings = Field(
         default_factory=CoordinatorSettings, description="the multi-model run's coordinator"
+    )
+    async_rollout: AsyncRolloutSettings = Field(
+        default_factory=AsyncRolloutSettings,
+        description="fully asynchronous rollouts: the staleness bound and the producer's limits",
     )
     # Any: pydantic leaves these values as written (the plugin's system checks its own section).
     extra: dict[str, Any] = Field(
@@ -405,6 +433,17 @@ def _cross_problems(s: Settings, path: str, known_systems: set[str] | None) -> l
         errors += [
             f"{path}.rewards.coupling.{who}.{other}: not an agent" for other in row if other not in s.agents
         ]
+    a = s.async_rollout
+    if (
+        a.max_in_flight_groups is not None
+        and a.queue_groups is not None
+        and a.queue_groups < a.max_in_flight_groups
+    ):
+        errors.append(
+            f"{path}.async_rollout.queue_groups: {a.queue_groups} holds fewer groups than "
+            f"{path}.async_rollout.max_in_flight_groups ({a.max_in_flight_groups}) would generate at once; "
+            "raise it"
+        )
     if known_systems is not None and s.system not in known_systems:
         errors.append(
             f"{path}.system: no agent system named {show_value(s.system)} is registered "

@@ -51,7 +51,7 @@ def evaluation_sets(ns: argparse.Namespace, args: argparse.Namespace) -> list[Ev
             eval_args.rollout_function_path = args.rollout_function_path
         eval_args.n_samples_per_eval_prompt = ns.n_samples_per_eval_prompt
         for label, file in files:
-            prompts = read_prompts(file, ns.input_key, ns.label_key)
+            prompts = read_prompts(file, ns.input_key, ns.label_key, getattr(ns, "metadata_key", "metadata"))
             source = LocalDataSource(prompts[:1], 1, eval_prompts=prompts)
             sets.append((f"{name}/{label}" if label else name, eval_args, source))
     return sets

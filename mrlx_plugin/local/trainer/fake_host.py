@@ -10,7 +10,9 @@ object from the same flag names, so the plugin runs exactly as it would inside t
 `--custom-generate-function-path` function on every sample (at most
 `--sglang-server-concurrency` at once), and return the groups as a `RolloutFnTrainOutput`. Unlike
 slime it does not over-sample and then abort the leftovers; the plugin handles those aborts
-(they come back as ABORTED samples) and tests cover them with injected faults.
+(they come back as ABORTED samples) and tests cover them with injected faults. `generate_group`
+is slime's `generate_and_rm_group` (one prompt group, generated and graded), which the plugin's
+fully asynchronous rollout calls for each group it keeps in flight.
 """
 
 from __future__ import annotations
@@ -38,8 +40,9 @@ from mrlx_plugin.core.host import (
 from mrlx_plugin.core.values import JSONObject
 from mrlx_plugin.runtime import cached_runtime
 
-# A prompt (a text, or messages) and its label, as a prompt file holds them.
-Prompt = tuple["str | list[dict[str, str]]", object]
+# A prompt (a text, or messages) and its label, as a prompt file holds them, and optionally the
+# row's metadata (slime's `--metadata-key`), which every sample of the prompt carries.
+Prompt = tuple["str | list[dict[str, str]]", object] | tuple["str | list[dict[str, str]]", object, dict]
 # What one call of the generate function returns: a sample, or the samples of one episode.
 Generated = HostSample | list[HostSample]
 
@@ -61,6 +64,7 @@ def add_host_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--prompt-data", default=None, help="JSONL file of prompts (default: built-in arithmetic)")
     g.add_argument("--input-key", default="prompt")
     g.add_argument("--label-key", default="label")
+    g.add_argument("--metadata-key", default="metadata", help="the prompt rows' metadata (a JSON object)")
     g.add_argument("--rm-type", default=None)
 
 
@@ -91,6 +95,7 @@ def host_args(ns: argparse.Namespace, config_path: str | None) -> argparse.Names
         partial_rollout=False,
         custom_config_path=config_path,
         host_default_rollout=default_rollout,  # what slime's generate_rollout is to slime
+        host_generate_group=generate_group,  # and its generate_and_rm_group (async_rollout's producer)
     )
     if ns.router_url:
         set_router(args, ns.router_url)
@@ -138,9 +143,10 @@ def sampling_params(args: argparse.Namespace) -> JSONObject:
     }
 
 
-def read_prompts(path: str, input_key: str, label_key: str) -> list[Prompt]:
-    """(prompt, label) pairs from a JSONL file, with errors naming the line."""
-    rows = []
+def read_prompts(path: str, input_key: str, label_key: str, metadata_key: str = "metadata") -> list[Prompt]:
+    """(prompt, label) pairs from a JSONL file, with errors naming the line; a row with a
+    `metadata_key` object gives (prompt, label, metadata), as slime's data source reads it."""
+    rows: list[Prompt] = []
     for lineno, line in enumerate(Path(path).read_text().splitlines(), 1):
         if not line.strip():
             continue
@@ -150,7 +156,16 @@ def read_prompts(path: str, input_key: str, label_key: str) -> list[Prompt]:
             raise ConfigError(f"{path}:{lineno}: not JSON ({exc.msg})") from None
         if input_key not in row:
             raise ConfigError(f"{path}:{lineno}: no '{input_key}' field (set --input-key)")
-        rows.append((row[input_key], row.get(label_key)))
+        metadata = row.get(metadata_key)
+        if metadata is None:
+            rows.append((row[input_key], row.get(label_key)))
+        elif isinstance(metadata, dict):
+            rows.append((row[input_key], row.get(label_key), metadata))
+        else:
+            raise ConfigError(
+                f"{path}:{lineno}: '{metadata_key}' is {type(metadata).__name__}; expected a JSON object "
+                "(or set --metadata-key)"
+            )
     if not rows:
         raise ConfigError(f"{path}: no prompts")
     return rows
@@ -161,11 +176,22 @@ def make_groups(
 ) -> Iterator[list[Sample]]:
     """Prompt groups the way the host's data source hands them out: n copies per prompt."""
     for g in range(groups):
-        prompt, label = prompts[(start + g) % len(prompts)]
+        prompt, label, metadata = _parts(prompts[(start + g) % len(prompts)])
         yield [
-            Sample(group_index=start + g, index=(start + g) * per_prompt + j, prompt=prompt, label=label)
+            Sample(
+                group_index=start + g,
+                index=(start + g) * per_prompt + j,
+                prompt=prompt,
+                label=label,
+                metadata=copy.deepcopy(metadata),
+            )
             for j in range(per_prompt)
         ]
+
+
+def _parts(prompt: Prompt) -> tuple[str | list[dict[str, str]], object, dict]:
+    """(prompt, label, metadata) of a prompt, with or without metadata."""
+    return (prompt[0], prompt[1], dict(prompt[2])) if len(prompt) > 2 else (prompt[0], prompt[1], {})
 
 
 class SourceState(TypedDict):
@@ -176,11 +202,14 @@ class SourceState(TypedDict):
     group_index: int
     sample_index: int
     order: list[int]
+    returned: list[list[dict]]  # groups given back, to be handed out again first (`add_samples`)
 
 
 class LocalDataSource:
     """slime's data source for prompts held in memory: `n_samples_per_prompt` copies of each
-    prompt per group, with `group_index` and `index` counting up across the whole run."""
+    prompt per group, with `group_index` and `index` counting up across the whole run. Groups
+    given back (`add_samples`: a fully asynchronous rollout's groups too stale to train) are
+    handed out again first, with their indices, as slime's buffer does."""
 
     def __init__(
         self,
@@ -203,6 +232,7 @@ class LocalDataSource:
         self.group_index = 0
         self.sample_index = 0
         self._order = list(range(len(self.prompts)))
+        self.returned: list[list[Sample]] = []
 
     def _next_prompt(self) -> Prompt:
         if self.offset == len(self._order):
@@ -215,8 +245,10 @@ class LocalDataSource:
 
     def get_samples(self, num_groups: int) -> list[list[Sample]]:
         groups = []
-        for _ in range(num_groups):
-            prompt, label = self._next_prompt()
+        while self.returned and len(groups) < num_groups:
+            groups.append(self.returned.pop(0))
+        for _ in range(num_groups - len(groups)):
+            prompt, label, metadata = _parts(self._next_prompt())
             group = []
             for _ in range(self.n):
                 group.append(
@@ -225,6 +257,7 @@ class LocalDataSource:
                         index=self.sample_index,
                         prompt=copy.deepcopy(prompt),
                         label=label,
+                        metadata=copy.deepcopy(metadata),
                     )
                 )
                 self.sample_index += 1
@@ -233,7 +266,8 @@ class LocalDataSource:
         return groups
 
     def add_samples(self, samples: list[list[Sample]]) -> None:
-        raise RuntimeError("this data source is read-only (the plugin does not use partial rollouts)")
+        """Take back prompt groups not trained (their input samples, as handed out)."""
+        self.returned.extend(list(group) for group in samples)
 
     def state_dict(self) -> SourceState:
         return {
@@ -242,12 +276,15 @@ class LocalDataSource:
             "group_index": self.group_index,
             "sample_index": self.sample_index,
             "order": list(self._order),
+            "returned": [[s.to_dict() for s in group] for group in self.returned],
         }
 
     def load_state_dict(self, state: SourceState) -> None:
         self.offset, self.epoch = state["offset"], state["epoch"]
         self.group_index, self.sample_index = state["group_index"], state["sample_index"]
         self._order = list(state["order"])
+        # A checkpoint of a version without given-back groups has no "returned".
+        self.returned = [[Sample.from_dict(s) for s in group] for group in state.get("returned", [])]
 
 
 async def _generate_groups(
@@ -267,6 +304,16 @@ async def _generate_groups(
         return list(await asyncio.gather(*(one(s) for s in g)))
 
     return list(await asyncio.gather(*(group(g) for g in groups)))
+
+
+async def generate_group(args: argparse.Namespace, group: list[Sample]) -> list[Generated]:
+    """slime's `generate_and_rm_group`, for the plugin's purposes: one prompt group generated and
+    graded as `default_rollout` does a batch (the generate function grades each episode), with
+    the host's invariants on it checked (`check_like_host`)."""
+    (results,) = await _generate_groups(args, [group], evaluation=False)
+    runtime = cached_runtime(args)
+    check_like_host([results], fixed_count=runtime is not None and runtime.samples_per_episode is not None)
+    return results
 
 
 def default_rollout(

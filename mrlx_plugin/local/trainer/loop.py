@@ -15,6 +15,12 @@ plugin's functions the way slime calls them:
         every --eval-interval steps: rollout_fn(..., evaluation=True) on held-out prompts
         --engine-call-budget spent (episodes x engine calls, summed): evaluate, stop
 
+With `--rollout-function mrlx_plugin.rollout.async_rollout` the rollout is fully asynchronous:
+episodes keep generating on the plugin's loop thread while this thread trains, and a step's
+`rollout_s` is the time it waited for finished groups (with the peers' barrier of a multi-model
+run). Each row's `step_s` is the step's wall time without its evaluation, so the trainer's idle
+fraction is `rollout_s / step_s`.
+
 The loss (`loss`) is slime's shape: PPO-clip per token with separate low/high clip ranges, the ratio
 taken against the rollout log-probs (`--use-rollout-logprobs`), log-probs computed at the
 rollout temperature, an optional low-variance KL to the initial model, and a per-token mean
@@ -82,15 +88,33 @@ def trained_counts(samples: list[HostSample]) -> tuple[int, int]:
 
 def step_engine_calls(metrics: Mapping[str, float]) -> float:
     """Engine calls one step's rollout spent: its episodes x `multi_agent/engine_calls` (every
-    call: turns, tree-sampling candidates, the moves played ahead to score them). A plugin
-    without that metric: its model turns plus the candidates not gone on from."""
+    call: turns, tree-sampling candidates, the moves played ahead to score them), plus, under a
+    fully asynchronous rollout, the calls of the groups it gave back to be generated again
+    (`multi_agent/engine_calls_given_back`). A plugin without the per-episode metric: its model
+    turns plus the candidates not gone on from."""
     episodes = metrics.get("multi_agent/episodes") or 0.0
     per_episode = metrics.get("multi_agent/engine_calls")
     if per_episode is None:
         per_episode = (metrics.get("multi_agent/avg_turns") or 0.0) + (
             metrics.get("credit/branch_candidates") or 0.0
         )
-    return episodes * per_episode
+    return episodes * per_episode + (metrics.get("multi_agent/engine_calls_given_back") or 0.0)
+
+
+def trained_staleness(groups: Iterable[list[object]], step: int, own_agent: str) -> dict[str, float]:
+    """`staleness_trained/AGENT/N`: how many of the step's prompt groups are N weight versions older
+    than AGENT's trainer at this step (from the birth stamps `generate` puts on every episode:
+    this job's agents against its step, each peer against its version then; see
+    `mrlx_plugin.async_rollout`). A synchronous step trains its own groups (0 for this job)."""
+    from mrlx_plugin.async_rollout import leaves, staleness
+
+    counts: dict[str, float] = {}
+    for group in groups:
+        own, peers = staleness(leaves(group), step)
+        for agent, value in [*([(own_agent, own)] if own is not None else []), *peers.items()]:
+            key = f"staleness_trained/{agent}/{value}"
+            counts[key] = counts.get(key, 0.0) + 1.0
+    return counts
 
 
 def flatten(groups: Iterable[object]) -> list[HostSample]:
@@ -181,11 +205,8 @@ def _settings(
     from mrlx_plugin.local.trainer.settings import trainer_settings
     from mrlx_plugin.runtime import runtime_for
 
-    settings = runtime_for(
-        args,
-        tokenizers=ns.rollout_function.endswith("initiator_rollout")
-        or ns.rollout_function.endswith("default_rollout"),
-    ).settings
+    runs_episodes = ("initiator_rollout", "async_rollout", "default_rollout")
+    settings = runtime_for(args, tokenizers=ns.rollout_function.endswith(runs_episodes)).settings
     cfg = trainer_settings(settings)
     adapter = trained_adapter(settings, ns.adapter)
     if adapter is not None and not is_adapter_dir(ns.adapter):
@@ -245,7 +266,7 @@ class _Job:
         from mrlx_plugin.local.trainer.tasks import task_prompts
 
         prompts = (
-            read_prompts(ns.prompt_data, ns.input_key, ns.label_key)
+            read_prompts(ns.prompt_data, ns.input_key, ns.label_key, ns.metadata_key)
             if ns.prompt_data
             else task_prompts(ns.task, ns.task_size, seed=ns.seed)
         )
@@ -391,6 +412,7 @@ class _Job:
         appended to metrics.jsonl (`calls_spent`: the engine calls spent before it)."""
         from mrlx_plugin.core.metrics import log_rollout
         from mrlx_plugin.rollout import ack_trained_groups, normalize
+        from mrlx_plugin.runtime import runtime_for
         from mrlx_plugin.systems.game_pool import WEIGHT_VERSION_ARG
 
         ns, args, cfg, out = self.ns, self.args, self.cfg, self.out
@@ -405,6 +427,9 @@ class _Job:
         rollout_s = time.monotonic() - t0
         raw, advantages = normalize(args, samples)
         metrics: dict[str, float] = dict(output.metrics or {})
+        if not ns.rollout_function.endswith("responder_rollout"):  # a job that runs the episodes
+            own = runtime_for(args).settings.self_agent or "self"
+            metrics |= trained_staleness(cast("list[list[object]]", output.samples), rollout_id, own)
         log_rollout(rollout_id, args, samples, metrics, rollout_s)
 
         t1 = time.monotonic()
@@ -453,9 +478,12 @@ class _Job:
             row["resumed_from"] = self.resumed_from
         if spent:
             row["engine_call_budget_spent"] = True
+        row["step_s"] = time.monotonic() - t0  # the step without its evaluation: rollout_s / step_s idles
         last = spent or rollout_id + 1 == ns.num_rollout
         if self.eval_sets and ((rollout_id + 1) % ns.eval_interval == 0 or last):
+            t2 = time.monotonic()
             row |= evaluate(self.eval_sets, self.rollout_fn, rollout_id + 1)  # the weights this step made
+            row["eval_s"] = time.monotonic() - t2
         append_row(out / "metrics.jsonl", row)
         log.info(
             "step %d: %d samples, reward %.3f, rollout %.1fs, train %.1fs",

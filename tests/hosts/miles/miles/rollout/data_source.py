@@ -5,12 +5,18 @@ copies of one prompt from `--prompt-data` (JSONL: `--input-key`, `--label-key`,
 `--metadata-key`), with `group_index` and `index` numbered across the run and no `rollout_id`.
 Groups handed back with `add_samples` (aborted partial rollouts, recycled fully-async groups)
 are served first. Miles tokenises and templates prompts here; the fake keeps the raw value.
+
+Checkpoints (the rollout manager calls them): `save(rollout_id)` writes the position in the dataset
+and the group and sample counters to `--save`/rollout/global_dataset_state_dict_<id> (Miles: a
+torch file; the fake: JSON); `load(rollout_id)` reads them back from `--load`, and does nothing
+when there is no such file. As in Miles, groups handed back and not yet served again are not saved.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import os
 from typing import Any
 
 from miles.utils.types import Sample
@@ -77,3 +83,32 @@ class RolloutDataSourceWithBuffer:
 
     def get_buffer_length(self) -> int:
         return len(self.buffer)
+
+    def _state_path(self, root: str, rollout_id: int) -> str:
+        return os.path.join(root, "rollout", f"global_dataset_state_dict_{rollout_id}.json")
+
+    def save(self, rollout_id: int) -> None:
+        if not self.args.rollout_global_dataset:
+            return
+        path = self._state_path(self.args.save, rollout_id)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        state = {
+            "sample_offset": self.offset,
+            "sample_group_index": self.sample_group_index,
+            "sample_index": self.sample_index,
+        }
+        with open(path + ".tmp", "w") as f:
+            json.dump(state, f)
+        os.replace(path + ".tmp", path)
+
+    def load(self, rollout_id: int | None = None) -> None:
+        if not self.args.rollout_global_dataset or self.args.load is None:
+            return
+        path = self._state_path(self.args.load, rollout_id)
+        if not os.path.exists(path):
+            return
+        with open(path) as f:
+            state = json.load(f)
+        self.offset = state.get("sample_offset", 0)
+        self.sample_group_index = state.get("sample_group_index", 0)
+        self.sample_index = state.get("sample_index", 0)

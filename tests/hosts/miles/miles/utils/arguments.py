@@ -15,7 +15,9 @@ order of work.
    `--rollout-function-path`, else `InferenceRolloutFn` (or the legacy `generate_rollout`),
    `FullyAsyncRolloutFn` overriding it with `--fully-async`, eval defaulting to the rollout path;
    then `--custom-config-path` (a YAML file or `base64:<payload>`): each top-level key is set on
-   `args`, overwriting.
+   `args`, overwriting. Without a checkpoint to resume (`--load` holding
+   `latest_checkpointed_iteration.txt`) `--start-rollout-id` becomes 0; with one it stays as given
+   (None unless given: Miles resolves it later, on the trainer, from the checkpoint).
 Real Miles knows hundreds more flags (Megatron, SGLang, Ray); the fake knows the ones below.
 """
 
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from typing import Any
 
 import yaml
@@ -68,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--data-source-path", type=str, default="miles.rollout.data_source.RolloutDataSourceWithBuffer")
     add("--disable-rollout-global-dataset", action="store_false", dest="rollout_global_dataset")
     add("--rollout-seed", type=int, default=42)
+    add("--start-rollout-id", type=int, default=None)
     # rollout
     add("--rollout-function-path", type=str, default=None)
     add("--eval-function-path", type=str, default=None)
@@ -131,6 +135,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--disable-rollout-trim-samples", action="store_true")
     add("--wandb-always-use-train-step", action="store_true")
     add("--custom-config-path", type=str, default=None, help="a YAML file, or base64:<payload>")
+    # checkpoints (Megatron's flags)
+    add("--load", type=str, default=None)
+    add("--save", type=str, default=None)
+    add("--save-interval", type=int, default=None)
     return p
 
 
@@ -193,6 +201,8 @@ def validate_args(args: argparse.Namespace) -> None:
             setattr(args, key, value)
     if args.eval_max_context_len is None:
         args.eval_max_context_len = args.rollout_max_context_len
+    if args.load is None or not os.path.exists(os.path.join(args.load, "latest_checkpointed_iteration.txt")):
+        args.start_rollout_id = 0  # a fresh run; a resumed one learns its step from the trainer
 
 
 def _resolve_rollout_functions(args: argparse.Namespace) -> None:

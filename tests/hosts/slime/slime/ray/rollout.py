@@ -14,6 +14,7 @@
 5. split by data-parallel rank through `build_dp_schedule`, `global_batch_size` counting rollout
    ids, and return one dict per rank.
 `eval(rollout_id)` calls `--eval-function-path` with `evaluation=True` and `log_eval_rollout_data`.
+`save(rollout_id)`/`load(rollout_id)` keep and restore the data source's state (`--save`/`--load`).
 The samples of the last rollout stay in `last_samples` (for the test driver; not in slime).
 """
 
@@ -76,6 +77,9 @@ class RolloutManager:
 
     def save(self, rollout_id: int) -> None:
         self.data_source.save(rollout_id)
+
+    def load(self, rollout_id: int | None = None) -> None:
+        self.data_source.load(rollout_id)
 
     def _rewards(self, samples: list[Sample]) -> tuple[list[Any], list[float]]:
         if self.post_process is not None:

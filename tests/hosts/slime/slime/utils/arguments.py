@@ -46,7 +46,8 @@ def _add_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--use-dynamic-batch-size", action="store_true", default=False)
     p.add_argument("--max-tokens-per-gpu", type=int, default=None)
     p.add_argument("--num-rollout", type=int, default=None)
-    p.add_argument("--start-rollout-id", type=int, default=0)
+    p.add_argument("--start-rollout-id", type=int, default=0)  # real: from the --load checkpoint, else 0
+    p.add_argument("--update-weights-interval", type=int, default=1)
     # rollout and sampling
     p.add_argument("--hf-checkpoint", type=str, default=None)
     p.add_argument("--rollout-temperature", type=float, default=1.0)

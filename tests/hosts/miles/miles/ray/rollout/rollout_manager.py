@@ -13,6 +13,13 @@ rollout function object when the paths are equal, so they share one GenerateStat
 (custom reward post-process, else Miles' normalisation), split by dp. Returns the shards (Miles
 returns object-store refs) and, for test drivers, the flat samples.
 
+`set_weight_version(v)`: the engines' weight version after a weight update (Miles' trainer calls it
+once per update, counting from 1 for the update before the first rollout); each train call's
+`RolloutFnTrainInput.weight_version` is the one set last.
+
+`save(rollout_id)` / `load(rollout_id)`: the data source's checkpoint (save only with the global
+dataset), as Miles' trainer loop asks for it.
+
 `eval(rollout_id)`: call the eval function with evaluation, then
 `log_eval_rollout_data(rollout_id, args, output.data, output.metrics)`: Miles' own rollouts
 return eval metrics None, so a custom eval log function receives `extra_metrics=None`.
@@ -60,7 +67,17 @@ class RolloutManager:
         )
 
     def set_weight_version(self, weight_version: int) -> None:
+        assert self.weight_version is None or weight_version >= self.weight_version, (
+            f"Engine weight version went backwards: {self.weight_version} -> {weight_version}"
+        )
         self.weight_version = weight_version
+
+    def save(self, rollout_id: int) -> None:
+        if self.args.rollout_global_dataset:
+            self.data_source.save(rollout_id)
+
+    def load(self, rollout_id: int | None = None) -> None:
+        self.data_source.load(rollout_id)
 
     def generate(self, rollout_id: int) -> dict[str, Any]:
         start = time.time()
