@@ -183,7 +183,6 @@ class Producer:
         self.resumed = asyncio.Event()
         self.resumed.set()
         self.task: asyncio.Task[None] | None = None
-        self.given_back = 0
 
     def start(self) -> None:
         if self.task is None:
@@ -241,7 +240,6 @@ class Producer:
         for sample in finished.prompt_group:
             clear_birth(sample)
         self.data_source.add_samples([finished.prompt_group])
-        self.given_back += 1
         self.room.set()
 
 

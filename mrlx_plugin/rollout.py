@@ -238,8 +238,6 @@ def async_rollout(
         finally:
             run_in_host_loop(_set_paused(producer, False))
     producer_for(args, data_source, runtime.settings)  # built here, outside the loop
-    if runtime.outbox is not None:
-        runtime.outbox.load_limits(args, runtime.tokenizers)  # once; blocking file reads stay off the loop
     metrics = run_in_host_loop(start_step(runtime, args, rollout_id))
     groups, step_metrics = run_in_host_loop(take_step(runtime, args, rollout_id, data_source))
     metrics.update(step_metrics)
